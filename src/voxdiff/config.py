@@ -1,0 +1,117 @@
+"""Where configuration becomes objects: compose the Hydra configs, build the encoding and the UNet.
+
+The train, preflight and sample entry points and the tests all go through these functions, so a config is
+interpreted one way only. OmegaConf containers are converted to plain Python here, at the boundary.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from voxdiff.encodings.base import Encoding
+from voxdiff.errors import ConfigError
+from voxdiff.models.unet import UNetSpec, build_unet_from_spec, unet_io_channels, unet_spec
+
+#: model-config keys that are not arguments of the UNet
+_MODEL_META_KEYS = ("_target_", "_partial_", "_convert_", "_recursive_")
+
+
+def config_dir() -> Path:
+    """The ``configs/`` folder: ``$VOXDIFF_CONFIG_DIR`` if set, else the repository's (voxdiff installs editable)."""
+    env = os.environ.get("VOXDIFF_CONFIG_DIR")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "configs"
+    if not (path / "train.yaml").is_file():
+        raise FileNotFoundError(
+            f"no voxdiff configs at {path}; install voxdiff from its repository (pip install -e .) "
+            "or set VOXDIFF_CONFIG_DIR to the repository's configs/ folder"
+        )
+    return path
+
+
+def compose(config_name: str = "train", overrides: Sequence[str] = ()) -> DictConfig:
+    """Compose a config as the command line would (``python train.py a=b ...``), outside ``@hydra.main``.
+
+    ``hydra:`` interpolations (the run directory) are resolved as in a real run.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+
+
+def plain(node: Any) -> Any:
+    """An OmegaConf node → plain Python containers (resolved)."""
+    if isinstance(node, (DictConfig,)) or OmegaConf.is_config(node):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
+
+
+def volume_shape(cfg: DictConfig) -> tuple[int, int, int]:
+    """``data.volume_shape`` as a validated (D, H, W) tuple."""
+    shape = plain(cfg.data.volume_shape)
+    if (
+        not isinstance(shape, (list, tuple))
+        or len(shape) != 3
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape)
+    ):
+        raise ConfigError("data.volume_shape", shape, "must be three positive sizes D, H, W",
+                          "e.g. data.volume_shape=[160,128,128]")
+    return tuple(shape)  # type: ignore[return-value]
+
+
+def build_encoding(cfg: DictConfig) -> Encoding:
+    """Instantiate ``cfg.encoding`` (an :class:`~voxdiff.encodings.Encoding`)."""
+    from hydra.utils import instantiate
+
+    encoding = instantiate(cfg.encoding, _convert_="all")
+    if not isinstance(encoding, Encoding):
+        raise ConfigError("encoding._target_", cfg.encoding.get("_target_"), "is not a voxdiff encoding",
+                          "use encoding=s2d, haar, identity, vqvae_4x or vqvae_8x")
+    return encoding
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the UNet sees for one config. Shapes are per sample, without the batch axis."""
+
+    volume: tuple[int, int, int]  # (D, H, W) of the volume
+    image_encoded: tuple[int, int, int, int]  # (C, d, h, w) of the image encoding
+    unet_input: tuple[int, int, int, int]  # (C_in, d, h, w): image ⊕ mask encodings in bravo mode
+    unet_output: tuple[int, int, int, int]  # (C_out, d, h, w)
+
+
+def shapes(cfg: DictConfig, encoding: Encoding | None = None) -> Shapes:
+    """Encoded shapes of ``cfg``'s volume under its encoding and mode (checks divisibility by the factor)."""
+    encoding = encoding if encoding is not None else build_encoding(cfg)
+    vol = volume_shape(cfg)
+    image = encoding.encoded_shape((1, *vol))
+    c_in, c_out = unet_io_channels(encoding, cfg.mode)
+    return Shapes(vol, image, (c_in, *image[1:]), (c_out, *image[1:]))
+
+
+def model_spec(cfg: DictConfig, encoding: Encoding | None = None) -> UNetSpec:
+    """Validated UNet arguments of ``cfg.model``, with in/out channels from the encoding and the mode."""
+    encoding = encoding if encoding is not None else build_encoding(cfg)
+    c_in, c_out = unet_io_channels(encoding, cfg.mode)
+    args = {k: v for k, v in plain(cfg.model).items() if k not in _MODEL_META_KEYS}
+    unknown = set(args) - set(UNetSpec.__dataclass_fields__) - {"in_channels", "out_channels"}
+    if unknown:
+        key = sorted(unknown)[0]
+        raise ConfigError(f"model.{key}", args[key], "is not an argument of the UNet",
+                          f"remove it; the UNet takes {', '.join(f for f in UNetSpec.__dataclass_fields__)}")
+    args.update(in_channels=c_in, out_channels=c_out)
+    return unet_spec(**args)
+
+
+def build_model(cfg: DictConfig, encoding: Encoding | None = None, preserve_rng_state: bool = True):
+    """Build the UNet of ``cfg`` (call under ``torch.device("meta")`` to build it at no cost)."""
+    return build_unet_from_spec(model_spec(cfg, encoding), preserve_rng_state=preserve_rng_state)

@@ -1,0 +1,89 @@
+import pytest
+import torch
+from monai.networks.nets import DiffusionModelUNet
+
+from voxdiff.encodings import HaarWavelet, SpaceToDepth, VQVAELatent
+from voxdiff.errors import ConfigError
+from voxdiff.models import build_unet, count_parameters, unet_io_channels
+
+
+def _params(**kw) -> float:
+    with torch.device("meta"):
+        return count_parameters(build_unet(**kw)) / 1e6
+
+
+# the parameter counts that the measured table (shared/reference) reports for MONAI's UNet
+@pytest.mark.parametrize(
+    "kw,expected_m",
+    [
+        (dict(channels=[64, 128, 256, 512], attention_levels=[False, False, True, True], in_channels=8,
+              out_channels=4, num_head_channels=64), 166.6),
+        (dict(channels=[256, 512, 1024, 2048], attention_levels=[False, False, True, True], in_channels=8,
+              out_channels=4, num_head_channels=64), 2664.6),
+        (dict(channels=[512, 1024, 2048], attention_levels=[False, True, True], in_channels=8, out_channels=4,
+              num_head_channels=64), 2662.8),
+        (dict(channels=[32, 64, 256, 512, 512], attention_levels=[False, False, False, True, True],
+              in_channels=16, out_channels=8, num_head_channels=32), 270.75),
+    ],
+)
+def test_parameter_counts_match_measured_table(kw, expected_m):
+    assert _params(num_res_blocks=2, **kw) == pytest.approx(expected_m, abs=0.05)
+
+
+def test_factory_builds_monai_unet_that_runs():
+    model = build_unet(in_channels=2, out_channels=1, channels=[8, 16], attention_levels=[False, True],
+                       num_res_blocks=1, num_head_channels=8, norm_num_groups=8)
+    assert isinstance(model, DiffusionModelUNet)
+    out = model(torch.randn(2, 2, 4, 4, 4), torch.tensor([1, 500]))
+    assert out.shape == (2, 1, 4, 4, 4)
+
+
+@pytest.mark.parametrize(
+    "encoding,mode,expected",
+    [(SpaceToDepth(2), "bravo", (16, 8)), (HaarWavelet(), "bravo", (16, 8)), (VQVAELatent(4, 4), "bravo", (8, 4)),
+     (SpaceToDepth(2), "seg", (8, 8))],
+)
+def test_io_channels_follow_encoding_and_mode(encoding, mode, expected):
+    assert unet_io_channels(encoding, mode) == expected
+
+
+def test_unknown_mode():
+    with pytest.raises(ConfigError, match="mode=bravo"):
+        unet_io_channels(SpaceToDepth(2), "image")
+
+
+BASE = dict(in_channels=16, out_channels=8, channels=[32, 64, 128], attention_levels=[False, True, True],
+            num_res_blocks=2, num_head_channels=32, norm_num_groups=32)
+
+
+# one case per validation rule: (override, key named in the message, a fragment of the fix)
+@pytest.mark.parametrize(
+    "override,key,fix",
+    [
+        (dict(channels=[64]), "model.channels", "at least two levels"),
+        (dict(channels=[32, -64, 128]), "model.channels", "positive integer"),
+        (dict(attention_levels=[False, True]), "model.attention_levels", "one entry per level (3)"),
+        (dict(attention_levels=[0, 1, 1]), "model.attention_levels", "true or false"),
+        (dict(num_res_blocks=[2, 2]), "model.num_res_blocks", "one entry per level (3)"),
+        (dict(num_res_blocks=0), "model.num_res_blocks", "positive integer"),
+        (dict(norm_num_groups=24), "model.norm_num_groups", "model.norm_num_groups=32"),
+        (dict(channels=[48, 64, 128], num_head_channels=48, norm_num_groups=16), "model.num_head_channels",
+         "attention_levels[1]=false"),
+        (dict(num_head_channels=[32, 32]), "model.num_head_channels", "one entry per level"),
+        (dict(gradient_checkpointing="all"), "model.gradient_checkpointing", "none, block, layer"),
+        (dict(use_flash_attention="yes"), "model.use_flash_attention", "false"),
+        (dict(in_channels=0), "model.in_channels", "follows from the encoding"),
+    ],
+)
+def test_invalid_arguments_fail_at_build_time_naming_key_value_fix(override, key, fix):
+    with pytest.raises(ConfigError) as err:
+        build_unet(**{**BASE, **override})
+    msg = str(err.value)
+    assert msg.startswith(key + "="), msg
+    assert fix in msg, msg
+    assert "Fix:" in msg
+
+
+def test_group_norm_message_names_offending_channel():
+    with pytest.raises(ConfigError, match=r"48 \(in model.channels=\[48, 64, 128\]\) is not"):
+        build_unet(**{**BASE, "channels": [48, 64, 128]})

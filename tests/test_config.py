@@ -1,0 +1,136 @@
+"""Every named configuration composes, builds its encoding and its UNet (on meta), with the promised shapes."""
+
+import csv
+
+import pytest
+import torch
+from voxdiff.config import build_encoding, build_model, compose, config_dir, model_spec, shapes
+from voxdiff.errors import ConfigError
+from voxdiff.models import count_parameters
+
+EXPERIMENTS = sorted(p.stem for p in (config_dir() / "experiment").glob("*.yaml"))
+MODELS = sorted(p.stem for p in (config_dir() / "model").glob("*.yaml"))
+
+# (experiment, UNet input C x D x H x W, parameters in millions as MONAI's UNet has them)
+EXPECTED = {
+    "exp9_ldm_4x_bravo": ((8, 40, 64, 64), 2664.6),
+    "exp9_ldm_8x_bravo": ((8, 20, 32, 32), 2662.8),
+    "exp11": ((16, 80, 64, 64), 270.75),
+    "exp11_1": ((16, 80, 128, 128), 270.75),
+    "exp12": ((16, 80, 64, 64), 270.75),
+    "exp12_1": ((16, 80, 128, 128), 270.75),
+}
+
+
+def _params_m(cfg) -> float:
+    with torch.device("meta"):
+        return count_parameters(build_model(cfg)) / 1e6
+
+
+def test_every_issue_experiment_exists():
+    assert set(EXPECTED) | {"demo"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_experiment_composes_and_builds(experiment):
+    cfg = compose("train", [f"experiment={experiment}"])
+    assert cfg.task_name == experiment
+    s = shapes(cfg)
+    levels = len(cfg.model.channels)
+    assert all(size % 2 ** (levels - 1) == 0 for size in s.unet_input[1:]), s
+    params = _params_m(cfg)
+    if experiment in EXPECTED:
+        shape, expected_m = EXPECTED[experiment]
+        assert s.unet_input == shape
+        assert params == pytest.approx(expected_m, abs=0.05)
+    # the factory passes every config key through: an independent MONAI build has the same count
+    from monai.networks.nets import DiffusionModelUNet
+
+    with torch.device("meta"):
+        direct = DiffusionModelUNet(**model_spec(cfg).monai_kwargs())
+    assert count_parameters(direct) / 1e6 == pytest.approx(params, rel=1e-9)
+
+
+def test_demo_and_exp11_shapes():
+    assert shapes(compose("train", ["experiment=demo"])).unet_input == (16, 24, 32, 32)
+    assert shapes(compose("train", ["experiment=exp11"])).unet_output == (8, 80, 64, 64)
+
+
+def test_seed_override_spellings():
+    cfg = compose(
+        "train",
+        ["experiment=exp11", "model.channels=[256, 512, 1024, 2048]", "model.attention_levels=[false, false, true, true]",
+         "model.num_res_blocks=[2, 2, 2, 2]", "model.num_head_channels=64"],
+    )
+    spec = model_spec(cfg)
+    assert spec.channels == (256, 512, 1024, 2048)
+    assert spec.attention_levels == (False, False, True, True)
+    assert spec.num_res_blocks == (2, 2, 2, 2)
+    assert spec.num_head_channels == (64,) * 4
+    assert (spec.in_channels, spec.out_channels) == (16, 8)
+    assert _params_m(cfg) == pytest.approx(2664.6, abs=0.1)
+
+
+def test_model_group_switch():
+    cfg = compose("train", ["model=default_3d_5lvl"])
+    assert model_spec(cfg).channels == (32, 64, 256, 512, 512)
+
+
+def _reference_rows(reference_csv):
+    with open(reference_csv) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_named_model_sizes_match_measured_table(model, reference_csv):
+    """Named sizes that appear in the measured table reproduce its parameter counts; the others build."""
+    spec = model_spec(compose("train", [f"model={model}"]))
+    row = None
+    for r in _reference_rows(reference_csv):
+        same_arch = (
+            tuple(map(int, r["channels"].split())) == spec.channels
+            and tuple(bool(int(a)) for a in r["attention_levels"].split()) == spec.attention_levels
+            and tuple(map(int, r["num_res_blocks"].split())) == spec.num_res_blocks
+            and int(r["norm_num_groups"]) == spec.norm_num_groups
+        )
+        if (r["name"] == model or same_arch) and r["params_m"]:
+            row = r
+            break
+    # latent rows are 8 in / 4 out (4-channel latents), s2d rows 16 in / 8 out
+    encoding = "vqvae_8x" if row is not None and row["in_channels"] == "8" else "s2d"
+    params_m = _params_m(compose("train", [f"model={model}", f"encoding={encoding}"]))
+    assert params_m > 0
+    if model.startswith(("3L_", "5L_")):
+        assert row is not None, f"{model} has no row in the measured table"
+    if row is not None:
+        reported = row["params_m"]
+        decimals = len(reported.split(".")[1]) if "." in reported else 0
+        # within ±0.5%, or half the last digit the table reports (7.3 for 7.26M; it also truncates: 166 for 166.6M)
+        assert params_m == pytest.approx(float(reported), rel=0.005, abs=0.5 * 10**-decimals), row["name"]
+
+
+def test_reference_rows_are_matched_by_named_configs(reference_csv):
+    """The latent table's 10 sizes all exist as model configs."""
+    names = {r["name"] for r in _reference_rows(reference_csv) if r["table"] == "latent8x"}
+    assert names <= set(MODELS)
+
+
+def test_encodings_instantiate_from_config():
+    for name, cls in [("s2d", "SpaceToDepth"), ("haar", "HaarWavelet"), ("identity", "Identity"),
+                      ("vqvae_4x", "VQVAELatent"), ("vqvae_8x", "VQVAELatent")]:
+        enc = build_encoding(compose("train", [f"encoding={name}"]))
+        assert type(enc).__name__ == cls
+
+
+def test_logger_defaults_to_offline_wandb():
+    cfg = compose("train", [])
+    assert cfg.logger._target_.endswith("WandbLogger") and cfg.logger.offline is True
+
+
+def test_bad_volume_and_model_key_refused():
+    cfg = compose("train", ["experiment=exp11", "data.volume_shape=[161,128,128]"])
+    with pytest.raises(ConfigError, match=r"data.volume_shape=\[161, 128, 128\]: the depth 161"):
+        shapes(cfg)
+    cfg = compose("train", ["+model.dropout=0.1"])
+    with pytest.raises(ConfigError, match="model.dropout=0.1: is not an argument"):
+        model_spec(cfg)
