@@ -1,0 +1,40 @@
+# Shared body of every slurm/*.slurm job (sourced, not run): environment, preflight, then srun train.py.
+#
+# Inputs: VOXDIFF_EXPERIMENT (set by the job script), the job's arguments (extra Hydra overrides), and
+# VOXDIFF_OVERRIDES (more overrides through the environment, e.g. CPU-sized ones in tests:
+#   VOXDIFF_OVERRIDES="trainer=cpu data.volume_shape=[32,32,32]" sbatch slurm/exp11.slurm).
+# The run directory is fixed per job ($VOXDIFF_RUN_ROOT/<experiment>/job-<SLURM_JOB_ID>), so a requeued job
+# finds its checkpoints there and resumes (ckpt_path=auto: the newer of the preemption checkpoint and last.ckpt).
+cd "$SLURM_SUBMIT_DIR"
+set -a
+# shellcheck disable=SC1091
+source slurm/site.env
+set +a
+[[ -n "${VOXDIFF_MODULES:-}" ]] && eval "$VOXDIFF_MODULES"
+if [[ -f "$VOXDIFF_VENV/bin/activate" ]]; then
+    # shellcheck disable=SC1091
+    source "$VOXDIFF_VENV/bin/activate"
+else
+    echo "[voxdiff] no Python environment at VOXDIFF_VENV=$VOXDIFF_VENV (slurm/site.env); run scripts/setup_env.sh" >&2
+    exit 2
+fi
+
+RUN_DIR="$VOXDIFF_RUN_ROOT/$VOXDIFF_EXPERIMENT/job-$SLURM_JOB_ID"
+OVERRIDES=("experiment=$VOXDIFF_EXPERIMENT" "paths.run_dir=$RUN_DIR")
+# more than one GPU in the allocation: DDP, one process per GPU (devices and nodes come from Slurm's environment)
+if (( ${SLURM_NNODES:-1} * ${SLURM_NTASKS_PER_NODE:-1} > 1 )); then
+    OVERRIDES+=("trainer=ddp")
+fi
+# shellcheck disable=SC2206
+OVERRIDES+=(${VOXDIFF_OVERRIDES:-} "$@")
+echo "[voxdiff] job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $(hostname): ${OVERRIDES[*]}"
+
+# Fail in seconds, with the preflight's message, if the config is invalid or does not fit the allocated GPU.
+if ! python preflight.py "${OVERRIDES[@]}"; then
+    echo "[voxdiff] preflight refused experiment=$VOXDIFF_EXPERIMENT; nothing was trained" >&2
+    exit 3
+fi
+
+# srun forwards SIGUSR1 (--signal) to train.py: Lightning's SLURM environment saves hpc_ckpt_N.ckpt and runs
+# `scontrol requeue`; the requeued job re-enters here with the same job id and run directory.
+srun --kill-on-bad-exit=1 python train.py "${OVERRIDES[@]}" ckpt_path=auto

@@ -1,0 +1,131 @@
+"""Static checks of a configuration, before any tracing or building: each failure names key, value and a fix.
+
+Rules (one function each, all run, every failure reported):
+
+1. the volume divides by the encoding's factor (``data.volume_shape`` vs ``encoding``);
+2. every encoded spatial size divides by ``2 ** (levels - 1)`` for the UNet's levels;
+3. the UNet arguments are consistent (list lengths = levels, channels divisible by ``norm_num_groups``, channels at
+   attention levels divisible by ``num_head_channels``, ...) — :func:`voxdiff.models.unet_spec`;
+4. UNet in/out channels, when a config sets them, agree with the encoding and the mode.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from omegaconf import DictConfig
+
+from voxdiff.config import build_encoding, model_spec, plain, volume_shape
+from voxdiff.encodings import Encoding, HaarWavelet, Identity, SpaceToDepth, VQVAELatent
+from voxdiff.encodings.base import AXES
+from voxdiff.errors import ConfigError
+from voxdiff.models import unet_io_channels
+
+
+def describe(encoding: Encoding) -> str:
+    """How a message names what the UNet sees: 'the 8× latent', 'the S2D encoding', ..."""
+    if isinstance(encoding, VQVAELatent):
+        return f"the {encoding.factor}× latent"
+    if isinstance(encoding, SpaceToDepth):
+        return "the S2D encoding"
+    if isinstance(encoding, HaarWavelet):
+        return "the Haar encoding"
+    if isinstance(encoding, Identity):
+        return "the volume"
+    return f"the {type(encoding).__name__} encoding"
+
+
+def _levels(cfg: DictConfig) -> int:
+    channels = plain(cfg.model.get("channels"))
+    return len(channels) if isinstance(channels, (list, tuple)) else 0
+
+
+def check_volume_vs_encoding(cfg: DictConfig, encoding: Encoding) -> None:
+    encoding.check_volume_shape(volume_shape(cfg))
+
+
+def check_unet_divisibility(cfg: DictConfig, encoding: Encoding) -> None:
+    levels = _levels(cfg)
+    if levels < 2:
+        return  # reported by check_model_arguments
+    vol = volume_shape(cfg)
+    need = 2 ** (levels - 1)
+    encoded = [s // encoding.factor for s in vol]
+    for axis, size in zip(AXES, encoded):
+        if size % need:
+            # the deepest UNet every axis allows, and the volume padded so that this depth works
+            fits = [lv for lv in range(2, levels) if all(e % 2 ** (lv - 1) == 0 for e in encoded)]
+            step = encoding.factor * need
+            padded = [math.ceil(s / step) * step for s in vol]
+            cropped = [s // step * step for s in vol]
+            i = AXES.index(axis)
+            options = []
+            if fits:
+                options.append(f"use {fits[-1]} levels (model.channels with {fits[-1]} entries)")
+            options.append(f"pad the volume to {padded[i]} (data.volume_shape={padded})")
+            if all(cropped) and cropped[i] != padded[i]:
+                options.append(f"crop it to {cropped[i]} (data.volume_shape={cropped})")
+            shape = "×".join(map(str, encoded))
+            raise ConfigError(
+                "data.volume_shape", list(vol),
+                f"{axis} {size} of {describe(encoding)} ({shape}) is not divisible by {need}, which a {levels}-level "
+                f"UNet needs",
+                ", or ".join(options),
+            )
+
+
+def check_model_arguments(cfg: DictConfig, encoding: Encoding) -> None:
+    model_spec(cfg, encoding)
+
+
+def check_io_channels(cfg: DictConfig, encoding: Encoding) -> None:
+    expected = dict(zip(("in_channels", "out_channels"), unet_io_channels(encoding, cfg.mode)))
+    for key, want in expected.items():
+        got = cfg.model.get(key)
+        if got is not None and got != want:
+            what = ("the image and mask encodings" if cfg.mode == "bravo" and key == "in_channels"
+                    else "the image encoding" if cfg.mode == "bravo" else "the mask encoding")
+            raise ConfigError(
+                f"model.{key}", got,
+                f"mode={cfg.mode} with {describe(encoding)} has {want} channels ({what})",
+                f"remove model.{key} (it follows from the encoding and the mode) or set it to {want}",
+            )
+
+
+RULES: tuple[Callable[[DictConfig, Encoding], None], ...] = (
+    check_volume_vs_encoding,
+    check_unet_divisibility,
+    check_model_arguments,
+    check_io_channels,
+)
+
+
+def static_problems(cfg: DictConfig) -> list[ConfigError]:
+    """Every static problem of ``cfg`` (empty when it is valid). Never raises for a config problem."""
+    try:
+        encoding = build_encoding(cfg)
+        volume_shape(cfg)
+    except ConfigError as err:
+        return [err]
+    problems: list[ConfigError] = []
+    for rule in RULES:
+        if rule is check_unet_divisibility and problems:
+            continue  # sizes are meaningless once the volume or the model arguments are wrong
+        try:
+            rule(cfg, encoding)
+        except ConfigError as err:
+            problems.append(err)
+    return problems
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise the first static problem of ``cfg`` as a :class:`ConfigError` (all of them in its message)."""
+    problems = static_problems(cfg)
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        first = problems[0]
+        err = ConfigError(first.key, first.value, first.problem, first.fix)
+        err.args = ("\n".join(str(p) for p in problems),)
+        raise err

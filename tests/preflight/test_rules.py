@@ -1,0 +1,84 @@
+"""The preflight's static rules, one at a time, each with its message (key, value, fix)."""
+
+import pytest
+
+from voxdiff.config import compose
+from voxdiff.errors import ConfigError
+from voxdiff.preflight.rules import static_problems, validate
+
+
+def _problems(*overrides):
+    return [str(p) for p in static_problems(compose("train", list(overrides)))]
+
+
+@pytest.mark.parametrize("experiment", ["exp9_ldm_4x_bravo", "exp9_ldm_8x_bravo", "exp11", "exp11_1", "exp12",
+                                        "exp12_1", "demo"])
+def test_shipped_experiments_pass(experiment):
+    assert _problems(f"experiment={experiment}") == []
+
+
+def test_rule_volume_divisible_by_encoding_factor():
+    (msg,) = _problems("experiment=exp12", "data.volume_shape=[160,128,131]")
+    assert msg.startswith("data.volume_shape=[160, 128, 131]: the width 131 is not divisible")
+    assert "HaarWavelet factor 2" in msg and "(e.g. 132 or 130)" in msg
+
+
+def test_rule_latent_divisible_by_unet_levels_issue_example():
+    (msg,) = _problems("experiment=exp9_ldm_8x_bravo", "model=4L_large")
+    assert msg == (
+        "data.volume_shape=[160, 256, 256]: depth 20 of the 8× latent (20×32×32) is not divisible by 8, which a "
+        "4-level UNet needs. Fix: use 3 levels (model.channels with 3 entries), or pad the volume to 192 "
+        "(data.volume_shape=[192, 256, 256]), or crop it to 128 (data.volume_shape=[128, 256, 256])"
+    )
+
+
+def test_rule_divisibility_fix_works():
+    """The suggested padded volume is itself valid."""
+    (msg,) = _problems("experiment=exp11", "data.volume_shape=[152,128,128]")
+    assert "depth 76 of the S2D encoding (76×64×64) is not divisible by 16" in msg
+    assert "pad the volume to 160 (data.volume_shape=[160, 128, 128])" in msg
+    assert "crop it to 128 (data.volume_shape=[128, 128, 128])" in msg
+    assert _problems("experiment=exp11", "data.volume_shape=[128,128,128]") == []
+    assert _problems("experiment=exp11", "data.volume_shape=[160,128,128]") == []
+
+
+def test_rule_norm_groups_divide_channels():
+    (msg,) = _problems("experiment=exp11", "model.norm_num_groups=24")
+    assert msg.startswith("model.norm_num_groups=24: GroupNorm needs every level's channels divisible")
+    assert "model.norm_num_groups=32" in msg
+
+
+def test_rule_attention_channels_divisible_by_head_channels():
+    (msg,) = _problems("experiment=exp11", "model.num_head_channels=48")
+    assert msg.startswith("model.num_head_channels=48: attention at level 3 splits its 512 channels")
+    assert "model.attention_levels[3]=false" in msg
+
+
+@pytest.mark.parametrize(
+    "override,key", [("model.attention_levels=[false,true]", "model.attention_levels"),
+                     ("model.num_res_blocks=[2,2,2]", "model.num_res_blocks"),
+                     ("model.num_head_channels=[32,32]", "model.num_head_channels")]
+)
+def test_rule_list_lengths_equal_levels(override, key):
+    (msg,) = _problems("experiment=exp11", override)
+    assert msg.startswith(key + "=") and "but model.channels has 5 levels" in msg
+
+
+@pytest.mark.parametrize("override,want", [("+model.in_channels=8", 16), ("+model.out_channels=16", 8)])
+def test_rule_io_channels_consistent_with_encoding_and_mode(override, want):
+    (msg,) = _problems("experiment=exp11", override)
+    assert f"has {want} channels" in msg and f"set it to {want}" in msg
+
+
+def test_rule_io_channels_seg_mode():
+    assert _problems("experiment=exp11", "mode=seg", "+model.in_channels=8") == []
+    (msg,) = _problems("experiment=exp11", "mode=seg", "+model.in_channels=16")
+    assert "mode=seg with the S2D encoding has 8 channels (the mask encoding)" in msg
+
+
+def test_all_problems_reported_together():
+    cfg = compose("train", ["experiment=exp11", "model.norm_num_groups=24", "+model.in_channels=3"])
+    assert len(static_problems(cfg)) == 2
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert "model.norm_num_groups=24" in str(err.value) and "model.in_channels=3" in str(err.value)
