@@ -1,0 +1,202 @@
+"""The Lightning data module: the demo phantom or a NIfTI folder, split by subject into train and validation.
+
+Batches are default-collated contract samples: ``{"image": (B, 1, D, H, W) float32 in [0, 1], "mask":
+(B, 1, D, H, W) float32 in {0, 1}, "subject": list[str] (B), "affine": (B, 4, 4) float64}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from voxdiff.data.nifti import CACHE_MODES, IMAGE_NAME, MASK_NAME, DataError, NiftiDataset, find_subjects
+from voxdiff.data.phantom import PhantomDataset, check_volume_shape, subject_name
+from voxdiff.errors import ConfigError
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers → plain Python (lists/dicts); anything else unchanged."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        return value
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def split_subjects(names: Sequence[str], val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Split subjects into train and validation indices, deterministically.
+
+    Subjects are ranked by a hash of ``(seed, name)`` and the first ``round(n · val_fraction)`` (at least 1, at
+    most ``n - 1``) go to validation. The split depends only on the names and the seed, not on their order, and
+    adding a subject moves at most one other subject between the sets.
+
+    Args:
+        names: subject names (at least 2, unique).
+        val_fraction: fraction of subjects for validation, in (0, 1).
+        seed: the split seed.
+
+    Returns:
+        ``(train_indices, val_indices)``, each sorted, together a partition of ``range(len(names))``.
+    """
+    n = len(names)
+    if n < 2:
+        raise ValueError(f"need at least 2 subjects to split, got {n}")
+    n_val = min(max(int(round(n * val_fraction)), 1), n - 1)
+    rank = sorted(range(n), key=lambda i: hashlib.sha256(f"{seed}\0{names[i]}".encode()).hexdigest())
+    val = sorted(rank[:n_val])
+    train = sorted(rank[n_val:])
+    return train, val
+
+
+def _int(key: str, value: Any, minimum: int, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(key, value, f"must be an integer >= {minimum}", fix)
+    return int(value)
+
+
+class VolumeDataModule(L.LightningDataModule):
+    """Train/validation data for the diffusion system: the built-in phantom (``root=None``) or a NIfTI folder.
+
+    Discovery, validation of every file header and the subject split happen in the constructor, so a bad
+    config or a broken file is refused before anything trains. Loading (and caching) happens in :meth:`setup`.
+
+    Args:
+        volume_shape: ``(D, H, W)``, THE size of every volume, phantom and real alike (``data.volume_shape``).
+        root: folder of subject folders (see :mod:`voxdiff.data.nifti`); ``None`` = the demo phantom.
+        image_name: image file name inside each subject folder.
+        mask_name: mask file name inside each subject folder.
+        num_subjects: number of phantom subjects (demo only; seeds ``0 .. num_subjects - 1``).
+        val_fraction: fraction of subjects held out for validation (at least 1, leaving at least 1 to train).
+        split_seed: seed of the subject split.
+        batch_size: volumes per batch.
+        num_workers: DataLoader worker processes (kept alive between epochs when > 0).
+        cache: ``"none"``, ``"memory"`` or ``"disk"`` (NIfTI: see :class:`NiftiDataset`; phantom: anything but
+            ``"none"`` generates every subject once at setup and keeps it in memory).
+        cache_dir: folder for ``cache="disk"`` (NIfTI only).
+        pin_memory: DataLoader ``pin_memory`` (faster host→GPU copies).
+
+    Raises:
+        ConfigError: an argument that cannot work (named as ``data.<key>``).
+        DataError: the data folder or a file in it cannot be used, or it holds fewer than 2 subjects.
+    """
+
+    def __init__(
+        self,
+        volume_shape: Sequence[int],
+        root: str | os.PathLike[str] | None = None,
+        image_name: str = IMAGE_NAME,
+        mask_name: str = MASK_NAME,
+        num_subjects: int = 8,
+        val_fraction: float = 0.25,
+        split_seed: int = 0,
+        batch_size: int = 1,
+        num_workers: int = 0,
+        cache: str = "memory",
+        cache_dir: str | os.PathLike[str] | None = None,
+        pin_memory: bool = False,
+    ) -> None:
+        super().__init__()
+        self.volume_shape = check_volume_shape(_plain(volume_shape), key="data.volume_shape")
+        root = _plain(root)
+        self.root: str | None = None if root is None else str(Path(str(root)).expanduser())
+        self.image_name = self._name("data.image_name", _plain(image_name))
+        self.mask_name = self._name("data.mask_name", _plain(mask_name))
+        self.num_subjects = _int("data.num_subjects", num_subjects, 0, "set data.num_subjects to 2 or more")
+        if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
+            raise ConfigError(
+                "data.val_fraction", val_fraction, "must be a number strictly between 0 and 1",
+                "e.g. data.val_fraction=0.25",
+            )
+        self.val_fraction = float(val_fraction)
+        self.split_seed = _int("data.split_seed", split_seed, -(2**63), "set data.split_seed to an integer")
+        self.batch_size = _int("data.batch_size", batch_size, 1, "set data.batch_size to 1 or more")
+        self.num_workers = _int("data.num_workers", num_workers, 0, "set data.num_workers to 0 (main process) or more")
+        if cache not in CACHE_MODES:
+            raise ConfigError("data.cache", cache, f"must be one of {', '.join(CACHE_MODES)}", "e.g. data.cache=memory")
+        self.cache = str(cache)
+        cache_dir = _plain(cache_dir)
+        self.cache_dir: str | None = None if cache_dir is None else str(Path(str(cache_dir)).expanduser())
+        if self.cache == "disk" and self.root is not None and self.cache_dir is None:
+            raise ConfigError(
+                "data.cache_dir", None, "data.cache=disk needs a folder to write the cache to",
+                "set data.cache_dir to a writable folder, or use data.cache=memory",
+            )
+        self.pin_memory = bool(pin_memory)
+
+        # discover, validate and split now: errors come before training, not an hour in
+        self._records: list[dict[str, str]] | None = None
+        if self.root is None:
+            if self.num_subjects < 2:
+                raise ConfigError(
+                    "data.num_subjects", self.num_subjects,
+                    "the demo phantom needs at least 2 subjects (1 train + 1 validation)", "set data.num_subjects=8",
+                )
+            names = [subject_name(i) for i in range(self.num_subjects)]
+        else:
+            self._records = find_subjects(self.root, self.image_name, self.mask_name, validate=True)
+            if len(self._records) < 2:
+                raise DataError(
+                    f"data root {self.root} holds {len(self._records)} subject folder(s); at least 2 are needed "
+                    "(1 train + 1 validation)"
+                )
+            names = [r["subject"] for r in self._records]
+        self._train_idx, self._val_idx = split_subjects(names, self.val_fraction, self.split_seed)
+        self.train_subjects: list[str] = [names[i] for i in self._train_idx]
+        self.val_subjects: list[str] = [names[i] for i in self._val_idx]
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+
+    @staticmethod
+    def _name(key: str, value: Any) -> str:
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(key, value, "must be a non-empty file name", f"e.g. {key}=bravo.nii.gz")
+        return value
+
+    @property
+    def is_demo(self) -> bool:
+        """Whether this serves the procedural phantom (``root=None``)."""
+        return self.root is None
+
+    def setup(self, stage: str | None = None) -> None:
+        """Build the train and validation datasets (loads and caches the data; idempotent)."""
+        if self.train_dataset is not None:
+            return
+        if self._records is None:
+            full = PhantomDataset(self.volume_shape, self.num_subjects, cache=self.cache != "none")
+            self.train_dataset = Subset(full, self._train_idx)
+            self.val_dataset = Subset(full, self._val_idx)
+        else:
+            kwargs: dict[str, Any] = {"cache": self.cache, "cache_dir": self.cache_dir, "validate": False}
+            self.train_dataset = NiftiDataset([self._records[i] for i in self._train_idx], self.volume_shape, **kwargs)
+            self.val_dataset = NiftiDataset([self._records[i] for i in self._val_idx], self.volume_shape, **kwargs)
+
+    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+            drop_last=False,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled batches of the training subjects."""
+        self.setup("fit")
+        assert self.train_dataset is not None
+        return self._loader(self.train_dataset, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        """Batches of the validation subjects, in a fixed order."""
+        self.setup("validate")
+        assert self.val_dataset is not None
+        return self._loader(self.val_dataset, shuffle=False)

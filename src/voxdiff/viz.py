@@ -1,0 +1,166 @@
+"""Pictures and volumes for people: a mid-plane montage PNG and NIfTI export, both written atomically.
+
+Volumes are ``(D, H, W)`` (or ``(1, D, H, W)``) in RAS voxel order, as produced by :mod:`voxdiff.data`:
+axis 0 left→right, axis 1 posterior→anterior, axis 2 inferior→superior. The montage shows, per column, the
+axial (fixed axis 2), coronal (fixed axis 1) and sagittal (fixed axis 0) mid-planes in neurological
+convention (the subject's right on the picture's right, anterior/superior up), assuming isotropic voxels.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+#: row names of the montage, top to bottom
+PLANES = ("axial", "coronal", "sagittal")
+
+
+def _as_volume(volume: np.ndarray | torch.Tensor, name: str) -> np.ndarray:
+    """``(D, H, W)`` or ``(1, D, H, W)`` array/tensor → ``(D, H, W)`` float32 numpy array."""
+    if isinstance(volume, torch.Tensor):
+        volume = volume.detach().to("cpu", torch.float32).numpy()
+    array = np.asarray(volume, dtype=np.float32)
+    if array.ndim == 4 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim != 3:
+        raise ValueError(f"{name}: expected a (D, H, W) or (1, D, H, W) volume, got shape {tuple(array.shape)}")
+    return array
+
+
+def mid_planes(volume: np.ndarray | torch.Tensor) -> dict[str, np.ndarray]:
+    """The three mid-planes of a volume, oriented for ``imshow(..., origin="lower")``.
+
+    Args:
+        volume: ``(D, H, W)`` or ``(1, D, H, W)``.
+
+    Returns:
+        ``{"axial": (H, D), "coronal": (W, D), "sagittal": (W, H)}`` float32 arrays (rows = vertical axis).
+    """
+    v = _as_volume(volume, "volume")
+    d, h, w = v.shape
+    return {
+        "axial": v[:, :, w // 2].T,
+        "coronal": v[:, h // 2, :].T,
+        "sagittal": v[d // 2, :, :].T,
+    }
+
+
+def _atomic_target(path: str | os.PathLike[str], suffix: str) -> tuple[Path, str]:
+    """Create the parent folder and a temporary file next to ``path`` (same suffix); return both."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=suffix)
+    os.close(fd)
+    return target, tmp
+
+
+def save_montage(
+    path: str | os.PathLike[str],
+    columns: Mapping[str, np.ndarray | torch.Tensor],
+    title: str | None = None,
+) -> Path:
+    """Write a PNG montage: one column per volume, rows = axial, coronal, sagittal mid-planes.
+
+    Every panel uses the grey colour map with a fixed [0, 1] window (images are in [0, 1], masks in {0, 1}),
+    so columns and successive montages are comparable; values outside are clipped by the display only.
+
+    Args:
+        path: the PNG to write (parent folders are created; written to a temporary file, then renamed).
+        columns: ``{name: volume}``, each ``(D, H, W)`` or ``(1, D, H, W)`` numpy array or tensor, e.g.
+            ``{"mask": ..., "real": ..., "generated": ...}``. Shapes may differ between columns.
+        title: an optional figure title.
+
+    Returns:
+        The path written.
+    """
+    # the Agg canvas directly, no pyplot: no global backend switch, no figure registry, safe in threads
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if not columns:
+        raise ValueError("save_montage needs at least one column")
+    planes = {name: mid_planes(_as_volume(vol, name)) for name, vol in columns.items()}
+    n = len(planes)
+    # size each row by its tallest panel, each column by its widest (planes keep their voxel aspect)
+    col_w = [max(p[k].shape[1] for k in PLANES) for p in planes.values()]
+    row_h = [max(p[k].shape[0] for p in planes.values()) for k in PLANES]
+    scale = 3.0 / max(max(col_w), max(row_h))  # inches per voxel: the largest panel is about 3 inches
+    fig_w = sum(col_w) * scale + 0.6
+    fig_h = sum(row_h) * scale + (0.9 if title else 0.5)
+    fig = Figure(figsize=(fig_w, fig_h), dpi=100, facecolor="black")
+    FigureCanvasAgg(fig)
+    grid = fig.add_gridspec(
+        3, n, width_ratios=col_w, height_ratios=row_h, left=0.5 / fig_w, right=1 - 0.1 / fig_w,
+        top=1 - (0.8 if title else 0.4) / fig_h, bottom=0.1 / fig_h, wspace=0.04, hspace=0.04,
+    )
+    for j, (name, p) in enumerate(planes.items()):
+        for i, plane in enumerate(PLANES):
+            ax = fig.add_subplot(grid[i, j])
+            ax.imshow(p[plane], cmap="gray", vmin=0.0, vmax=1.0, origin="lower", interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            for spine in ax.spines.values():
+                spine.set_visible(False)
+            if i == 0:
+                ax.set_title(name, color="white", fontsize=11)
+            if j == 0:
+                ax.set_ylabel(plane, color="white", fontsize=10)
+    if title:
+        fig.suptitle(title, color="white", fontsize=12)
+    target, tmp = _atomic_target(path, ".png")
+    try:
+        fig.savefig(tmp, format="png", facecolor=fig.get_facecolor())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def save_nifti(
+    path: str | os.PathLike[str],
+    volume: np.ndarray | torch.Tensor,
+    affine: np.ndarray | torch.Tensor,
+) -> Path:
+    """Write a volume as a float32 NIfTI-1 file (``.nii`` or ``.nii.gz``) with the given voxel-to-RAS affine.
+
+    Args:
+        path: the file to write; ``.nii.gz`` is gzip-compressed. Written to a temporary file, then renamed.
+        volume: ``(D, H, W)`` or ``(1, D, H, W)`` array or tensor.
+        affine: ``(4, 4)`` voxel → world (RAS, mm) matrix, e.g. a sample's ``"affine"``.
+
+    Returns:
+        The path written.
+    """
+    import nibabel as nib
+
+    name = Path(path).name
+    if name.endswith(".nii.gz"):
+        suffix = ".nii.gz"
+    elif name.endswith(".nii"):
+        suffix = ".nii"
+    else:
+        raise ValueError(f"save_nifti: {path} must end with .nii or .nii.gz")
+    data = _as_volume(volume, "volume")
+    if isinstance(affine, torch.Tensor):
+        affine = affine.detach().cpu().numpy()
+    aff = np.asarray(affine, dtype=np.float64)
+    if aff.shape != (4, 4):
+        raise ValueError(f"save_nifti: affine must be (4, 4), got {aff.shape}")
+    image = nib.Nifti1Image(data, aff)
+    image.set_qform(aff, code=1)
+    image.set_sform(aff, code=1)
+    image.header.set_data_dtype(np.float32)
+    target, tmp = _atomic_target(path, suffix)
+    try:
+        nib.save(image, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target

@@ -1,0 +1,157 @@
+"""The data module: subject splits (demo and NIfTI), batches, and arguments refused up front."""
+
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from voxdiff.data import VolumeDataModule
+from voxdiff.data.datamodule import split_subjects
+from voxdiff.data.nifti import DataError
+from voxdiff.errors import ConfigError
+
+SHAPE = (16, 24, 24)
+
+
+def _write_subjects(root: Path, n: int) -> list[str]:
+    rng = np.random.default_rng(0)
+    names = [f"sub-{i:02d}" for i in range(n)]
+    for name in names:
+        (root / name).mkdir(parents=True)
+        image = rng.uniform(0, 100, size=(12, 20, 18)).astype(np.float32)
+        mask = (rng.uniform(size=(12, 20, 18)) > 0.9).astype(np.float32)
+        nib.save(nib.Nifti1Image(image, np.eye(4)), str(root / name / "bravo.nii.gz"))
+        nib.save(nib.Nifti1Image(mask, np.eye(4)), str(root / name / "seg.nii.gz"))
+    return names
+
+
+def _check_batch(batch: dict, batch_size: int) -> None:
+    assert set(batch) == {"image", "mask", "subject", "affine"}
+    assert batch["image"].shape == (batch_size, 1, *SHAPE) and batch["image"].dtype == torch.float32
+    assert batch["mask"].shape == (batch_size, 1, *SHAPE) and batch["mask"].dtype == torch.float32
+    assert batch["affine"].shape == (batch_size, 4, 4) and batch["affine"].dtype == torch.float64
+    assert isinstance(batch["subject"], list) and len(batch["subject"]) == batch_size
+    assert 0.0 <= batch["image"].min() and batch["image"].max() <= 1.0
+    assert set(torch.unique(batch["mask"]).tolist()) <= {0.0, 1.0}
+
+
+def test_demo_split_by_subject_and_batches():
+    dm = VolumeDataModule(SHAPE, num_subjects=6, val_fraction=0.34, batch_size=2, cache="none")
+    assert dm.is_demo
+    assert len(dm.val_subjects) == 2 and len(dm.train_subjects) == 4
+    assert not set(dm.train_subjects) & set(dm.val_subjects)
+    assert sorted(dm.train_subjects + dm.val_subjects) == [f"phantom-{i:04d}" for i in range(6)]
+    train = list(dm.train_dataloader())
+    assert len(train) == 2
+    for batch in train:
+        _check_batch(batch, 2)
+        assert set(batch["subject"]) <= set(dm.train_subjects)
+    val = list(dm.val_dataloader())
+    assert [s for b in val for s in b["subject"]] == dm.val_subjects
+
+
+def test_split_is_deterministic_and_follows_the_seed():
+    a = VolumeDataModule(SHAPE, num_subjects=8, split_seed=0)
+    b = VolumeDataModule(SHAPE, num_subjects=8, split_seed=0)
+    assert a.val_subjects == b.val_subjects and a.train_subjects == b.train_subjects
+    splits = {tuple(VolumeDataModule(SHAPE, num_subjects=8, split_seed=seed).val_subjects) for seed in range(5)}
+    assert len(splits) >= 3  # the seed matters (two seeds may still agree by chance)
+
+
+def test_split_subjects_partition_and_bounds():
+    names = [f"s{i}" for i in range(10)]
+    for fraction, n_val in ((0.01, 1), (0.25, 2), (0.5, 5), (0.99, 9)):
+        train, val = split_subjects(names, fraction, seed=3)
+        assert len(val) == n_val
+        assert sorted(train + val) == list(range(10))
+    # the split depends on the names, not on their order
+    _, val = split_subjects(names, 0.3, seed=3)
+    _, val_rev = split_subjects(names[::-1], 0.3, seed=3)
+    assert sorted(names[i] for i in val) == sorted(names[::-1][i] for i in val_rev)
+    train, val = split_subjects(["a", "b"], 0.5, seed=0)
+    assert len(train) == 1 and len(val) == 1
+
+
+def test_nifti_split_and_batches(tmp_path):
+    names = _write_subjects(tmp_path / "data", 5)
+    dm = VolumeDataModule(
+        SHAPE, root=str(tmp_path / "data"), val_fraction=0.4, cache="disk", cache_dir=str(tmp_path / "cache")
+    )
+    assert not dm.is_demo
+    assert len(dm.val_subjects) == 2 and len(dm.train_subjects) == 3
+    assert not set(dm.train_subjects) & set(dm.val_subjects)
+    assert sorted(dm.train_subjects + dm.val_subjects) == names
+    batches = list(dm.train_dataloader())
+    assert len(batches) == 3
+    for batch in batches:
+        _check_batch(batch, 1)
+    assert sorted(s for b in batches for s in b["subject"]) == sorted(dm.train_subjects)
+    assert [s for b in dm.val_dataloader() for s in b["subject"]] == dm.val_subjects
+    again = VolumeDataModule(SHAPE, root=str(tmp_path / "data"), val_fraction=0.4)
+    assert again.val_subjects == dm.val_subjects
+
+
+def test_omegaconf_arguments_are_accepted():
+    cfg = OmegaConf.create({"volume_shape": [16, 24, 24], "cache_dir": None})
+    dm = VolumeDataModule(cfg.volume_shape, num_subjects=2, cache_dir=cfg.cache_dir)
+    assert dm.volume_shape == SHAPE and all(type(s) is int for s in dm.volume_shape)
+
+
+def test_hydra_target_resolves(tmp_path):
+    from hydra.utils import instantiate
+
+    dm = instantiate(
+        {"_target_": "voxdiff.data.VolumeDataModule", "volume_shape": [16, 24, 24], "num_subjects": 3,
+         "cache_dir": str(tmp_path)}
+    )
+    assert isinstance(dm, VolumeDataModule) and dm.volume_shape == SHAPE
+
+
+def test_fewer_than_two_subjects_is_refused(tmp_path):
+    _write_subjects(tmp_path / "data", 1)
+    with pytest.raises(DataError) as info:
+        VolumeDataModule(SHAPE, root=str(tmp_path / "data"))
+    assert str(tmp_path / "data") in str(info.value) and "1 subject" in str(info.value)
+    with pytest.raises(ConfigError, match="data.num_subjects"):
+        VolumeDataModule(SHAPE, num_subjects=1)
+
+
+def test_broken_file_is_refused_at_construction(tmp_path):
+    _write_subjects(tmp_path / "data", 3)
+    broken = tmp_path / "data" / "sub-01" / "seg.nii.gz"
+    broken.write_bytes(broken.read_bytes()[:200])
+    with pytest.raises(DataError) as info:
+        VolumeDataModule(SHAPE, root=str(tmp_path / "data"))
+    assert str(broken) in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [[16, 24], [16, 24, 0], [16, -2, 24], [16.5, 24, 24], "64", [16, 24, 24, 24], None])
+def test_bad_volume_shape_names_the_key(bad):
+    with pytest.raises(ConfigError) as info:
+        VolumeDataModule(bad)
+    message = str(info.value)
+    assert message.startswith("data.volume_shape=") and "Fix:" in message
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"val_fraction": 1.0}, "data.val_fraction"),
+        ({"val_fraction": 0}, "data.val_fraction"),
+        ({"batch_size": 0}, "data.batch_size"),
+        ({"num_workers": -1}, "data.num_workers"),
+        ({"cache": "ram"}, "data.cache"),
+        ({"image_name": ""}, "data.image_name"),
+    ],
+)
+def test_bad_arguments_name_the_key(kwargs, key):
+    with pytest.raises(ConfigError, match=key):
+        VolumeDataModule(SHAPE, **kwargs)
+
+
+def test_disk_cache_needs_a_folder(tmp_path):
+    _write_subjects(tmp_path / "data", 2)
+    with pytest.raises(ConfigError, match="data.cache_dir"):
+        VolumeDataModule(SHAPE, root=str(tmp_path / "data"), cache="disk", cache_dir=None)

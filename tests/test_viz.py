@@ -1,0 +1,81 @@
+"""Montage PNGs and NIfTI export: valid files, the right planes, exact round trips, atomic writes."""
+
+import matplotlib.image as mpimg
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from voxdiff.viz import mid_planes, save_montage, save_nifti
+
+SHAPE = (16, 24, 20)
+
+
+def _volume(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(0, 1, SHAPE).astype(np.float32)
+
+
+def test_montage_png_is_valid_and_sized(tmp_path):
+    path = tmp_path / "out" / "montage.png"
+    columns = {
+        "mask": (torch.from_numpy(_volume(0)) > 0.9).float()[None],  # (1, D, H, W) tensor
+        "real": _volume(1),  # (D, H, W) array
+        "generated": torch.from_numpy(_volume(2) * 3 - 1),  # outside [0, 1]: clipped by the display only
+    }
+    written = save_montage(path, columns, title="epoch 3")
+    assert written == path and path.is_file()
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = mpimg.imread(str(path))
+    height, width = pixels.shape[:2]
+    assert pixels.ndim == 3 and pixels.shape[2] in (3, 4)
+    assert width > height > 200  # three columns side by side, three rows of planes plus a title
+    assert pixels[..., :3].std() > 0.05  # not a blank picture
+    assert [p.name for p in path.parent.iterdir()] == ["montage.png"]  # no temporary file left behind
+
+
+def test_montage_overwrites_and_refuses_bad_input(tmp_path):
+    path = tmp_path / "m.png"
+    save_montage(path, {"a": _volume()})
+    save_montage(path, {"a": _volume(), "b": _volume(1)})
+    assert mpimg.imread(str(path)).shape[1] > 0
+    with pytest.raises(ValueError, match="shape"):
+        save_montage(path, {"flat": np.zeros((4, 4))})
+    with pytest.raises(ValueError):
+        save_montage(path, {})
+
+
+def test_mid_planes_orientation():
+    volume = np.zeros(SHAPE, np.float32)
+    d, h, w = SHAPE
+    volume[3, 5, w // 2] = 1.0  # on the axial mid-plane
+    volume[4, h // 2, 7] = 1.0  # on the coronal mid-plane
+    volume[d // 2, 9, 11] = 1.0  # on the sagittal mid-plane
+    planes = mid_planes(volume)
+    assert planes["axial"].shape == (h, d) and planes["axial"][5, 3] == 1.0
+    assert planes["coronal"].shape == (w, d) and planes["coronal"][7, 4] == 1.0
+    assert planes["sagittal"].shape == (w, h) and planes["sagittal"][11, 9] == 1.0
+
+
+@pytest.mark.parametrize("suffix", [".nii.gz", ".nii"])
+def test_nifti_round_trip(tmp_path, suffix):
+    volume = torch.from_numpy(_volume())[None]  # (1, D, H, W)
+    affine = torch.tensor(
+        [[0.0, -1.2, 0.0, 10.5], [0.9, 0.0, 0.0, -20.25], [0.0, 0.0, 1.5, 3.0], [0.0, 0.0, 0.0, 1.0]],
+        dtype=torch.float64,
+    )
+    path = tmp_path / f"gen{suffix}"
+    save_nifti(path, volume, affine)
+    img = nib.load(str(path))
+    assert img.get_data_dtype() == np.float32
+    assert np.array_equal(np.asanyarray(img.dataobj), volume[0].numpy())
+    assert np.allclose(img.affine, affine.numpy(), atol=1e-5)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_nifti_refuses_bad_input(tmp_path):
+    with pytest.raises(ValueError, match=r"\.nii"):
+        save_nifti(tmp_path / "x.png", _volume(), np.eye(4))
+    with pytest.raises(ValueError, match="affine"):
+        save_nifti(tmp_path / "x.nii.gz", _volume(), np.eye(3))
+    with pytest.raises(ValueError, match="shape"):
+        save_nifti(tmp_path / "x.nii.gz", np.zeros((2, 4, 4, 4)), np.eye(4))
+    assert list(tmp_path.iterdir()) == []
