@@ -1,0 +1,434 @@
+"""Predict the step memory of many UNet configurations from a CSV, and compare with measurements.
+
+The CSV format is that of ``reference/measured_vram.csv``: one row per configuration with the columns
+``input_shape`` (``C x D x H x W``, e.g. ``16x80x64x64``), ``in_channels``, ``out_channels``, ``channels``
+(space-separated), ``attention_levels`` (0/1 per level, space-separated), ``num_res_blocks`` (space-separated),
+``num_head_channels``, ``norm_num_groups``, ``grad_checkpointing`` and, optionally, ``use_flash_attention`` and
+``batch_size``. Every other column is carried through unchanged. :func:`sweep` appends the ``pred_*`` columns
+of :data:`PRED_COLUMNS` (GiB = 2**30 bytes) and draws parameters vs predicted peak.
+
+Two hooks let the training code take over model construction later:
+
+* :data:`MODEL_FACTORY` (or the ``build_model`` argument of :func:`sweep`) turns a :class:`UNetRow` into a
+  module; it runs under ``torch.device("meta")``.
+* :data:`CHECKPOINT_POLICY` applies gradient checkpointing to a built model for rows with
+  ``grad_checkpointing=1``.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
+
+__all__ = [
+    "CHECKPOINT_POLICY",
+    "MODEL_FACTORY",
+    "PRED_COLUMNS",
+    "REFERENCE_FIGURE",
+    "Comparison",
+    "UNetRow",
+    "build_monai_unet",
+    "checkpoint_unet_blocks",
+    "compare_to_measured",
+    "parse_row",
+    "plot_sweep",
+    "predict_row",
+    "sweep",
+]
+
+PRED_COLUMNS: tuple[str, ...] = (
+    "pred_params_m",
+    "pred_fwd_gib",
+    "pred_bwd_gib",
+    "pred_step1_gib",
+    "pred_steady_gib",
+    "pred_reserved_gib",
+    "pred_fits",
+    "pred_error",
+)
+"""Columns :func:`sweep` appends: parameters (millions); step-1 forward and backward peaks; peak over step 1
+including ``optimizer.step()``; peak of a steady-state step; predicted reserved memory; the verdict against
+the budget; why the row could not be predicted (empty when it could)."""
+
+REFERENCE_FIGURE: dict[str, str] = {"latent8x": "pred_step1_gib", "s2d128": "pred_steady_gib"}
+"""Which prediction a measured ``total_gib`` corresponds to, per ``table``: the latent rows were measured on
+the first step, the s2d rows behave like a later step (see ``reference/README.md``)."""
+
+
+@dataclass(frozen=True)
+class UNetRow:
+    """One configuration of MONAI's ``DiffusionModelUNet(spatial_dims=3)`` plus its input.
+
+    Attributes:
+        input_shape: ``(B, C_in, D, H, W)``.
+        in_channels, out_channels: UNet input and output channels.
+        channels: channels per level, finest first.
+        attention_levels: self-attention per level.
+        num_res_blocks: residual blocks per level.
+        num_head_channels: channels per attention head.
+        norm_num_groups: GroupNorm groups.
+        use_flash_attention: MONAI's flag: call SDPA (flash on the GPU) instead of materialising scores.
+        grad_checkpointing: apply :data:`CHECKPOINT_POLICY`.
+    """
+
+    input_shape: tuple[int, ...]
+    in_channels: int
+    out_channels: int
+    channels: tuple[int, ...]
+    attention_levels: tuple[bool, ...]
+    num_res_blocks: tuple[int, ...]
+    num_head_channels: int
+    norm_num_groups: int
+    use_flash_attention: bool = False
+    grad_checkpointing: bool = False
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field and values when MONAI would fail (or fail late)."""
+        n = len(self.channels)
+        if len(self.attention_levels) != n or len(self.num_res_blocks) != n:
+            raise ValueError(
+                f"channels ({n} levels), attention_levels ({len(self.attention_levels)}) and num_res_blocks "
+                f"({len(self.num_res_blocks)}) must have the same length"
+            )
+        bad = [c for c in self.channels if c % self.norm_num_groups]
+        if bad:
+            raise ValueError(f"channels {bad} are not divisible by norm_num_groups={self.norm_num_groups}")
+        bad = [c for c, a in zip(self.channels, self.attention_levels) if a and c % self.num_head_channels]
+        if self.channels[-1] % self.num_head_channels:  # the mid block always has attention
+            bad.append(self.channels[-1])
+        if bad:
+            raise ValueError(
+                f"attention channels {sorted(set(bad))} are not divisible by num_head_channels={self.num_head_channels}"
+            )
+        if self.input_shape[1] != self.in_channels:
+            raise ValueError(f"input_shape has {self.input_shape[1]} channels but in_channels={self.in_channels}")
+        factor = 2 ** (n - 1)
+        odd = [s for s in self.input_shape[2:] if s % factor]
+        if odd:
+            raise ValueError(
+                f"spatial size {self.input_shape[2:]} is not divisible by 2**(levels-1)={factor} "
+                f"(the skip connections would not match)"
+            )
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in str(text).replace(",", " ").split())
+
+
+def _flag(text: Any, default: bool = False) -> bool:
+    s = str(text).strip().lower()
+    if s in ("", "none"):
+        return default
+    if s in ("1", "true", "yes", "t", "y"):
+        return True
+    if s in ("0", "false", "no", "f", "n"):
+        return False
+    raise ValueError(f"cannot read {text!r} as a 0/1 flag")
+
+
+def parse_row(row: Mapping[str, Any]) -> UNetRow:
+    """Read one CSV row into a :class:`UNetRow` (raises ``ValueError``/``KeyError`` on malformed rows)."""
+    cdhw = tuple(int(v) for v in str(row["input_shape"]).lower().split("x"))
+    if len(cdhw) != 4:
+        raise ValueError(f"input_shape={row['input_shape']!r} must be CxDxHxW")
+    batch = int(row.get("batch_size") or 1)
+    return UNetRow(
+        input_shape=(batch, *cdhw),
+        in_channels=int(row["in_channels"]),
+        out_channels=int(row["out_channels"]),
+        channels=_ints(row["channels"]),
+        attention_levels=tuple(bool(v) for v in _ints(row["attention_levels"])),
+        num_res_blocks=_ints(row["num_res_blocks"]),
+        num_head_channels=int(row["num_head_channels"]),
+        norm_num_groups=int(row["norm_num_groups"]),
+        use_flash_attention=_flag(row.get("use_flash_attention", "")),
+        grad_checkpointing=_flag(row.get("grad_checkpointing", "")),
+    )
+
+
+def build_monai_unet(cfg: UNetRow) -> nn.Module:
+    """MONAI ``DiffusionModelUNet(spatial_dims=3, ...)`` for a row (no checkpointing)."""
+    from monai.networks.nets import DiffusionModelUNet
+
+    return DiffusionModelUNet(
+        spatial_dims=3,
+        in_channels=cfg.in_channels,
+        out_channels=cfg.out_channels,
+        channels=cfg.channels,
+        attention_levels=cfg.attention_levels,
+        num_res_blocks=cfg.num_res_blocks,
+        num_head_channels=cfg.num_head_channels,
+        norm_num_groups=cfg.norm_num_groups,
+        use_flash_attention=cfg.use_flash_attention,
+    )
+
+
+def checkpoint_unet_blocks(model: nn.Module, preserve_rng_state: bool = False) -> nn.Module:
+    """Checkpoint every resnet block and spatial-attention block of a MONAI diffusion UNet (in place).
+
+    Each block's forward is wrapped in ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, active only
+    when grad is enabled. ``preserve_rng_state=False`` is right for these blocks, which draw no random numbers
+    (dropout 0), and keeps the trace off the CUDA RNG.
+
+    Args:
+        model: a ``DiffusionModelUNet``.
+        preserve_rng_state: forwarded to ``checkpoint``.
+
+    Returns:
+        The same model.
+
+    Raises:
+        ValueError: if the model has no block to checkpoint (a flag that silently does nothing).
+    """
+    from monai.networks.blocks import SpatialAttentionBlock
+    from monai.networks.nets.diffusion_model_unet import DiffusionUNetResnetBlock
+
+    wrapped = 0
+    for module in model.modules():
+        if isinstance(module, (DiffusionUNetResnetBlock, SpatialAttentionBlock)):
+            inner = module.forward
+
+            def forward(*args: Any, _inner: Callable[..., Any] = inner, **kwargs: Any) -> Any:
+                if not torch.is_grad_enabled():
+                    return _inner(*args, **kwargs)
+                return checkpoint(_inner, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+
+            module.forward = forward  # type: ignore[method-assign]
+            wrapped += 1
+    if not wrapped:
+        raise ValueError(f"{type(model).__name__} has no resnet/attention block to checkpoint")
+    return model
+
+
+MODEL_FACTORY: Callable[[UNetRow], nn.Module] = build_monai_unet
+"""Row -> module; replace it to route the sweep through voxdiff's own model factory."""
+
+CHECKPOINT_POLICY: Callable[[nn.Module], nn.Module] = checkpoint_unet_blocks
+"""Module -> module with gradient checkpointing, applied to rows with ``grad_checkpointing=1``."""
+
+
+def predict_row(
+    row: Mapping[str, Any],
+    *,
+    build_model: Callable[[UNetRow], nn.Module] | None = None,
+    budget_gib: float = 80.0,
+    safety_margin: float = DEFAULT_SAFETY_MARGIN,
+    **predict_kwargs: Any,
+) -> tuple[dict[str, str], MemoryReport | None]:
+    """Predict one CSV row; never raises for a bad row.
+
+    Args:
+        row: the CSV row.
+        build_model: overrides :data:`MODEL_FACTORY`.
+        budget_gib: device memory budget in GiB.
+        safety_margin: see :meth:`MemoryReport.fits`.
+        **predict_kwargs: forwarded to :func:`~voxdiff.preflight.memory.predict_step_memory`.
+
+    Returns:
+        The ``pred_*`` columns as strings, and the report (``None`` when ``pred_error`` is set).
+    """
+    out = dict.fromkeys(PRED_COLUMNS, "")
+    try:
+        cfg = parse_row(row)
+        cfg.validate()
+        factory = build_model or MODEL_FACTORY
+
+        def build() -> nn.Module:
+            model = factory(cfg)
+            return CHECKPOINT_POLICY(model) if cfg.grad_checkpointing else model
+
+        kwargs = {"attention": "flash" if cfg.use_flash_attention else "materialised", **predict_kwargs}
+        report = predict_step_memory(build, cfg.input_shape, **kwargs)
+    except Exception as exc:  # one bad row must not stop the sweep
+        out["pred_error"] = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+        return out, None
+    out.update(
+        pred_params_m=f"{report.params / 1e6:.3f}",
+        pred_fwd_gib=f"{report.first_step.forward / GiB:.2f}",
+        pred_bwd_gib=f"{report.first_step.backward / GiB:.2f}",
+        pred_step1_gib=f"{report.first_step.peak / GiB:.2f}",
+        pred_steady_gib=f"{report.steady_step.peak / GiB:.2f}",
+        pred_reserved_gib=f"{report.estimated_reserved / GiB:.2f}",
+        pred_fits=str(report.fits(int(budget_gib * GiB), safety_margin)).lower(),
+    )
+    return out, report
+
+
+def sweep(
+    in_csv: str | Path,
+    out_csv: str | Path,
+    *,
+    build_model: Callable[[UNetRow], nn.Module] | None = None,
+    budget_gib: float = 80.0,
+    safety_margin: float = DEFAULT_SAFETY_MARGIN,
+    plot_path: str | Path | None = "",
+    **predict_kwargs: Any,
+) -> list[dict[str, str]]:
+    """Predict every row of ``in_csv`` and write ``out_csv`` (input columns + :data:`PRED_COLUMNS`).
+
+    Args:
+        in_csv: rows in the format of ``measured_vram.csv``.
+        out_csv: where to write.
+        build_model: row -> module, overrides :data:`MODEL_FACTORY`.
+        budget_gib: device memory budget in GiB (an 80 GB A100/H100 by default).
+        safety_margin: fraction added to the predicted peak before comparing with the budget.
+        plot_path: PNG of parameters vs predicted peak; ``""`` puts it next to ``out_csv`` with suffix
+            ``.png``, ``None`` skips the plot.
+        **predict_kwargs: forwarded to :func:`~voxdiff.preflight.memory.predict_step_memory` (precision,
+            optimizer_impl, ...); batch 1, bf16 AMP and foreach AdamW by default.
+
+    Returns:
+        The output rows.
+    """
+    with open(in_csv, newline="") as fh:
+        reader = csv.DictReader(fh)
+        fields = list(reader.fieldnames or [])
+        rows = list(reader)
+    out_rows = []
+    for row in rows:
+        pred, _ = predict_row(
+            row, build_model=build_model, budget_gib=budget_gib, safety_margin=safety_margin, **predict_kwargs
+        )
+        out_rows.append({**row, **pred})
+    out_fields = fields + [c for c in PRED_COLUMNS if c not in fields]
+    with open(out_csv, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=out_fields)
+        writer.writeheader()
+        writer.writerows(out_rows)
+    if plot_path is not None:
+        plot_sweep(out_rows, plot_path or Path(out_csv).with_suffix(".png"), budget_gib=budget_gib)
+    return out_rows
+
+
+def _float(text: Any) -> float | None:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, budget_gib: float = 80.0) -> Path:
+    """Scatter parameters (M) against the predicted peak (GiB), measured ``total_gib`` where present.
+
+    The predicted peak of a row is the larger of ``pred_step1_gib`` and ``pred_steady_gib``; measured points
+    are drawn at the row's ``params_m`` (or the predicted count when absent).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    px, py, mx, my = [], [], [], []
+    for r in rows:
+        p = _float(r.get("pred_params_m"))
+        s1, s2 = _float(r.get("pred_step1_gib")), _float(r.get("pred_steady_gib"))
+        if p is not None and s1 is not None and s2 is not None:
+            px.append(p)
+            py.append(max(s1, s2))
+        m = _float(r.get("total_gib"))
+        mp = _float(r.get("params_m")) or p
+        if m is not None and mp is not None:
+            mx.append(mp)
+            my.append(m)
+    ax.scatter(px, py, marker="o", facecolors="none", edgecolors="C0", label="predicted peak (max of step 1, steady)")
+    if mx:
+        ax.scatter(mx, my, marker="x", color="C1", label="measured total_gib")
+    ax.axhline(budget_gib, color="C3", linestyle="--", label=f"budget {budget_gib:g} GiB")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("parameters (M)")
+    ax.set_ylabel("peak allocated (GiB, 2^30 B)")
+    ax.set_title("voxdiff preflight: one training step, batch 1")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Predicted vs measured peak of one row (GiB = 2**30 bytes).
+
+    Attributes:
+        name: row name.
+        table: the row's ``table``.
+        figure: which prediction was compared (``pred_step1_gib`` or ``pred_steady_gib``).
+        measured: measured ``total_gib`` (``None`` for a run that died out of memory).
+        predicted: the compared prediction.
+        measured_fits: the run did not run out of memory.
+        predicted_fits: ``pred_fits``.
+    """
+
+    name: str
+    table: str
+    figure: str
+    measured: float | None
+    predicted: float
+    measured_fits: bool
+    predicted_fits: bool
+
+    @property
+    def ratio(self) -> float:
+        """predicted / measured (NaN without a measurement)."""
+        return self.predicted / self.measured if self.measured else float("nan")
+
+    @property
+    def abs_error(self) -> float:
+        """|predicted - measured| / measured (NaN without a measurement)."""
+        return abs(self.ratio - 1.0)
+
+    @property
+    def flipped(self) -> bool:
+        """The predicted verdict (fits / out of memory) differs from what the run did."""
+        return self.measured_fits != self.predicted_fits
+
+
+def compare_to_measured(rows: Sequence[Mapping[str, Any]]) -> tuple[list[Comparison], dict[str, float]]:
+    """Pair each predicted row that has a measurement (``total_gib`` or ``oom=1``) with its prediction.
+
+    Returns:
+        The comparisons and a summary: ``rows`` (with a measured peak), ``median_abs_error`` and
+        ``max_abs_error`` (fractions, over those rows), ``flips`` (rows, OOM ones included, whose fit/OOM
+        verdict differs from the measurement).
+    """
+    comps = []
+    for r in rows:
+        measured = _float(r.get("total_gib"))
+        oom = _flag(r.get("oom", ""))
+        figure = REFERENCE_FIGURE.get(str(r.get("table", "")), "pred_steady_gib")
+        predicted = _float(r.get(figure))
+        if predicted is None or r.get("pred_error") or (measured is None and not oom):
+            continue
+        comps.append(
+            Comparison(
+                name=str(r.get("name", "")),
+                table=str(r.get("table", "")),
+                figure=figure,
+                measured=measured,
+                predicted=predicted,
+                measured_fits=not oom,
+                predicted_fits=str(r.get("pred_fits")).lower() == "true",
+            )
+        )
+    errors = [c.abs_error for c in comps if c.measured]
+    summary = {
+        "rows": float(len(errors)),
+        "median_abs_error": statistics.median(errors) if errors else float("nan"),
+        "max_abs_error": max(errors) if errors else float("nan"),
+        "flips": float(sum(c.flipped for c in comps)),
+    }
+    return comps, summary

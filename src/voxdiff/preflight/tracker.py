@@ -1,0 +1,249 @@
+"""Live-bytes tracking of device storages during a traced step.
+
+:class:`StorageTracker` is a :class:`~torch.utils._python_dispatch.TorchDispatchMode`: it sees every ATen op
+*below* autograd (forward ops, backward ops, optimizer ops), records each output storage it has not seen yet
+as an allocation of ``round_up(nbytes, 512)`` bytes (the CUDA caching allocator's ``kMinBlockSize``) and
+subtracts it again when a weakref callback reports that the storage died. This is what
+``torch.cuda.memory_allocated()`` counts, so the running maximum is the trace's ``max_memory_allocated()``.
+
+A trace cannot see memory that a CUDA kernel allocates inside its own implementation. The rules in
+:data:`KERNEL_TEMPORARIES` add those that the CUDA sources of torch 2.13 make explicit; each is held only while
+the op runs (it is counted on top of the op's outputs, as the kernel holds it while they exist).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["BLOCK_BYTES", "KERNEL_TEMPORARIES", "MEMOIZED_META_OPS", "PhaseStats", "StorageTracker", "round_block"]
+
+BLOCK_BYTES = 512
+"""CUDA caching allocator ``kMinBlockSize``: every request is rounded up to a multiple of 512 B."""
+
+aten = torch.ops.aten
+
+
+def round_block(nbytes: int, granularity: int = BLOCK_BYTES) -> int:
+    """Bytes the CUDA caching allocator accounts for a request of ``nbytes`` (0 stays 0)."""
+    return -(-nbytes // granularity) * granularity
+
+
+def _softmax_backward_tmp(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """``softmax_backward_cuda_out`` (aten/src/ATen/native/cuda/SoftMax.cu) runs ``Tensor tmp = grad * output``
+    before the reduction: one more score-sized tensor in the promoted dtype of grad and output."""
+    grad, output = args[0], args[1]
+    dtype = torch.promote_types(grad.dtype, output.dtype)
+    return grad.numel() * dtype.itemsize
+
+
+MEMOIZED_META_OPS: frozenset[Any] = frozenset(
+    {aten.native_group_norm.default, aten.native_group_norm_backward.default}
+)
+"""Ops whose meta kernels are Python decompositions costing milliseconds per call (most of a UNet trace's
+time); on meta their output metadata is memoized per input signature (see ``StorageTracker._memoized``)."""
+
+
+def _signature(obj: Any) -> Any:
+    """Hashable description of arguments: tensors by metadata, sequences recursively, the rest as is."""
+    if isinstance(obj, torch.Tensor):
+        return ("T", tuple(obj.shape), obj.stride(), obj.dtype, obj.storage_offset(), obj.device.type)
+    if isinstance(obj, (list, tuple)):
+        return tuple(_signature(o) for o in obj)
+    if isinstance(obj, dict):
+        return tuple((k, _signature(v)) for k, v in sorted(obj.items()))
+    return obj
+
+
+KERNEL_TEMPORARIES: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], int]] = {
+    aten._softmax_backward_data.default: _softmax_backward_tmp,
+}
+"""ATen op -> bytes the CUDA kernel allocates internally and frees before returning."""
+
+
+@dataclass
+class PhaseStats:
+    """Memory of one phase of the traced step; all values in bytes.
+
+    Attributes:
+        start: live bytes when the phase began.
+        peak: highest live bytes during the phase (what ``max_memory_allocated()`` reports after
+            ``reset_peak_memory_stats()`` at the phase start).
+        end: live bytes when the phase ended.
+    """
+
+    start: int = 0
+    peak: int = 0
+    end: int = 0
+
+
+class StorageTracker(TorchDispatchMode):
+    """Counts live bytes of storages on ``device_type`` created by ATen ops, with per-phase peaks.
+
+    Args:
+        device_type: the device that stands for the GPU (``"meta"`` when tracing without one).
+        record_events: keep the allocation/free sequence (for :mod:`voxdiff.preflight.allocator`).
+        kernel_temporaries: op -> bytes rule for memory a kernel allocates internally; defaults to
+            :data:`KERNEL_TEMPORARIES` (CUDA kernels).
+        granularity: allocation rounding in bytes (512 for the CUDA caching allocator, 1 to compare with an
+            allocator that does not round, such as the CPU one).
+    """
+
+    def __init__(
+        self,
+        device_type: str = "meta",
+        record_events: bool = False,
+        kernel_temporaries: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], int]] | None = None,
+        granularity: int = BLOCK_BYTES,
+    ) -> None:
+        super().__init__()
+        self.granularity = granularity
+        self.device_type = device_type
+        self.live = 0
+        self.peak = 0
+        self.phases: dict[str, PhaseStats] = {}
+        self._phase: PhaseStats | None = None
+        self._refs: dict[int, tuple[weakref.ref, int, int]] = {}  # id(storage) -> (ref, bytes, key)
+        self._next_key = 0
+        # allocation/free sequence for the allocator model: (+1 alloc | -1 free, key, bytes)
+        self._log: list[tuple[int, int, int]] | None = [] if record_events else None
+        self._rules = KERNEL_TEMPORARIES if kernel_temporaries is None else kernel_temporaries
+        self._memo: dict[Any, tuple[Any, ...]] = {}
+
+    # ----------------------------------------------------------------------------------------- bookkeeping
+    @property
+    def events(self) -> list[tuple[int, int, int]]:
+        """The recorded (sign, key, bytes) sequence (empty unless ``record_events``)."""
+        return self._log if self._log is not None else []
+
+    def _bump_peak(self, value: int) -> None:
+        if value > self.peak:
+            self.peak = value
+        if self._phase is not None and value > self._phase.peak:
+            self._phase.peak = value
+
+    def _on_free(self, sid: int, _ref: weakref.ref) -> None:
+        entry = self._refs.pop(sid, None)
+        if entry is None or entry[0] is not _ref:
+            if entry is not None:  # a newer storage reused the id; keep it
+                self._refs[sid] = entry
+            return
+        self.live -= entry[1]
+        if self._log is not None:
+            self._log.append((-1, entry[2], entry[1]))
+
+    def track(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage as allocated (no-op if already counted or not on the device)."""
+        if tensor.device.type != self.device_type:
+            return
+        st = tensor.untyped_storage()
+        sid = id(st)
+        nbytes = round_block(st.nbytes(), self.granularity)
+        entry = self._refs.get(sid)
+        if entry is not None and entry[0]() is st:
+            if nbytes > entry[1]:  # resized in place (e.g. an out= op grew it)
+                self.live += nbytes - entry[1]
+                self._refs[sid] = (entry[0], nbytes, entry[2])
+                if self._log is not None:
+                    self._log += [(-1, entry[2], entry[1]), (1, entry[2], nbytes)]
+                self._bump_peak(self.live)
+            return
+        if nbytes == 0:
+            return
+        key = self._next_key
+        self._next_key += 1
+        ref = weakref.ref(st, lambda r, sid=sid: self._on_free(sid, r))
+        self._refs[sid] = (ref, nbytes, key)
+        self.live += nbytes
+        if self._log is not None:
+            self._log.append((1, key, nbytes))
+        self._bump_peak(self.live)
+
+    def track_all(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count tensors that exist before tracing starts (parameters, buffers, inputs)."""
+        for t in tensors:
+            self.track(t)
+
+    def transient(self, nbytes: int) -> None:
+        """Account for ``nbytes`` that exist only for an instant (a kernel's internal buffer)."""
+        nbytes = round_block(nbytes, self.granularity)
+        if nbytes == 0:
+            return
+        self._bump_peak(self.live + nbytes)
+        if self._log is not None:
+            key = self._next_key
+            self._next_key += 1
+            self._log += [(1, key, nbytes), (-1, key, nbytes)]
+
+    # ----------------------------------------------------------------------------------------- phases
+    def begin_phase(self, name: str) -> None:
+        """Start a phase: its peak starts at the current live bytes."""
+        self._phase = PhaseStats(start=self.live, peak=self.live)
+        self.phases[name] = self._phase
+
+    def end_phase(self) -> PhaseStats:
+        """End the current phase and return its stats."""
+        assert self._phase is not None, "end_phase() without begin_phase()"
+        self._phase.end = self.live
+        phase, self._phase = self._phase, None
+        return phase
+
+    # ----------------------------------------------------------------------------------------- dispatch
+    def _memoized(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run a slow meta kernel once per input signature and replay its output metadata afterwards.
+
+        On meta, outputs depend only on the inputs' metadata and the non-tensor arguments, so new empty
+        tensors with the recorded sizes, strides and dtypes are exactly what the kernel would return (the ops
+        in :data:`MEMOIZED_META_OPS` return fresh tensors, never views).
+        """
+        key = (func, _signature(args), _signature(kwargs))
+        template = self._memo.get(key)
+        if template is None:
+            out = func(*args, **kwargs)
+            self._memo[key] = tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype) for t in out)
+            return out
+        return tuple(
+            None if t is None else torch.empty_strided(t[0], t[1], dtype=t[2], device="meta") for t in template
+        )
+
+    @staticmethod
+    def _is_meta_noop(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """In-place ``_foreach_*_`` ops returning nothing, on meta tensors only: they allocate nothing and change
+        no metadata, so their (Python) meta kernels can be skipped. They make up most of an optimizer step's
+        trace time. Ops touching other devices (AdamW's CPU ``step`` counters) still run."""
+        schema = func._schema
+        name = schema.name
+        if not (name.startswith("aten::_foreach_") and name.endswith("_") and not schema.returns):
+            return False
+        return all(t.device.type == "meta" for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.device_type == "meta":
+            if self._is_meta_noop(func, args, kwargs):
+                return None
+            if func in MEMOIZED_META_OPS:
+                out = self._memoized(func, args, kwargs)
+            else:
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        rule = self._rules.get(func)
+        if rule is not None:
+            self.transient(rule(args, kwargs))
+        return out

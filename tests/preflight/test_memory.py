@@ -1,0 +1,349 @@
+"""Tests of the preflight step-memory predictor (tracker, autocast emulation, flash, checkpointing, allocator)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from monai.networks.nets import DiffusionModelUNet
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+from voxdiff.preflight import predict_step_memory
+from voxdiff.preflight.allocator import K_LARGE_BUFFER, K_SMALL_BUFFER, MiB, simulate_reserved
+from voxdiff.preflight.autocast import (
+    CUDA_FP32_OPS,
+    CUDA_FP32_SET_OPT_DTYPE_OPS,
+    CUDA_LOWER_PRECISION_OPS,
+    CUDA_PROMOTE_OPS,
+    CudaAutocastEmulator,
+)
+from voxdiff.preflight.memory import diffusion_loss, trace_training_step
+from voxdiff.preflight.sweep import checkpoint_unet_blocks
+from voxdiff.preflight.tracker import StorageTracker
+
+
+
+def _unet(**kw) -> DiffusionModelUNet:
+    args = dict(spatial_dims=3, in_channels=2, out_channels=1, num_res_blocks=1, num_head_channels=16,
+                norm_num_groups=8)
+    args.update(kw)
+    return DiffusionModelUNet(**args)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# (a) the tracker against the CPU allocator, on real fp32 tensors
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_thread():
+    """Real CPU convolutions on one thread: faster than two contending ones on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# Profiler ops that only allocate on behalf of the op that called them.
+_ALLOCATING_OPS = {
+    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::new_empty_strided",
+    "aten::resize_", "aten::resize_as_",
+}  # fmt: skip
+
+
+def _profiler_peaks(prof: profile) -> tuple[int, int]:
+    """Running peak of the CPU allocator's allocation/free events (bytes above the start of the window).
+
+    Returns ``(peak of all allocations, peak without kernel scratch)``. Kernel scratch is a block freed before
+    the op that requested it returns (e.g. the im2col buffers of ``slow_conv3d``): the tracker follows the
+    storages that ops *return* and does not see scratch by design (on CUDA the known scratch buffers are
+    added by explicit rules).
+    """
+    allocs = []
+
+    def walk(node):
+        if node.tag == _EventType.Allocation:
+            allocs.append(node)
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    allocs.sort(key=lambda n: n.start_time_ns)
+    raw, kept, open_blocks = [], [], {}
+    for node in allocs:
+        size = node.extra_fields.alloc_size
+        raw.append((node.start_time_ns, size))
+        if size > 0:
+            owner = node.parent
+            while owner is not None and owner.name in _ALLOCATING_OPS:
+                owner = owner.parent
+            open_blocks[node.extra_fields.ptr] = (node, owner)
+            continue
+        hit = open_blocks.pop(node.extra_fields.ptr, None)
+        if hit is None:  # a block from before the window
+            continue
+        alloc, owner = hit
+        if owner is not None and node.start_time_ns <= owner.end_time_ns:
+            continue  # scratch: freed inside the op that allocated it
+        kept += [(alloc.start_time_ns, alloc.extra_fields.alloc_size), (node.start_time_ns, size)]
+    kept += [(a.start_time_ns, a.extra_fields.alloc_size) for a, _ in open_blocks.values()]
+
+    def peak(events):
+        cur = best = 0
+        for _, d in sorted(events, key=lambda e: e[0]):
+            cur += d
+            best = max(best, cur)
+        return best
+
+    return peak(raw), peak(kept)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("attention_levels", [(0, 0, 1), (0, 1, 1)], ids=["attn-L2", "attn-L12"])
+def test_tracker_matches_cpu_allocator(checkpointing: bool, attention_levels: tuple[int, ...], one_thread) -> None:
+    torch.manual_seed(0)
+    model = _unet(channels=(16, 32, 32), attention_levels=attention_levels, num_res_blocks=1)
+    if checkpointing:
+        checkpoint_unet_blocks(model)
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        trace = trace_training_step(
+            model, (1, 2, 32, 32, 32), diffusion_loss, opt, precision="32-true", device_type="cpu", steps=1
+        )
+    raw_peak, op_peak = _profiler_peaks(prof)
+    tracked = trace.steps[0].peak - trace.start_bytes
+    assert tracked == pytest.approx(op_peak, rel=0.05)
+    assert tracked <= raw_peak  # the scratch-free reference can only be lower than the allocator's raw peak
+
+
+def test_checkpointing_really_recomputes_on_cpu(one_thread) -> None:
+    """The tracker sees checkpointing's effect on real tensors: a lower step peak (x0.75 or better here)."""
+    peaks = {}
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = _unet(channels=(16, 32, 32), attention_levels=(0, 0, 1), num_res_blocks=1)
+        if ckpt:
+            checkpoint_unet_blocks(model)
+        opt = torch.optim.AdamW(model.parameters(), foreach=True)
+        trace = trace_training_step(model, (1, 2, 32, 32, 32), diffusion_loss, opt, precision="32-true",
+                                    device_type="cpu", steps=1)  # fmt: skip
+        peaks[ckpt] = trace.steps[0].peak - trace.start_bytes
+    assert peaks[True] <= 0.75 * peaks[False]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# (b) checkpointing and flash attention lower the prediction
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_checkpointing_lowers_prediction_of_5_level_model() -> None:
+    def build(ckpt: bool):
+        def f():
+            m = _unet(channels=(16, 32, 32, 64, 64), attention_levels=(0, 0, 0, 0, 0), num_res_blocks=1)
+            return checkpoint_unet_blocks(m) if ckpt else m
+
+        return f
+
+    plain = predict_step_memory(build(False), (1, 2, 64, 64, 64))
+    ckpt = predict_step_memory(build(True), (1, 2, 64, 64, 64))
+    # Without checkpointing a resnet block keeps ~6 activations (fp32 norm inputs, fp32 SiLU inputs, bf16 conv
+    # inputs, twice); with it only the block input. The forward peak, dominated by activations here, must
+    # fall at least 2x; the backward recomputes one block at a time, so the step peak falls less: >= 25 %.
+    assert ckpt.first_step.forward <= 0.5 * plain.first_step.forward
+    assert ckpt.peak_allocated <= 0.75 * plain.peak_allocated
+    assert ckpt.params == plain.params
+
+
+def test_flash_attention_lowers_prediction_of_attention_heavy_model() -> None:
+    d, h, w, ch, head_ch = 16, 32, 32, 32, 32
+
+    def build(flash: bool):
+        return lambda: _unet(channels=(ch, 64), attention_levels=(1, 1), num_res_blocks=1, num_head_channels=head_ch,
+                             use_flash_attention=flash)  # fmt: skip
+
+    mat = predict_step_memory(build(False), (1, 2, d, h, w), attention="materialised")
+    fla = predict_step_memory(build(True), (1, 2, d, h, w), attention="flash")
+    assert "flash" in fla.attention_path and "materialised" in mat.attention_path
+    # Structure: at the end of the forward every finest-level attention block (1 down + 2 up) still holds its
+    # scores as fp32 softmax output + bf16 copy (6 B per score element); flash holds none of them.
+    n_tokens, heads, blocks = d * h * w, ch // head_ch, 3
+    saved_scores = blocks * heads * n_tokens**2 * 6
+    assert mat.first_step.forward - fla.first_step.forward >= 0.9 * saved_scores
+    # Stated factor: with O(N^2) scores gone, the step peak drops at least 10x for this model.
+    assert fla.peak_allocated * 10 <= mat.peak_allocated
+
+
+def test_flash_requested_for_a_model_that_materialises_scores_is_reported() -> None:
+    rep = predict_step_memory(
+        lambda: _unet(channels=(32, 64), attention_levels=(0, 1), num_res_blocks=1, num_head_channels=32),
+        (1, 2, 8, 8, 8),
+        attention="flash",
+    )
+    assert "materialised" in rep.attention_path
+    assert any("use_flash_attention=True" in n for n in rep.notes)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# (c) structure of a large model's prediction
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def large_unet():
+    return lambda: DiffusionModelUNet(spatial_dims=3, in_channels=8, out_channels=4, channels=(256, 512, 1024),
+                                      attention_levels=(0, 1, 1), num_res_blocks=2, num_head_channels=64)  # fmt: skip
+
+
+def test_large_model_first_step_is_five_param_copies(large_unet) -> None:
+    rep = predict_step_memory(large_unet, (1, 8, 8, 16, 16))
+    p = rep.param_bytes
+    assert rep.params > 5e8 and p == pytest.approx(4 * rep.params, rel=1e-3)
+    ws = rep.workspace_bytes
+    # optimizer.step() of the first step: params + grads + exp_avg + exp_avg_sq + foreach's sqrt(exp_avg_sq).
+    assert rep.first_step.optimizer - ws == pytest.approx(5 * p, rel=0.01)
+    # the forward holds the fp32 weights and autocast's cached bf16 copies, plus activations.
+    assert rep.first_step.forward >= 1.5 * p
+    # the first step's total is the larger of "5 parameter copies" and "weights + activations".
+    assert rep.first_step.peak == max(rep.first_step.forward, rep.first_step.backward, rep.first_step.optimizer)
+    assert rep.first_step.peak >= 5 * p
+    # steady state, Lightning order: grads (previous step) + exp_avg + exp_avg_sq live through the forward.
+    assert rep.steady_step.forward - rep.first_step.forward == pytest.approx(3 * p, rel=0.01)
+
+
+@pytest.mark.parametrize("impl", ["fused", "single"])
+def test_optimizer_variants_have_no_parameter_sized_temporary(large_unet, impl: str) -> None:
+    rep = predict_step_memory(large_unet, (1, 8, 8, 16, 16), optimizer_impl=impl)
+    p = rep.param_bytes
+    with torch.device("meta"):
+        largest = max(t.numel() * t.element_size() for t in large_unet().parameters())
+    extra = rep.first_step.optimizer - rep.workspace_bytes - 4 * p  # beyond params, grads and two moments
+    if impl == "fused":  # one in-place kernel
+        assert 0 <= extra <= 0.01 * p
+    else:  # foreach=False: sqrt(exp_avg_sq) and its division by the bias correction, one parameter at a time
+        assert extra == pytest.approx(2 * largest, rel=0.02)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# building blocks
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _header_ops(text: str, macro: str) -> set[str]:
+    body = re.search(rf"#define {macro}\(_\)(.*?)\n\n", text, re.S)
+    assert body, macro
+    return set(re.findall(r"_\((\w+)", body.group(1)))
+
+
+def test_autocast_lists_match_installed_torch_header() -> None:
+    header = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
+    if not header.exists():
+        pytest.skip("torch headers not installed")
+    text = header.read_text()
+    assert _header_ops(text, "AT_FORALL_LOWER_PRECISION_FP") | {"cudnn_convolution", "cudnn_convolution_transpose"} == (
+        CUDA_LOWER_PRECISION_OPS
+    )
+    assert _header_ops(text, "AT_FORALL_FP32") | {"norm"} == CUDA_FP32_OPS
+    assert _header_ops(text, "AT_FORALL_FP32_SET_OPT_DTYPE") == CUDA_FP32_SET_OPT_DTYPE_OPS
+    assert _header_ops(text, "AT_FORALL_PROMOTE") == CUDA_PROMOTE_OPS
+
+
+def test_autocast_emulator_dtypes_and_weight_cache() -> None:
+    conv = torch.nn.Conv3d(4, 4, 3, padding=1, device="meta")
+    x = torch.randn(1, 4, 4, 4, 4, device="meta")
+    ac = CudaAutocastEmulator()
+    with ac:
+        with ac.region():
+            y = conv(x)
+            gn = F.group_norm(y, 2)
+            up = F.interpolate(y, scale_factor=2.0, mode="nearest")
+            sm = y.softmax(-1)
+            act = F.silu(y)
+            cast_a = ac._cast(conv.weight, torch.bfloat16)
+            cast_b = ac._cast(conv.weight, torch.bfloat16)
+        after = conv(x)
+    assert y.dtype == torch.bfloat16  # conv3d: lower precision
+    assert gn.dtype == torch.float32 and sm.dtype == torch.float32  # group_norm fp32, softmax fp32_set_opt_dtype
+    assert up.dtype == torch.float32  # upsample_nearest3d is in torch 2.13's fp32 list
+    assert act.dtype == torch.bfloat16  # silu: not listed, runs in its input's dtype
+    assert cast_a is cast_b  # weight casts are cached inside a region
+    assert after.dtype == torch.float32 and not ac._cache  # outside the region: no autocast, cache cleared
+
+
+def test_tracker_counts_storages_not_views() -> None:
+    tr = StorageTracker()
+    with tr:
+        a = torch.empty(1000, device="meta")  # 4000 B -> 4096 B
+        v = a.view(10, 100)
+        a.mul_(2.0)
+        assert tr.live == 4096
+        b = a + 1
+        assert tr.live == 8192 and tr.peak == 8192
+        del b
+        assert tr.live == 4096
+        del a
+        assert tr.live == 4096  # the view keeps the storage alive
+        del v
+        assert tr.live == 0 and tr.peak == 8192
+
+
+def test_allocator_segments() -> None:
+    # a small request opens a 2 MiB segment; a 5 MiB one a 20 MiB segment; 11 MiB is rounded to 12 MiB
+    assert simulate_reserved([(1, 0, 512)]) == (K_SMALL_BUFFER, 512)
+    assert simulate_reserved([(1, 0, 5 * MiB)]) == (K_LARGE_BUFFER, 5 * MiB)
+    assert simulate_reserved([(1, 0, 11 * MiB)])[0] == 12 * MiB
+    # a freed block is reused: no new segment
+    ev = [(1, 0, 64 * MiB), (-1, 0, 64 * MiB), (1, 1, 32 * MiB), (1, 2, 32 * MiB)]
+    assert simulate_reserved(ev)[0] == 64 * MiB
+    # fragmentation: two 30 MiB blocks freed apart cannot host a 40 MiB request
+    ev = [(1, 0, 30 * MiB), (1, 1, 30 * MiB), (-1, 0, 30 * MiB), (1, 2, 40 * MiB)]
+    assert simulate_reserved(ev)[0] == 100 * MiB
+
+
+def test_invalid_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="precision"):
+        predict_step_memory(lambda: _unet(channels=(8, 8), attention_levels=(0, 0)), (1, 2, 8, 8, 8), precision="fp8")
+    with pytest.raises(ValueError, match="input_shape"):
+        predict_step_memory(lambda: _unet(channels=(8, 8), attention_levels=(0, 0)), (2, 8))
+
+
+def test_memoized_group_norm_metadata_equals_the_meta_kernel() -> None:
+    aten = torch.ops.aten
+    x = torch.empty(2, 8, 4, 6, 5, device="meta").to(memory_format=torch.channels_last_3d)
+    w, b = torch.empty(8, device="meta"), torch.empty(8, device="meta")
+    args = (x, w, b, 2, 8, 120, 4, 1e-6)
+    direct = aten.native_group_norm.default(*args)
+    tr = StorageTracker()
+    with tr:
+        first = aten.native_group_norm.default(*args)
+        replay = aten.native_group_norm.default(*args)  # served from the memo
+        grads = [aten.native_group_norm_backward.default(torch.empty_like(x), x, direct[1], direct[2], w, 2, 8, 120, 4,
+                                                         mask) for mask in ([True, True, True], [True, False, False])]
+    assert len(tr._memo) == 3
+    for a, b_ in zip(direct, replay):
+        assert (a.shape, a.stride(), a.dtype) == (b_.shape, b_.stride(), b_.dtype)
+    assert first[0].stride() == x.stride()  # channels-last preserved
+    assert grads[1][1] is None and grads[1][2] is None and grads[0][1].shape == (8,)
+
+
+def test_after_step_hook_is_traced() -> None:
+    """An EMA copy made after the optimizer step lives through the next step: +1 parameter copy."""
+    shadow: list[torch.Tensor] = []
+
+    def ema_update(model: torch.nn.Module) -> None:
+        with torch.no_grad():
+            if not shadow:
+                shadow.extend(p.detach().clone() for p in model.parameters())
+            else:
+                torch._foreach_lerp_(shadow, [p.detach() for p in model.parameters()], 1e-3)
+
+    def build():
+        return _unet(channels=(16, 32), attention_levels=(0, 0))
+
+    plain = predict_step_memory(build, (1, 2, 16, 16, 16), zero_grad_at="after_step")
+    ema = predict_step_memory(build, (1, 2, 16, 16, 16), zero_grad_at="after_step", after_step=ema_update)
+    assert ema.steady_step.forward - plain.steady_step.forward == pytest.approx(plain.param_bytes, rel=0.01)
