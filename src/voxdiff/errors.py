@@ -32,4 +32,6 @@ def _show(value: Any) -> str:
         return "[" + ", ".join(_show(v) for v in value) + "]"
     if isinstance(value, bool):
         return str(value).lower()
+    if value is None:
+        return "null"
     return str(value)

@@ -87,3 +87,10 @@ def test_invalid_arguments_fail_at_build_time_naming_key_value_fix(override, key
 def test_group_norm_message_names_offending_channel():
     with pytest.raises(ConfigError, match=r"48 \(in model.channels=\[48, 64, 128\]\) is not"):
         build_unet(**{**BASE, "channels": [48, 64, 128]})
+
+
+def test_middle_block_attention_head_size_checked_even_without_attention_levels():
+    # MONAI's middle block always has attention over channels[-1]: 96 channels in heads of 64 cannot work
+    with pytest.raises(ConfigError, match="middle block always has attention over the last level's 96 channels"):
+        build_unet(**{**BASE, "channels": [32, 64, 96], "attention_levels": [False, False, False],
+                      "num_head_channels": 64})

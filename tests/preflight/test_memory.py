@@ -22,7 +22,7 @@ from voxdiff.preflight.autocast import (
     CudaAutocastEmulator,
 )
 from voxdiff.preflight.memory import diffusion_loss, trace_training_step
-from voxdiff.preflight.sweep import checkpoint_unet_blocks
+from voxdiff.models import apply_gradient_checkpointing
 from voxdiff.preflight.tracker import StorageTracker
 
 
@@ -109,7 +109,7 @@ def test_tracker_matches_cpu_allocator(checkpointing: bool, attention_levels: tu
     torch.manual_seed(0)
     model = _unet(channels=(16, 32, 32), attention_levels=attention_levels, num_res_blocks=1)
     if checkpointing:
-        checkpoint_unet_blocks(model)
+        apply_gradient_checkpointing(model, "layer", preserve_rng_state=False)
     opt = torch.optim.AdamW(model.parameters(), foreach=True)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trace = trace_training_step(
@@ -128,7 +128,7 @@ def test_checkpointing_really_recomputes_on_cpu(one_thread) -> None:
         torch.manual_seed(0)
         model = _unet(channels=(16, 32, 32), attention_levels=(0, 0, 1), num_res_blocks=1)
         if ckpt:
-            checkpoint_unet_blocks(model)
+            apply_gradient_checkpointing(model, "layer", preserve_rng_state=False)
         opt = torch.optim.AdamW(model.parameters(), foreach=True)
         trace = trace_training_step(model, (1, 2, 32, 32, 32), diffusion_loss, opt, precision="32-true",
                                     device_type="cpu", steps=1)  # fmt: skip
@@ -145,7 +145,9 @@ def test_checkpointing_lowers_prediction_of_5_level_model() -> None:
     def build(ckpt: bool):
         def f():
             m = _unet(channels=(16, 32, 32, 64, 64), attention_levels=(0, 0, 0, 0, 0), num_res_blocks=1)
-            return checkpoint_unet_blocks(m) if ckpt else m
+            if ckpt:
+                apply_gradient_checkpointing(m, "layer", preserve_rng_state=False)
+            return m
 
         return f
 

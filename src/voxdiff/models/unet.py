@@ -125,6 +125,13 @@ def unet_spec(
                 f"use model.norm_num_groups={divisors[0]}, or channel counts that are multiples of {norm_num_groups}",
             )
     for level, (c, att, h) in enumerate(zip(channels, attention, heads)):
+        if level == levels - 1 and c % h:  # MONAI's middle block has attention at the coarsest width, always
+            raise ConfigError(
+                "model.num_head_channels", _plain(num_head_channels),
+                f"the middle block always has attention over the last level's {c} channels, in heads of {h}, "
+                "which does not divide",
+                f"use a head size that divides {c} (e.g. {next(d for d in (64, 32, 16, 8, 4, 2, 1) if c % d == 0)})",
+            )
         if att and c % h:
             raise ConfigError(
                 "model.num_head_channels", _plain(num_head_channels),

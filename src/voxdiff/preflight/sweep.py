@@ -7,12 +7,8 @@ The CSV format is that of ``reference/measured_vram.csv``: one row per configura
 ``batch_size``. Every other column is carried through unchanged. :func:`sweep` appends the ``pred_*`` columns
 of :data:`PRED_COLUMNS` (GiB = 2**30 bytes) and draws parameters vs predicted peak.
 
-Two hooks let the training code take over model construction later:
-
-* :data:`MODEL_FACTORY` (or the ``build_model`` argument of :func:`sweep`) turns a :class:`UNetRow` into a
-  module; it runs under ``torch.device("meta")``.
-* :data:`CHECKPOINT_POLICY` applies gradient checkpointing to a built model for rows with
-  ``grad_checkpointing=1``.
+Models are built by voxdiff's own factory and gradient-checkpointing policy (:func:`build_monai_unet`,
+:data:`MODEL_FACTORY`, or the ``build_model`` argument of :func:`sweep`), under ``torch.device("meta")``.
 """
 
 from __future__ import annotations
@@ -26,19 +22,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
 
 __all__ = [
-    "CHECKPOINT_POLICY",
     "MODEL_FACTORY",
     "PRED_COLUMNS",
     "REFERENCE_FIGURE",
     "Comparison",
     "UNetRow",
     "build_monai_unet",
-    "checkpoint_unet_blocks",
     "compare_to_measured",
     "parse_row",
     "plot_sweep",
@@ -78,7 +71,7 @@ class UNetRow:
         num_head_channels: channels per attention head.
         norm_num_groups: GroupNorm groups.
         use_flash_attention: MONAI's flag: call SDPA (flash on the GPU) instead of materialising scores.
-        grad_checkpointing: apply :data:`CHECKPOINT_POLICY`.
+        grad_checkpointing: checkpoint every resnet/attention block (``model.gradient_checkpointing=layer``).
     """
 
     input_shape: tuple[int, ...]
@@ -157,64 +150,27 @@ def parse_row(row: Mapping[str, Any]) -> UNetRow:
 
 
 def build_monai_unet(cfg: UNetRow) -> nn.Module:
-    """MONAI ``DiffusionModelUNet(spatial_dims=3, ...)`` for a row (no checkpointing)."""
-    from monai.networks.nets import DiffusionModelUNet
+    """MONAI ``DiffusionModelUNet(spatial_dims=3, ...)`` for a row, through voxdiff's model factory and its
+    gradient-checkpointing policy (per resnet/attention block for rows with ``grad_checkpointing=1``;
+    ``preserve_rng_state=False`` keeps the trace off the CUDA RNG — these blocks draw no random numbers)."""
+    from voxdiff.models import build_unet
 
-    return DiffusionModelUNet(
-        spatial_dims=3,
+    return build_unet(
         in_channels=cfg.in_channels,
         out_channels=cfg.out_channels,
-        channels=cfg.channels,
-        attention_levels=cfg.attention_levels,
-        num_res_blocks=cfg.num_res_blocks,
+        channels=list(cfg.channels),
+        attention_levels=list(cfg.attention_levels),
+        num_res_blocks=list(cfg.num_res_blocks),
         num_head_channels=cfg.num_head_channels,
         norm_num_groups=cfg.norm_num_groups,
         use_flash_attention=cfg.use_flash_attention,
+        gradient_checkpointing="layer" if cfg.grad_checkpointing else "none",
+        preserve_rng_state=False,
     )
 
 
-def checkpoint_unet_blocks(model: nn.Module, preserve_rng_state: bool = False) -> nn.Module:
-    """Checkpoint every resnet block and spatial-attention block of a MONAI diffusion UNet (in place).
-
-    Each block's forward is wrapped in ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, active only
-    when grad is enabled. ``preserve_rng_state=False`` is right for these blocks, which draw no random numbers
-    (dropout 0), and keeps the trace off the CUDA RNG.
-
-    Args:
-        model: a ``DiffusionModelUNet``.
-        preserve_rng_state: forwarded to ``checkpoint``.
-
-    Returns:
-        The same model.
-
-    Raises:
-        ValueError: if the model has no block to checkpoint (a flag that silently does nothing).
-    """
-    from monai.networks.blocks import SpatialAttentionBlock
-    from monai.networks.nets.diffusion_model_unet import DiffusionUNetResnetBlock
-
-    wrapped = 0
-    for module in model.modules():
-        if isinstance(module, (DiffusionUNetResnetBlock, SpatialAttentionBlock)):
-            inner = module.forward
-
-            def forward(*args: Any, _inner: Callable[..., Any] = inner, **kwargs: Any) -> Any:
-                if not torch.is_grad_enabled():
-                    return _inner(*args, **kwargs)
-                return checkpoint(_inner, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
-
-            module.forward = forward  # type: ignore[method-assign]
-            wrapped += 1
-    if not wrapped:
-        raise ValueError(f"{type(model).__name__} has no resnet/attention block to checkpoint")
-    return model
-
-
 MODEL_FACTORY: Callable[[UNetRow], nn.Module] = build_monai_unet
-"""Row -> module; replace it to route the sweep through voxdiff's own model factory."""
-
-CHECKPOINT_POLICY: Callable[[nn.Module], nn.Module] = checkpoint_unet_blocks
-"""Module -> module with gradient checkpointing, applied to rows with ``grad_checkpointing=1``."""
+"""Row -> module (with its checkpointing policy applied)."""
 
 
 def predict_row(
@@ -244,8 +200,7 @@ def predict_row(
         factory = build_model or MODEL_FACTORY
 
         def build() -> nn.Module:
-            model = factory(cfg)
-            return CHECKPOINT_POLICY(model) if cfg.grad_checkpointing else model
+            return factory(cfg)
 
         kwargs = {"attention": "flash" if cfg.use_flash_attention else "materialised", **predict_kwargs}
         report = predict_step_memory(build, cfg.input_shape, **kwargs)

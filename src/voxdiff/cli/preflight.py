@@ -1,0 +1,161 @@
+"""``python preflight.py``: check configs for validity and GPU-memory fit before anything launches; no GPU needed.
+
+    python preflight.py                                   every configs/experiment/*.yaml, as a table
+    python preflight.py experiment=exp11 model.channels=[...]      one configuration, in detail
+    python preflight.py preflight.sweep=IN.csv preflight.out=OUT.csv   every row of a measured_vram.csv
+    python preflight.py experiment=exp11 preflight.measure=true     (CUDA GPU) measured peaks beside the prediction
+
+Exit status: 0 when every checked configuration is valid and fits, 1 otherwise, 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from voxdiff.config import compose, config_dir
+from voxdiff.errors import ConfigError
+from voxdiff.preflight.check import PreflightResult, run_preflight
+from voxdiff.preflight.memory import GiB
+
+
+def _experiment_given(overrides: list[str]) -> bool:
+    return any(o.lstrip("+~").split("=")[0] == "experiment" for o in overrides)
+
+
+def _is_diffusion(cfg: DictConfig) -> bool:
+    return str(OmegaConf.select(cfg, "system._target_", default="")).endswith("DiffusionSystem")
+
+
+def _check(cfg: DictConfig, name: str, suggest: bool) -> PreflightResult:
+    if not _is_diffusion(cfg):
+        return PreflightResult(name=name, problems=[], modelled=False)  # VQ-VAE stage 1: its step is not traced
+    return run_preflight(cfg, name=name, suggest=suggest)
+
+
+def _row(r: PreflightResult) -> list[str]:
+    if r.problems:
+        return [r.name, *["-"] * 7, f"{r.budget_gib:.0f}", "INVALID"]
+    if not r.modelled or r.report is None:
+        return [r.name, *["-"] * 8, "not modelled (stage 1)"]
+    rep = r.report
+    return [
+        r.name,
+        "×".join(map(str, r.shapes.unet_input)),
+        str(r.levels),
+        f"{r.params / 1e6:.1f}M",
+        rep.attention,
+        f"{rep.first_step.peak / GiB:.1f}",
+        f"{rep.steady_step.peak / GiB:.1f}",
+        f"{r.need_gib:.1f}" + (f" ({r.strategy}×{r.world_size})" if r.world_size > 1 else ""),
+        f"{r.budget_gib:.0f}",
+        "fits" if r.fits else "OUT OF MEMORY",
+    ]
+
+
+HEADER = ["experiment", "UNet input", "levels", "params", "attention", "step 1 GiB", "steady GiB",
+          "need GiB", "budget", "verdict"]
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(str(row[i])) for row in [HEADER, *rows]) for i in range(len(HEADER))]
+    line = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths))  # noqa: E731
+    return "\n".join([line(HEADER), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def _details(r: PreflightResult) -> str:
+    out = []
+    for p in r.problems:
+        out.append(f"  ✗ {p}")
+    if r.report is not None:
+        out.append("  " + r.report.summary().replace("\n", "\n  "))
+        out.append(f"  per GPU: peak {r.per_gpu_peak_gib:.2f} GiB ({r.strategy}, {r.world_size} GPU"
+                   f"{'s' if r.world_size > 1 else ''}); needs {r.need_gib:.1f} GiB with the safety margin and "
+                   f"CUDA context; budget {r.budget_gib:.1f} GiB ({r.budget_source}): "
+                   + ("fits" if r.fits else "DOES NOT FIT"))
+    if r.suggestions:
+        out.append("  changes that fit (predicted per-GPU peak / need):" if any(s.fits for s in r.suggestions)
+                   else "  no single change fits; predicted effect of each:")
+        for s in r.suggestions:
+            mark = "✓" if s.fits else "✗"
+            out.append(f"    {mark} {s.change}: {' '.join(s.overrides)}  ->  {s.peak_gib:.1f} / {s.need_gib:.1f} GiB")
+    return "\n".join(out)
+
+
+def _sweep(cfg: DictConfig) -> int:
+    from voxdiff.preflight.sweep import sweep
+
+    p = cfg.preflight
+    if not p.out:
+        raise ConfigError("preflight.out", p.out, "sweep mode writes a CSV", "add preflight.out=OUT.csv")
+    src = Path(str(p.sweep))
+    if not src.is_file():
+        raise ConfigError("preflight.sweep", p.sweep, "no such file", "give the path of a CSV in the format of "
+                          "reference/measured_vram.csv")
+    plot = str(p.plot) if p.plot else str(Path(str(p.out)).with_suffix(".png"))
+    t0 = time.perf_counter()
+    rows = sweep(src, str(p.out), budget_gib=float(p.gpu_memory_gib or 80.0), safety_margin=float(p.safety_margin),
+                 plot_path=plot, gpu=str(p.gpu))
+    bad = [r for r in rows if r.get("pred_error")]
+    print(f"preflight sweep: {len(rows)} rows from {src} -> {p.out} and {plot} in {time.perf_counter() - t0:.1f} s"
+          + (f"; {len(bad)} invalid rows (pred_error)" if bad else ""))
+    return 0
+
+
+def _measure(cfg: DictConfig, result: PreflightResult) -> None:
+    from voxdiff.preflight.measure import measure_steps, reference_row, write_rows
+
+    measured = measure_steps(cfg, int(cfg.preflight.measure_steps))
+    row = reference_row(cfg, result.name, measured, result.report)
+    print("measured:", ", ".join(f"{k} {row[k]}" for k in ("fwd_gib", "bwd_gib", "total_gib", "steady_total_gib",
+                                                            "reserved_gib", "oom") if k in row))
+    if cfg.preflight.out:
+        print(f"measured row -> {write_rows(str(cfg.preflight.out), [row])}")
+
+
+def run(overrides: list[str]) -> int:
+    """Run the preflight for command-line ``overrides``; returns the exit status (config errors are printed)."""
+    try:
+        return _run(overrides)
+    except ConfigError as err:
+        print(f"preflight: {err}", file=sys.stderr)
+        return 1
+
+
+def _run(overrides: list[str]) -> int:
+    base = compose("preflight", overrides)
+    if base.preflight.sweep:
+        return _sweep(base)
+    if _experiment_given(overrides):
+        configs = [(str(base.task_name), base)]
+    else:
+        names = sorted(p.stem for p in (config_dir() / "experiment").glob("*.yaml"))
+        configs = [(n, compose("preflight", [f"experiment={n}", *overrides])) for n in names]
+    single = len(configs) == 1
+    results = []
+    for name, cfg in configs:
+        results.append(_check(cfg, name, suggest=bool(cfg.preflight.suggest) and single))
+    print(_table([_row(r) for r in results]))
+    for r in results:
+        if single or not r.ok:
+            print(f"\n{r.name}:\n{_details(r)}")
+    if single and base.preflight.measure:
+        _measure(base, results[0])
+    failed = [r.name for r in results if not r.ok]
+    print(f"\npreflight: {len(results) - len(failed)}/{len(results)} configurations valid and fit"
+          + (f"; refused: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__)
+        return 0
+    code = run(args)
+    if argv is None:
+        sys.exit(code)
+    return code

@@ -1,0 +1,261 @@
+"""Preflight of one configuration: static rules, then the memory of the training step that ``train.py`` runs.
+
+The traced step is the trainer's own: the UNet from :func:`voxdiff.config.build_model` (with its checkpointing
+policy), :meth:`voxdiff.diffusion.DiffusionProcess.loss` with the configured diffusion settings, AdamW from
+:func:`voxdiff.lightning.optim.optim_settings` (its foreach/fused choice), the EMA copy of the weights that the
+system keeps on the GPU, the trainer's precision and the moment the system frees gradients. Nothing here needs a
+GPU; :func:`run_preflight` takes ~1 s per configuration on a laptop CPU (more when it suggests fixes).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from voxdiff.config import Shapes, build_encoding, build_model, model_spec, plain, shapes
+from voxdiff.errors import ConfigError
+from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
+from voxdiff.preflight.rules import static_problems
+
+DEFAULT_BUDGET_GIB = 80.0
+
+
+def _get(cfg: DictConfig, key: str, default: Any = None) -> Any:
+    value = OmegaConf.select(cfg, key, default=default)
+    return plain(value)
+
+
+def gpu_budget_gib(cfg: DictConfig) -> tuple[float, str]:
+    """The memory budget per GPU and where it comes from: ``preflight.gpu_memory_gib``, else the local CUDA GPU's
+    size when one is present, else 80 GiB."""
+    configured = _get(cfg, "preflight.gpu_memory_gib")
+    if configured is not None:
+        if isinstance(configured, bool) or not isinstance(configured, (int, float)) or configured <= 0:
+            raise ConfigError("preflight.gpu_memory_gib", configured, "must be a positive number of GiB",
+                              "e.g. preflight.gpu_memory_gib=80")
+        return float(configured), "preflight.gpu_memory_gib"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return props.total_memory / GiB, f"local GPU ({props.name})"
+    return DEFAULT_BUDGET_GIB, "default"
+
+
+def trainer_precision(cfg: DictConfig) -> str:
+    """The precision a GPU run of ``cfg`` uses (``trainer.precision: null`` means bf16-mixed on a GPU)."""
+    precision = str(_get(cfg, "trainer.precision") or "bf16-mixed")
+    if precision in ("32", "32-true"):
+        return "32-true"
+    if precision in ("bf16-mixed", "bf16", "16-mixed", "16"):
+        return "bf16-mixed"  # fp16 AMP keeps the same bytes as bf16 AMP
+    raise ConfigError("trainer.precision", precision, "the preflight models bf16-mixed and 32-true",
+                      "use trainer.precision=bf16-mixed (GPU) or 32-true")
+
+
+def world(cfg: DictConfig) -> tuple[str, int]:
+    """(strategy, number of GPUs) of the trainer config."""
+    strategy = str(_get(cfg, "trainer.strategy") or "auto")
+    devices = _get(cfg, "trainer.devices", 1)
+    nodes = _get(cfg, "trainer.num_nodes", 1) or 1
+    count = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
+    return strategy, max(1, count) * max(1, int(nodes))
+
+
+@dataclass
+class Suggestion:
+    """A change that makes a config fit (or not), with its predicted peak."""
+
+    change: str
+    overrides: list[str]
+    peak_gib: float
+    need_gib: float
+    fits: bool
+
+
+@dataclass
+class PreflightResult:
+    """Everything the preflight found about one configuration."""
+
+    name: str
+    problems: list[ConfigError]
+    shapes: Shapes | None = None
+    levels: int = 0
+    params: int = 0
+    report: MemoryReport | None = None
+    strategy: str = "auto"
+    world_size: int = 1
+    per_gpu_peak_gib: float = 0.0  # predicted max_memory_allocated per GPU, strategy included
+    need_gib: float = 0.0  # per_gpu_peak * (1 + margin) + CUDA context
+    budget_gib: float = DEFAULT_BUDGET_GIB
+    budget_source: str = "default"
+    fits: bool = False
+    suggestions: list[Suggestion] = field(default_factory=list)
+
+    modelled: bool = True  # False for systems whose step the preflight does not trace (VQ-VAE stage 1)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and (self.fits or not self.modelled)
+
+
+def _system_zero_grad_at() -> str:
+    from voxdiff.lightning.diffusion import DiffusionSystem
+
+    return getattr(DiffusionSystem, "zero_grad_at", "before_backward")
+
+
+def predict_memory(cfg: DictConfig, gpu: str = "H100") -> MemoryReport:
+    """Trace one training step of ``cfg`` on the meta device; see the module docstring for what is traced."""
+    from voxdiff.diffusion import DiffusionProcess, diffusion_settings
+    from voxdiff.lightning.ema import EMA
+    from voxdiff.lightning.optim import optim_settings
+
+    encoding = build_encoding(cfg)
+    s = shapes(cfg, encoding)
+    spec = model_spec(cfg, encoding)
+    batch = int(_get(cfg, "data.batch_size", 1) or 1)
+    process = DiffusionProcess(diffusion_settings(_get(cfg, "diffusion") or {}))
+    optim = optim_settings(_get(cfg, "system.optim") or {})
+    impl = "fused" if optim.fused else "single" if optim.foreach is False else "foreach"
+    ema_cfg = _get(cfg, "system.ema") or {}
+    emas: list[EMA] = []
+
+    def build() -> torch.nn.Module:
+        model = build_model(cfg, encoding, preserve_rng_state=False)
+        if ema_cfg is not False:
+            ema = EMA(model)  # the system keeps an fp32 copy of the weights on the GPU from set-up on
+            for i, shadow in enumerate(ema.shadow):
+                model.register_buffer(f"_preflight_ema_{i}", shadow, persistent=False)
+            emas.append(ema)
+        return model
+
+    c_out = spec.out_channels
+    bravo = cfg.mode == "bravo"
+
+    def loss_fn(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        # x (B, C_in, d, h, w): the image encoding ⊕ the mask encoding (bravo), as encode_batch hands them over
+        x0, cond = (x[:, :c_out], x[:, c_out:]) if bravo else (x, None)
+        return process.loss(model, x0, cond)[0]
+
+    def after_step(model: torch.nn.Module) -> None:
+        if emas:
+            emas[-1].update(model)
+
+    return predict_step_memory(
+        build, (batch, *s.unet_input), loss_fn,
+        precision=trainer_precision(cfg), optimizer="adamw", optimizer_impl=impl,
+        attention="flash" if spec.use_flash_attention else "materialised",
+        zero_grad_at=_system_zero_grad_at(), gpu=gpu, after_step=after_step, lr=optim.lr,
+        weight_decay=optim.weight_decay,
+    )
+
+
+def per_gpu_peak(report: MemoryReport, strategy: str, world_size: int) -> float:
+    """Predicted allocated peak per GPU (bytes) for a strategy.
+
+    * single GPU / DDP: the traced peak; DDP (world > 1) adds its gradient buckets, one fp32 copy of the
+      parameters (Lightning's DDP keeps ``gradient_as_bucket_view=False``).
+    * FSDP (full shard, analytic on top of the trace): the parameter-sized state — weights, gradients, AdamW's
+      two moments and the EMA copy, 5 copies — is sharded over the GPUs; the all-gathered weights of the units
+      in flight (about 2 of the larger blocks, approximated as 2/levels of the weights) come on top.
+    """
+    peak = float(report.peak_allocated)
+    if world_size <= 1 or strategy in ("auto", "single_device"):
+        return peak
+    if strategy.startswith("fsdp"):
+        state = 5.0 * report.param_bytes / (1.0 + 1.0)  # param_bytes counts the EMA buffers: halve to get weights
+        weights = report.param_bytes / 2.0
+        return peak - state * (1.0 - 1.0 / world_size) + 2.0 * weights / max(2, world_size)
+    return peak + report.param_bytes / 2.0  # DDP buckets: one fp32 copy of the weights (param_bytes has the EMA)
+
+
+def _need(peak_bytes: float, report: MemoryReport, margin: float) -> float:
+    return (peak_bytes * (1.0 + margin) + report.cuda_context_bytes) / GiB
+
+
+def _with(cfg: DictConfig, overrides: dict[str, Any]) -> DictConfig:
+    new = copy.deepcopy(cfg)
+    for key, value in overrides.items():
+        OmegaConf.update(new, key, value, merge=False, force_add=True)
+    return new
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_fmt(v) for v in value) + "]"
+    return str(value)
+
+
+def candidate_fixes(cfg: DictConfig) -> list[tuple[str, dict[str, Any]]]:
+    """Concrete changes that lower the peak of ``cfg``, cheapest in model quality first."""
+    spec = model_spec(cfg)
+    out: list[tuple[str, dict[str, Any]]] = []
+    ckpt = spec.gradient_checkpointing != "layer"
+    flash = any(spec.attention_levels) and not spec.use_flash_attention
+    if ckpt:
+        out.append(("gradient checkpointing per resnet/attention block", {"model.gradient_checkpointing": "layer"}))
+    if flash:
+        out.append(("memory-efficient attention (SDPA/flash)", {"model.use_flash_attention": True}))
+    if ckpt and flash:
+        out.append(("checkpointing + memory-efficient attention",
+                    {"model.gradient_checkpointing": "layer", "model.use_flash_attention": True}))
+    if any(spec.attention_levels):
+        levels = list(spec.attention_levels)
+        finest = levels.index(True)
+        levels[finest] = False
+        out.append((f"no attention at level {finest}", {"model.attention_levels": levels}))
+    step = math.lcm(spec.norm_num_groups, *[h for h, a in zip(spec.num_head_channels, spec.attention_levels) if a])
+    smaller = [max(step, c // 2 // step * step) for c in spec.channels]
+    if smaller != list(spec.channels):
+        out.append(("half the channels", {"model.channels": smaller}))
+    encoding = build_encoding(cfg)
+    unit = encoding.factor * spec.downsampling
+    vol = list(plain(cfg.data.volume_shape))
+    reduced = [max(unit, (v * 3 // 4) // unit * unit) for v in vol]
+    if reduced != vol:
+        out.append(("a smaller volume (3/4 per axis)", {"data.volume_shape": reduced}))
+    return out
+
+
+def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
+                  margin: float = DEFAULT_SAFETY_MARGIN) -> PreflightResult:
+    """Static checks, then the predicted per-GPU peak, the verdict against the budget, and fixes if it does not fit."""
+    result = PreflightResult(name=name or str(_get(cfg, "task_name", "")), problems=static_problems(cfg))
+    try:
+        result.budget_gib, result.budget_source = gpu_budget_gib(cfg)
+        margin = float(_get(cfg, "preflight.safety_margin", margin))
+        gpu = str(_get(cfg, "preflight.gpu", "H100"))
+    except ConfigError as err:
+        result.problems.append(err)
+    if result.problems:
+        return result
+    encoding = build_encoding(cfg)
+    result.shapes = shapes(cfg, encoding)
+    result.levels = model_spec(cfg, encoding).levels
+    with torch.device("meta"):
+        result.params = sum(p.numel() for p in build_model(cfg, encoding).parameters())
+    result.strategy, result.world_size = world(cfg)
+    report = predict_memory(cfg, gpu=gpu)
+    result.report = report
+    peak = per_gpu_peak(report, result.strategy, result.world_size)
+    result.per_gpu_peak_gib = peak / GiB
+    result.need_gib = _need(peak, report, margin)
+    result.fits = result.need_gib <= result.budget_gib
+    if suggest and not result.fits:
+        for change, overrides in candidate_fixes(cfg):
+            fixed = _with(cfg, overrides)
+            if static_problems(fixed):
+                continue
+            r = predict_memory(fixed, gpu=gpu)
+            p = per_gpu_peak(r, result.strategy, result.world_size)
+            need = _need(p, r, margin)
+            result.suggestions.append(Suggestion(
+                change, [f"{k}={_fmt(v)}" for k, v in overrides.items()], p / GiB, need, need <= result.budget_gib))
+        result.suggestions.sort(key=lambda s: (not s.fits, s.need_gib))
+    return result

@@ -1,0 +1,105 @@
+"""``python preflight.py``: the table over every experiment, one config, fixes, sweep mode, measure mode."""
+
+import csv
+import subprocess
+import sys
+
+import matplotlib.image as mpimg
+import pytest
+
+from voxdiff.cli.preflight import run
+from voxdiff.config import config_dir
+
+SEED_OOM = "model.attention_levels=[false,true,true,true,true]"  # attention from level 1 at 80×64×64
+
+
+@pytest.mark.slow
+def test_no_arguments_checks_every_experiment(repo):
+    result = subprocess.run([sys.executable, "preflight.py"], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for path in (config_dir() / "experiment").glob("*.yaml"):
+        assert path.stem in result.stdout
+    assert "exp11              16×80×64×64" in result.stdout
+    assert "configurations valid and fit" in result.stdout
+
+
+def test_one_config_in_detail(capsys):
+    assert run(["experiment=exp11"]) == 0
+    out = capsys.readouterr().out
+    assert "step 1   : fwd" in out and "steady   : fwd" in out and "budget 80.0 GiB" in out
+    assert "attention materialised" in out
+
+
+def test_invalid_config_exits_nonzero_with_fix(capsys):
+    assert run(["experiment=exp9_ldm_8x_bravo", "model=4L_large"]) == 1
+    out = capsys.readouterr().out
+    assert "INVALID" in out and "depth 20 of the 8× latent (20×32×32) is not divisible by 8" in out
+
+
+def test_seed_config_that_ran_out_of_memory_gets_fixes_that_fit(capsys):
+    assert run(["experiment=exp11", SEED_OOM]) == 1
+    out = capsys.readouterr().out
+    assert "OUT OF MEMORY" in out
+    fixes = [line for line in out.splitlines() if line.strip().startswith(("✓", "✗"))]
+    flash = [line for line in fixes if "model.use_flash_attention=true" in line and "checkpointing" not in line]
+    assert flash and flash[0].strip().startswith("✓"), out  # memory-efficient attention alone makes it fit
+    # and the fix really fits when checked on its own
+    assert run(["experiment=exp11", SEED_OOM, "model.use_flash_attention=true"]) == 0
+
+
+def test_budget_decides_the_verdict(capsys):
+    assert run(["experiment=exp11", "preflight.gpu_memory_gib=6"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "budget 6.0 GiB (preflight.gpu_memory_gib)" in out
+
+
+def test_checkpointing_and_flash_show_as_drops(capsys):
+    from voxdiff.config import compose
+    from voxdiff.preflight.check import run_preflight
+
+    base = run_preflight(compose("preflight", ["experiment=exp11"]), suggest=False)
+    ckpt = run_preflight(compose("preflight", ["experiment=exp11", "model.gradient_checkpointing=layer"]),
+                         suggest=False)
+    attn = compose("preflight", ["experiment=exp11", SEED_OOM])
+    flash = compose("preflight", ["experiment=exp11", SEED_OOM, "model.use_flash_attention=true"])
+    assert ckpt.per_gpu_peak_gib < 0.85 * base.per_gpu_peak_gib
+    assert run_preflight(flash, suggest=False).per_gpu_peak_gib < 0.2 * run_preflight(attn, suggest=False).per_gpu_peak_gib
+
+
+def test_sweep_mode_writes_csv_and_plot(tmp_path, reference_csv, capsys):
+    rows = list(csv.DictReader(open(reference_csv)))[:3]
+    src = tmp_path / "in.csv"
+    with open(src, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+        bad = dict(rows[0], name="bad", norm_num_groups="24")
+        writer.writerow(bad)
+    out = tmp_path / "out.csv"
+    assert run([f"preflight.sweep={src}", f"preflight.out={out}"]) == 0
+    got = list(csv.DictReader(open(out)))
+    assert len(got) == 4
+    for col in ("pred_params_m", "pred_fwd_gib", "pred_bwd_gib", "pred_step1_gib", "pred_steady_gib",
+                "pred_reserved_gib", "pred_fits", "pred_error", *rows[0].keys()):
+        assert col in got[0]
+    assert got[0]["name"] == rows[0]["name"] and got[0]["pred_error"] == ""
+    assert abs(float(got[1]["pred_params_m"]) - float(rows[1]["params_m"])) / float(rows[1]["params_m"]) < 0.005
+    assert "norm_num_groups" in got[3]["pred_error"] and got[3]["pred_fits"] == ""
+    image = mpimg.imread(out.with_suffix(".png"))
+    assert image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_sweep_without_out_is_refused(capsys, reference_csv):
+    assert run([f"preflight.sweep={reference_csv}"]) == 1
+    assert "preflight.out=null: sweep mode writes a CSV" in capsys.readouterr().err
+
+
+def test_measure_needs_a_gpu(capsys):
+    import torch
+
+    if torch.cuda.is_available():  # on a GPU machine the real measurement runs instead
+        assert run(["experiment=demo", "preflight.measure=true"]) == 0
+        assert "measured:" in capsys.readouterr().out
+    else:
+        assert run(["experiment=demo", "preflight.measure=true"]) == 1
+        assert "preflight.measure=true: needs a CUDA GPU" in capsys.readouterr().err
