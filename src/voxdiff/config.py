@@ -22,6 +22,37 @@ from voxdiff.models.unet import UNetSpec, build_unet_from_spec, unet_io_channels
 _MODEL_META_KEYS = ("_target_", "_partial_", "_convert_", "_recursive_")
 
 
+def cpu_or(cpu_value: Any, gpu_value: Any) -> Any:
+    """The ``${voxdiff.cpu_or:CPU,GPU}`` resolver: ``CPU`` on a machine without a CUDA GPU, else ``GPU``.
+
+    Gives CPU-sized defaults (a short smoke run) and GPU-sized ones from one config, e.g.
+    ``max_steps: ${voxdiff.cpu_or:20,-1}``. Registered when :mod:`voxdiff.config` is imported. It is evaluated
+    where the config is resolved; ``VOXDIFF_TARGET=gpu`` (or ``cpu``) forces one side, e.g. to resolve a GPU
+    run's config on a machine without a GPU (preflight).
+    """
+    target = os.environ.get("VOXDIFF_TARGET", "").lower()
+    if target in ("gpu", "cpu"):
+        return gpu_value if target == "gpu" else cpu_value
+    import torch
+
+    return gpu_value if torch.cuda.is_available() else cpu_value
+
+
+def job_run_id(prefix: str) -> str | None:
+    """The ``${voxdiff.job_run_id:PREFIX}`` resolver: ``PREFIX-<SLURM_JOB_ID>`` inside a Slurm job, else None.
+
+    A requeued job keeps its job id, so its logger continues the same run (wandb ``id``, CSV ``version``).
+    """
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"{prefix}-{job}" if job else None
+
+
+if not OmegaConf.has_resolver("voxdiff.cpu_or"):
+    OmegaConf.register_new_resolver("voxdiff.cpu_or", cpu_or)
+if not OmegaConf.has_resolver("voxdiff.job_run_id"):
+    OmegaConf.register_new_resolver("voxdiff.job_run_id", job_run_id)
+
+
 def config_dir() -> Path:
     """The ``configs/`` folder: ``$VOXDIFF_CONFIG_DIR`` if set, else the repository's (voxdiff installs editable)."""
     env = os.environ.get("VOXDIFF_CONFIG_DIR")

@@ -10,6 +10,7 @@ Exit status: 0 when every checked configuration is valid and fits, 1 otherwise, 
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -118,14 +119,17 @@ def _measure(cfg: DictConfig, result: PreflightResult) -> None:
 
 def run(overrides: list[str]) -> int:
     """Run the preflight for command-line ``overrides``; returns the exit status (config errors are printed)."""
+    from hydra.errors import HydraException
+
     try:
         return _run(overrides)
-    except ConfigError as err:
+    except (ConfigError, HydraException) as err:  # a refused value, or an override Hydra cannot compose
         print(f"preflight: {err}", file=sys.stderr)
         return 1
 
 
 def _run(overrides: list[str]) -> int:
+    os.environ.setdefault("VOXDIFF_TARGET", "gpu")  # resolve ${voxdiff.cpu_or:...} as the GPU run will
     base = compose("preflight", overrides)
     if base.preflight.sweep:
         return _sweep(base)

@@ -2,27 +2,278 @@
 
 The shapes and channel counts are known from the config alone (``factor``, ``latent_channels``), so preflight and
 the model factory treat this encoding like the others before any weights exist. Encoding or decoding tensors needs
-a trained stage-1 checkpoint (``encoding.checkpoint``).
+a trained stage-1 checkpoint (``encoding.checkpoint``), written by :class:`voxdiff.lightning.vqvae.VQVAESystem`.
+
+The architecture is MONAI's 3D ``VQVAE`` (Tudosiu et al. 2022, https://arxiv.org/abs/2209.03177): one stride-2
+convolution (kernel 4) per level, so ``factor = 2 ** len(channels)``, and an EMA codebook of ``latent_channels``-
+dimensional vectors (van den Oord et al. 2017). :func:`vqvae_spec` validates its config and :func:`build_vqvae`
+builds it; the stage-1 system and this encoding both build it from the same spec, which the checkpoint carries.
+
+A stage-1 checkpoint also carries ``latent_scale``: 1/std of the quantised image latents of its last validation
+epoch (the LDM scale factor, Rombach et al. 2022). :meth:`VQVAELatent.encode` returns ``latent_scale · q`` so the
+diffusion sees roughly unit-variance inputs, and :meth:`VQVAELatent.decode` divides it out again before the
+decoder. Because the scale lives with the weights, the checkpoint alone is enough to encode, decode and sample.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
 import torch
+from einops import rearrange
 
 from voxdiff.encodings.base import Encoding
 from voxdiff.errors import ConfigError
+
+#: (stride, kernel, dilation, padding) of each down-sampling convolution: halves even sizes exactly
+DOWNSAMPLE = (2, 4, 1, 1)
+#: (stride, kernel, dilation, padding, output padding) of each up-sampling transposed convolution: doubles sizes
+UPSAMPLE = (2, 4, 1, 1, 0)
+#: prefix of the autoencoder's weights in a stage-1 checkpoint's ``state_dict``
+STATE_PREFIX = "vqvae."
+#: key of the latent scale buffer in a stage-1 checkpoint's ``state_dict``
+SCALE_KEY = "latent_scale"
+
+
+@dataclass(frozen=True)
+class VQVAESpec:
+    """The validated architecture of one stage-1 VQ-VAE (single channel in and out)."""
+
+    factor: int  # spatial compression per axis: 2 ** len(channels)
+    latent_channels: int  # codebook vector size = channels of the latent (embedding_dim)
+    channels: tuple[int, ...]  # channels per level, finest first; one stride-2 down-sampling per level
+    num_res_layers: int  # residual units per level
+    num_res_channels: tuple[int, ...]  # channels inside the residual units, per level
+    num_embeddings: int  # codebook size
+    commitment_cost: float  # weight of ||z - sg(q)||² in the VQ loss
+    decay: float  # EMA decay of the codebook
+    use_checkpoint: bool = False  # MONAI's activation checkpointing of the encoder and of the decoder
+
+    @property
+    def levels(self) -> int:
+        return len(self.channels)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data (lists, not tuples) for ``save_hyperparameters`` and JSON."""
+        d = asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+    def monai_kwargs(self) -> dict[str, Any]:
+        return dict(
+            spatial_dims=3,
+            in_channels=1,
+            out_channels=1,
+            channels=self.channels,
+            num_res_layers=self.num_res_layers,
+            num_res_channels=self.num_res_channels,
+            downsample_parameters=(DOWNSAMPLE,) * self.levels,
+            upsample_parameters=(UPSAMPLE,) * self.levels,
+            num_embeddings=self.num_embeddings,
+            embedding_dim=self.latent_channels,
+            commitment_cost=self.commitment_cost,
+            decay=self.decay,
+            use_checkpointing=self.use_checkpoint,
+        )
+
+
+def _as_list(value: Any) -> Any:
+    """Sequences (tuples, Hydra's ListConfig) → a plain list; anything else unchanged."""
+    if isinstance(value, Sequence) and not isinstance(value, str) or type(value).__name__ == "ListConfig":
+        return list(value)
+    return value
+
+
+def _positive_int(key: str, value: Any, example: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(key, value, "must be a positive integer", f"e.g. {key}={example}")
+    return value
+
+
+def vqvae_spec(
+    factor: int,
+    latent_channels: int,
+    channels: Sequence[int],
+    num_res_layers: int = 2,
+    num_res_channels: int | Sequence[int] | None = None,
+    num_embeddings: int = 256,
+    commitment_cost: float = 0.25,
+    decay: float = 0.99,
+    use_checkpoint: bool = False,
+    key: str = "system.vqvae",
+) -> VQVAESpec:
+    """Validate a VQ-VAE config; every failure names the key (under ``key``), the value and a fix.
+
+    Args:
+        factor: spatial compression per axis (a power of two ≥ 2); must equal ``2 ** len(channels)``.
+        latent_channels: latent channels (codebook vector size) per encoded volume channel.
+        channels: channels per level, finest first.
+        num_res_layers: residual units per level.
+        num_res_channels: channels inside the residual units (an int for all levels, one per level, or
+            ``None`` = ``channels``).
+        num_embeddings: codebook size.
+        commitment_cost: weight of the commitment term of the VQ loss.
+        decay: EMA decay of the codebook, in (0, 1).
+        use_checkpoint: MONAI's activation checkpointing (``use_checkpointing``) of the encoder and the decoder.
+        key: the config node these values come from, for the error messages.
+    """
+    channels = _as_list(channels)
+    num_res_channels = _as_list(num_res_channels)
+    _positive_int(f"{key}.factor", factor, "4")
+    if factor < 2 or factor & (factor - 1):
+        raise ConfigError(f"{key}.factor", factor, "a VQ-VAE down-samples by stride-2 levels: a power of two ≥ 2",
+                          "use 4 (encoding=vqvae_4x) or 8 (encoding=vqvae_8x)")
+    levels = int(math.log2(factor))
+    _positive_int(f"{key}.latent_channels", latent_channels, "4")
+    example = [32 * 2**i for i in range(levels)]
+    if not isinstance(channels, (list, tuple)) or not all(
+        isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in channels
+    ):
+        raise ConfigError(f"{key}.channels", channels, "must be a list of positive channel counts, one per level",
+                          f"e.g. {key}.channels={example}")
+    if len(channels) != levels:
+        raise ConfigError(
+            f"{key}.channels", list(channels),
+            f"a factor-{factor} VQ-VAE has {levels} stride-2 levels (2^{levels} = {factor}), one entry each, "
+            f"but {len(channels)} were given",
+            f"give {levels} channel counts, e.g. {key}.channels={example}, or change encoding.factor to "
+            f"{2 ** len(channels)}",
+        )
+    if num_res_channels is None:
+        num_res_channels = list(channels)
+    elif isinstance(num_res_channels, int) and not isinstance(num_res_channels, bool):
+        num_res_channels = [num_res_channels] * levels
+    if (
+        not isinstance(num_res_channels, (list, tuple))
+        or len(num_res_channels) != levels
+        or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in num_res_channels)
+    ):
+        raise ConfigError(f"{key}.num_res_channels", num_res_channels,
+                          f"must be a positive integer or {levels} of them (one per level)",
+                          f"e.g. {key}.num_res_channels={list(channels)}")
+    if isinstance(num_res_layers, bool) or not isinstance(num_res_layers, int) or num_res_layers < 0:
+        raise ConfigError(f"{key}.num_res_layers", num_res_layers, "must be an integer ≥ 0",
+                          f"e.g. {key}.num_res_layers=2")
+    _positive_int(f"{key}.num_embeddings", num_embeddings, "256")
+    if num_embeddings < 2:
+        raise ConfigError(f"{key}.num_embeddings", num_embeddings, "a codebook needs at least 2 vectors",
+                          f"e.g. {key}.num_embeddings=256")
+    if isinstance(commitment_cost, bool) or not isinstance(commitment_cost, (int, float)) or commitment_cost < 0:
+        raise ConfigError(f"{key}.commitment_cost", commitment_cost, "must be a number ≥ 0",
+                          f"e.g. {key}.commitment_cost=0.25")
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
+        raise ConfigError(f"{key}.decay", decay, "the codebook's EMA decay must lie in (0, 1)",
+                          f"e.g. {key}.decay=0.99")
+    if not isinstance(use_checkpoint, bool):
+        raise ConfigError(f"{key}.use_checkpoint", use_checkpoint, "must be true or false",
+                          f"set {key}.use_checkpoint=true to save activation memory")
+    return VQVAESpec(
+        factor=factor,
+        latent_channels=latent_channels,
+        channels=tuple(channels),
+        num_res_layers=num_res_layers,
+        num_res_channels=tuple(num_res_channels),
+        num_embeddings=num_embeddings,
+        commitment_cost=float(commitment_cost),
+        decay=float(decay),
+        use_checkpoint=use_checkpoint,
+    )
+
+
+def build_vqvae(spec: VQVAESpec) -> torch.nn.Module:
+    """MONAI's ``VQVAE(spatial_dims=3, in_channels=1, out_channels=1, ...)`` of a validated spec.
+
+    It maps ``(N, 1, D, H, W)`` to latents ``(N, latent_channels, D/f, H/f, W/f)`` and back; build it under
+    ``torch.device("meta")`` to get shapes and parameter counts at no cost.
+    """
+    from monai.networks.nets import VQVAE
+
+    return VQVAE(**spec.monai_kwargs())
+
+
+def weights_sha256(state: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 of a state dict's names, dtypes, shapes and values: a checkpoint's identity.
+
+    Independent of everything else a Lightning checkpoint holds (optimizer state, loop counters), so two files
+    with the same stage-1 weights have the same identity and a retrained ``last.ckpt`` a different one.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Stage1Checkpoint:
+    """What a stage-1 checkpoint holds that encoding needs."""
+
+    path: str
+    spec: VQVAESpec
+    state: dict[str, torch.Tensor]  # the autoencoder's state dict (MONAI VQVAE keys)
+    latent_scale: float  # latents are ``latent_scale · q``
+    sha256: str  # :func:`weights_sha256` of the autoencoder weights and the scale
+    volume_shape: tuple[int, ...] | None  # (D, H, W) it was trained on, if recorded
+
+
+def read_stage1_checkpoint(path: str | Path, key: str = "encoding.checkpoint") -> Stage1Checkpoint:
+    """Read a stage-1 checkpoint written by ``python train.py experiment=vqvae_4x`` (or vqvae_8x, vqvae_demo).
+
+    Only tensors and plain data are unpickled (``torch.load(weights_only=True)``).
+
+    Raises:
+        ConfigError: no such file, or not a voxdiff VQ-VAE checkpoint (named as ``key``).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(key, str(path), "no such file",
+                          "train stage 1 first (python train.py experiment=vqvae_4x) and pass its "
+                          "<run dir>/checkpoints/last.ckpt")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    hparams = ckpt.get("hyper_parameters") or {}
+    state = ckpt.get("state_dict") or {}
+    if "vqvae" not in hparams or SCALE_KEY not in state:
+        raise ConfigError(
+            key, str(path),
+            "is not a voxdiff VQ-VAE stage-1 checkpoint (no hyper_parameters.vqvae / latent_scale in it)",
+            "point it at the checkpoints/last.ckpt of a run of python train.py experiment=vqvae_4x (or vqvae_8x)",
+        )
+    spec = vqvae_spec(**{k: v for k, v in dict(hparams["vqvae"]).items()}, key="system.vqvae")
+    ae_state = {k[len(STATE_PREFIX):]: v for k, v in state.items() if k.startswith(STATE_PREFIX)}
+    scale = state[SCALE_KEY]
+    shape = hparams.get("volume_shape")
+    return Stage1Checkpoint(
+        path=str(path),
+        spec=spec,
+        state=ae_state,
+        latent_scale=float(scale),
+        sha256=weights_sha256({**{STATE_PREFIX + k: v for k, v in ae_state.items()}, SCALE_KEY: scale}),
+        volume_shape=tuple(int(s) for s in shape) if shape is not None else None,
+    )
 
 
 class VQVAELatent(Encoding):
     """Latents of a 3D VQ-VAE: ``(B, C, D, H, W)`` → ``(B, C·latent_channels, D/f, H/f, W/f)``.
 
-    Each modality (image, mask) is encoded on its own into ``latent_channels`` channels, so bravo mode sees
-    ``2·latent_channels`` channels in and predicts ``latent_channels``.
+    Each modality (image, mask) is encoded on its own by one shared single-channel VQ-VAE into
+    ``latent_channels`` channels, so bravo mode sees ``2·latent_channels`` channels in and predicts
+    ``latent_channels``. Channel ``c·latent_channels + k`` holds latent channel ``k`` of input channel ``c``.
+
+    The latents are the *quantised* codebook vectors times the checkpoint's ``latent_scale`` (never the
+    unquantised encoder output). The autoencoder is frozen and always in eval mode (its EMA codebook never
+    updates here), and it is kept outside the module tree: it is not in this encoding's ``state_dict``, is not
+    seen by optimizers or DDP, and follows the device of the tensors it is given.
 
     Args:
         factor: spatial compression per axis (4 or 8 in the exp9 experiments).
         latent_channels: latent channels per encoded volume channel.
-        checkpoint: path to a trained stage-1 checkpoint; needed only to encode or decode tensors.
+        checkpoint: path to a trained stage-1 checkpoint; needed only to encode or decode tensors, and read on
+            first use (or by :meth:`load_weights`).
     """
 
     lossless = False
@@ -38,30 +289,105 @@ class VQVAELatent(Encoding):
                               "use encoding.factor=4 or 8")
         self.factor = factor
         self.latent_channels = latent_channels
-        self.checkpoint = checkpoint
-        self.autoencoder: torch.nn.Module | None = None
+        self.checkpoint = None if checkpoint is None else str(checkpoint)
+        # plain attributes (object.__setattr__): not registered as sub-modules, see the class docstring
+        object.__setattr__(self, "_autoencoder", None)
+        object.__setattr__(self, "_stage1", None)
+
+    @property
+    def autoencoder(self) -> torch.nn.Module | None:
+        """The frozen MONAI ``VQVAE``, or ``None`` before weights are loaded."""
+        return self._autoencoder
+
+    @property
+    def stage1(self) -> Stage1Checkpoint | None:
+        """What was read from the checkpoint (spec, scale, identity), or ``None`` before loading."""
+        return self._stage1
+
+    @property
+    def latent_scale(self) -> float:
+        """Latents are ``latent_scale`` × the quantised codebook vectors (loads the weights if needed)."""
+        self._require_weights()
+        return self._stage1.latent_scale  # type: ignore[union-attr]
 
     def encoded_channels(self, in_channels: int) -> int:
         return in_channels * self.latent_channels
 
-    def _require_weights(self) -> torch.nn.Module:
-        if self.autoencoder is None:
+    def load_weights(self, checkpoint: str | Path | None = None) -> VQVAELatent:
+        """Read the stage-1 checkpoint (``checkpoint`` or ``self.checkpoint``) and build the frozen autoencoder.
+
+        Raises:
+            ConfigError: the checkpoint's factor or latent channels differ from this encoding's config.
+        """
+        if checkpoint is not None:
+            self.checkpoint = str(checkpoint)
+        if self.checkpoint is None:
             raise RuntimeError(
                 f"the vqvae encoding (factor {self.factor}) has no trained weights loaded "
                 f"(encoding.checkpoint={self.checkpoint}); train stage 1 first and point encoding.checkpoint at it"
             )
-        return self.autoencoder
+        stage1 = read_stage1_checkpoint(self.checkpoint)
+        for key, mine, theirs in (("factor", self.factor, stage1.spec.factor),
+                                  ("latent_channels", self.latent_channels, stage1.spec.latent_channels)):
+            if mine != theirs:
+                raise ConfigError(
+                    f"encoding.{key}", mine,
+                    f"the stage-1 checkpoint {self.checkpoint} was trained with {key} {theirs}",
+                    f"set encoding.{key}={theirs} (encoding=vqvae_{stage1.spec.factor}x), or use a stage-1 "
+                    f"checkpoint trained with {key} {mine}",
+                )
+        spec = VQVAESpec(**{**asdict(stage1.spec), "use_checkpoint": False})  # inference only
+        ae = build_vqvae(spec)
+        ae.load_state_dict(stage1.state)
+        ae.eval().requires_grad_(False)
+        object.__setattr__(self, "_autoencoder", ae)
+        object.__setattr__(self, "_stage1", stage1)
+        return self
 
+    def _require_weights(self, device: torch.device | None = None) -> torch.nn.Module:
+        if self._autoencoder is None:
+            if self.checkpoint is None:
+                raise RuntimeError(
+                    f"the vqvae encoding (factor {self.factor}) has no trained weights loaded "
+                    f"(encoding.checkpoint={self.checkpoint}); train stage 1 first and point encoding.checkpoint "
+                    "at it"
+                )
+            self.load_weights()
+        ae = self._autoencoder
+        if device is not None and next(ae.parameters()).device != device:
+            ae.to(device)
+        ae.eval()
+        return ae
+
+    @torch.no_grad()
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
-        ae = self._require_weights()
-        # each channel (modality) is encoded separately: (B, C, ...) -> (B, C*latent_channels, ...)
-        return torch.cat([ae.encode_stage_2_inputs(x[:, i : i + 1]) for i in range(x.shape[1])], dim=1)
+        """``(B, C, D, H, W)`` → ``(B, C·latent_channels, D/f, H/f, W/f)``: ``latent_scale`` × quantised latents.
 
+        Volumes are expected in the range stage 1 was trained on ([0, 1]); runs in fp32 even under autocast.
+        """
+        self._check_input(x)
+        ae = self._require_weights(x.device)
+        c = x.shape[1]
+        flat = rearrange(x.float(), "b c d h w -> (b c) 1 d h w")  # each channel (modality) on its own
+        with torch.autocast(x.device.type, enabled=False):  # fp32 always: the same codes as the latent cache
+            q = ae.encode_stage_2_inputs(flat)  # (B·C, k, d, h, w), quantised
+        return rearrange(q * self._stage1.latent_scale, "(b c) k d h w -> b (c k) d h w", c=c)
+
+    @torch.no_grad()
     def decode(self, z: torch.Tensor) -> torch.Tensor:
-        ae = self._require_weights()
+        """``(B, C·latent_channels, d, h, w)`` → ``(B, C, d·f, h·f, w·f)``.
+
+        Divides out ``latent_scale``, snaps each latent vector to its nearest codebook vector (as VQ-VAE decoding
+        does; a no-op for cached latents) and runs the decoder. Decoded volumes are not clamped.
+        """
+        ae = self._require_weights(z.device)
         k = self.latent_channels
-        return torch.cat([ae.decode_stage_2_outputs(z[:, i : i + k]) for i in range(0, z.shape[1], k)], dim=1)
+        if z.dim() != 5 or z.shape[1] % k:
+            raise ValueError(f"VQVAELatent.decode expects (B, C·{k}, d, h, w), got shape {tuple(z.shape)}")
+        flat = rearrange(z.float() / self._stage1.latent_scale, "b (c k) d h w -> (b c) k d h w", k=k)
+        with torch.autocast(z.device.type, enabled=False):
+            x = ae.decode_stage_2_outputs(flat)  # (B·C, 1, D, H, W)
+        return rearrange(x, "(b c) 1 d h w -> b c d h w", b=z.shape[0])
 
     def extra_repr(self) -> str:
         return f"factor={self.factor}, latent_channels={self.latent_channels}, checkpoint={self.checkpoint}"

@@ -58,7 +58,10 @@ def trainer_precision(cfg: DictConfig) -> str:
 
 def world(cfg: DictConfig) -> tuple[str, int]:
     """(strategy, number of GPUs) of the trainer config."""
-    strategy = str(_get(cfg, "trainer.strategy") or "auto")
+    strategy = _get(cfg, "trainer.strategy") or "auto"
+    if isinstance(strategy, dict):  # a _target_ node, e.g. voxdiff.lightning.distributed.fsdp_strategy
+        strategy = "fsdp" if "fsdp" in str(strategy.get("_target_", "")).lower() else "ddp"
+    strategy = str(strategy)
     devices = _get(cfg, "trainer.devices", 1)
     nodes = _get(cfg, "trainer.num_nodes", 1) or 1
     count = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1

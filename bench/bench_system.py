@@ -1,0 +1,149 @@
+"""Step time of the Lightning diffusion system against a plain PyTorch loop, measured in the same process.
+
+    python bench/bench_system.py [--steps 30] [--warmup 5] [--repeats 2] [--logger wandb|csv|none] [override ...]
+
+Both sides train the same model (same initial weights) on the same batches (the same DataLoader of the same data
+module) with the same loss function (``DiffusionProcess.loss``), optimizer (``build_optimizer``) and LR schedule,
+gradient clipping and EMA update. The Lightning side is ``trainer.fit`` through ``voxdiff.cli.train``'s own
+Trainer factory with the shipped callbacks and logging (``--logger``: the shipped default is wandb offline);
+validation is off on both sides. A callback / the loop records the wall time of every step (data loading
+included); the first ``--warmup`` steps are dropped. The sides alternate ``--repeats`` times (which side goes first
+alternates too) so drift in machine load hits both. Goal: Lightning within 5% of the plain loop (ratio of medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+
+from voxdiff.config import compose
+from voxdiff.diffusion import encode_batch
+from voxdiff.lightning import DiffusionSystem, build_lr_scheduler, build_optimizer
+from voxdiff.lightning.trainer import (
+    build_trainer,
+    configure_cpu_threads,
+    instantiate_callbacks,
+    instantiate_loggers,
+)
+
+
+class StepTimer(L.Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_train_batch_end(self, *args, **kwargs) -> None:
+        self.times.append(time.perf_counter())
+
+
+def _intervals(times: list[float], start: float, warmup: int) -> list[float]:
+    stamps = [start, *times]
+    return [b - a for a, b in zip(stamps, stamps[1:])][warmup:]
+
+
+def lightning_steps(
+    cfg, steps: int, warmup: int, logger_kind: str, out: str
+) -> tuple[list[float], torch.nn.Module]:
+    L.seed_everything(int(cfg.seed))
+    datamodule = instantiate(cfg.data, _convert_="all")
+    system = instantiate(cfg.system)
+    logger = False
+    if logger_kind != "none":
+        logger = instantiate_loggers(compose("train", [f"logger={logger_kind}", f"paths.output_dir={out}"]).logger)
+    timer = StepTimer()
+    callbacks = [*instantiate_callbacks(cfg.callbacks), timer]
+    trainer = build_trainer(cfg.trainer, callbacks=callbacks, logger=logger, max_steps=warmup + steps,
+                            max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0,
+                            enable_progress_bar=True, enable_model_summary=False)
+    start = []
+
+    class Start(L.Callback):
+        def on_train_start(self, *args):
+            start.append(time.perf_counter())
+
+    trainer.callbacks.append(Start())
+    trainer.fit(system, datamodule=datamodule)
+    if logger_kind == "wandb":
+        import wandb
+
+        wandb.finish()
+    return _intervals(timer.times, start[0], warmup), system.model
+
+
+def plain_steps(cfg, steps: int, warmup: int) -> tuple[list[float], torch.nn.Module]:
+    """The same step without Lightning: encode → loss → backward → clip → AdamW → LR step → EMA."""
+    L.seed_everything(int(cfg.seed))
+    datamodule = instantiate(cfg.data, _convert_="all")
+    system = instantiate(cfg.system)  # the same model, process and EMA objects, used without a Trainer
+    model, process, ema = system.model, system.process, system.ema
+    model.train()
+    optimizer = build_optimizer(model.parameters(), system.optim_settings)
+    scheduler = build_lr_scheduler(optimizer, system.optim_settings, warmup + steps)
+    clip = float(cfg.trainer.gradient_clip_val or 0.0)
+    datamodule.setup("fit")
+    times, done = [], 0
+    start = time.perf_counter()
+    while done < warmup + steps:
+        for batch in datamodule.train_dataloader():
+            x0, cond = encode_batch(system.encoding, batch, system.mode)
+            loss, _ = process.loss(model, x0, cond)
+            if not torch.isfinite(loss):
+                raise RuntimeError("non-finite loss")
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            ema.update(model)
+            times.append(time.perf_counter())
+            done += 1
+            if done == warmup + steps:
+                break
+    return _intervals(times, start, warmup), model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--logger", choices=("wandb", "csv", "none"), default="wandb")
+    parser.add_argument("overrides", nargs="*", default=["experiment=demo"], help="train.py overrides")
+    args = parser.parse_args()
+    threads = configure_cpu_threads()
+    with tempfile.TemporaryDirectory() as out:
+        cfg = compose("train", [*args.overrides, f"paths.output_dir={out}"])
+        print(f"bench_system: {' '.join(args.overrides)}; {args.steps} steps after {args.warmup} warm-up, "
+              f"{args.repeats} repeats, logger={args.logger}, torch threads={threads}, "
+              f"device={'cuda' if torch.cuda.is_available() else 'cpu'}", flush=True)
+        plain, lightning = [], []
+        for r in range(args.repeats):
+            if r % 2 == 0:  # alternate which side goes first
+                p, plain_model = plain_steps(cfg, args.steps, args.warmup)
+                lt, lightning_model = lightning_steps(cfg, args.steps, args.warmup, args.logger, out)
+            else:
+                lt, lightning_model = lightning_steps(cfg, args.steps, args.warmup, args.logger, out)
+                p, plain_model = plain_steps(cfg, args.steps, args.warmup)
+            diff = max((a.detach() - b.detach()).abs().max().item()
+                       for a, b in zip(plain_model.parameters(), lightning_model.parameters()))
+            print(f"  repeat {r}: the same computation: final weights differ by at most {diff:.3g}", flush=True)
+            print(f"  repeat {r}: plain median {statistics.median(p) * 1e3:.1f} ms/step, "
+                  f"lightning median {statistics.median(lt) * 1e3:.1f} ms/step", flush=True)
+            plain += p
+            lightning += lt
+    pm, lm = statistics.median(plain), statistics.median(lightning)
+    pmean, lmean = statistics.fmean(plain), statistics.fmean(lightning)
+    print(f"plain loop : median {pm * 1e3:8.1f} ms/step   mean {pmean * 1e3:8.1f} ms/step   (n={len(plain)})")
+    print(f"lightning  : median {lm * 1e3:8.1f} ms/step   mean {lmean * 1e3:8.1f} ms/step   (n={len(lightning)})")
+    ratio = lm / pm
+    print(f"ratio lightning/plain: {ratio:.3f} (median), {lmean / pmean:.3f} (mean); goal <= 1.05: "
+          f"{'met' if ratio <= 1.05 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""``python cache_latents.py stage1_ckpt=CKPT out=DIR [data.* ...]``: encode a dataset once into a latent cache.
+
+compose → validate (the checkpoint is a stage-1 VQ-VAE, the volume divides by its factor) → build the encoding and
+the data → encode every subject (train and validation) → write ``DIR/latents/*.pt`` and, last, ``DIR/index.json``
+(:func:`voxdiff.data.latents.write_latent_cache`) → print what to run next.
+
+``data`` is the same config group as in ``train.py`` (``data.root``, ``data.num_subjects``, ...);
+``data.volume_shape`` defaults to the shape stage 1 was trained on.
+
+Exit codes: 0 done; 2 the config was refused (nothing was written).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, open_dict
+
+from voxdiff.config import config_dir, plain
+from voxdiff.errors import ConfigError
+
+EXIT_CONFIG = 2
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name not in DEVICES:
+        raise ConfigError("device", name, "unknown device", f"use one of {', '.join(DEVICES)}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", name, "no CUDA GPU is visible", "use device=auto or device=cpu")
+    return "cuda" if name == "auto" and torch.cuda.is_available() else ("cpu" if name == "auto" else name)
+
+
+def validate(cfg: DictConfig):  # noqa: ANN201 - returns (encoding, volume_shape, device)
+    """Check the command's config and load the stage-1 weights; nothing is written.
+
+    Returns:
+        ``(encoding, volume_shape, device)``: the loaded :class:`~voxdiff.encodings.VQVAELatent`, ``(D, H, W)``
+        and the device name.
+
+    Raises:
+        ConfigError: naming the key, the value and a fix.
+    """
+    from voxdiff.encodings.vqvae import VQVAELatent, read_stage1_checkpoint
+
+    ckpt = str(cfg.stage1_ckpt)
+    stage1 = read_stage1_checkpoint(ckpt, key="stage1_ckpt")
+    shape = plain(cfg.data.volume_shape)
+    if shape is None:
+        if stage1.volume_shape is None:
+            raise ConfigError("data.volume_shape", None, f"the checkpoint {ckpt} does not record its volume shape",
+                              "set data.volume_shape=[D,H,W]")
+        shape = list(stage1.volume_shape)
+    encoding = VQVAELatent(stage1.spec.factor, stage1.spec.latent_channels, checkpoint=ckpt)
+    encoding.check_volume_shape(shape)
+    encoding.load_weights()
+    out = Path(str(cfg.out))
+    if out.exists() and not out.is_dir():
+        raise ConfigError("out", str(out), "exists and is not a folder", "choose a folder for the cache")
+    if isinstance(cfg.batch_size, bool) or not isinstance(cfg.batch_size, int) or cfg.batch_size < 1:
+        raise ConfigError("batch_size", cfg.batch_size, "must be a positive integer", "e.g. batch_size=1")
+    return encoding, tuple(int(s) for s in shape), _device(str(cfg.device))
+
+
+def cache(cfg: DictConfig) -> dict[str, Any]:
+    """Validate, encode, write the cache; returns its index."""
+    from hydra.utils import instantiate
+    from torch.utils.data import ConcatDataset
+
+    from voxdiff.data.latents import INDEX_NAME, write_latent_cache
+
+    encoding, shape, device = validate(cfg)
+    with open_dict(cfg):
+        cfg.data.volume_shape = list(shape)
+    datamodule = instantiate(cfg.data, _convert_="all")
+    datamodule.setup("fit")
+    dataset = ConcatDataset([datamodule.train_dataset, datamodule.val_dataset])
+    info = {k: plain(cfg.data.get(k)) for k in ("root", "image_name", "mask_name", "num_subjects", "val_fraction",
+                                                 "split_seed")}
+    print(f"[voxdiff] encoding {len(dataset)} subjects of {list(shape)} with {cfg.stage1_ckpt} "
+          f"(factor {encoding.factor}, {encoding.latent_channels} latent channels, latent scale "
+          f"{encoding.latent_scale:.4g}) on {device}", flush=True)
+    index = write_latent_cache(encoding, dataset, cfg.out, shape, data_info=info, device=device,
+                               batch_size=int(cfg.batch_size), num_workers=int(cfg.data.get("num_workers", 0)),
+                               log=lambda m: print(f"[voxdiff] {m}", flush=True))
+    out = Path(str(cfg.out)).resolve()
+    print(f"[voxdiff] latent cache: {out / INDEX_NAME}: {len(index['subjects'])} subjects, latents "
+          f"{index['latent_shape']} per modality, {index['seconds']} s", flush=True)
+    print(f"[voxdiff] next: python train.py experiment=exp9_ldm_{encoding.factor}x_bravo "
+          f"encoding.checkpoint={Path(str(cfg.stage1_ckpt)).resolve()} data.latent_dir={out} "
+          f"data.volume_shape=[{','.join(map(str, shape))}]", flush=True)
+    return index
+
+
+@hydra.main(config_path=str(config_dir()), config_name="cache_latents", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """The ``python cache_latents.py`` entry point: a refused config prints one message and exits 2."""
+    try:
+        cache(cfg)
+    except ConfigError as e:
+        print(f"[voxdiff] config error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_CONFIG) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""``python sample.py ckpt_path=PATH [n=4] ...``: generate volumes from a training checkpoint.
+
+compose → validate → load the system from the checkpoint (its hyper-parameters rebuild the model, encoding and
+diffusion) → take ``n`` masks (the validation subjects of the data config saved in the checkpoint, or
+``data.root=DIR``) → DDIM with the EMA weights → decode → NIfTI with the source affine + PNG montage per sample,
+in this run's directory (``<paths.log_dir>/sample/<time>/samples``). In seg mode it writes generated masks.
+
+Exit codes: 0 done; 2 the config was refused.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from voxdiff.config import config_dir, plain
+from voxdiff.errors import ConfigError
+
+SPLITS = ("val", "all")
+DEVICES = ("auto", "cpu", "cuda")
+EXIT_CONFIG = 2
+
+
+def validate(cfg: DictConfig) -> None:
+    """Static checks of a sampling config.
+
+    Raises:
+        ConfigError: naming the key, the value and a fix.
+    """
+    ckpt = cfg.get("ckpt_path")
+    if ckpt is None or not Path(str(ckpt)).is_file():
+        raise ConfigError("ckpt_path", ckpt, "no such checkpoint file",
+                          "point it at a training checkpoint, e.g. ckpt_path=<run dir>/checkpoints/last.ckpt")
+    for key, minimum in (("n", 1), ("batch_size", 1), ("seed", 0)):
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(key, value, f"must be an integer >= {minimum}", f"e.g. {key}={max(minimum, 1)}")
+    steps = cfg.get("num_inference_steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ConfigError("num_inference_steps", steps, "must be a positive integer or null", "e.g. 50")
+    if cfg.split not in SPLITS:
+        raise ConfigError("split", cfg.split, "unknown split", f"use one of {', '.join(SPLITS)}")
+    if cfg.device not in DEVICES:
+        raise ConfigError("device", cfg.device, "unknown device", f"use one of {', '.join(DEVICES)}")
+
+
+def _load(ckpt_path: str, device: Any):
+    import torch
+
+    from voxdiff.lightning.callbacks import CONFIG_KEY
+    from voxdiff.lightning.diffusion import DiffusionSystem
+
+    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    hparams = checkpoint.get("hyper_parameters", {})
+    if not {"model", "encoding", "diffusion", "mode"} <= set(hparams):
+        raise ConfigError("ckpt_path", ckpt_path, "is not a checkpoint of the diffusion system (DiffusionSystem)",
+                          "use a checkpoint written by python train.py with system=diffusion")
+    system = DiffusionSystem.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True)
+    return system.to(device).eval(), checkpoint.get(CONFIG_KEY, {})
+
+
+def _datamodule(saved: dict[str, Any], cfg: DictConfig):
+    from hydra.utils import instantiate
+
+    data = dict(saved.get("data") or {})
+    if not data:
+        raise ConfigError("ckpt_path", cfg.ckpt_path, "the checkpoint carries no data config (voxdiff_config)",
+                          "use a checkpoint written by python train.py")
+    for key, value in (plain(cfg.get("data")) or {}).items():
+        if value is not None:
+            data[key] = value
+    return instantiate(data, _convert_="all")
+
+
+def sample(cfg: DictConfig) -> list[Path]:
+    """Load, generate and write; returns the montage paths."""
+    import torch
+    from torch.utils.data import ConcatDataset, DataLoader, Subset
+
+    from voxdiff.lightning.samples import save_samples
+    from voxdiff.lightning.trainer import configure_cpu_threads
+
+    configure_cpu_threads()
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if cfg.device == "auto" else cfg.device))
+    system, saved = _load(str(cfg.ckpt_path), device)
+    dm = _datamodule(saved, cfg)
+    dm.setup("fit")
+    dataset = dm.val_dataset if cfg.split == "val" else ConcatDataset([dm.val_dataset, dm.train_dataset])
+    n = min(int(cfg.n), len(dataset))
+    if n < int(cfg.n):
+        print(f"[voxdiff] only {n} subjects in split={cfg.split}; sampling {n}", flush=True)
+    loader = DataLoader(Subset(dataset, list(range(n))), batch_size=int(cfg.batch_size), shuffle=False)
+    out_dir = Path(cfg.paths.output_dir) / "samples"
+    print(f"[voxdiff] {system.mode} samples from {cfg.ckpt_path} (EMA: {cfg.use_ema}) into {out_dir}", flush=True)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast(
+        "cpu", enabled=False)
+    pngs: list[Path] = []
+    for i, batch in enumerate(loader):
+        generator = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1_000_003 + i)
+        with autocast:
+            generated = system.generate(batch["mask"], num_inference_steps=cfg.get("num_inference_steps"),
+                                        generator=generator, use_ema=bool(cfg.use_ema), eta=cfg.get("eta"))
+        pngs += save_samples(out_dir, "sample", system.mode, generated.cpu(), batch["mask"], batch.get("image"),
+                             batch["affine"], batch["subject"])
+        print(f"[voxdiff] {len(pngs)}/{n}: {pngs[-1]}", flush=True)
+    return pngs
+
+
+@hydra.main(config_path=str(config_dir()), config_name="sample", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """The ``voxdiff-sample`` / ``python sample.py`` entry point."""
+    try:
+        validate(cfg)
+        sample(cfg)
+    except ConfigError as e:
+        print(f"[voxdiff] config error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_CONFIG) from None
+
+
+if __name__ == "__main__":
+    main()

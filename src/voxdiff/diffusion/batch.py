@@ -1,0 +1,103 @@
+"""From a data batch to what the diffusion sees, and back: intensity ranges, encoding, the mode's split.
+
+Intensities (one place for both directions):
+
+* weight-free encodings (space-to-depth, Haar, identity) see the image mapped from [0, 1] to [-1, 1] and the mask
+  from {0, 1} to {-1, 1}, so the data has the range of the unit-variance noise it is mixed with; generated volumes
+  are mapped back (image clamped to [0, 1], mask thresholded at 0);
+* learned encodings (VQ-VAE latents) see the volumes in the range they were trained on, [0, 1], and return latents
+  that are already scaled for diffusion (the VQ-VAE's ``latent_scale``); decoding inverts that, and the mask is
+  thresholded at 0.5.
+
+Modes: ``bravo`` denoises the image encoding conditioned on the clean mask encoding; ``seg`` denoises the mask
+encoding alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from voxdiff.encodings.base import Encoding
+
+MODES = ("bravo", "seg")
+#: batch keys of the volumes, and of their pre-encoded latents (a latent cache)
+VOLUME_KEYS = ("image", "mask")
+
+
+def _learned(encoding: Encoding) -> bool:
+    return bool(getattr(encoding, "has_weights", False))
+
+
+def to_model_range(volume: torch.Tensor, encoding: Encoding) -> torch.Tensor:
+    """A volume in [0, 1] (image) or {0, 1} (mask) → the range the encoding's input expects (see module doc)."""
+    volume = volume.float()
+    return volume if _learned(encoding) else volume * 2.0 - 1.0
+
+
+def encode_volume(encoding: Encoding, volume: torch.Tensor) -> torch.Tensor:
+    """``(B, 1, D, H, W)`` volume in [0, 1] → ``(B, C_enc, d, h, w)`` float32 encoding in model range."""
+    with torch.no_grad():
+        return encoding.encode(to_model_range(volume, encoding)).float()
+
+
+def decode_volume(encoding: Encoding, z: torch.Tensor, kind: str) -> torch.Tensor:
+    """Inverse of :func:`encode_volume`: ``(B, C_enc, d, h, w)`` → ``(B, 1, D, H, W)`` float32.
+
+    Args:
+        kind: ``image`` → clamped to [0, 1]; ``mask`` → thresholded to {0, 1}.
+    """
+    if kind not in VOLUME_KEYS:
+        raise ValueError(f"kind must be one of {VOLUME_KEYS}, got {kind!r}")
+    with torch.no_grad():
+        x = encoding.decode(z.float()).float()
+    if _learned(encoding):
+        return (x > 0.5).float() if kind == "mask" else x.clamp(0.0, 1.0)
+    return (x > 0.0).float() if kind == "mask" else ((x + 1.0) / 2.0).clamp(0.0, 1.0)
+
+
+def encode_batch(
+    encoding: Encoding, batch: Mapping[str, Any], mode: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A data batch → ``(x0, cond)`` for :meth:`voxdiff.diffusion.DiffusionProcess.loss`.
+
+    A batch that carries ``image_z`` / ``mask_z`` (latents from a latent cache, already ``encode_volume`` of the
+    volumes) is used as it is; otherwise ``image`` / ``mask`` ``(B, 1, D, H, W)`` are encoded here. This is the
+    only place that decides between the two.
+
+    Returns:
+        bravo: ``x0`` the image encoding ``(B, C, d, h, w)``, ``cond`` the mask encoding ``(B, C, d, h, w)``;
+        seg: ``x0`` the mask encoding, ``cond`` None. Both float32.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+    def encoded(key: str) -> torch.Tensor:
+        z = batch.get(f"{key}_z")
+        if z is None:
+            if key not in batch:
+                raise KeyError(f"the batch has neither {key!r} nor {key + '_z'!r} (keys: {sorted(batch)})")
+            return encode_volume(encoding, batch[key])
+        return z.float()
+
+    if mode == "bravo":
+        return encoded("image"), encoded("mask")
+    return encoded("mask"), None
+
+
+def encoded_range(encoding: Encoding) -> float | None:
+    """The largest absolute value an encoding of a volume in [-1, 1] can take; None for learned encodings.
+
+    Weight-free encodings are linear maps on ``f×f×f`` blocks, so the bound is the largest L1 norm of a row of
+    the block matrix: 1 for space-to-depth and identity, 2√2 for the orthonormal Haar transform. DDIM clips its
+    x₀ predictions to this range.
+    """
+    if _learned(encoding):
+        return None
+    f = int(getattr(encoding, "factor", 1))
+    n = f**3
+    basis = torch.eye(n, dtype=torch.float64).reshape(n, 1, f, f, f)  # one voxel of the block set per sample
+    columns = encoding.encode(basis).reshape(n, -1)  # (n inputs, n outputs): the block matrix, transposed
+    return float(columns.abs().sum(dim=0).max())

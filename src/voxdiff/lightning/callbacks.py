@@ -1,0 +1,121 @@
+"""Small Lightning callbacks: throughput on the progress bar, an always-current ``last.ckpt``, the run's config in
+every checkpoint, and a fault injector for the NaN path.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+#: key of the run's resolved config in a checkpoint (read by ``sample.py``)
+CONFIG_KEY = "voxdiff_config"
+
+
+class StepsPerSecond(L.Callback):
+    """Log ``train/steps_per_s`` (optimizer steps per second of training time) on the progress bar and the logger.
+
+    Measured over windows of ``window`` steps so that the number is stable; time spent in validation (and in the
+    sampling it triggers) is left out, and so is the first step (compilation, data cache warm-up).
+
+    Args:
+        window: steps per measurement.
+    """
+
+    def __init__(self, window: int = 10) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive integer, got {window!r}")
+        self.window = window
+        self._t0: float | None = None
+        self._step0 = 0
+        self._paused = 0.0  # validation seconds inside the current window
+        self._val_start: float | None = None
+        self._value: float | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        now = time.perf_counter()
+        step = trainer.global_step
+        if self._t0 is None:
+            self._t0, self._step0, self._paused = now, step, 0.0
+        elif step - self._step0 >= self.window:
+            self._value = (step - self._step0) / max(now - self._t0 - self._paused, 1e-9)
+            self._t0, self._step0, self._paused = now, step, 0.0
+        if self._value is not None:
+            pl_module.log("train/steps_per_s", self._value, prog_bar=True, on_step=True, on_epoch=False,
+                          batch_size=1)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._val_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._val_start is not None:
+            self._paused += time.perf_counter() - self._val_start
+            self._val_start = None
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """One ``last.ckpt`` kept current: every ``every_n_train_steps`` optimizer steps and when ``fit`` ends.
+
+    Lightning's ``ModelCheckpoint(save_last=True)`` combined with a monitored metric rewrites ``last.ckpt`` only
+    when the metric improves; this keeps the best model to the ``best`` callback and makes ``last.ckpt`` the
+    resume point. A run that fails (a NaN, a crash) writes nothing at the end: the last good file stays.
+
+    Args:
+        dirpath: the checkpoint folder (``<run dir>/checkpoints``).
+        every_n_train_steps: write ``last.ckpt`` every this many optimizer steps.
+    """
+
+    def __init__(self, dirpath: str | Path, every_n_train_steps: int = 1000) -> None:
+        super().__init__(dirpath=dirpath, save_top_k=0, save_last=True, every_n_train_steps=every_n_train_steps,
+                         enable_version_counter=False)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.fast_dev_run or trainer.global_step == self._last_global_step_saved:
+            return
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+class ConfigInCheckpoint(L.Callback):
+    """Store the run's resolved config (plain data) in every checkpoint under ``voxdiff_config``.
+
+    ``sample.py`` reads the data config from it (where the validation masks come from).
+    """
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        self.config = dict(config)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        checkpoint[CONFIG_KEY] = self.config
+
+
+class PoisonBatch(L.Callback):
+    """Fault injection: replace the batch's volumes (``image``, ``mask`` and their latents) with NaN at one step.
+
+    Exercises the non-finite-loss path end to end (``+callbacks.poison._target_=voxdiff.lightning.callbacks.
+    PoisonBatch +callbacks.poison.at_step=5``): training must stop at that step with the last good checkpoint
+    intact.
+
+    Args:
+        at_step: the ``trainer.global_step`` (optimizer steps done so far) whose batch is poisoned.
+        value: what to write (NaN by default; ``inf`` works too).
+    """
+
+    def __init__(self, at_step: int, value: float = math.nan) -> None:
+        self.at_step = int(at_step)
+        self.value = float(value)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_step != self.at_step:
+            return
+        for key in ("image", "mask", "image_z", "mask_z"):
+            if key in batch:
+                batch[key] = torch.full_like(batch[key], self.value)  # new tensors: never poison a data cache

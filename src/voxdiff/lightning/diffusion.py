@@ -1,0 +1,396 @@
+"""The Lightning system of a diffusion UNet: optimizer, EMA, NaN guard, validation loss, samples, full resume.
+
+``python train.py`` instantiates it from ``configs/system/diffusion.yaml`` (``_recursive_: false``): the model,
+encoding, diffusion and mode configs arrive as config nodes, are turned into plain data here, saved with
+``save_hyperparameters`` (never modules) and rebuilt from the checkpoint by ``load_from_checkpoint``.
+
+One training step::
+
+    batch ──encode_batch──▶ x0 (B, C_out, d, h, w), cond (B, C_cond, d, h, w) | None
+          ──DiffusionProcess.loss──▶ fp32 loss ──finite?──▶ backward ──grad norm finite? clip──▶ AdamW ──▶ EMA
+
+Checkpoints carry, besides Lightning's weights, optimizer, LR scheduler and loop state: the EMA weights and the
+RNG states (torch CPU/CUDA, numpy, python) of every rank, so ``ckpt_path=...`` continues the same run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from omegaconf import OmegaConf
+
+from voxdiff.config import build_encoding, model_spec, plain
+from voxdiff.diffusion import (
+    DiffusionProcess,
+    decode_volume,
+    diffusion_settings,
+    encode_batch,
+    encode_volume,
+    encoded_range,
+)
+from voxdiff.errors import ConfigError
+from voxdiff.lightning.ema import EMA
+from voxdiff.lightning.optim import OptimSettings, build_lr_scheduler, build_optimizer, optim_settings
+from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
+from voxdiff.models.unet import build_unet_from_spec
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN or infinite loss (or gradient norm); raised before the optimizer step.
+
+    Attributes:
+        step: the global step (optimizer steps completed) whose batch failed.
+        what: ``loss`` or ``gradient norm``.
+        value: the offending value.
+    """
+
+    def __init__(self, step: int, what: str, value: float, detail: str = "") -> None:
+        self.step, self.what, self.value = step, what, value
+        super().__init__(
+            f"the training {what} is {value} at global step {step}{detail}. Training stopped before the optimizer "
+            "step: no NaN reached the weights, the EMA or any checkpoint. Resume from the last good checkpoint "
+            "(ckpt_path=...) with a lower system.optim.lr, trainer.precision=32-true or a smaller "
+            "trainer.gradient_clip_val"
+        )
+
+
+@dataclass(frozen=True)
+class EMASettings:
+    """``system.ema``: decay per optimizer step and the number of steps that copy instead of averaging."""
+
+    decay: float = 0.9999
+    start_step: int = 0
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """``system.sampling``: samples conditioned on validation masks during training."""
+
+    every_n_epochs: int = 10  # 0: never (besides the end of training when final is true)
+    num_masks: int = 2  # validation masks to sample from
+    num_inference_steps: int | None = None  # DDIM steps; None = diffusion.num_inference_steps
+    seed: int = 0  # generator seed of the validation noise and of the sampling noise (same every epoch)
+    final: bool = True  # also sample when training ends
+
+
+def _settings(cls: type, key: str, cfg: Mapping[str, Any] | None) -> Any:
+    values = dict(cfg or {})
+    known = set(cls.__dataclass_fields__)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"system.{key}.{unknown[0]}", values[unknown[0]], f"is not a system.{key} setting",
+                          f"remove it; the settings are {', '.join(sorted(known))}")
+    return cls(**values)
+
+
+def _nonneg_int(key: str, value: Any, example: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(key, value, "must be an integer >= 0", f"e.g. {key}={example}")
+
+
+def system_settings(
+    optim: Mapping[str, Any] | None, ema: Mapping[str, Any] | None, sampling: Mapping[str, Any] | None,
+    val_timesteps: int = 4,
+) -> tuple[OptimSettings, EMASettings, SamplingSettings]:
+    """Validate ``system.optim``, ``.ema``, ``.sampling`` (plain mappings) and ``.val_timesteps`` before anything
+    is built.
+
+    Raises:
+        ConfigError: naming the key, the value and a fix.
+    """
+    o = optim_settings(optim)
+    e = _settings(EMASettings, "ema", ema)
+    if isinstance(e.decay, bool) or not isinstance(e.decay, (int, float)) or not 0.0 <= e.decay < 1.0:
+        raise ConfigError("system.ema.decay", e.decay, "must be a number in [0, 1)", "e.g. system.ema.decay=0.9999")
+    _nonneg_int("system.ema.start_step", e.start_step, "1000")
+    s = _settings(SamplingSettings, "sampling", sampling)
+    _nonneg_int("system.sampling.every_n_epochs", s.every_n_epochs, "10")
+    _nonneg_int("system.sampling.num_masks", s.num_masks, "2")
+    if s.num_inference_steps is not None:
+        _nonneg_int("system.sampling.num_inference_steps", s.num_inference_steps, "50")
+        if s.num_inference_steps == 0:
+            raise ConfigError("system.sampling.num_inference_steps", 0, "must be positive or null",
+                              "use null for diffusion.num_inference_steps")
+    _nonneg_int("system.sampling.seed", s.seed, "0")
+    _nonneg_int("system.val_timesteps", val_timesteps, "4")
+    if val_timesteps == 0:
+        raise ConfigError("system.val_timesteps", 0, "must be positive", "e.g. system.val_timesteps=4")
+    if not isinstance(s.final, bool):
+        raise ConfigError("system.sampling.final", s.final, "must be true or false", "use true")
+    return o, e, s
+
+
+class DiffusionSystem(L.LightningModule):
+    """Trains a MONAI ``DiffusionModelUNet`` on encoded volumes (bravo: image | mask; seg: mask alone).
+
+    Args:
+        model: the ``model:`` config (``configs/model/*.yaml``; in/out channels follow from encoding and mode).
+        encoding: the ``encoding:`` config (``_target_`` of a :class:`voxdiff.encodings.Encoding`).
+        diffusion: the ``diffusion:`` config (:func:`voxdiff.diffusion.diffusion_settings`).
+        mode: ``bravo`` (image conditioned on the mask) or ``seg`` (masks alone).
+        optim: AdamW and schedule settings (:class:`voxdiff.lightning.optim.OptimSettings`).
+        ema: :class:`EMASettings`.
+        sampling: :class:`SamplingSettings`.
+        val_timesteps: the validation loss of a batch is the mean over this many fixed, evenly spread timesteps
+            (with fixed noise), so it is comparable from epoch to epoch.
+
+    Config containers are converted to plain Python here; all of the above is saved as hyper-parameters.
+    """
+
+    def __init__(
+        self,
+        model: Mapping[str, Any],
+        encoding: Mapping[str, Any],
+        diffusion: Mapping[str, Any],
+        mode: str = "bravo",
+        optim: Mapping[str, Any] | None = None,
+        ema: Mapping[str, Any] | None = None,
+        sampling: Mapping[str, Any] | None = None,
+        val_timesteps: int = 4,
+    ) -> None:
+        super().__init__()
+        model, encoding, diffusion, optim, ema, sampling = (
+            plain(x) for x in (model, encoding, diffusion, optim, ema, sampling)
+        )
+        self.save_hyperparameters(
+            {"model": model, "encoding": encoding, "diffusion": diffusion, "mode": mode, "optim": optim,
+             "ema": ema, "sampling": sampling, "val_timesteps": val_timesteps}
+        )
+        self.optim_settings, ema_settings, self.sampling = system_settings(optim, ema, sampling, val_timesteps)
+        self.val_timesteps = val_timesteps
+        self.mode = mode
+        cfg = OmegaConf.create({"model": model, "encoding": encoding, "mode": mode})
+        self.encoding = build_encoding(cfg)
+        self.encoding.requires_grad_(False)
+        self.spec = model_spec(cfg, self.encoding)  # validated UNet arguments, in/out channels
+        self.model = build_unet_from_spec(self.spec)
+        self.process = DiffusionProcess(diffusion_settings(diffusion), clip_range=encoded_range(self.encoding))
+        self.ema = EMA(self.model, decay=ema_settings.decay, start_step=ema_settings.start_step)
+        self._val_cache: list[dict[str, Any]] = []
+        self._last_sampled_step: int | None = None
+        self._pending_rng_states: list[dict[str, Any]] | None = None
+
+    # ------------------------------------------------------------------ training
+    def train(self, mode: bool = True) -> DiffusionSystem:
+        super().train(mode)
+        self.encoding.eval()  # a learned encoding is frozen (no batch statistics, no codebook updates)
+        return self
+
+    def on_fit_start(self) -> None:
+        self.ema.to(self.device)
+
+    def _raise_if_nonfinite(self, value: torch.Tensor, what: str, detail: str = "") -> None:
+        bad = not bool(torch.isfinite(value).all())  # one host sync per step: the guard is worth it
+        if self._trainer is not None:
+            bad = self.trainer.strategy.reduce_boolean_decision(bad, all=False)  # any rank → all ranks stop
+        if bad:
+            raise NonFiniteLossError(self.global_step, what, float(value.detach().float().cpu()), detail)
+
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
+        x0, cond = encode_batch(self.encoding, batch, self.mode)  # (B, C_out, d, h, w), (B, C_cond, ...) | None
+        loss, stats = self.process.loss(self.model, x0, cond)
+        self._raise_if_nonfinite(loss, "loss", f" (epoch {self.current_epoch}, batch {batch_idx})")
+        b = x0.shape[0]
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=b)
+        if self.process.settings.min_snr_gamma is not None:
+            self.log("train/mse", stats["mse"], on_step=True, on_epoch=False, batch_size=b)
+        return loss
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Clip as the trainer config says, and stop on a non-finite gradient norm before the optimizer step."""
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+            # fp16 with a GradScaler: inf gradients are expected and skipped by the scaler
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        algorithm = (gradient_clip_algorithm or "norm").lower()
+        if gradient_clip_val and algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+        max_norm = float(gradient_clip_val) if gradient_clip_val and algorithm == "norm" else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # the norm before clipping
+        self._raise_if_nonfinite(norm, "gradient norm")
+        self.log("train/grad_norm", norm, on_step=True, on_epoch=False, batch_size=1)
+
+    #: when the gradients are freed; the preflight traces the same order (voxdiff.preflight.check)
+    zero_grad_at = "after_step"
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self.ema.update(self.model)  # once per optimizer step
+        # Lightning zeroes gradients only before the next backward, so they would stay alive through the next
+        # forward: 4 bytes per parameter of the peak (13 GiB for a 3.5B model). Free them now.
+        optimizer.zero_grad(set_to_none=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = build_optimizer(self.model.parameters(), self.optim_settings)
+        total = self.trainer.estimated_stepping_batches
+        if self.optim_settings.decay_steps is None and not math.isfinite(total):
+            raise ConfigError("system.optim.decay_steps", None,
+                              "the run has no fixed length (trainer.max_steps=-1 and trainer.max_epochs=-1), so "
+                              "the cosine decay has no end", "set system.optim.decay_steps or trainer.max_steps")
+        scheduler = build_lr_scheduler(optimizer, self.optim_settings, int(total) if math.isfinite(total) else 1)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1, "name": "lr"}}
+
+    # ------------------------------------------------------------------ validation
+    def _generator(self, offset: int) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(self.sampling.seed * 1_000_003 + self.global_rank * 100_003 + offset)
+        return g
+
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
+        x0, cond = encode_batch(self.encoding, batch, self.mode)
+        # a fixed generator per batch: comparable across epochs, and the global RNG (data order, training noise)
+        # is not touched, so a resumed run draws what an uninterrupted one would
+        n, b = self.val_timesteps, x0.shape[0]
+        timesteps = ((torch.arange(n, device=x0.device) + 0.5) * (self.process.num_train_timesteps / n)).long()
+        generator = self._generator(batch_idx)
+        with self.ema.swapped(self.model):
+            losses = [self.process.loss(self.model, x0, cond, generator=generator, timesteps=t.expand(b))[0]
+                      for t in timesteps]
+        loss = torch.stack(losses).mean()
+        self.log("val/loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=b, sync_dist=True)
+        self._cache_for_sampling(batch)
+        return loss
+
+    def _cache_for_sampling(self, batch: Mapping[str, Any]) -> None:
+        if self.trainer.sanity_checking or "mask" not in batch:
+            return
+        if len(self._val_cache) >= self.sampling.num_masks:
+            return
+        n = min(batch["mask"].shape[0], self.sampling.num_masks - len(self._val_cache))
+        subjects = batch.get("subject", [f"val{len(self._val_cache) + i}" for i in range(n)])
+        for i in range(n):
+            affine = batch.get("affine")
+            self._val_cache.append({
+                "mask": batch["mask"][i : i + 1].detach().cpu(),
+                "image": batch["image"][i : i + 1].detach().cpu() if "image" in batch else None,
+                "affine": affine[i].detach().cpu().double() if affine is not None else torch.eye(4, dtype=torch.float64),
+                "subject": str(subjects[i]),
+            })
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_cache = []
+
+    def on_validation_epoch_end(self) -> None:
+        every = self.sampling.every_n_epochs
+        if self.trainer.sanity_checking or not every or (self.current_epoch + 1) % every:
+            return
+        self.write_samples(f"epoch{self.current_epoch:04d}_step{self.global_step:07d}")
+
+    def on_train_end(self) -> None:
+        if self.sampling.final and self._last_sampled_step != self.global_step and self.global_step > 0:
+            self.write_samples(f"final_step{self.global_step:07d}")
+
+    # ------------------------------------------------------------------ sampling
+    @torch.no_grad()
+    def generate(
+        self,
+        mask: torch.Tensor,
+        num_inference_steps: int | None = None,
+        generator: torch.Generator | None = None,
+        use_ema: bool = True,
+        eta: float | None = None,
+    ) -> torch.Tensor:
+        """Generate volumes with DDIM from the EMA weights (by default).
+
+        Args:
+            mask: ``(B, 1, D, H, W)`` masks in {0, 1}: the condition in bravo mode; in seg mode only its shape is
+                used (B masks of that size are generated).
+            num_inference_steps: DDIM steps (default ``sampling.num_inference_steps``, else the diffusion's).
+            generator: generator of the initial noise (on this module's device).
+            use_ema: sample with the EMA weights (swapped in and restored).
+            eta: DDIM stochasticity (default: the diffusion config's).
+
+        Returns:
+            ``(B, 1, D, H, W)`` float32 on this module's device: images in [0, 1] (bravo) or masks in {0, 1} (seg).
+        """
+        mask = mask.to(self.device, torch.float32)
+        if mask.dim() != 5 or mask.shape[1] != 1:
+            raise ValueError(f"mask must be (B, 1, D, H, W), got {tuple(mask.shape)}")
+        steps = num_inference_steps or self.sampling.num_inference_steps
+        c_out = self.spec.out_channels
+        if self.mode == "bravo":
+            cond = encode_volume(self.encoding, mask)  # (B, C, d, h, w)
+            spatial = tuple(cond.shape[2:])
+        else:
+            cond = None
+            spatial = self.encoding.encoded_shape((1, *mask.shape[2:]))[1:]
+        was_training = self.model.training
+        self.model.eval()
+        self.ema.to(self.device)
+        try:
+            with self.ema.swapped(self.model) if use_ema else nullcontext():
+                z = self.process.sample(self.model, (mask.shape[0], c_out, *spatial), cond, steps,
+                                        generator=generator, device=self.device, eta=eta)
+        finally:
+            self.model.train(was_training)
+        return decode_volume(self.encoding, z, "image" if self.mode == "bravo" else "mask")
+
+    def _fill_val_cache(self) -> None:
+        """Cache validation masks straight from the data module when no validation has run yet."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if self._val_cache or datamodule is None or not hasattr(datamodule, "val_dataloader"):
+            return
+        with torch.random.fork_rng(devices=[]):  # a DataLoader iterator draws a seed from the global RNG
+            for batch in datamodule.val_dataloader():
+                self._cache_for_sampling(batch)
+                if len(self._val_cache) >= self.sampling.num_masks:
+                    break
+
+    def write_samples(self, tag: str) -> list[Path]:
+        """Sample from the cached validation masks (EMA weights, DDIM), save NIfTI + montage, log the montage."""
+        if not self.trainer.is_global_zero or not self.sampling.num_masks:
+            return []
+        self._fill_val_cache()
+        if not self._val_cache:
+            log.warning("no validation masks to sample from: no samples written")
+            return []
+        from voxdiff.lightning.samples import save_samples
+
+        out_dir = Path(self.trainer.default_root_dir) / "samples"
+        masks = torch.cat([c["mask"] for c in self._val_cache])
+        images = None if self._val_cache[0]["image"] is None else torch.cat([c["image"] for c in self._val_cache])
+        with self.trainer.precision_plugin.forward_context():
+            generated = self.generate(masks, generator=self._generator(1_000_000)).cpu()
+        pngs = save_samples(out_dir, tag, self.mode, generated, masks, images,
+                            [c["affine"] for c in self._val_cache], [c["subject"] for c in self._val_cache])
+        self._last_sampled_step = self.global_step
+        log.info("samples written to %s", out_dir)
+        for logger in self.loggers:
+            if hasattr(logger, "log_image"):
+                logger.log_image(key="samples", images=[str(p) for p in pngs], step=self.global_step,
+                                 caption=[p.stem for p in pngs])
+        return pngs
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["ema"] = self.ema.state_dict()
+        checkpoint["rng_states"] = gather_rng_states()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "ema" in checkpoint:
+            self.ema.load_state_dict(checkpoint["ema"])
+        else:  # e.g. a weights-only checkpoint: the average starts at the loaded weights
+            log.warning("the checkpoint has no EMA state: the EMA starts from the loaded weights")
+            weights = {k[len("model."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
+            self.ema.load_state_dict({"shadow": weights, "num_updates": 0})
+        # the RNG only when resuming a fit (load_from_checkpoint for sampling leaves the caller's RNG alone), and
+        # only at on_train_start: after the sanity-check validation, whose data loader draws from the global RNG
+        if self._trainer is not None and "rng_states" in checkpoint:
+            self._pending_rng_states = checkpoint["rng_states"]
+
+    def on_train_start(self) -> None:
+        if self._pending_rng_states is not None:
+            restore_rng_states(self._pending_rng_states, self.trainer.global_rank)
+            self._pending_rng_states = None

@@ -1,0 +1,63 @@
+"""Write generated volumes for people: NIfTI with the source affine and a mid-plane montage PNG per sample.
+
+Used by the system's validation sampling and by ``sample.py``, so both write the same files:
+
+* ``<tag>_<subject>_generated.nii.gz``: the generated image (bravo) or mask (seg), float32, the source affine;
+* ``<tag>_<subject>.png``: three mid-planes per column, ``mask | real | generated`` (bravo) or
+  ``real mask | generated mask`` (seg).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(name)).strip("_") or "sample"
+
+
+def save_samples(
+    out_dir: str | Path,
+    tag: str,
+    mode: str,
+    generated: torch.Tensor,
+    masks: torch.Tensor,
+    images: torch.Tensor | None,
+    affines: Sequence[np.ndarray] | torch.Tensor,
+    subjects: Sequence[str],
+) -> list[Path]:
+    """Write one NIfTI and one montage per sample; returns the montage paths.
+
+    Args:
+        out_dir: the folder (created).
+        tag: file-name prefix, e.g. ``epoch0004_step000120``.
+        mode: ``bravo`` or ``seg``.
+        generated: ``(B, 1, D, H, W)`` generated images in [0, 1] (bravo) or masks in {0, 1} (seg).
+        masks: ``(B, 1, D, H, W)`` the real (conditioning) masks.
+        images: ``(B, 1, D, H, W)`` the real images (bravo montage), or None.
+        affines: ``B`` voxel-to-world ``(4, 4)`` matrices of the source volumes.
+        subjects: ``B`` subject names.
+    """
+    from voxdiff.viz import save_montage, save_nifti
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pngs = []
+    for i in range(generated.shape[0]):
+        stem = f"{tag}_{_safe(subjects[i])}"
+        affine = affines[i]
+        affine = affine.detach().cpu().double().numpy() if isinstance(affine, torch.Tensor) else np.asarray(affine)
+        save_nifti(out / f"{stem}_generated.nii.gz", generated[i, 0].float().cpu(), affine)
+        if mode == "bravo":
+            columns = {"mask": masks[i, 0], "real": images[i, 0] if images is not None else None,
+                       "generated": generated[i, 0]}
+        else:
+            columns = {"real mask": masks[i, 0], "generated mask": generated[i, 0]}
+        columns = {k: v.float().cpu() for k, v in columns.items() if v is not None}
+        pngs.append(save_montage(out / f"{stem}.png", columns, title=f"{tag}  {subjects[i]}  ({mode})"))
+    return pngs

@@ -1,0 +1,88 @@
+"""The Trainer of a run, built the same way for ``train.py``, the tests and the benchmark.
+
+``trainer.precision: null`` resolves here, at run time: ``bf16-mixed`` on a CUDA GPU (``16-mixed`` where bf16 is
+not supported), ``32-true`` on the CPU. Checkpoints are written by :class:`AtomicCheckpointIO`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor
+
+from voxdiff.lightning.checkpoint_io import AtomicCheckpointIO
+
+
+def _uses_gpu(accelerator: Any) -> bool:
+    accelerator = str(accelerator or "auto").lower()
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+
+def resolve_precision(precision: Any, accelerator: Any = "auto") -> str:
+    """``trainer.precision`` as Lightning takes it; None → ``bf16-mixed`` on a CUDA GPU, ``32-true`` on the CPU."""
+    if precision is not None:
+        return str(precision)
+    if _uses_gpu(accelerator):
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    return "32-true"
+
+
+def configure_cpu_threads() -> int:
+    """Intra-op threads = the CPUs this process may run on (SLURM's allocation, a container's quota), divided
+    among the processes of this node; ``OMP_NUM_THREADS`` wins when set. Returns the count."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")) or 1)
+    threads = max(1, cpus // max(1, local))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def instantiate_callbacks(callbacks_cfg: Mapping[str, Any] | None) -> list[L.Callback]:
+    """``callbacks:`` (a dict of ``_target_`` nodes; a null entry is switched off) → Lightning callbacks."""
+    from hydra.utils import instantiate
+
+    out = []
+    for name, node in (callbacks_cfg or {}).items():
+        if node is None:
+            continue
+        if "_target_" not in node:
+            raise ValueError(f"callbacks.{name} has no _target_")
+        out.append(instantiate(node, _convert_="all"))
+    return out
+
+
+def instantiate_loggers(logger_cfg: Mapping[str, Any] | None) -> Any:
+    """``logger:`` (one ``_target_`` node, a mapping of them, or null) → a logger, a list of loggers, or False."""
+    from hydra.utils import instantiate
+
+    if not logger_cfg:
+        return False
+    if "_target_" in logger_cfg:
+        return instantiate(logger_cfg, _convert_="all")
+    loggers = [instantiate(node, _convert_="all") for node in logger_cfg.values() if node]
+    return loggers or False
+
+
+def build_trainer(
+    trainer_cfg: Mapping[str, Any],
+    callbacks: Sequence[L.Callback] = (),
+    logger: Any = False,
+    **overrides: Any,
+) -> L.Trainer:
+    """Instantiate ``trainer:`` (a ``_target_: lightning.Trainer`` node) with the resolved precision, the atomic
+    checkpoint IO, ``callbacks`` and ``logger``. ``overrides`` replace config entries (tests, benchmark)."""
+    from hydra.utils import instantiate
+
+    callbacks = list(callbacks)
+    if not logger:  # Lightning refuses a LearningRateMonitor without a logger
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+    accelerator = overrides.get("accelerator", trainer_cfg.get("accelerator", "auto"))
+    precision = resolve_precision(overrides.pop("precision", trainer_cfg.get("precision")), accelerator)
+    return instantiate(trainer_cfg, precision=precision, callbacks=callbacks, logger=logger,
+                       plugins=[AtomicCheckpointIO()], _convert_="all", **overrides)

@@ -1,0 +1,107 @@
+"""``sample.py``: from a checkpoint and the data config saved in it (or ``data.root``) to NIfTI files with the
+source affine and montages, in bravo and seg mode; training on a NIfTI folder along the way."""
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from voxdiff.cli.sample import sample, validate
+from voxdiff.cli.train import train
+from voxdiff.config import compose
+from voxdiff.errors import ConfigError
+
+SHAPE = (16, 32, 32)
+AFFINE = np.array([[1.5, 0, 0, -12.0], [0, 1.5, 0, -24.0], [0, 0, 1.5, 6.0], [0, 0, 0, 1]])  # RAS, 1.5 mm
+TINY = [
+    "experiment=demo",
+    "logger=csv",
+    f"data.volume_shape=[{SHAPE[0]},{SHAPE[1]},{SHAPE[2]}]",
+    "data.num_subjects=3",
+    "model.channels=[8,8,8]",
+    "model.num_res_blocks=1",
+    "model.num_head_channels=8",
+    "model.norm_num_groups=4",
+    "system.sampling.final=false",
+    "trainer.max_steps=2",
+    "trainer.accelerator=cpu",
+    "trainer.enable_model_summary=false",
+    "trainer.enable_progress_bar=false",
+    "callbacks.progress_bar=null",
+]
+
+
+def _nifti_folder(root, n=3):
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        d = root / f"subject-{i:03d}"
+        d.mkdir(parents=True)
+        image = rng.uniform(0, 100, SHAPE).astype(np.float32)
+        mask = np.zeros(SHAPE, np.float32)
+        mask[4:8, 10:16, 12:20] = 1
+        nib.save(nib.Nifti1Image(image, AFFINE), d / "bravo.nii.gz")
+        nib.save(nib.Nifti1Image(mask, AFFINE), d / "seg.nii.gz")
+    return root
+
+
+@pytest.fixture(scope="module")
+def nifti_run(tmp_path_factory):
+    """Train 2 steps on a NIfTI folder (the data.root path of train.py)."""
+    data = _nifti_folder(tmp_path_factory.mktemp("nifti"))
+    out = tmp_path_factory.mktemp("nifti_run")
+    report = train(compose("train", [*TINY, f"data.root={data}", f"paths.output_dir={out}"]))
+    return data, report["last_checkpoint"]
+
+
+def _sample(out, *overrides):
+    cfg = compose("sample", [f"paths.output_dir={out}", "num_inference_steps=2", *overrides])
+    validate(cfg)
+    return sample(cfg)
+
+
+def test_samples_from_the_checkpoints_data_config(nifti_run, tmp_path):
+    _, ckpt = nifti_run
+    pngs = _sample(tmp_path, f"ckpt_path={ckpt}", "n=4")  # 3 subjects → 1 validation subject
+    assert len(pngs) == 1
+    niftis = sorted((tmp_path / "samples").glob("*_generated.nii.gz"))
+    assert len(niftis) == 1
+    img = nib.load(niftis[0])
+    assert img.shape == SHAPE
+    np.testing.assert_allclose(img.affine, AFFINE, atol=1e-5)  # the source affine
+    data = np.asarray(img.dataobj)
+    assert data.dtype == np.float32 and 0.0 <= data.min() and data.max() <= 1.0
+    assert pngs[0].suffix == ".png" and pngs[0].stat().st_size > 1000
+
+
+def test_samples_from_another_folder_with_split_all(nifti_run, tmp_path):
+    data, ckpt = nifti_run
+    pngs = _sample(tmp_path, f"ckpt_path={ckpt}", "n=2", "split=all", f"data.root={data}", "batch_size=2")
+    assert len(pngs) == 2
+    for path in (tmp_path / "samples").glob("*_generated.nii.gz"):
+        assert nib.load(path).shape == SHAPE
+        np.testing.assert_allclose(nib.load(path).affine, AFFINE, atol=1e-5)
+
+
+def test_seg_mode_writes_generated_masks(tmp_path):
+    report = train(compose("train", [*TINY, "mode=seg", f"paths.output_dir={tmp_path / 'run'}"]))
+    ckpt = torch.load(report["last_checkpoint"], map_location="cpu", weights_only=True)
+    assert ckpt["hyper_parameters"]["mode"] == "seg"
+    assert ckpt["state_dict"]["model.conv_in.conv.weight"].shape[1] == 8  # the mask encoding alone
+    pngs = _sample(tmp_path / "sample", f"ckpt_path={report['last_checkpoint']}", "n=1", "use_ema=false")
+    assert len(pngs) == 1
+    (nifti,) = (tmp_path / "sample" / "samples").glob("*_generated.nii.gz")
+    mask = np.asarray(nib.load(nifti).dataobj)
+    assert mask.shape == SHAPE and set(np.unique(mask)) <= {0.0, 1.0}
+
+
+@pytest.mark.parametrize("override, key", [("n=0", "n"), ("split=test", "split"), ("device=tpu", "device")])
+def test_bad_sampling_configs_are_refused(nifti_run, override, key):
+    _, ckpt = nifti_run
+    with pytest.raises(ConfigError) as e:
+        validate(compose("sample", [f"ckpt_path={ckpt}", override]))
+    assert e.value.key == key
+
+
+def test_missing_checkpoint_is_refused(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        validate(compose("sample", [f"ckpt_path={tmp_path / 'none.ckpt'}"]))
+    assert e.value.key == "ckpt_path"

@@ -1,0 +1,134 @@
+"""``train.py`` end to end: every experiment through the real entry (compose + ``train``), the static checks and
+their exit, and one real ``python train.py`` process with the default (wandb offline) logger."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from voxdiff.cli.train import EXIT_CONFIG, train, validate
+from voxdiff.config import compose, config_dir
+from voxdiff.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+ALL_EXPERIMENTS = sorted(p.stem for p in (config_dir() / "experiment").glob("*.yaml"))
+
+
+def _is_diffusion(cfg) -> bool:
+    return str(cfg.system.get("_target_", "")).endswith("DiffusionSystem")
+
+
+def _needs_vqvae_weights(cfg) -> bool:
+    return str(cfg.encoding.get("_target_", "")).endswith("VQVAELatent")
+
+
+# the diffusion experiments that train without VQ-VAE weights (exp9_* need a trained stage 1)
+EXPERIMENTS = [e for e in ALL_EXPERIMENTS
+               if _is_diffusion(c := compose("train", [f"experiment={e}"])) and not _needs_vqvae_weights(c)]
+
+
+def tiny_overrides(tmp_path, experiment: str = "demo") -> list[str]:
+    """CPU-sized overrides of an experiment: its encoding, levels and attention kept, 8 channels, a tiny volume."""
+    cfg = compose("train", [f"experiment={experiment}"])
+    levels = len(cfg.model.channels)
+    side = max(16, int(cfg.encoding.get("factor", 2)) * 2 ** (levels - 1))
+    return [
+        f"experiment={experiment}",
+        "logger=csv",
+        f"paths.output_dir={tmp_path}",
+        f"data.volume_shape=[{side},{side},{side}]",
+        "data.num_subjects=3",
+        "model.channels=[" + ",".join(["8"] * levels) + "]",
+        "model.num_res_blocks=1",
+        "model.num_head_channels=8",
+        "model.norm_num_groups=4",
+        "system.sampling.num_masks=1",
+        "system.sampling.num_inference_steps=2",
+        "trainer.accelerator=cpu",
+        "trainer.enable_model_summary=false",
+        "trainer.enable_progress_bar=false",
+        "callbacks.progress_bar=null",
+    ]
+
+
+def test_the_selection_leaves_out_only_the_vqvae_experiments():
+    left_out = {e for e in ALL_EXPERIMENTS if e not in EXPERIMENTS
+                and _is_diffusion(compose("train", [f"experiment={e}"]))}
+    assert left_out == {e for e in ALL_EXPERIMENTS if e.startswith("exp9_")}
+    assert {"demo", "exp11", "exp11_1", "exp12", "exp12_1"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_experiment_fast_dev_run(experiment, tmp_path):
+    cfg = compose("train", [*tiny_overrides(tmp_path, experiment), "trainer.fast_dev_run=true"])
+    report = train(cfg)
+    assert report["run_dir"] == str(tmp_path.resolve())
+    assert "train/loss" in report["metrics"] and "val/loss" in report["metrics"]
+    pngs = list((tmp_path / "samples").glob("*.png"))
+    assert len(pngs) == 1, "the end of training samples one validation mask"
+
+
+def test_bad_volume_shape_is_refused_before_anything_is_built():
+    cfg = compose("train", ["experiment=exp11", "data.volume_shape=[161,128,128]"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert e.value.key == "data.volume_shape" and "161" in str(e.value)
+
+
+def test_unet_divisibility_is_checked():
+    # 64 x 64 x 40 → S2D 32 x 32 x 20: 20 does not divide by 16 (5 levels)
+    cfg = compose("train", ["model=default_3d_5lvl", "data.volume_shape=[64,64,40]"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    msg = str(e.value)  # train.py runs the preflight's static rules before it builds anything
+    assert e.value.key == "data.volume_shape" and "width 20 of the S2D encoding (32×32×20)" in msg
+    assert "pad the volume to 64 (data.volume_shape=[64, 64, 64])" in msg
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("system.optim.lr=-1", "system.optim.lr"), ("diffusion.prediction_type=x0", "diffusion.prediction_type"),
+     ("system.ema.decay=1.5", "system.ema.decay"), ("ckpt_path=/no/such.ckpt", "ckpt_path"),
+     ("system.sampling.num_masks=-2", "system.sampling.num_masks")],
+)
+def test_system_settings_are_checked(override, key):
+    with pytest.raises(ConfigError) as e:
+        validate(compose("train", ["experiment=demo", override]))
+    assert e.value.key == key
+
+
+def test_model_default_3d_5lvl_validates_on_the_default_data():
+    validate(compose("train", ["model=default_3d_5lvl"]))
+
+
+def _run_train_py(args, cwd, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_train_py_exits_non_zero_on_a_bad_config(tmp_path):
+    proc = _run_train_py(["experiment=exp11", "data.volume_shape=[161,128,128]", f"paths.log_dir={tmp_path}"],
+                         cwd=tmp_path)
+    assert proc.returncode == EXIT_CONFIG
+    assert "data.volume_shape=[161, 128, 128]" in proc.stderr and "Fix:" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert "[voxdiff] run directory" not in proc.stdout  # refused before the run started
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+@pytest.mark.slow
+def test_train_py_main_job_with_wandb_offline(tmp_path):
+    """The real entry point, default logger (wandb offline): checkpoint, wandb run, montage in the run dir."""
+    overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith(("logger=", "paths.output_dir="))]
+    proc = _run_train_py([*overrides, "trainer.max_steps=3", f"paths.log_dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dirs = list((tmp_path / "demo").iterdir())
+    assert len(run_dirs) == 1
+    run_dir = run_dirs[0]
+    assert f"[voxdiff] run directory: {run_dir.resolve()}" in proc.stdout
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert list((run_dir / "wandb").glob("offline-run-*"))
+    assert list((run_dir / "samples").glob("final_step0000003_*.png"))
+    assert (run_dir / ".hydra" / "config.yaml").is_file()

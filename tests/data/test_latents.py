@@ -1,0 +1,170 @@
+"""The latent cache: round trip through the stage-1 decoder, refusal of stale caches, the split, the masks."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from voxdiff.data import PhantomDataset, VolumeDataModule
+from voxdiff.data.latents import (
+    INDEX_NAME,
+    LatentDataModule,
+    check_latent_cache,
+    pack_mask,
+    unpack_mask,
+    write_latent_cache,
+)
+from voxdiff.encodings import VQVAELatent
+from voxdiff.encodings.vqvae import read_stage1_checkpoint
+from voxdiff.errors import ConfigError
+from voxdiff.lightning.vqvae import VQVAESystem
+
+SHAPE = (16, 32, 32)
+
+
+def make_stage1_checkpoint(path, factor=4, seed=0, scale=2.5):
+    """A stage-1 checkpoint as Lightning writes it (state_dict + hyper_parameters), codebook started from data."""
+    torch.manual_seed(seed)
+    levels = factor.bit_length() - 1
+    system = VQVAESystem(vqvae=dict(factor=factor, latent_channels=4, channels=[8] * levels, num_res_layers=1,
+                                    num_embeddings=16), volume_shape=list(SHAPE))
+    image = PhantomDataset(SHAPE, 1, seed_offset=seed)[0]["image"][None]
+    with torch.no_grad():
+        system._init_codebook(system.vqvae.encode(image))
+    system.latent_scale.fill_(scale)
+    torch.save({"state_dict": system.state_dict(), "hyper_parameters": dict(system.hparams)}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def phantoms():
+    return PhantomDataset(SHAPE, 4, cache=True)
+
+
+@pytest.fixture(scope="module")
+def stage1(tmp_path_factory):
+    return make_stage1_checkpoint(tmp_path_factory.mktemp("stage1") / "a.ckpt")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, stage1, phantoms):
+    out = tmp_path_factory.mktemp("cache") / "latents"
+    write_latent_cache(VQVAELatent(4, 4, checkpoint=str(stage1)), phantoms, out, SHAPE, batch_size=2)
+    return out
+
+
+def _module(cache, ckpt, **kw):
+    args = dict(latent_dir=cache and str(cache), volume_shape=list(SHAPE), stage1_checkpoint=ckpt and str(ckpt),
+                factor=4,
+                latent_channels=4, val_fraction=0.25, split_seed=0, batch_size=2)
+    return LatentDataModule(**{**args, **kw})
+
+
+def test_pack_mask_round_trip():
+    mask = (torch.rand(1, 5, 7, 9) > 0.7).float()  # 315 voxels: not a multiple of 8
+    bits = pack_mask(mask)
+    assert bits.dtype == torch.uint8 and bits.numel() == 40
+    assert torch.equal(unpack_mask(bits, (5, 7, 9)), mask)
+
+
+def test_cache_round_trips_through_the_stage1_decoder(cache, stage1, phantoms):
+    """decode(cached latent) == decode(quantize(encode(x))) of a fresh encode of the same volume."""
+    from voxdiff.encodings.vqvae import build_vqvae
+
+    index = json.loads((cache / INDEX_NAME).read_text())
+    s1 = read_stage1_checkpoint(stage1)
+    ae = build_vqvae(s1.spec)
+    ae.load_state_dict(s1.state)
+    ae.eval()
+    encoding = VQVAELatent(4, 4, checkpoint=str(stage1))
+    assert index["scale_factor"] == pytest.approx(2.5) and index["latent_shape"] == [4, 4, 8, 8]
+    for sample in phantoms:
+        record = torch.load(cache / index["subjects"][sample["subject"]], weights_only=True)
+        for key in ("image", "mask"):
+            x = sample[key][None]
+            with torch.no_grad():
+                q, _ = ae.quantize(ae.encode(x))
+                fresh = ae.decode(q)
+                codes = ae.index_quantize(x)
+            cached = record[f"{key}_z"][None]
+            assert cached.shape == (1, 4, 4, 8, 8)
+            torch.testing.assert_close(cached, 2.5 * q, rtol=0, atol=1e-6)  # quantised latents, scaled
+            assert torch.equal(ae.quantizer.quantize(cached / 2.5), codes)  # same codes
+            torch.testing.assert_close(encoding.decode(cached), fresh, rtol=0, atol=1e-5)
+        assert torch.equal(unpack_mask(record["mask_bits"], SHAPE), sample["mask"])
+        assert torch.equal(record["affine"], sample["affine"])
+    assert set(index["subjects"]) == {s["subject"] for s in phantoms}
+    assert index["stage1"]["sha256"] == s1.sha256
+
+
+def test_datamodule_batches_and_split(cache, stage1):
+    dm = _module(cache, stage1)
+    volumes = VolumeDataModule(list(SHAPE), num_subjects=4, val_fraction=0.25, split_seed=0)
+    assert dm.val_subjects == volumes.val_subjects and dm.train_subjects == volumes.train_subjects
+    train = next(iter(dm.train_dataloader()))
+    assert set(train) == {"image_z", "mask_z", "mask", "subject", "affine"}  # no image: it is not stored
+    assert train["image_z"].shape == train["mask_z"].shape == (2, 4, 4, 8, 8)
+    val = next(iter(dm.val_dataloader()))
+    assert val["mask"].shape == (1, 1, *SHAPE)  # the system samples from validation masks
+    assert val["affine"].dtype == torch.float64
+    latents_only = _module(cache, stage1, masks=False)
+    assert "mask" not in next(iter(latents_only.val_dataloader()))
+
+
+def test_cache_of_another_checkpoint_is_refused(cache, stage1, tmp_path):
+    other = make_stage1_checkpoint(tmp_path / "b.ckpt", seed=1)
+    with pytest.raises(ConfigError) as e:
+        _module(cache, other)
+    message = str(e.value)
+    assert str(cache) in message and "another stage-1 checkpoint" in message
+    assert str(stage1.resolve()) in message  # who made it
+    assert f"python cache_latents.py stage1_ckpt={other} out={cache}" in message  # the fix
+
+
+def test_same_weights_in_another_file_are_accepted(cache, stage1, tmp_path):
+    copy = tmp_path / "copy.ckpt"
+    shutil.copy(stage1, copy)
+    assert _module(cache, copy).index["stage1"]["checkpoint"] == str(stage1.resolve())
+
+
+def test_cache_of_another_volume_shape_is_refused(cache, stage1):
+    with pytest.raises(ConfigError) as e:
+        _module(cache, stage1, volume_shape=[32, 32, 32])
+    message = str(e.value)
+    assert str(cache) in message and "[16, 32, 32]" in message and "[32, 32, 32]" in message
+    assert "python cache_latents.py" in message and "data.volume_shape=[32,32,32]" in message
+
+
+def test_cache_of_another_factor_is_refused(cache, stage1):
+    with pytest.raises(ConfigError, match="factor 4, but encoding.factor is 8"):
+        check_latent_cache(cache, SHAPE, str(stage1), 8, 4)
+
+
+def test_missing_checkpoint_names_the_one_that_made_the_cache(cache, stage1, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        _module(cache, None)
+    assert e.value.key == "encoding.checkpoint" and str(stage1.resolve()) in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        _module(cache, tmp_path / "gone.ckpt")
+    assert e.value.key == "encoding.checkpoint" and "no such file" in str(e.value)
+
+
+def test_no_cache_and_an_interrupted_cache_say_how_to_make_one(stage1, phantoms, tmp_path):
+    with pytest.raises(ConfigError, match="data.latent_dir=null.*python cache_latents.py"):
+        _module(None, stage1)
+
+    class Broken(torch.utils.data.Dataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            if i == 1:
+                raise OSError("disk gone")
+            return phantoms[i]
+
+    out = tmp_path / "interrupted"
+    with pytest.raises(OSError):
+        write_latent_cache(VQVAELatent(4, 4, checkpoint=str(stage1)), Broken(), out, SHAPE)
+    assert (out / "latents").is_dir() and not (out / INDEX_NAME).exists()
+    with pytest.raises(ConfigError, match="no latent cache there.*python cache_latents.py"):
+        _module(out, stage1)

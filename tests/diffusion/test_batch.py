@@ -1,0 +1,71 @@
+"""Batch → encodings in model range (both modes, latent batches) and back; the encoded ranges DDIM clips to."""
+
+import math
+
+import pytest
+import torch
+from voxdiff.diffusion import decode_volume, encode_batch, encode_volume, encoded_range
+from voxdiff.encodings import HaarWavelet, Identity, SpaceToDepth
+
+
+def _batch(b=2, shape=(4, 8, 8)):
+    g = torch.Generator().manual_seed(0)
+    return {"image": torch.rand(b, 1, *shape, generator=g),
+            "mask": (torch.rand(b, 1, *shape, generator=g) > 0.7).float()}
+
+
+def test_bravo_encodes_image_and_mask_in_model_range():
+    enc = SpaceToDepth(2)
+    batch = _batch()
+    x0, cond = encode_batch(enc, batch, "bravo")
+    assert x0.shape == cond.shape == (2, 8, 2, 4, 4)
+    torch.testing.assert_close(x0, enc.encode(batch["image"] * 2 - 1))
+    assert set(cond.unique().tolist()) <= {-1.0, 1.0}  # mask {0, 1} → {-1, 1}
+
+
+def test_seg_generates_the_mask_alone():
+    x0, cond = encode_batch(SpaceToDepth(2), _batch(), "seg")
+    assert cond is None and set(x0.unique().tolist()) <= {-1.0, 1.0}
+
+
+def test_latent_batches_skip_the_encoder():
+    class Refuses(Identity):
+        def encode(self, x):
+            raise AssertionError("encode must not be called for latent batches")
+
+    z_img, z_mask = torch.randn(2, 4, 2, 2, 2), torch.randn(2, 4, 2, 2, 2)
+    x0, cond = encode_batch(Refuses(), {"image_z": z_img, "mask_z": z_mask}, "bravo")
+    assert torch.equal(x0, z_img) and torch.equal(cond, z_mask)
+    x0, cond = encode_batch(Refuses(), {"mask_z": z_mask}, "seg")
+    assert torch.equal(x0, z_mask) and cond is None
+
+
+def test_missing_keys_and_bad_mode():
+    with pytest.raises(KeyError, match="image"):
+        encode_batch(Identity(), {"mask": torch.zeros(1, 1, 2, 2, 2)}, "bravo")
+    with pytest.raises(ValueError, match="mode"):
+        encode_batch(Identity(), _batch(), "both")
+
+
+@pytest.mark.parametrize("enc", [SpaceToDepth(2), HaarWavelet(), Identity()], ids=type)
+def test_decode_inverts_encode(enc):
+    batch = _batch()
+    image = decode_volume(enc, encode_volume(enc, batch["image"]), "image")
+    torch.testing.assert_close(image, batch["image"], rtol=0, atol=1e-6)
+    mask = decode_volume(enc, encode_volume(enc, batch["mask"]), "mask")
+    assert torch.equal(mask, batch["mask"])  # thresholded at 0
+
+
+def test_decode_clamps_images_and_thresholds_masks():
+    z = torch.tensor([-3.0, -0.1, 0.1, 3.0]).view(1, 1, 1, 1, 4)
+    assert decode_volume(Identity(), z, "image").flatten().tolist() == pytest.approx([0.0, 0.45, 0.55, 1.0])
+    assert decode_volume(Identity(), z, "mask").flatten().tolist() == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_encoded_ranges():
+    assert encoded_range(SpaceToDepth(2)) == pytest.approx(1.0)
+    assert encoded_range(Identity()) == pytest.approx(1.0)
+    assert encoded_range(HaarWavelet()) == pytest.approx(2 * math.sqrt(2))
+    # the bound is attained: a constant volume of ones has a Haar low-pass of 2√2
+    ones = torch.ones(1, 1, 2, 2, 2)
+    assert HaarWavelet().encode(ones).abs().max() == pytest.approx(2 * math.sqrt(2))

@@ -1,0 +1,64 @@
+"""Small parts: the steps-per-second callback, precision resolution, the logger and callback factories."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from voxdiff.lightning import StepsPerSecond, resolve_precision
+from voxdiff.lightning.callbacks import PoisonBatch
+from voxdiff.lightning.trainer import instantiate_callbacks, instantiate_loggers
+
+
+def test_steps_per_second_leaves_validation_out(monkeypatch):
+    clock = {"t": 0.0}
+    monkeypatch.setattr("voxdiff.lightning.callbacks.time.perf_counter", lambda: clock["t"])
+    logged = []
+    module = SimpleNamespace(log=lambda name, value, **kw: logged.append((name, value, kw.get("prog_bar"))))
+    trainer = SimpleNamespace(global_step=0)
+    cb = StepsPerSecond(window=4)
+    for step in range(1, 10):
+        clock["t"] += 0.5  # 2 steps per second of training
+        if step == 3:  # 10 s of validation in the middle of the window
+            cb.on_validation_start(trainer, module)
+            clock["t"] += 10.0
+            cb.on_validation_end(trainer, module)
+        trainer.global_step = step
+        cb.on_train_batch_end(trainer, module, None, None, step)
+    assert logged and all(name == "train/steps_per_s" and prog for name, _, prog in logged)
+    assert logged[-1][1] == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        StepsPerSecond(window=0)
+
+
+def test_precision_resolution():
+    assert resolve_precision("16-mixed", "gpu") == "16-mixed"
+    assert resolve_precision(None, "cpu") == "32-true"
+    if not torch.cuda.is_available():
+        assert resolve_precision(None, "auto") == "32-true"
+
+
+def test_logger_and_callback_factories(tmp_path):
+    assert instantiate_loggers(None) is False
+    single = instantiate_loggers(OmegaConf.create(
+        {"_target_": "lightning.pytorch.loggers.CSVLogger", "save_dir": str(tmp_path)}))
+    assert type(single).__name__ == "CSVLogger"
+    both = instantiate_loggers(OmegaConf.create({
+        "a": {"_target_": "lightning.pytorch.loggers.CSVLogger", "save_dir": str(tmp_path), "name": "a"},
+        "b": {"_target_": "lightning.pytorch.loggers.CSVLogger", "save_dir": str(tmp_path), "name": "b"},
+        "off": None}))
+    assert [lg.name for lg in both] == ["a", "b"]
+    callbacks = instantiate_callbacks(OmegaConf.create(
+        {"poison": {"_target_": "voxdiff.lightning.PoisonBatch", "at_step": 3}, "off": None}))
+    assert len(callbacks) == 1 and isinstance(callbacks[0], PoisonBatch) and callbacks[0].at_step == 3
+
+
+def test_poison_batch_replaces_volumes_at_its_step_only():
+    cache = torch.zeros(1, 1, 2, 2, 2)
+    batch = {"image": cache, "mask": torch.zeros(1, 1, 2, 2, 2), "subject": ["s"]}
+    cb = PoisonBatch(at_step=2)
+    cb.on_train_batch_start(SimpleNamespace(global_step=1), None, batch, 0)
+    assert torch.isfinite(batch["image"]).all()
+    cb.on_train_batch_start(SimpleNamespace(global_step=2), None, batch, 0)
+    assert torch.isnan(batch["image"]).all() and torch.isnan(batch["mask"]).all()
+    assert torch.isfinite(cache).all()  # a data cache is never poisoned

@@ -1,0 +1,73 @@
+"""EMA: the update rule, the swap (raw weights restored bit for bit), the state round trip."""
+
+import torch
+from voxdiff.lightning import EMA
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+
+
+def test_update_copies_then_averages():
+    m = _model()
+    ema = EMA(m, decay=0.9, start_step=1)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    ema.update(m)  # update 1 <= start_step: a copy
+    for s, p in zip(ema.shadow, m.parameters()):
+        assert torch.equal(s, p)
+    before = [s.clone() for s in ema.shadow]
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(2.0)
+    ema.update(m)  # 0.9 * shadow + 0.1 * param
+    for s, b, p in zip(ema.shadow, before, m.parameters()):
+        torch.testing.assert_close(s, 0.9 * b + 0.1 * p)
+    assert ema.num_updates == 2
+
+
+def test_swap_uses_the_average_and_restores_raw_weights_exactly():
+    m = _model()
+    ema = EMA(m, decay=0.5)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(1.2345).add_(0.1)
+    ema.update(m)
+    raw = [p.detach().clone() for p in m.parameters()]
+    x = torch.randn(5, 4)
+    with ema.swapped(m):
+        for p, s in zip(m.parameters(), ema.shadow):
+            assert torch.equal(p, s)
+        y_ema = m(x)
+    for p, r in zip(m.parameters(), raw):
+        assert torch.equal(p, r)  # bit for bit
+    assert not torch.equal(y_ema, m(x))
+
+
+def test_swap_restores_after_an_exception():
+    m = _model()
+    ema = EMA(m)
+    with torch.no_grad():
+        m[0].weight.add_(1.0)
+    raw = m[0].weight.detach().clone()
+    try:
+        with ema.swapped(m):
+            raise RuntimeError("boom")
+    except RuntimeError:
+        pass
+    assert torch.equal(m[0].weight, raw)
+
+
+def test_state_dict_round_trip():
+    m = _model()
+    ema = EMA(m, decay=0.99)
+    with torch.no_grad():
+        m[1].bias.add_(3.0)
+    ema.update(m)
+    other = EMA(_model(seed=1), decay=0.99)
+    other.load_state_dict(ema.state_dict())
+    assert other.num_updates == 1
+    for a, b in zip(ema.shadow, other.shadow):
+        assert torch.equal(a, b)

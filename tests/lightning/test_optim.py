@@ -1,0 +1,72 @@
+"""The optimizer factory (shared with the preflight) and the warm-up + cosine schedule."""
+
+import math
+
+import pytest
+import torch
+from voxdiff.errors import ConfigError
+from voxdiff.lightning import WarmupCosine, build_lr_scheduler, build_optimizer, optim_settings
+
+
+def _model():
+    return torch.nn.Sequential(torch.nn.Conv3d(2, 4, 3), torch.nn.GroupNorm(2, 4))
+
+
+def test_build_optimizer_settings_and_groups():
+    m = _model()
+    opt = build_optimizer(m.parameters(), {"lr": 3e-4, "betas": [0.8, 0.99], "weight_decay": 0.01, "eps": 1e-7})
+    assert isinstance(opt, torch.optim.AdamW)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim < 2 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(m.parameters()))
+    assert decay["lr"] == 3e-4 and decay["betas"] == (0.8, 0.99) and decay["eps"] == 1e-7
+    # no weight decay: one group (logged as plain "lr")
+    assert len(build_optimizer(m.parameters(), {"lr": 1e-4}).param_groups) == 1
+
+
+def test_build_optimizer_skips_frozen_parameters_and_passes_foreach():
+    m = _model()
+    m[1].requires_grad_(False)
+    opt = build_optimizer(m.parameters(), {"foreach": False})
+    assert sum(len(g["params"]) for g in opt.param_groups) == 2
+    assert opt.defaults["foreach"] is False
+
+
+@pytest.mark.parametrize(
+    "cfg, key",
+    [({"lr": 0}, "system.optim.lr"), ({"betas": [0.9]}, "system.optim.betas"),
+     ({"warmup_steps": -1}, "system.optim.warmup_steps"), ({"min_lr_ratio": 2}, "system.optim.min_lr_ratio"),
+     ({"momentum": 0.9}, "system.optim.momentum"), ({"foreach": True, "fused": True}, "system.optim.fused"),
+     ({"decay_steps": 0}, "system.optim.decay_steps")],
+)
+def test_optim_settings_refuse_bad_values(cfg, key):
+    with pytest.raises(ConfigError) as e:
+        optim_settings(cfg)
+    assert e.value.key == key
+
+
+def test_warmup_cosine_closed_form():
+    f = WarmupCosine(warmup_steps=10, decay_steps=110, min_lr_ratio=0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert f(110) == pytest.approx(0.1) and f(10_000) == pytest.approx(0.1)
+    assert WarmupCosine(0, 100, 0.0)(0) == pytest.approx(1.0)
+
+
+def test_lr_scheduler_steps_per_call_and_round_trips():
+    m = _model()
+    s = optim_settings({"lr": 1.0, "warmup_steps": 2, "min_lr_ratio": 0.0})
+    opt = build_optimizer(m.parameters(), s)
+    sched = build_lr_scheduler(opt, s, total_steps=6)
+    lrs = []
+    for _ in range(7):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[:3] == pytest.approx([0.5, 1.0, 1.0]) and lrs[6] == pytest.approx(0.0, abs=1e-12)
+    state = sched.state_dict()
+    fresh = build_lr_scheduler(build_optimizer(m.parameters(), s), s, total_steps=999)
+    fresh.load_state_dict(state)
+    assert fresh.lr_lambdas[0].decay_steps == 6 and fresh.last_epoch == sched.last_epoch

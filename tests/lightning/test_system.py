@@ -1,0 +1,183 @@
+"""The diffusion system through the real train entry on demo data: the loss falls, resume is exact, a NaN stops
+training with the last good checkpoint intact, checkpoints carry EMA and RNG and load for sampling."""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from voxdiff.cli.train import EXIT_NONFINITE, train
+from voxdiff.config import compose
+from voxdiff.diffusion import encode_batch
+from voxdiff.lightning import DiffusionSystem
+
+TINY = [
+    "experiment=demo",
+    "logger=csv",
+    "data.volume_shape=[16,32,32]",
+    "data.num_subjects=4",  # 3 train (3 steps per epoch), 1 validation
+    "model.channels=[16,16,32]",
+    "model.attention_levels=[false,false,true]",
+    "model.num_res_blocks=1",
+    "model.num_head_channels=16",
+    "model.norm_num_groups=8",
+    "diffusion.prediction_type=epsilon",
+    "diffusion.min_snr_gamma=null",
+    "system.sampling.num_masks=1",
+    "system.sampling.num_inference_steps=2",
+    "system.sampling.final=false",
+    "system.ema.start_step=0",
+    "system.ema.decay=0.9",
+    "trainer.accelerator=cpu",
+    "trainer.enable_model_summary=false",
+    "trainer.enable_progress_bar=false",
+    "trainer.check_val_every_n_epoch=1",
+    "trainer.log_every_n_steps=1",
+    "callbacks.progress_bar=null",
+]
+
+
+def _cfg(out, *overrides):
+    return compose("train", [*TINY, f"paths.output_dir={out}", *overrides])
+
+
+def _load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _fixed_loss(system: DiffusionSystem, batches, draws: int = 4) -> float:
+    """Mean loss over fixed batches, timesteps and noise (raw weights)."""
+    total = 0.0
+    with torch.no_grad():
+        for i, batch in enumerate(batches):
+            x0, cond = encode_batch(system.encoding, batch, system.mode)
+            for j in range(draws):
+                g = torch.Generator().manual_seed(1000 * i + j)
+                total += float(system.process.loss(system.model, x0, cond, generator=g)[0])
+    return total / (len(batches) * draws)
+
+
+@pytest.mark.slow
+def test_loss_falls_over_a_few_dozen_steps(tmp_path):
+    report = train(_cfg(tmp_path, "trainer.max_steps=36", "system.optim.lr=2e-3", "system.optim.warmup_steps=3"))
+    ckpt = _load(report["last_checkpoint"])
+    assert ckpt["global_step"] == 36
+    trained = DiffusionSystem(**ckpt["hyper_parameters"])
+    trained.load_state_dict(ckpt["state_dict"])
+    L.seed_everything(42)  # the seed of the run: the same initial weights
+    initial = DiffusionSystem(**ckpt["hyper_parameters"])
+    from voxdiff.data import VolumeDataModule
+
+    dm = VolumeDataModule([16, 32, 32], num_subjects=4)
+    batches = list(dm.train_dataloader())
+    before, after = _fixed_loss(initial, batches), _fixed_loss(trained, batches)
+    assert after < 0.8 * before, (before, after)
+    # and the logged training loss falls too
+    import csv
+
+    rows = list(csv.DictReader(open(next(tmp_path.glob("csv/*/metrics.csv")))))
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert len(losses) >= 30
+    assert sum(losses[-8:]) / 8 < 0.7 * sum(losses[:8]) / 8
+
+
+@pytest.mark.slow
+def test_resume_equals_an_uninterrupted_run(tmp_path):
+    """2N steps in one go == N steps, stop, resume from last.ckpt, N more: weights, EMA, optimizer, step."""
+    common = ["system.optim.decay_steps=12", "system.optim.warmup_steps=2", "system.optim.lr=1e-3"]
+    a = train(_cfg(tmp_path / "a", "trainer.max_steps=12", *common))
+    b1 = train(_cfg(tmp_path / "b", "trainer.max_steps=6", *common))
+    c1 = _load(b1["last_checkpoint"])  # (the resumed run rewrites last.ckpt)
+    b2 = train(_cfg(tmp_path / "b", "trainer.max_steps=12", f"ckpt_path={b1['last_checkpoint']}", *common))
+    ca, cb = _load(a["last_checkpoint"]), _load(b2["last_checkpoint"])
+    assert ca["global_step"] == cb["global_step"] == 12
+    assert ca["ema"]["num_updates"] == cb["ema"]["num_updates"] == 12
+    for key, value in ca["state_dict"].items():
+        torch.testing.assert_close(cb["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    for key, value in ca["ema"]["shadow"].items():
+        torch.testing.assert_close(cb["ema"]["shadow"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    for sa, sb in zip(ca["optimizer_states"][0]["state"].values(), cb["optimizer_states"][0]["state"].values()):
+        torch.testing.assert_close(sb["exp_avg_sq"], sa["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+    assert ca["lr_schedulers"][0]["last_epoch"] == cb["lr_schedulers"][0]["last_epoch"] == 12
+    # the resumed run really started from step 6 and trained on
+    assert c1["global_step"] == 6
+    assert any(not torch.equal(c1["state_dict"][k], v) for k, v in cb["state_dict"].items())
+
+
+def test_nan_stops_training_with_the_last_good_checkpoint(tmp_path, capsys):
+    cfg = _cfg(tmp_path, "trainer.max_steps=20", "callbacks.last.every_n_train_steps=2",
+               "+callbacks.poison._target_=voxdiff.lightning.PoisonBatch", "+callbacks.poison.at_step=5")
+    with pytest.raises(SystemExit) as e:
+        train(cfg)
+    assert e.value.code == EXIT_NONFINITE
+    err = capsys.readouterr().err
+    assert "training loss is nan at global step 5" in err
+    assert f"The last good checkpoint: {tmp_path / 'checkpoints' / 'last.ckpt'}" in err
+    ckpt = _load(tmp_path / "checkpoints" / "last.ckpt")
+    assert ckpt["global_step"] == 4  # from before the poisoned step
+    weights = [*ckpt["state_dict"].values(), *ckpt["ema"]["shadow"].values()]
+    assert all(torch.isfinite(w).all() for w in weights)
+    for state in ckpt["optimizer_states"][0]["state"].values():
+        assert torch.isfinite(state["exp_avg"]).all() and torch.isfinite(state["exp_avg_sq"]).all()
+    # the checkpoint loads and samples
+    system = DiffusionSystem.load_from_checkpoint(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    out = system.generate(torch.zeros(1, 1, 16, 32, 32), num_inference_steps=2)
+    assert out.shape == (1, 1, 16, 32, 32) and torch.isfinite(out).all()
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    """One 6-step run shared by the checkpoint, schedule and sampling tests."""
+    out = tmp_path_factory.mktemp("short_run")
+    report = train(_cfg(out, "trainer.max_steps=6", "system.optim.lr=1e-3", "system.optim.warmup_steps=2",
+                        "system.optim.min_lr_ratio=0.0"))
+    return out, report
+
+
+def test_checkpoint_carries_ema_rng_config_and_loads_for_sampling(short_run):
+    _, report = short_run
+    ckpt = _load(report["last_checkpoint"])  # weights_only: plain data and tensors only
+    assert set(ckpt["ema"]["shadow"]) == {k[len("model."):] for k in ckpt["state_dict"] if k.startswith("model.")}
+    assert ckpt["ema"]["num_updates"] == 6
+    assert {"python", "numpy", "torch"} <= set(ckpt["rng_states"][0])
+    assert ckpt["voxdiff_config"]["data"]["volume_shape"] == [16, 32, 32]
+    hp = ckpt["hyper_parameters"]
+    assert hp["mode"] == "bravo" and hp["model"]["channels"] == [16, 16, 32] and isinstance(hp["optim"], dict)
+    assert "lr_schedulers" in ckpt and "optimizer_states" in ckpt
+    system = DiffusionSystem.load_from_checkpoint(report["last_checkpoint"], weights_only=True)
+    # the EMA came back from the checkpoint, not from the loaded raw weights
+    for name, shadow in zip(system.ema.names, system.ema.shadow):
+        assert torch.equal(shadow, ckpt["ema"]["shadow"][name])
+    # loading for sampling does not restore the training RNG: the caller's RNG moves only by the weight init
+    torch.manual_seed(123)
+    DiffusionSystem(**hp)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    DiffusionSystem.load_from_checkpoint(report["last_checkpoint"], weights_only=True)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_generate_uses_the_ema_weights_and_restores_the_raw_ones(short_run):
+    _, report = short_run
+    system = DiffusionSystem.load_from_checkpoint(report["last_checkpoint"], weights_only=True)
+    raw = {k: v.clone() for k, v in system.model.state_dict().items()}
+    mask = torch.zeros(1, 1, 16, 32, 32)
+    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    with_ema = system.generate(mask, num_inference_steps=2, generator=g())
+    without = system.generate(mask, num_inference_steps=2, generator=g(), use_ema=False)
+    for k, v in system.model.state_dict().items():
+        assert torch.equal(v, raw[k])
+    assert not torch.equal(with_ema, without)
+    assert with_ema.shape == (1, 1, 16, 32, 32) and with_ema.min() >= 0 and with_ema.max() <= 1
+
+
+def test_lr_follows_warmup_and_cosine(short_run):
+    out, report = short_run
+    import csv
+
+    rows = list(csv.DictReader(open(next(out.glob("csv/*/metrics.csv")))))
+    lrs = {int(r["step"]): float(r["lr"]) for r in rows if r.get("lr")}
+    assert lrs[0] == pytest.approx(5e-4) and lrs[1] == pytest.approx(1e-3)  # warm-up over 2 steps
+    for step in (2, 3, 4, 5):  # cosine from the end of warm-up to the end of the run (6 steps)
+        assert lrs[step] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * (step - 2) / 4)))
+    assert report["metrics"]["train/loss"] > 0

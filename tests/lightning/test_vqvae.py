@@ -1,0 +1,138 @@
+"""Stage 1: the VQ-VAE system's shapes from the real configs, its validation, MONAI's checkpointing, training."""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from hydra.utils import instantiate
+from voxdiff.config import compose
+from voxdiff.data import VolumeDataModule
+from voxdiff.encodings import VQVAELatent
+from voxdiff.encodings.vqvae import build_vqvae, read_stage1_checkpoint, vqvae_spec, weights_sha256
+from voxdiff.errors import ConfigError
+from voxdiff.lightning.vqvae import VQVAESystem
+
+TINY = dict(factor=4, latent_channels=4, channels=[8, 16], num_res_layers=1, num_embeddings=32)
+
+
+@pytest.mark.parametrize("experiment,issue_shape", [("vqvae_4x", (4, 40, 64, 64)), ("vqvae_8x", (4, 20, 32, 32))])
+def test_latent_shapes_of_the_issue_experiments(experiment, issue_shape):
+    """160x256x256 through the experiment's real encoder (built on meta) gives the issue's latent shapes."""
+    cfg = compose("train", [f"experiment={experiment}"])
+    assert list(cfg.data.volume_shape) == [160, 256, 256]
+    with torch.device("meta"):
+        system = instantiate(cfg.system)
+        x = torch.empty(1, 1, *cfg.data.volume_shape)
+        z = system.vqvae.encoder(x)  # (1, latent_channels, d, h, w)
+        y = system.vqvae.decoder(z)
+    assert tuple(z.shape[1:]) == issue_shape
+    assert tuple(y.shape) == tuple(x.shape)
+    assert VQVAELatent(cfg.encoding.factor, cfg.encoding.latent_channels).encoded_shape((1, 160, 256, 256)) == \
+        tuple(z.shape[1:])
+    assert system.spec.use_checkpoint is True and system.vqvae.use_checkpointing is True  # on for GPU experiments
+
+
+def test_architecture_errors_name_the_key_and_the_fix():
+    with pytest.raises(ConfigError) as e:
+        vqvae_spec(**{**TINY, "factor": 8})
+    assert e.value.key == "system.vqvae.channels" and "3 stride-2 levels" in str(e.value)
+    assert "give 3 channel counts" in str(e.value)
+    with pytest.raises(ConfigError, match="system.vqvae.factor=6"):
+        vqvae_spec(**{**TINY, "factor": 6})
+    with pytest.raises(ConfigError, match="system.vqvae.decay=1.0"):
+        vqvae_spec(**{**TINY, "decay": 1.0})
+    with pytest.raises(ConfigError, match="system.vqvae.num_res_channels"):
+        vqvae_spec(**{**TINY, "num_res_channels": [8]})
+    with pytest.raises(ConfigError, match="system.vqvae.use_checkpoint"):
+        vqvae_spec(**{**TINY, "use_checkpoint": "yes"})
+    with pytest.raises(ConfigError, match="system.loss.reconstruction=huber"):
+        VQVAESystem(vqvae=TINY, loss={"reconstruction": "huber"})
+    with pytest.raises(ConfigError, match="system.optim.lr"):
+        VQVAESystem(vqvae=TINY, optim={"lr": -1.0})
+    with pytest.raises(ConfigError, match="the depth 18 is not divisible by the VQ-VAE factor 4"):
+        VQVAESystem(vqvae=TINY, volume_shape=[18, 32, 32])
+
+
+def _saved_bytes(model, x):
+    """Bytes autograd keeps for backward during one forward, and the loss."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        recon, vq_loss = model(x)
+        loss = (recon - x).abs().mean() + vq_loss
+    return total, loss
+
+
+def test_monai_use_checkpoint_really_saves_activations():
+    """system.vqvae.use_checkpoint=true → MONAI's use_checkpointing: same outputs and gradients, fewer saved bytes."""
+    x = torch.rand(2, 1, 16, 32, 32)
+    results = {}
+    for flag in (False, True):
+        torch.manual_seed(0)
+        model = build_vqvae(vqvae_spec(**{**TINY, "use_checkpoint": flag})).eval()  # eval: no codebook update
+        saved, loss = _saved_bytes(model, x)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        results[flag] = (saved, loss.detach(), grads)
+    assert results[True][0] < 0.2 * results[False][0], results
+    torch.testing.assert_close(results[True][1], results[False][1])
+    for a, b in zip(results[True][2], results[False][2]):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.slow
+def test_training_improves_reconstruction_psnr(tmp_path):
+    """A short training run on the demo phantom: validation PSNR rises; scale, montage and checkpoint are right."""
+    L.seed_everything(0)
+    data = VolumeDataModule([16, 32, 32], num_subjects=6, val_fraction=0.34, batch_size=2)
+    system = VQVAESystem(vqvae={**TINY, "decay": 0.9}, optim={"lr": 1e-3}, volume_shape=[16, 32, 32])
+    trainer = L.Trainer(max_steps=60, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        check_val_every_n_epoch=30, default_root_dir=tmp_path)
+    before = trainer.validate(system, datamodule=data, verbose=False)[0]
+    trainer.fit(system, datamodule=data)
+    after = trainer.validate(system, datamodule=data, verbose=False)[0]
+    assert after["val/psnr_image"] > before["val/psnr_image"] + 1.0, (before, after)
+    assert after["val/ssim_image"] > before["val/ssim_image"]
+    assert after["val/perplexity"] > 2  # the codebook did not collapse to one code
+
+    # latent_scale is 1 / std of the quantised validation image latents
+    system.eval()
+    with torch.no_grad():
+        q = torch.cat([system(b["image"])[2] for b in data.val_dataloader()])
+    assert float(system.latent_scale) == pytest.approx(1.0 / q.double().std().item(), rel=1e-4)
+    assert (tmp_path / "montages" / "vqvae_epoch0029.png").is_file()  # the validation inside fit
+
+    # a Lightning checkpoint of it is a stage-1 checkpoint (read with weights_only=True) and encodes as trained
+    path = tmp_path / "stage1.ckpt"
+    trainer.save_checkpoint(path)
+    stage1 = read_stage1_checkpoint(path)
+    assert stage1.spec == system.spec and stage1.latent_scale == float(system.latent_scale)
+    assert stage1.volume_shape == (16, 32, 32)
+    state = {k: v for k, v in system.state_dict().items() if k.startswith("vqvae.") or k == "latent_scale"}
+    assert stage1.sha256 == weights_sha256(state)
+    encoding = VQVAELatent(4, 4, checkpoint=str(path))
+    image = next(iter(data.val_dataloader()))["image"]
+    with torch.no_grad():
+        torch.testing.assert_close(encoding.encode(image), system(image)[2] * system.latent_scale)
+        recon = encoding.decode(encoding.encode(image))
+    psnr = 10 * math.log10(1.0 / float(((recon.clamp(0, 1) - image) ** 2).mean()))
+    assert psnr == pytest.approx(after["val/psnr_image"], abs=1.5)
+    assert list(encoding.state_dict()) == [] and list(encoding.parameters()) == []  # kept out of the module tree
+
+
+def test_encoding_refuses_a_checkpoint_of_another_factor(tmp_path):
+    system = VQVAESystem(vqvae=TINY)
+    path = tmp_path / "s1.ckpt"
+    torch.save({"state_dict": system.state_dict(), "hyper_parameters": dict(system.hparams)}, path)
+    with pytest.raises(ConfigError, match="encoding.factor=8: the stage-1 checkpoint .* was trained with factor 4"):
+        VQVAELatent(8, 4, checkpoint=str(path)).load_weights()
+    with pytest.raises(ConfigError, match="not a voxdiff VQ-VAE stage-1 checkpoint"):
+        torch.save({"state_dict": {}, "hyper_parameters": {}}, tmp_path / "other.ckpt")
+        VQVAELatent(4, 4, checkpoint=str(tmp_path / "other.ckpt")).load_weights()

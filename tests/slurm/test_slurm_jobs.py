@@ -1,0 +1,121 @@
+"""The SLURM path against a real Slurm: slurm/exp11.slurm, unchanged, submitted with sbatch.
+
+CPU-sized overrides reach the job through the environment (VOXDIFF_OVERRIDES), as the job script documents; the
+run root is a temporary folder. The cluster (slurmctld + slurmd) is started here and stopped by PID at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import SlurmCluster, ensure_installed  # noqa: E402  (tests/slurm is on sys.path via conftest)
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "slurm" / "exp11.slurm"
+pytestmark = [pytest.mark.slurm]
+
+# exp11's 5-level UNet, shrunk to CPU size: 32³ phantom -> S2D 16×16³ (divisible by 2^4), 8..16 channels
+TINY = ("trainer=cpu logger=csv data.volume_shape=[32,32,32] data.num_subjects=4 "
+        "model.channels=[8,8,16,16,16] model.norm_num_groups=8 model.num_head_channels=8 model.num_res_blocks=1 "
+        "trainer.check_val_every_n_epoch=1000 system.sampling.every_n_epochs=0 system.sampling.final=false")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    ensure_installed()
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _submit(cluster: SlurmCluster, run_root: Path, overrides: str) -> int:
+    env = {
+        "VOXDIFF_RUN_ROOT": str(run_root),
+        "VOXDIFF_VENV": str(Path(sys.executable).parents[1]),
+        "VOXDIFF_OVERRIDES": overrides,
+        "WANDB_MODE": "offline",
+        "OMP_NUM_THREADS": "1",
+    }
+    return cluster.sbatch(SCRIPT, cwd=REPO, env=env)
+
+
+def _log(job_id: int) -> str:
+    path = REPO / "slurm" / "logs" / f"voxdiff-exp11-{job_id}.out"
+    return path.read_text() if path.exists() else ""
+
+
+def _run_dir(run_root: Path, job_id: int) -> Path:
+    return run_root / "exp11" / f"job-{job_id}"
+
+
+def _step(ckpt: Path) -> int:
+    return int(torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"])
+
+
+def test_script_is_rendered_from_site_config():
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "render_slurm.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    text = SCRIPT.read_text()
+    for directive in ("--gres=gpu:1", "--signal=USR1@", "--requeue", "--partition=gpu"):
+        assert directive in text
+
+
+def test_exp11_job_completes_with_checkpoint(cluster, tmp_path):
+    job = _submit(cluster, tmp_path, f"{TINY} trainer.max_steps=4")
+    info = cluster.wait(job, timeout=600)
+    log = _log(job)
+    assert info["JobState"] == "COMPLETED", log
+    assert "preflight" in log.lower()
+    last = _run_dir(tmp_path, job) / "checkpoints" / "last.ckpt"
+    assert last.is_file(), log
+    assert _step(last) == 4
+
+
+def test_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
+    max_steps, every = 12, 3
+    job = _submit(cluster, tmp_path, f"{TINY} trainer.max_steps={max_steps} callbacks.last.every_n_train_steps={every}")
+    last = _run_dir(tmp_path, job) / "checkpoints" / "last.ckpt"
+    deadline = time.monotonic() + 300
+    while not (last.is_file() and _step(last) >= 2 * every):
+        assert time.monotonic() < deadline, _log(job)
+        assert cluster.job(job)["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), _log(job)
+        time.sleep(0.5)
+    assert cluster.job(job)["JobState"] == "RUNNING", "the job finished before it could be requeued"
+    cluster.run("scontrol", "requeue", str(job))
+    # Slurm holds a requeued job for ~2 minutes (BeginTime); once it is pending again, release it, as an admin would
+    cluster.wait(job, {"PENDING"}, timeout=60, poll=0.2)
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    info = cluster.wait(job, timeout=600)
+    log = _log(job)
+    assert info["JobState"] == "COMPLETED", log
+    assert int(info["Restarts"]) == 1
+    assert "(restart 1)" in log
+    resumed = re.findall(r"resuming from .*?step (\d+)", log, flags=re.IGNORECASE)
+    assert resumed and int(resumed[-1]) >= 2 * every, log
+    assert _step(last) == max_steps  # the step count continued to the end, not restarted
+    metrics = sorted((_run_dir(tmp_path, job) / "csv").rglob("metrics.csv"))
+    assert len(metrics) == 1, "the requeued job must continue the same logger run"
+
+
+def test_invalid_config_fails_fast_with_preflight_message(cluster, tmp_path):
+    t0 = time.monotonic()
+    job = _submit(cluster, tmp_path, f"{TINY} data.volume_shape=[161,128,128]")
+    info = cluster.wait(job, timeout=120)
+    log = _log(job)
+    assert info["JobState"] == "FAILED", log
+    assert "data.volume_shape=[161, 128, 128]" in log and "not divisible" in log
+    assert "nothing was trained" in log
+    assert not (_run_dir(tmp_path, job) / "checkpoints").exists()
+    assert time.monotonic() - t0 < 60
