@@ -30,7 +30,6 @@ import json
 import math
 import os
 import re
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -59,18 +58,10 @@ def _safe(name: str) -> str:
 
 
 def _atomic_write(path: Path, write) -> None:  # noqa: ANN001 - write(file object)
-    """Write ``path`` through a temporary file in its folder and ``os.replace``: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``path`` so that readers never see half a file (the checkpoints' atomic writer)."""
+    from voxdiff.lightning.checkpoint_io import atomic_write
+
+    atomic_write(path, write)
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:

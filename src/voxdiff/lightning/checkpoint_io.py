@@ -11,15 +11,16 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """``torch.save(obj, path)`` through a temporary file in the same folder, fsync and ``os.replace``.
+def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any]) -> Path:
+    """Write ``path`` with ``write(file)`` through a temporary file in the same folder, fsync and ``os.replace``.
 
     If anything fails before the rename (serialisation, a full disk, a kill), ``path`` keeps its previous
     content and the temporary file is removed (a hard kill can leave a ``.<name>.*.tmp`` behind, never a
@@ -30,7 +31,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -48,6 +49,11 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     finally:
         os.close(dir_fd)
     return target
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save(obj, path)`` through :func:`atomic_write`."""
+    return atomic_write(path, lambda f: torch.save(obj, f))
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -38,7 +38,7 @@ from voxdiff.diffusion import (
 )
 from voxdiff.errors import ConfigError
 from voxdiff.lightning.ema import EMA
-from voxdiff.lightning.optim import OptimSettings, build_lr_scheduler, build_optimizer, optim_settings
+from voxdiff.lightning.optim import OptimSettings, configure_adamw, optim_settings
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
 from voxdiff.models.unet import build_unet_from_spec
 
@@ -232,15 +232,7 @@ class DiffusionSystem(L.LightningModule):
         optimizer.zero_grad(set_to_none=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        optimizer = build_optimizer(self.model.parameters(), self.optim_settings)
-        total = self.trainer.estimated_stepping_batches
-        if self.optim_settings.decay_steps is None and not math.isfinite(total):
-            raise ConfigError("system.optim.decay_steps", None,
-                              "the run has no fixed length (trainer.max_steps=-1 and trainer.max_epochs=-1), so "
-                              "the cosine decay has no end", "set system.optim.decay_steps or trainer.max_steps")
-        scheduler = build_lr_scheduler(optimizer, self.optim_settings, int(total) if math.isfinite(total) else 1)
-        return {"optimizer": optimizer,
-                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1, "name": "lr"}}
+        return configure_adamw(self.model.parameters(), self.optim_settings, self.trainer.estimated_stepping_batches)
 
     # ------------------------------------------------------------------ validation
     def _generator(self, offset: int) -> torch.Generator:

@@ -143,3 +143,26 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, settings: OptimSettings
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, WarmupCosine(settings.warmup_steps, decay_steps, settings.min_lr_ratio)
     )
+
+
+def configure_adamw(params: Iterable[torch.nn.Parameter], settings: OptimSettings,
+                    estimated_stepping_batches: float) -> dict[str, Any]:
+    """What a system's ``configure_optimizers`` returns: AdamW and the per-step warm-up/cosine schedule.
+
+    Args:
+        params: the parameters to optimise.
+        settings: ``system.optim``.
+        estimated_stepping_batches: ``trainer.estimated_stepping_batches`` (the run length; inf when unbounded).
+
+    Raises:
+        ConfigError: an unbounded run without ``system.optim.decay_steps`` (the cosine would have no end).
+    """
+    optimizer = build_optimizer(params, settings)
+    total = estimated_stepping_batches
+    if settings.decay_steps is None and not math.isfinite(total):
+        raise ConfigError("system.optim.decay_steps", None,
+                          "the run has no fixed length (trainer.max_steps=-1 and trainer.max_epochs=-1), so "
+                          "the cosine decay has no end", "set system.optim.decay_steps or trainer.max_steps")
+    scheduler = build_lr_scheduler(optimizer, settings, int(total) if math.isfinite(total) else 1)
+    return {"optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1, "name": "lr"}}

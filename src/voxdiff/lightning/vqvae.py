@@ -41,7 +41,7 @@ from einops import rearrange
 
 from voxdiff.encodings.vqvae import SCALE_KEY, build_vqvae, vqvae_spec
 from voxdiff.errors import ConfigError
-from voxdiff.lightning.optim import build_lr_scheduler, build_optimizer, optim_settings
+from voxdiff.lightning.optim import configure_adamw, optim_settings
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
 
 log = logging.getLogger(__name__)
@@ -217,15 +217,7 @@ class VQVAESystem(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         # the codebook is EMA-updated, not optimised (build_optimizer skips parameters without requires_grad)
-        optimizer = build_optimizer(self.vqvae.parameters(), self.optim_settings)
-        total = self.trainer.estimated_stepping_batches
-        if self.optim_settings.decay_steps is None and not math.isfinite(total):
-            raise ConfigError("system.optim.decay_steps", None,
-                              "the run has no fixed length (trainer.max_steps=-1 and trainer.max_epochs=-1), so "
-                              "the cosine decay has no end", "set system.optim.decay_steps or trainer.max_steps")
-        scheduler = build_lr_scheduler(optimizer, self.optim_settings, int(total) if math.isfinite(total) else 1)
-        return {"optimizer": optimizer,
-                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1, "name": "lr"}}
+        return configure_adamw(self.vqvae.parameters(), self.optim_settings, self.trainer.estimated_stepping_batches)
 
     # ---- validation ---------------------------------------------------------------------------------------------
     def _metric_objects(self):
