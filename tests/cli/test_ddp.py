@@ -48,3 +48,15 @@ def test_preflight_accounts_for_the_strategy():
     result = run_preflight(cfg, suggest=False)
     assert (result.strategy, result.world_size) == ("fsdp", 4)
     assert result.per_gpu_peak_gib < single.per_gpu_peak_gib
+
+
+def test_fsdp_config_builds_a_full_shard_strategy_wrapping_unet_blocks():
+    from hydra.utils import instantiate
+    from lightning.pytorch.strategies import FSDPStrategy
+    from monai.networks.blocks.spatialattention import SpatialAttentionBlock
+    from monai.networks.nets.diffusion_model_unet import DiffusionUNetResnetBlock
+
+    strategy = instantiate(compose("train", ["experiment=exp11", "trainer=fsdp"]).trainer.strategy)
+    assert isinstance(strategy, FSDPStrategy)
+    assert strategy.sharding_strategy.name == "FULL_SHARD"
+    assert set(strategy.kwargs["auto_wrap_policy"]._module_classes) == {DiffusionUNetResnetBlock, SpatialAttentionBlock}
