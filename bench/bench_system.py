@@ -24,7 +24,7 @@ from hydra.utils import instantiate
 
 from voxdiff.config import compose
 from voxdiff.diffusion import encode_batch
-from voxdiff.lightning import DiffusionSystem, build_lr_scheduler, build_optimizer
+from voxdiff.lightning import build_lr_scheduler, build_optimizer
 from voxdiff.lightning.trainer import (
     build_trainer,
     configure_cpu_threads,

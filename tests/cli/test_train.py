@@ -132,3 +132,10 @@ def test_train_py_main_job_with_wandb_offline(tmp_path):
     assert list((run_dir / "wandb").glob("offline-run-*"))
     assert list((run_dir / "samples").glob("final_step0000003_*.png"))
     assert (run_dir / ".hydra" / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize("override", ["model.gradient_checkpointing=layer", "mode=seg",
+                                      "diffusion.prediction_type=v_prediction"])
+def test_demo_variants_fast_dev_run(override, tmp_path):
+    report = train(compose("train", [*tiny_overrides(tmp_path), override, "trainer.fast_dev_run=true"]))
+    assert report["metrics"]["train/loss"] > 0 and list((tmp_path / "samples").glob("*.png"))

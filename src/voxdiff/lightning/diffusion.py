@@ -19,7 +19,7 @@ import logging
 import math
 from collections.abc import Mapping
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -262,12 +262,12 @@ class DiffusionSystem(L.LightningModule):
             return
         n = min(batch["mask"].shape[0], self.sampling.num_masks - len(self._val_cache))
         subjects = batch.get("subject", [f"val{len(self._val_cache) + i}" for i in range(n)])
+        affines = batch.get("affine")
         for i in range(n):
-            affine = batch.get("affine")
             self._val_cache.append({
                 "mask": batch["mask"][i : i + 1].detach().cpu(),
                 "image": batch["image"][i : i + 1].detach().cpu() if "image" in batch else None,
-                "affine": affine[i].detach().cpu().double() if affine is not None else torch.eye(4, dtype=torch.float64),
+                "affine": torch.eye(4, dtype=torch.float64) if affines is None else affines[i].detach().cpu().double(),
                 "subject": str(subjects[i]),
             })
 
