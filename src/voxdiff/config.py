@@ -99,6 +99,11 @@ def volume_shape(cfg: DictConfig) -> tuple[int, int, int]:
     return tuple(shape)  # type: ignore[return-value]
 
 
+def is_diffusion(cfg: DictConfig) -> bool:
+    """Whether ``cfg`` trains the diffusion UNet (``system: diffusion``) rather than a stage-1 model."""
+    return str(OmegaConf.select(cfg, "system._target_", default="")).endswith("DiffusionSystem")
+
+
 def build_encoding(cfg: DictConfig) -> Encoding:
     """Instantiate ``cfg.encoding`` (an :class:`~voxdiff.encodings.Encoding`)."""
     from hydra.utils import instantiate

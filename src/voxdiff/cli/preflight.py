@@ -15,9 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from voxdiff.config import compose, config_dir
+from voxdiff.config import compose, config_dir, is_diffusion
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.check import PreflightResult, run_preflight
 from voxdiff.preflight.memory import GiB
@@ -27,12 +27,8 @@ def _experiment_given(overrides: list[str]) -> bool:
     return any(o.lstrip("+~").split("=")[0] == "experiment" for o in overrides)
 
 
-def _is_diffusion(cfg: DictConfig) -> bool:
-    return str(OmegaConf.select(cfg, "system._target_", default="")).endswith("DiffusionSystem")
-
-
 def _check(cfg: DictConfig, name: str, suggest: bool) -> PreflightResult:
-    if not _is_diffusion(cfg):
+    if not is_diffusion(cfg):
         return PreflightResult(name=name, problems=[], modelled=False)  # VQ-VAE stage 1: its step is not traced
     return run_preflight(cfg, name=name, suggest=suggest)
 

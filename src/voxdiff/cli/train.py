@@ -18,17 +18,13 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from voxdiff.config import build_encoding, config_dir, model_spec, plain, shapes
+from voxdiff.config import build_encoding, config_dir, is_diffusion, model_spec, plain, shapes
 from voxdiff.errors import ConfigError
 
 log = logging.getLogger("voxdiff.train")
 
 EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
-
-
-def _is_diffusion(cfg: DictConfig) -> bool:
-    return str(cfg.system.get("_target_", "")).endswith("DiffusionSystem")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -40,7 +36,7 @@ def validate(cfg: DictConfig) -> None:
     encoding = build_encoding(cfg)
     shapes(cfg, encoding)  # volume divisible by the encoding's factor
     model_spec(cfg, encoding)  # the UNet's arguments
-    if _is_diffusion(cfg):
+    if is_diffusion(cfg):
         from voxdiff.diffusion import diffusion_settings
         from voxdiff.lightning.diffusion import system_settings
         from voxdiff.preflight.rules import validate as static_rules

@@ -86,23 +86,13 @@ class UNetRow:
     grad_checkpointing: bool = False
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the field and values when MONAI would fail (or fail late)."""
+        """Raise ``ValueError`` naming the field and values when MONAI would fail (or fail late): the UNet's own
+        rules (:func:`voxdiff.models.unet_spec`), then the input's channels and its divisibility by the levels."""
+        from voxdiff.models import unet_spec
+
+        unet_spec(self.in_channels, self.out_channels, list(self.channels), list(self.attention_levels),
+                  list(self.num_res_blocks), self.num_head_channels, self.norm_num_groups, self.use_flash_attention)
         n = len(self.channels)
-        if len(self.attention_levels) != n or len(self.num_res_blocks) != n:
-            raise ValueError(
-                f"channels ({n} levels), attention_levels ({len(self.attention_levels)}) and num_res_blocks "
-                f"({len(self.num_res_blocks)}) must have the same length"
-            )
-        bad = [c for c in self.channels if c % self.norm_num_groups]
-        if bad:
-            raise ValueError(f"channels {bad} are not divisible by norm_num_groups={self.norm_num_groups}")
-        bad = [c for c, a in zip(self.channels, self.attention_levels) if a and c % self.num_head_channels]
-        if self.channels[-1] % self.num_head_channels:  # the mid block always has attention
-            bad.append(self.channels[-1])
-        if bad:
-            raise ValueError(
-                f"attention channels {sorted(set(bad))} are not divisible by num_head_channels={self.num_head_channels}"
-            )
         if self.input_shape[1] != self.in_channels:
             raise ValueError(f"input_shape has {self.input_shape[1]} channels but in_channels={self.in_channels}")
         factor = 2 ** (n - 1)
