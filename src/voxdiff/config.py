@@ -38,13 +38,14 @@ def cpu_or(cpu_value: Any, gpu_value: Any) -> Any:
     return gpu_value if torch.cuda.is_available() else cpu_value
 
 
-def job_run_id(prefix: str) -> str | None:
-    """The ``${voxdiff.job_run_id:PREFIX}`` resolver: ``PREFIX-<SLURM_JOB_ID>`` inside a Slurm job, else None.
+def job_run_id(prefix: str, default: str | None = None) -> str | None:
+    """The ``${voxdiff.job_run_id:PREFIX[,DEFAULT]}`` resolver: ``PREFIX-<SLURM_JOB_ID>`` inside a Slurm job, else
+    ``DEFAULT`` (None if not given).
 
     A requeued job keeps its job id, so its logger continues the same run (wandb ``id``, CSV ``version``).
     """
     job = os.environ.get("SLURM_JOB_ID")
-    return f"{prefix}-{job}" if job else None
+    return f"{prefix}-{job}" if job else default
 
 
 if not OmegaConf.has_resolver("voxdiff.cpu_or"):

@@ -6,6 +6,7 @@ run root is a temporary folder. The cluster (slurmctld + slurmd) is started here
 
 from __future__ import annotations
 
+import csv
 import os
 import re
 import subprocess
@@ -83,19 +84,36 @@ def test_exp11_job_completes_with_checkpoint(cluster, tmp_path):
     assert _step(last) == 4
 
 
+def _logged_steps(run_dir: Path) -> list[int]:
+    files = sorted((run_dir / "csv").rglob("metrics.csv"))
+    assert len(files) == 1, f"the requeued job must continue the same logger run: {files}"
+    with files[0].open() as f:
+        return [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")]
+
+
 def test_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
-    max_steps, every = 12, 3
-    job = _submit(cluster, tmp_path, f"{TINY} trainer.max_steps={max_steps} callbacks.last.every_n_train_steps={every}")
-    last = _run_dir(tmp_path, job) / "checkpoints" / "last.ckpt"
+    """Requeued at a step the test controls: the job holds at step 8 (HoldAtStep) until the requeue has been sent,
+    whatever the machine's speed; its last.ckpt is then at step 6 and it has logged steps 0..7."""
+    max_steps, every, hold = 12, 3, 8
+    release = tmp_path / "release"
+    job = _submit(cluster, tmp_path, f"{TINY} trainer.max_steps={max_steps} callbacks.last.every_n_train_steps={every} "
+                  "trainer.log_every_n_steps=1 +callbacks.hold._target_=voxdiff.lightning.callbacks.HoldAtStep "
+                  f"+callbacks.hold.at_step={hold} +callbacks.hold.release_file={release}")
+    run_dir = _run_dir(tmp_path, job)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    held = release.with_name("release.held")
     deadline = time.monotonic() + 300
-    while not (last.is_file() and _step(last) >= 2 * every):
+    while not held.exists():
         assert time.monotonic() < deadline, _log(job)
         assert cluster.job(job)["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), _log(job)
-        time.sleep(0.5)
-    assert cluster.job(job)["JobState"] == "RUNNING", "the job finished before it could be requeued"
+        time.sleep(0.2)
+    assert cluster.job(job)["JobState"] == "RUNNING"
+    assert _step(last) == 6
     cluster.run("scontrol", "requeue", str(job))
     # Slurm holds a requeued job for ~2 minutes (BeginTime); once it is pending again, release it, as an admin would
     cluster.wait(job, {"PENDING"}, timeout=60, poll=0.2)
+    assert _logged_steps(run_dir) == list(range(hold)), _log(job)  # the first half's metrics are on disk
+    release.touch()  # the resumed run passes step 8 without holding
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     info = cluster.wait(job, timeout=600)
     log = _log(job)
@@ -103,10 +121,10 @@ def test_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
     assert int(info["Restarts"]) == 1
     assert "(restart 1)" in log
     resumed = re.findall(r"resuming from .*?step (\d+)", log, flags=re.IGNORECASE)
-    assert resumed and int(resumed[-1]) >= 2 * every, log
+    assert resumed and int(resumed[-1]) == 6, log
     assert _step(last) == max_steps  # the step count continued to the end, not restarted
-    metrics = sorted((_run_dir(tmp_path, job) / "csv").rglob("metrics.csv"))
-    assert len(metrics) == 1, "the requeued job must continue the same logger run"
+    # both halves in one file, each step once: 0..5 of the first run, 6..11 redone by the requeued one
+    assert _logged_steps(run_dir) == list(range(max_steps)), log
 
 
 def test_invalid_config_fails_fast_with_preflight_message(cluster, tmp_path):

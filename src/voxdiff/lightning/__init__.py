@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from voxdiff.lightning.callbacks import ConfigInCheckpoint, LastCheckpoint, PoisonBatch, StepsPerSecond
+from voxdiff.lightning.callbacks import ConfigInCheckpoint, HoldAtStep, LastCheckpoint, PoisonBatch, StepsPerSecond
 from voxdiff.lightning.checkpoint_io import AtomicCheckpointIO, atomic_torch_save
 from voxdiff.lightning.diffusion import DiffusionSystem, NonFiniteLossError, system_settings
 from voxdiff.lightning.ema import EMA
@@ -18,6 +18,7 @@ __all__ = [
     "AtomicCheckpointIO",
     "ConfigInCheckpoint",
     "DiffusionSystem",
+    "HoldAtStep",
     "LastCheckpoint",
     "NonFiniteLossError",
     "OptimSettings",

@@ -1,11 +1,12 @@
 """Small Lightning callbacks: throughput on the progress bar, an always-current ``last.ckpt``, the run's config in
-every checkpoint, and a fault injector for the NaN path.
+every checkpoint, and fault injectors for tests (a NaN batch, a hold at a step).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from datetime import datetime
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 #: key of the run's resolved config in a checkpoint (read by ``sample.py``)
 CONFIG_KEY = "voxdiff_config"
@@ -119,3 +121,46 @@ class PoisonBatch(L.Callback):
         for key in ("image", "mask", "image_z", "mask_z"):
             if key in batch:
                 batch[key] = torch.full_like(batch[key], self.value)  # new tensors: never poison a data cache
+
+
+class HoldAtStep(L.Callback):
+    """Fault injection: pause training at one step until a file appears, so that a test acts (requeues, signals,
+    kills) at a step it chooses, however fast or slow the machine is.
+
+    At the start of the batch with ``trainer.global_step == at_step`` (that many optimizer steps done), unless
+    ``release_file`` already exists: write ``release_file + ".held"`` (the step, the time) and wait until
+    ``release_file`` exists. A SIGTERM while held (``scontrol requeue``, ``scancel``) ends the wait and stops
+    training at once, as Lightning does at a batch end (``SIGTERMException``), so that no step runs after the
+    hold. A run resumed at or after ``at_step`` with the release file present does not hold again.
+
+    ``+callbacks.hold._target_=voxdiff.lightning.callbacks.HoldAtStep +callbacks.hold.at_step=6
+    +callbacks.hold.release_file=/tmp/go``
+
+    Args:
+        at_step: the ``trainer.global_step`` at which to hold.
+        release_file: the file whose existence releases the hold.
+        timeout_s: give up waiting after this many seconds and raise (a test that forgot to release must not
+            leave a job running forever).
+    """
+
+    def __init__(self, at_step: int, release_file: str | Path, timeout_s: float = 600.0) -> None:
+        if isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0:
+            raise ValueError(f"at_step must be a non-negative integer, got {at_step!r}")
+        self.at_step = at_step
+        self.release_file = Path(release_file)
+        self.held_file = self.release_file.with_name(self.release_file.name + ".held")
+        self.timeout_s = float(timeout_s)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_step != self.at_step or self.release_file.exists():
+            return
+        self.held_file.write_text(f"{trainer.global_step} {datetime.now().isoformat()}\n")
+        deadline = time.monotonic() + self.timeout_s
+        while not self.release_file.exists():
+            if trainer.received_sigterm:
+                raise SIGTERMException
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"held at step {self.at_step} for {self.timeout_s} s: nothing created "
+                                   f"{self.release_file}")
+            time.sleep(0.05)
