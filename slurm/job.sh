@@ -10,6 +10,10 @@ set -a
 # shellcheck disable=SC1091
 source slurm/site.env
 set +a
+# an empty site value means "not set": leave the library's default rather than an empty string
+for var in NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME NCCL_IB_DISABLE NCCL_DEBUG; do
+    [[ -n "${!var:-}" ]] || unset "$var"
+done
 [[ -n "${VOXDIFF_MODULES:-}" ]] && eval "$VOXDIFF_MODULES"
 if [[ -f "$VOXDIFF_VENV/bin/activate" ]]; then
     # shellcheck disable=SC1091

@@ -1,10 +1,17 @@
-"""A real single-node Slurm (Debian's slurmctld/slurmd 22.05) started by the tests, on this machine.
+"""A real Slurm (Debian's slurmctld/slurmd 22.05) started by the tests, on this machine: one node, or several.
 
 Everything lives under one temporary folder (``SLURM_CONF`` points at its slurm.conf; nothing is written to /etc).
-Authentication is ``auth/none`` so no munged is needed. The node advertises two fake GPUs (character devices made
+Authentication is ``auth/none`` so no munged is needed. Each node advertises fake GPUs (character devices made
 with ``mknod``, GRES ``gpu``), so job scripts that ask for ``--gres=gpu:1`` are accepted and see
-``CUDA_VISIBLE_DEVICES``. ``SlurmdParameters=config_overrides`` lets the node claim the CPUs and memory that the
+``CUDA_VISIBLE_DEVICES``. ``SlurmdParameters=config_overrides`` lets a node claim the CPUs and memory that the
 job scripts ask for. The daemons are stopped by the PIDs this harness started, pass or fail.
+
+``SlurmCluster(nodes=1)`` is one ``slurmd`` named ``localhost`` beside ``slurmctld``. ``nodes=N > 1`` gives each
+``slurmd`` a host of its own: a network namespace (``ip netns``) with its own address on a bridge that also holds
+``slurmctld``'s address, its own hostname (UTS namespace) and its own ``/etc/hosts`` (bind-mounted in a mount
+namespace) that names every node, so that ``srun``, Lightning's ``SLURMEnvironment`` and gloo resolve and reach
+``node1``, ``node2``, ... as on a cluster. The filesystem is shared, as a cluster's is. All addresses are in a
+private range that only these namespaces use; the bridge and namespaces are removed by ``stop``.
 """
 
 from __future__ import annotations
@@ -41,7 +48,19 @@ class SlurmCluster:
     cpus: int = 16
     memory_mb: int = 128000
     gpus: int = 2
+    nodes: int = 1
+    port: int = 16817  # slurmctld's; slurmd's is the next one
+    subnet: str = "10.213.0"  # multi-node only: slurmctld at .1, node i at .(10 + i)
     procs: list[subprocess.Popen] = field(default_factory=list)
+    _netns: list[str] = field(default_factory=list)
+
+    @property
+    def node_names(self) -> list[str]:
+        return ["localhost"] if self.nodes == 1 else [f"node{i}" for i in range(1, self.nodes + 1)]
+
+    @property
+    def bridge(self) -> str:
+        return f"vxbr{self.port}"
 
     @property
     def conf(self) -> Path:
@@ -50,6 +69,12 @@ class SlurmCluster:
     @property
     def env(self) -> dict[str, str]:
         return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    @property
+    def first_job_id(self) -> int:
+        """Job ids that no earlier test cluster on this checkout used: a job's log, slurm/logs/%x-%j.out, is opened
+        in append mode (the requeued half writes after the first), so a reused id would read an old run's lines."""
+        return 1_000_000 + int(time.time() * 10) % 60_000_000
 
     def write_config(self) -> None:
         for d in ("state", "spool", "log", "dev"):
@@ -61,9 +86,18 @@ class SlurmCluster:
                 os.mknod(dev, 0o600 | 0o020000, os.makedev(195, i))  # a character device, as a GPU is
             devices.append(dev)
         r = self.root
+        if self.nodes == 1:
+            ctl, node_lines = "localhost", (f"NodeName=localhost CPUs={self.cpus} RealMemory={self.memory_mb} "
+                                            f"Gres=gpu:{self.gpus} State=UNKNOWN\n")
+        else:
+            ctl = f"localhost({self.subnet}.1)"
+            node_lines = "".join(
+                f"NodeName={n} NodeAddr={self.subnet}.{10 + i} NodeHostname={n} CPUs={self.cpus} "
+                f"RealMemory={self.memory_mb} Gres=gpu:{self.gpus} State=UNKNOWN\n"
+                for i, n in enumerate(self.node_names, 1))
         self.conf.write_text(f"""\
 ClusterName=voxdiff-test
-SlurmctldHost=localhost
+SlurmctldHost={ctl}
 SlurmUser=root
 AuthType=auth/none
 CredType=cred/none
@@ -78,34 +112,82 @@ SlurmdParameters=config_overrides
 MailProg=/bin/true
 ReturnToService=2
 StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool
+SlurmdSpoolDir={r}/spool/%n
 SlurmctldPidFile={r}/slurmctld.pid
-SlurmdPidFile={r}/slurmd.pid
+SlurmdPidFile={r}/slurmd-%n.pid
 SlurmctldLogFile={r}/log/slurmctld.log
-SlurmdLogFile={r}/log/slurmd.log
-SlurmctldPort=16817
-SlurmdPort=16818
+SlurmdLogFile={r}/log/slurmd-%n.log
+SlurmctldPort={self.port}
+SlurmdPort={self.port + 1}
 GresTypes=gpu
 MinJobAge=600
+FirstJobId={self.first_job_id}
 KillWait=5
-NodeName=localhost CPUs={self.cpus} RealMemory={self.memory_mb} Gres=gpu:{self.gpus} State=UNKNOWN
-PartitionName=gpu Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+{node_lines}PartitionName=gpu Nodes={",".join(self.node_names)} Default=YES MaxTime=INFINITE State=UP
 """)
-        (self.root / "gres.conf").write_text(
-            "AutoDetect=off\n" + "".join(f"NodeName=localhost Name=gpu File={d}\n" for d in devices)
-        )
+        (self.root / "gres.conf").write_text("AutoDetect=off\n" + "".join(
+            f"NodeName={n} Name=gpu File={d}\n" for n in self.node_names for d in devices))
+        for n in self.node_names:
+            (self.root / "spool" / n).mkdir(parents=True, exist_ok=True)
+        if self.nodes > 1:
+            (self.root / "hosts").write_text(f"127.0.0.1 localhost\n{self.subnet}.1 slurmctld\n" + "".join(
+                f"{self.subnet}.{10 + i} {n}\n" for i, n in enumerate(self.node_names, 1)))
+
+    def _network(self) -> None:
+        """A bridge holding slurmctld's address and one network namespace per node, joined to it by a veth pair."""
+        ip = lambda *a: subprocess.run(["ip", *a], check=True, capture_output=True, text=True)  # noqa: E731
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)  # left over by a killed run
+        ip("link", "add", self.bridge, "type", "bridge")
+        ip("addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
+        ip("link", "set", self.bridge, "up")
+        for i, name in enumerate(self.node_names, 1):
+            ns, host_end = f"vx{self.port}-{name}", f"vx{self.port}h{i}"
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            ip("netns", "add", ns)
+            self._netns.append(ns)
+            for attempt in range(20):  # a namespace deleted just before frees its veth pair asynchronously
+                subprocess.run(["ip", "link", "del", host_end], capture_output=True)
+                if subprocess.run(["ip", "link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns],
+                                  capture_output=True).returncode == 0:
+                    break
+                time.sleep(0.25)
+            else:
+                ip("link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns)  # raises, says why
+            ip("link", "set", host_end, "master", self.bridge, "up")
+            ip("-n", ns, "addr", "add", f"{self.subnet}.{10 + i}/24", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+
+    def _slurmd(self, name: str) -> list[str]:
+        if self.nodes == 1:
+            return ["slurmd", "-D", "-N", name]
+        # its own host: network namespace, hostname, /etc/hosts naming every node
+        script = (f"hostname {name} && mount --bind {self.root / 'hosts'} /etc/hosts && "
+                  f"exec slurmd -D -N {name}")
+        # nsenter, not `ip netns exec`: that remounts /sys, hiding the cgroup filesystem slurmd needs
+        return ["nsenter", f"--net=/run/netns/vx{self.port}-{name}", "unshare", "--uts", "--mount",
+                "--propagation", "private", "sh", "-c", script]
 
     def start(self, timeout: float = 30.0) -> None:
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> None:
         self.write_config()
+        if self.nodes > 1:
+            self._network()
         log = open(self.root / "log" / "daemons.out", "ab")
         self.procs.append(subprocess.Popen(["slurmctld", "-D", "-i"], env=self.env, stdout=log, stderr=log))
         time.sleep(0.5)
-        self.procs.append(subprocess.Popen(["slurmd", "-D", "-N", "localhost"], env=self.env, stdout=log,
-                                           stderr=log))
+        for name in self.node_names:
+            self.procs.append(subprocess.Popen(self._slurmd(name), env=self.env, stdout=log, stderr=log))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            out = self.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip()
-            if out in ("idle", "mixed", "allocated"):
+            states = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.split()
+            if len(states) == self.nodes and all(s in ("idle", "mixed", "allocated") for s in states):
                 return
             for p in self.procs:
                 if p.poll() is not None:
@@ -128,6 +210,11 @@ PartitionName=gpu Nodes=localhost Default=YES MaxTime=INFINITE State=UP
                 p.kill()
                 p.wait()
         self.procs.clear()
+        for ns in self._netns:  # removing a namespace removes its veth pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self._netns.clear()
+        if self.nodes > 1:
+            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 
     def run(self, *cmd: str, check: bool = True, timeout: float = 30.0, **kw) -> subprocess.CompletedProcess:
         return subprocess.run(list(cmd), env={**self.env, **kw.pop("env", {})}, capture_output=True, text=True,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     threads = configure_cpu_threads()
     run_dir = Path(cfg.paths.output_dir)
     log.info("run directory: %s", run_dir.resolve())
-    print(f"[voxdiff] run directory: {run_dir.resolve()}  (torch threads: {threads})", flush=True)
+    print(f"[voxdiff] run directory: {run_dir.resolve()}  (host {socket.gethostname()}, rank {rank}, "
+          f"torch threads: {threads})", flush=True)
 
     from hydra.errors import InstantiationException
 
