@@ -232,6 +232,15 @@ KillWait=5
             fields[key] = value
         return fields
 
+    def wait_for_file(self, job_id: int, path: Path, timeout: float = 300.0, log=lambda: "") -> None:
+        """Wait until the job creates ``path`` (e.g. HoldAtStep's ``.held`` file); fail at once if the job ended."""
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            state = self.job(job_id).get("JobState")
+            if state not in ("PENDING", "RUNNING", "CONFIGURING") or time.monotonic() > deadline:
+                raise AssertionError(f"job {job_id} ({state}) did not create {path} in time:\n{log()}")
+            time.sleep(0.2)
+
     def wait(self, job_id: int, states: set[str] = TERMINAL_STATES, timeout: float = 300.0,
              poll: float = 0.5) -> dict[str, str]:
         deadline = time.monotonic() + timeout

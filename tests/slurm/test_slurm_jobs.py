@@ -101,12 +101,7 @@ def test_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
                   f"+callbacks.hold.at_step={hold} +callbacks.hold.release_file={release}")
     run_dir = _run_dir(tmp_path, job)
     last = run_dir / "checkpoints" / "last.ckpt"
-    held = release.with_name("release.held")
-    deadline = time.monotonic() + 300
-    while not held.exists():
-        assert time.monotonic() < deadline, _log(job)
-        assert cluster.job(job)["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), _log(job)
-        time.sleep(0.2)
+    cluster.wait_for_file(job, release.with_name("release.held"), log=lambda: _log(job))
     assert cluster.job(job)["JobState"] == "RUNNING"
     assert _step(last) == 6
     cluster.run("scontrol", "requeue", str(job))

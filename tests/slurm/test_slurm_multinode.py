@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -68,12 +67,7 @@ def test_two_node_job_requeued_mid_run_resumes_on_both_nodes(cluster, tmp_path):
     }
     job = cluster.sbatch(SCRIPT, "--nodes=2", cwd=REPO, env=env)
     run_dir = tmp_path / "exp11" / f"job-{job}"
-    held = release.with_name("release.held")
-    deadline = time.monotonic() + 300
-    while not held.exists():
-        assert time.monotonic() < deadline, _log(job)
-        assert cluster.job(job)["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), _log(job)
-        time.sleep(0.2)
+    cluster.wait_for_file(job, release.with_name("release.held"), log=lambda: _log(job))
     info = cluster.job(job)
     assert info["JobState"] == "RUNNING" and info["NodeList"] == "node[1-2]", info
     assert _step(run_dir / "checkpoints" / "last.ckpt") == 6
