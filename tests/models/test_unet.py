@@ -94,3 +94,31 @@ def test_middle_block_attention_head_size_checked_even_without_attention_levels(
     with pytest.raises(ConfigError, match="middle block always has attention over the last level's 96 channels"):
         build_unet(**{**BASE, "channels": [32, 64, 96], "attention_levels": [False, False, False],
                       "num_head_channels": 64})
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_sdpa_attention_matches_the_materialised_path(dtype, tol):
+    """``use_flash_attention=True`` (MONAI's ``F.scaled_dot_product_attention`` path, flash on a GPU) computes the
+    same function as the materialised scores: same weights, same output and gradients within the dtype's rounding.
+    """
+    kw = dict(in_channels=2, out_channels=2, channels=[8, 16], attention_levels=[True, True], num_res_blocks=1,
+              num_head_channels=4, norm_num_groups=4)
+    torch.manual_seed(0)
+    plain = build_unet(**kw, use_flash_attention=False)
+    sdpa = build_unet(**kw, use_flash_attention=True)
+    sdpa.load_state_dict(plain.state_dict())
+    for p in plain.parameters():  # MONAI zero-initialises output convs: perturb so that every path carries signal
+        p.data.add_(0.05 * torch.randn_like(p))
+    sdpa.load_state_dict(plain.state_dict())
+    x, t = torch.randn(2, 2, 8, 8, 8), torch.tensor([3, 700])
+    outs, grads = [], []
+    for model in (plain, sdpa):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            out = model(x, t)
+        out.float().square().mean().backward()
+        outs.append(out.float())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    scale = outs[0].abs().max()
+    assert (outs[0] - outs[1]).abs().max() <= tol * scale
+    assert (grads[0] - grads[1]).abs().max() <= tol * grads[0].abs().max()
+    assert not torch.equal(outs[0], torch.zeros_like(outs[0]))
