@@ -42,6 +42,35 @@ def ensure_installed() -> None:
                    env=env, capture_output=True)
 
 
+def _kill_job_steps(job_ids: set[int]) -> None:
+    """SIGKILL every ``slurmstepd: [<job>.<step>]`` of these jobs and everything below it (the job script, srun,
+    the tasks). Job ids are unique per test cluster (``first_job_id``), so no other cluster's job is touched."""
+    parents: dict[int, int] = {}
+    steps = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        parents[int(proc.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        if cmdline.startswith("slurmstepd: [") and int(cmdline[13:].split(".")[0].split("]")[0]) in job_ids:
+            steps.append(int(proc.name))
+    doomed = set(steps)
+    while True:
+        more = {pid for pid, ppid in parents.items() if ppid in doomed} - doomed
+        if not more:
+            break
+        doomed |= more
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 @dataclass
 class SlurmCluster:
     root: Path
@@ -53,6 +82,7 @@ class SlurmCluster:
     subnet: str = "10.213.0"  # multi-node only: slurmctld at .1, node i at .(10 + i)
     procs: list[subprocess.Popen] = field(default_factory=list)
     _netns: list[str] = field(default_factory=list)
+    _jobs: set[int] = field(default_factory=set)
 
     @property
     def node_names(self) -> list[str]:
@@ -210,6 +240,7 @@ KillWait=5
                 p.kill()
                 p.wait()
         self.procs.clear()
+        _kill_job_steps(self._jobs)  # a step whose slurmd died before it (a failed test) would run on
         for ns in self._netns:  # removing a namespace removes its veth pair
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self._netns.clear()
@@ -222,7 +253,9 @@ KillWait=5
 
     def sbatch(self, script: str | Path, *args: str, cwd: Path, env: dict[str, str] | None = None) -> int:
         out = self.run("sbatch", "--parsable", *args, str(script), cwd=cwd, env=env or {}).stdout
-        return int(out.strip().split(";")[0])
+        job_id = int(out.strip().split(";")[0])
+        self._jobs.add(job_id)
+        return job_id
 
     def job(self, job_id: int) -> dict[str, str]:
         out = self.run("scontrol", "-o", "show", "job", str(job_id)).stdout.strip()
