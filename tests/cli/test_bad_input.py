@@ -167,6 +167,12 @@ def run_cli(entry: str, args: list[str], monkeypatch, capsys) -> tuple[int, str,
     return code, out, err
 
 
+def test_the_rows_use_voxdiffs_exit_codes():
+    from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_DATA, EXIT_NO_FIT
+
+    assert (CONFIG, DATA, NO_FIT) == (EXIT_CONFIG, EXIT_DATA, EXIT_NO_FIT)
+
+
 @pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
 def test_bad_input_is_refused_in_one_line(row, files, tiny_demo, tmp_path, monkeypatch, capsys):
     name, entry, args, code, words = row

@@ -14,6 +14,8 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +43,8 @@ class SlurmCluster:
     cpus: int = 16
     memory_mb: int = 128000
     gpus: int = 2
+    port: int = 16817  # slurmctld's; slurmd takes the next one (another cluster can run beside on other ports)
+    first_job_id: int = 1  # another start (job logs are named by job id and appended to)
     procs: list[subprocess.Popen] = field(default_factory=list)
 
     @property
@@ -83,10 +87,11 @@ SlurmctldPidFile={r}/slurmctld.pid
 SlurmdPidFile={r}/slurmd.pid
 SlurmctldLogFile={r}/log/slurmctld.log
 SlurmdLogFile={r}/log/slurmd.log
-SlurmctldPort=16817
-SlurmdPort=16818
+SlurmctldPort={self.port}
+SlurmdPort={self.port + 1}
 GresTypes=gpu
 MinJobAge=600
+FirstJobId={self.first_job_id}
 KillWait=5
 NodeName=localhost CPUs={self.cpus} RealMemory={self.memory_mb} Gres=gpu:{self.gpus} State=UNKNOWN
 PartitionName=gpu Nodes=localhost Default=YES MaxTime=INFINITE State=UP
@@ -157,3 +162,15 @@ PartitionName=gpu Nodes=localhost Default=YES MaxTime=INFINITE State=UP
                 raise TimeoutError(f"job {job_id} still {info.get('JobState')} after {timeout} s "
                                    f"(reason {info.get('Reason')})")
             time.sleep(poll)
+
+
+@contextmanager
+def running_cluster(root: Path, **kwargs) -> Iterator[SlurmCluster]:
+    """A started cluster (Slurm installed first if missing), stopped by PID when the block ends, pass or fail."""
+    ensure_installed()
+    cluster = SlurmCluster(root, **kwargs)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
