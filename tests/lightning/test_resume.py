@@ -16,29 +16,28 @@ OPTIM = ["system.optim.warmup_steps=0", "system.optim.decay_steps=20", "system.o
          "trainer.max_epochs=-1"]
 
 
-def test_a_changed_learning_rate_is_applied_and_said(tiny_demo, tmp_path, capsys):
-    run = tmp_path / "run"
-    first = train(compose("train", [*tiny_demo, *OPTIM, "system.optim.lr=1e-3", "trainer.max_steps=3",
-                                    f"paths.output_dir={run}"]))
-    before = torch.load(first["last_checkpoint"], weights_only=True)
-    assert before["lr_schedulers"][0]["base_lrs"] == [1e-3]
+def test_a_changed_learning_rate_is_applied_and_said(diffusion_ckpt, tiny_demo, tmp_path, capsys):
+    """The 2-step demo run (lr 2e-3, warm-up 20 steps) continued with another learning rate and schedule."""
+    before = torch.load(diffusion_ckpt, weights_only=True)
+    assert before["lr_schedulers"][0]["base_lrs"] == [2e-3] and before["global_step"] == 2
     capsys.readouterr()
-    second = train(compose("train", [*tiny_demo, *OPTIM, "system.optim.lr=2e-3", "system.optim.eps=1e-6",
-                                     "trainer.max_steps=5", "seed=7", f"paths.output_dir={run}", "ckpt_path=auto"]))
+    resumed = train(compose("train", [*tiny_demo, *OPTIM, "system.optim.lr=1e-3", "system.optim.eps=1e-6",
+                                      "trainer.max_steps=4", "seed=7", f"paths.output_dir={tmp_path}",
+                                      f"ckpt_path={diffusion_ckpt}"]))
     out = capsys.readouterr().out
-    assert "changed since the checkpoint, applied: " in out and "system.optim.lr 0.001 → 0.002" in out
-    assert "trainer.max_steps 3 → 5" in out
+    assert "changed since the checkpoint, applied: " in out and "system.optim.lr 0.002 → 0.001" in out
+    assert "trainer.max_steps 2 → 4" in out and "system.optim.warmup_steps 20 → 0" in out
     assert "NOT applied: seed 42 → 7 (the RNG states continue from the checkpoint)" in out
     assert "the optimizer follows the current config: system.optim.eps 1e-08 → 1e-06; system.optim.lr" in out
-    after = torch.load(second["last_checkpoint"], weights_only=True)
-    assert after["global_step"] == 5
-    assert after["lr_schedulers"][0]["base_lrs"] == [2e-3]
+    after = torch.load(resumed["last_checkpoint"], weights_only=True)
+    assert after["global_step"] == 4
+    assert after["lr_schedulers"][0]["base_lrs"] == [1e-3]
     group = after["optimizer_states"][0]["param_groups"][0]
-    assert group["eps"] == 1e-6 and group["initial_lr"] == 2e-3
-    assert group["lr"] == pytest.approx(2e-3 * WarmupCosine(0, 20, 0.1)(5))  # the new schedule at step 5
+    assert group["eps"] == 1e-6 and group["initial_lr"] == 1e-3
+    assert group["lr"] == pytest.approx(1e-3 * WarmupCosine(0, 20, 0.1)(4))  # the new schedule at step 4
     # the Adam moments were continued, not restarted: step counts go on from the checkpoint
     steps = [float(s["step"]) for s in after["optimizer_states"][0]["state"].values()]
-    assert steps and all(s == 5 for s in steps)
+    assert steps and all(s == 4 for s in steps)
 
 
 @pytest.mark.parametrize("overrides, keys", [

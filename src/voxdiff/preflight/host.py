@@ -5,7 +5,9 @@ against the local GPU's memory for a GPU run and against the host's memory for a
 CPU step (fp32, the precision a CPU run uses) is the bytes its tensors hold; the CUDA context and the allocator's
 rounding that the prediction adds make it a slight over-estimate there. A model far too large for the machine
 (29 billion parameters on a 24 GiB host) is refused in about a second with the preflight's fixes, instead of
-failing in the allocator after a minute of building.
+failing in the allocator after a minute of building. A budget of the user's own, ``+preflight.gpu_memory_gib=N``
+(and ``+preflight.safety_margin=M``), replaces the machine's: the prediction's error is up to 34% on the measured
+rows, so a config at the edge can be started on purpose.
 """
 
 from __future__ import annotations
@@ -61,12 +63,11 @@ def training_verdict(cfg: DictConfig) -> PreflightResult | None:
         trainer_precision(checked)
     except ConfigError:
         return None
-    on_gpu = _uses_gpu(accelerator)
-    if not on_gpu:
+    on_host = not _uses_gpu(accelerator) and OmegaConf.select(cfg, "preflight.gpu_memory_gib") is None
+    if on_host:  # a CPU run, and no budget of the user's own (+preflight.gpu_memory_gib=N)
         processes = _local_processes(cfg)
-        host = host_memory_bytes()
-        OmegaConf.update(checked, "preflight.gpu_memory_gib", host / processes / GiB, force_add=True)
+        OmegaConf.update(checked, "preflight.gpu_memory_gib", host_memory_bytes() / processes / GiB, force_add=True)
     result = run_preflight(checked, name=str(cfg.get("task_name", "")), suggest=True)
-    if not on_gpu:
+    if on_host:
         result.budget_source = "host memory" + (f" shared by {processes} processes" if processes > 1 else "")
     return result
