@@ -108,3 +108,16 @@ def test_a_second_train_py_on_a_running_runs_directory_stops_before_hydra_writes
         train.main()
     assert exit_.value.code == 2 and "is in use by another run" in capsys.readouterr().err
     assert (run / ".hydra" / "config.yaml").read_text() == "the first run's record\n"
+
+
+def test_the_temporary_file_of_a_checkpoint_write_killed_by_sigkill_is_removed(tmp_path):
+    """The real writer (atomic_write), killed with SIGKILL mid-write, leaves its temp file; the next run removes it."""
+    code = ("import os, sys; from voxdiff.lightning.checkpoint_io import atomic_write; "
+            "atomic_write(sys.argv[1], lambda f: (f.write(b'partial'), f.flush(), os.kill(os.getpid(), 9)))")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "checkpoints" / "last.ckpt")])
+    assert proc.returncode == -9
+    left = list((tmp_path / "checkpoints").glob(".last.ckpt.*.tmp"))
+    assert len(left) == 1 and not (tmp_path / "checkpoints" / "last.ckpt").exists()
+    notes = claim(tmp_path, "auto")
+    release(tmp_path)
+    assert not left[0].exists() and "removed 1 temporary file(s) of interrupted checkpoint writes" in notes[-1]

@@ -120,6 +120,8 @@ def prepare(cfg: DictConfig, run_dir: Path) -> tuple[str | None, Any]:
         for note in claim(run_dir, cfg.get("ckpt_path"), bool(cfg.get("overwrite", False))):
             print(f"[voxdiff] {note}", flush=True)
     ckpt_path = resume_path(cfg.get("ckpt_path"), run_dir)
+    if cfg.get("ckpt_path") == "auto" and ckpt_path is None:
+        print(f"[voxdiff] ckpt_path=auto: no last.ckpt or hpc_ckpt_*.ckpt in {run_dir}: a fresh start", flush=True)
     plan = None
     if ckpt_path is not None and ckpt_path != "last" and "://" not in ckpt_path:
         plan = check_resume(cfg, ckpt_path)
