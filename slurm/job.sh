@@ -20,8 +20,11 @@ if [[ -f "$VOXDIFF_VENV/bin/activate" ]]; then
     source "$VOXDIFF_VENV/bin/activate"
 else
     echo "[voxdiff] no Python environment at VOXDIFF_VENV=$VOXDIFF_VENV (slurm/site.env); run scripts/setup_env.sh" >&2
-    exit 2
+    exit 2  # EXIT_CONFIG (no Python yet to read the table below)
 fi
+# The exit codes of every voxdiff command, from their one table (voxdiff/cli/exit_codes.py; README "Errors and
+# exit codes"): EXIT_OK, EXIT_CONFIG, EXIT_NONFINITE, EXIT_NO_FIT, EXIT_DATA, EXIT_TERMINATED.
+eval "$(python -m voxdiff.cli.exit_codes)"
 
 RUN_DIR="$VOXDIFF_RUN_ROOT/$VOXDIFF_EXPERIMENT/job-$SLURM_JOB_ID"
 OVERRIDES=("experiment=$VOXDIFF_EXPERIMENT" "paths.run_dir=$RUN_DIR")
@@ -33,12 +36,19 @@ fi
 OVERRIDES+=(${VOXDIFF_OVERRIDES:-} "$@")
 echo "[voxdiff] job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $(hostname): ${OVERRIDES[*]}"
 
-# Fail in seconds, with the preflight's message, if the config is invalid or does not fit the allocated GPU.
-if ! python preflight.py "${OVERRIDES[@]}"; then
-    echo "[voxdiff] preflight refused experiment=$VOXDIFF_EXPERIMENT; nothing was trained" >&2
-    exit 3
+# Fail in seconds, with the preflight's message, if the config is invalid (EXIT_CONFIG) or does not fit the
+# allocated GPU (EXIT_NO_FIT); the job exits with the preflight's own code.
+rc=$EXIT_OK
+python preflight.py "${OVERRIDES[@]}" || rc=$?
+if (( rc != EXIT_OK )); then
+    why=$(python -m voxdiff.cli.exit_codes --describe "$rc")
+    echo "[voxdiff] preflight refused experiment=$VOXDIFF_EXPERIMENT (exit $rc: $why); nothing was trained" >&2
+    exit "$rc"
 fi
 
 # srun forwards SIGUSR1 (--signal) to train.py: Lightning's SLURM environment saves hpc_ckpt_N.ckpt and runs
-# `scontrol requeue`; the requeued job re-enters here with the same job id and run directory.
+# `scontrol requeue`. A SIGTERM without it (a preemption's grace period, scancel --signal=TERM) saves
+# checkpoints/last.ckpt and requeues the job while Slurm still reports it RUNNING; after scancel the checkpoint is
+# saved and the job stays cancelled (train.py exits EXIT_TERMINATED). The requeued job re-enters here with the
+# same job id and run directory, and ckpt_path=auto resumes from the newest checkpoint.
 srun --kill-on-bad-exit=1 python train.py "${OVERRIDES[@]}" ckpt_path=auto

@@ -23,3 +23,60 @@ def repo() -> Path:
 @pytest.fixture(scope="session")
 def reference_csv() -> Path:
     return REPO / "reference" / "measured_vram.csv"
+
+
+# ---------------------------------------------------------------------------------------------- shared fixtures
+#: the demo experiment at CPU toy size (16×16×16 → S2D 8³ into a 3-level UNet of 8..16 channels)
+TINY_DEMO = [
+    "experiment=demo",
+    "logger=csv",
+    "data.volume_shape=[16,16,16]",
+    "data.num_subjects=3",
+    "model.channels=[8,8,16]",
+    "model.attention_levels=[false,false,true]",
+    "model.num_res_blocks=1",
+    "model.num_head_channels=8",
+    "model.norm_num_groups=4",
+    "system.sampling.final=false",
+    "trainer.max_steps=2",
+    "trainer.accelerator=cpu",
+    "trainer.enable_model_summary=false",
+    "trainer.enable_progress_bar=false",
+    "callbacks.progress_bar=null",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_demo() -> list[str]:
+    return list(TINY_DEMO)
+
+
+@pytest.fixture(scope="session")
+def diffusion_ckpt(tmp_path_factory) -> Path:
+    """``checkpoints/last.ckpt`` of a real 2-step tiny diffusion run (train.py's ``train``)."""
+    from voxdiff.cli.train import train
+    from voxdiff.config import compose
+
+    out = tmp_path_factory.mktemp("diffusion_run")
+    report = train(compose("train", [*TINY_DEMO, f"paths.output_dir={out}"]))
+    return Path(report["last_checkpoint"])
+
+
+@pytest.fixture(scope="session")
+def vqvae_ckpt(tmp_path_factory) -> Path:
+    """A stage-1 checkpoint as ``train.py experiment=vqvae_demo`` writes it (untrained weights, Lightning layout)."""
+    from hydra.utils import instantiate
+
+    from voxdiff.config import compose, plain
+    from voxdiff.lightning.callbacks import CONFIG_KEY
+
+    run_dir = tmp_path_factory.mktemp("vqvae_run")
+    cfg = compose("train", ["experiment=vqvae_demo", "data.volume_shape=[16,16,16]",
+                            "system.vqvae.channels=[8,8]", "system.vqvae.num_res_channels=[8,8]",
+                            "system.vqvae.num_embeddings=16", f"paths.output_dir={run_dir}"])
+    system = instantiate(cfg.system)
+    path = run_dir / "last.ckpt"
+    torch.save({"epoch": 0, "global_step": 3, "state_dict": system.state_dict(),
+                "hyper_parameters": dict(system.hparams),
+                CONFIG_KEY: {k: plain(cfg[k]) for k in cfg if k != "hydra"}}, path)
+    return path

@@ -105,15 +105,100 @@ def is_diffusion(cfg: DictConfig) -> bool:
     return str(OmegaConf.select(cfg, "system._target_", default="")).endswith("DiffusionSystem")
 
 
-def build_encoding(cfg: DictConfig) -> Encoding:
-    """Instantiate ``cfg.encoding`` (an :class:`~voxdiff.encodings.Encoding`)."""
+def instantiate_config(node: Any, **kwargs: Any) -> Any:
+    """Hydra's ``instantiate`` of the user's own config, with voxdiff's refusals (:class:`ConfigError`,
+    ``DataError``) raised as themselves instead of wrapped in Hydra's ``InstantiationException``."""
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
-    encoding = instantiate(cfg.encoding, _convert_="all")
-    if not isinstance(encoding, Encoding):
-        raise ConfigError("encoding._target_", cfg.encoding.get("_target_"), "is not a voxdiff encoding",
-                          "use encoding=s2d, haar, identity, vqvae_4x or vqvae_8x")
-    return encoding
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, ValueError) and type(cause).__module__.startswith("voxdiff."):
+            raise cause from None
+        raise
+
+
+def require(cfg: DictConfig, *keys: str, fix: str) -> None:
+    """Refuse a mandatory value (``???`` in the config) that the command line did not give.
+
+    Raises:
+        ConfigError: naming the first missing key and ``fix`` (the command line that gives it).
+    """
+    for key in keys:
+        if OmegaConf.is_missing(cfg, key):
+            raise ConfigError(key, "???", "is required", fix)
+
+
+def check_name(key: str, value: Any) -> str:
+    """A name that becomes a folder of the run directory (``task_name``): a plain name, no path in it.
+
+    Raises:
+        ConfigError: a path separator, ``.``/``..`` or an empty name (the run would land outside ``paths.log_dir``).
+    """
+    name = str(value) if value is not None else ""
+    if not name.strip() or name in (".", "..") or "/" in name or "\\" in name or (os.altsep and os.altsep in name):
+        raise ConfigError(key, value, "must be a plain name without a path separator: the run directory is "
+                          f"<paths.log_dir>/<{key}>/..., so a path in it puts the run elsewhere",
+                          f"use a plain name, e.g. {key}=exp11_lr2e-4 (paths.run_dir=DIR sets the folder itself)")
+    return name
+
+
+def voxdiff_class(node: Any, key: str, base: type, packages: Sequence[str], fix: str) -> tuple[type, dict]:
+    """The class and keyword arguments of a ``_target_`` node, only when the target is one of voxdiff's own classes.
+
+    A config stored in a checkpoint is data: it must not name ``builtins.open`` or ``torch.load`` and have them
+    called. The target must be a subclass of ``base`` defined in one of ``packages`` (``voxdiff.encodings``,
+    ``voxdiff.data``), only those modules are imported to look it up, nested ``_target_`` nodes are refused, and
+    the other keys become keyword arguments.
+
+    Raises:
+        ConfigError: naming ``<key>._target_`` (or the nested node), the value and ``fix``.
+    """
+    import importlib
+
+    values = plain(node)
+    if not isinstance(values, dict):
+        raise ConfigError(key, values, "must be a config node with a _target_", fix)
+    target = values.get("_target_")
+    module, _, name = str(target).rpartition(".")
+    if not isinstance(target, str) or not any(module == p or module.startswith(p + ".") for p in packages):
+        raise ConfigError(f"{key}._target_", target, f"is not one of voxdiff's {base.__name__} classes "
+                          f"(only {', '.join(p + '.*' for p in packages)} are built)", fix)
+    nested = _nested_target(values, key, top=True)
+    if nested:
+        raise ConfigError(nested, values, "holds a nested _target_, which is never instantiated", fix)
+    cls = getattr(importlib.import_module(module), name, None)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ConfigError(f"{key}._target_", target, f"is not a {base.__name__} class", fix)
+    unknown = sorted(k for k in values if k.startswith("_") and k not in _MODEL_META_KEYS)
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}", values[unknown[0]], "is not a setting voxdiff reads", fix)
+    return cls, {k: v for k, v in values.items() if k not in _MODEL_META_KEYS}
+
+
+def _nested_target(value: Any, path: str, top: bool = False) -> str | None:
+    if isinstance(value, dict):
+        if "_target_" in value and not top:
+            return f"{path}._target_"
+        for k, v in value.items():
+            found = _nested_target(v, f"{path}.{k}")
+            if found:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _nested_target(v, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+def build_encoding(cfg: DictConfig) -> Encoding:
+    """Build ``cfg.encoding`` (an :class:`~voxdiff.encodings.Encoding`; only voxdiff's own encoding classes)."""
+    cls, kwargs = voxdiff_class(cfg.encoding, "encoding", Encoding, ("voxdiff.encodings",),
+                                "use encoding=s2d, haar, identity, vqvae_4x or vqvae_8x")
+    return cls(**kwargs)
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,13 @@ class ConfigError(ValueError):
         self.value = value
         self.problem = problem
         self.fix = fix
-        super().__init__(f"{key}={_show(value)}: {problem}. Fix: {fix}")
+        super().__init__(f"{key}={show_value(value)}: {problem}. Fix: {fix}")
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
+    """A config value as messages show it: ``[8, 8, 16]``, ``true``, ``null``."""
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_show(v) for v in value) + "]"
+        return "[" + ", ".join(show_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return str(value).lower()
     if value is None:

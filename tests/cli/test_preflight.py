@@ -7,6 +7,7 @@ import sys
 import matplotlib.image as mpimg
 import pytest
 
+from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_NO_FIT
 from voxdiff.cli.preflight import run
 from voxdiff.config import config_dir
 
@@ -31,13 +32,13 @@ def test_one_config_in_detail(capsys):
 
 
 def test_invalid_config_exits_nonzero_with_fix(capsys):
-    assert run(["experiment=exp9_ldm_8x_bravo", "model=4L_large"]) == 1
+    assert run(["experiment=exp9_ldm_8x_bravo", "model=4L_large"]) == EXIT_CONFIG
     out = capsys.readouterr().out
     assert "INVALID" in out and "depth 20 of the 8× latent (20×32×32) is not divisible by 8" in out
 
 
 def test_seed_config_that_ran_out_of_memory_gets_fixes_that_fit(capsys):
-    assert run(["experiment=exp11", SEED_OOM]) == 1
+    assert run(["experiment=exp11", SEED_OOM]) == EXIT_NO_FIT
     out = capsys.readouterr().out
     assert "OUT OF MEMORY" in out
     fixes = [line for line in out.splitlines() if line.strip().startswith(("✓", "✗"))]
@@ -48,7 +49,7 @@ def test_seed_config_that_ran_out_of_memory_gets_fixes_that_fit(capsys):
 
 
 def test_budget_decides_the_verdict(capsys):
-    assert run(["experiment=exp11", "preflight.gpu_memory_gib=6"]) == 1
+    assert run(["experiment=exp11", "preflight.gpu_memory_gib=6"]) == EXIT_NO_FIT
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "budget 6.0 GiB (preflight.gpu_memory_gib)" in out
 
@@ -90,7 +91,7 @@ def test_sweep_mode_writes_csv_and_plot(tmp_path, reference_csv, capsys):
 
 
 def test_sweep_without_out_is_refused(capsys, reference_csv):
-    assert run([f"preflight.sweep={reference_csv}"]) == 1
+    assert run([f"preflight.sweep={reference_csv}"]) == EXIT_CONFIG
     assert "preflight.out=null: sweep mode writes a CSV" in capsys.readouterr().err
 
 
@@ -101,5 +102,5 @@ def test_measure_needs_a_gpu(capsys):
         assert run(["experiment=demo", "preflight.measure=true"]) == 0
         assert "measured:" in capsys.readouterr().out
     else:
-        assert run(["experiment=demo", "preflight.measure=true"]) == 1
+        assert run(["experiment=demo", "preflight.measure=true"]) == EXIT_CONFIG
         assert "preflight.measure=true: needs a CUDA GPU" in capsys.readouterr().err

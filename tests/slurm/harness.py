@@ -21,6 +21,8 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -286,3 +288,15 @@ KillWait=5
                 raise TimeoutError(f"job {job_id} still {info.get('JobState')} after {timeout} s "
                                    f"(reason {info.get('Reason')})")
             time.sleep(poll)
+
+
+@contextmanager
+def running_cluster(root: Path, **kwargs) -> Iterator[SlurmCluster]:
+    """A started cluster (Slurm installed first if missing), stopped by PID when the block ends, pass or fail."""
+    ensure_installed()
+    cluster = SlurmCluster(root, **kwargs)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import SlurmCluster, ensure_installed  # noqa: E402  (tests/slurm is on sys.path via conftest)
+from harness import SlurmCluster, running_cluster  # noqa: E402  (tests/slurm is on sys.path via conftest)
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "slurm" / "exp11.slurm"
@@ -31,13 +31,8 @@ TINY = ("trainer=cpu logger=csv data.volume_shape=[32,32,32] data.num_subjects=4
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    ensure_installed()
-    c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    c.start()
-    try:
+    with running_cluster(tmp_path_factory.mktemp("slurm")) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _submit(cluster: SlurmCluster, run_root: Path, overrides: str) -> int:
@@ -61,7 +56,7 @@ def _run_dir(run_root: Path, job_id: int) -> Path:
 
 
 def _step(ckpt: Path) -> int:
-    return int(torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"])
+    return int(torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"])
 
 
 def test_script_is_rendered_from_site_config():
@@ -93,7 +88,8 @@ def _logged_steps(run_dir: Path) -> list[int]:
 
 def test_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
     """Requeued at a step the test controls: the job holds at step 8 (HoldAtStep) until the requeue has been sent,
-    whatever the machine's speed; its last.ckpt is then at step 6 and it has logged steps 0..7."""
+    whatever the machine's speed (its periodic last.ckpt is then at step 6). The requeue's SIGTERM ends the hold;
+    the batch in flight finishes and the run saves its resume checkpoint at step 9, having logged steps 0..8."""
     max_steps, every, hold = 12, 3, 8
     release = tmp_path / "release"
     job = _submit(cluster, tmp_path, f"{TINY} trainer.max_steps={max_steps} callbacks.last.every_n_train_steps={every} "
@@ -107,7 +103,8 @@ def test_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
     cluster.run("scontrol", "requeue", str(job))
     # Slurm holds a requeued job for ~2 minutes (BeginTime); once it is pending again, release it, as an admin would
     cluster.wait(job, {"PENDING"}, timeout=60, poll=0.2)
-    assert _logged_steps(run_dir) == list(range(hold)), _log(job)  # the first half's metrics are on disk
+    assert _step(last) == hold + 1  # saved at the signal
+    assert _logged_steps(run_dir) == list(range(hold + 1)), _log(job)  # the first half's metrics are on disk
     release.touch()  # the resumed run passes step 8 without holding
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     info = cluster.wait(job, timeout=600)
@@ -116,9 +113,9 @@ def test_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
     assert int(info["Restarts"]) == 1
     assert "(restart 1)" in log
     resumed = re.findall(r"resuming from .*?step (\d+)", log, flags=re.IGNORECASE)
-    assert resumed and int(resumed[-1]) == 6, log
+    assert resumed and int(resumed[-1]) == hold + 1, log
     assert _step(last) == max_steps  # the step count continued to the end, not restarted
-    # both halves in one file, each step once: 0..5 of the first run, 6..11 redone by the requeued one
+    # both halves in one file, each step once: 0..8 of the first run, 9..11 of the requeued one
     assert _logged_steps(run_dir) == list(range(max_steps)), log
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import SlurmCluster, ensure_installed  # noqa: E402  (tests/slurm is on sys.path via conftest)
+from harness import running_cluster  # noqa: E402  (tests/slurm is on sys.path via conftest)
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "slurm" / "exp11.slurm"
@@ -35,13 +35,8 @@ TINY_DDP = ("trainer.accelerator=cpu trainer.precision=32-true logger=csv data.v
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    ensure_installed()
-    c = SlurmCluster(tmp_path_factory.mktemp("slurm2"), nodes=2, gpus=1, port=16827)
-    c.start()
-    try:
+    with running_cluster(tmp_path_factory.mktemp("slurm2"), nodes=2, gpus=1, port=16827) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _log(job_id: int) -> str:
@@ -50,7 +45,7 @@ def _log(job_id: int) -> str:
 
 
 def _step(ckpt: Path) -> int:
-    return int(torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"])
+    return int(torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"])
 
 
 def test_two_node_job_requeued_mid_run_resumes_on_both_nodes(cluster, tmp_path):
@@ -81,8 +76,8 @@ def test_two_node_job_requeued_mid_run_resumes_on_both_nodes(cluster, tmp_path):
     assert int(info["Restarts"]) == 1
     second = log.split("(restart 1)", 1)[1]
     assert "trainer=ddp" in log.split("(restart 1)", 1)[0]  # job.sh chose DDP for two nodes
-    # both ranks of the requeued job, one per node, resumed from the checkpoint of step 6
-    assert len(re.findall(r"resuming from \S+last\.ckpt \(step 6\)", second)) == 2, log
+    # both ranks of the requeued job, one per node, resumed from the checkpoint saved at the signal (step 9)
+    assert len(re.findall(r"resuming from \S+last\.ckpt \(step 9\)", second)) == 2, log
     assert sorted(re.findall(r"\(host (node\d), rank (\d),", second)) == [("node1", "0"), ("node2", "1")], log
     assert _step(run_dir / "checkpoints" / "last.ckpt") == max_steps
     report = json.loads((run_dir / "replicas.json").read_text())

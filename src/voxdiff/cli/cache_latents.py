@@ -7,7 +7,8 @@ the data → encode every subject (train and validation) → write ``DIR/latents
 ``data`` is the same config group as in ``train.py`` (``data.root``, ``data.num_subjects``, ...);
 ``data.volume_shape`` defaults to the shape stage 1 was trained on.
 
-Exit codes: 0 done; 2 the config was refused (nothing was written).
+Exit codes (:mod:`voxdiff.cli.exit_codes`): 0 done; 2 the config or the stage-1 checkpoint was refused (nothing
+was written); 5 the data was refused.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, open_dict
 
-from voxdiff.config import config_dir, plain
+from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_DATA
+from voxdiff.config import config_dir, instantiate_config, plain, require
 from voxdiff.errors import ConfigError
 
-EXIT_CONFIG = 2
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -48,6 +49,8 @@ def validate(cfg: DictConfig):  # noqa: ANN201 - returns (encoding, volume_shape
     """
     from voxdiff.encodings.vqvae import VQVAELatent, read_stage1_checkpoint
 
+    require(cfg, "stage1_ckpt", "out", fix="python cache_latents.py stage1_ckpt=<stage-1 run>/checkpoints/last.ckpt "
+            "out=DIR (train stage 1 first: python train.py experiment=vqvae_4x)")
     ckpt = str(cfg.stage1_ckpt)
     stage1 = read_stage1_checkpoint(ckpt, key="stage1_ckpt")
     shape = plain(cfg.data.volume_shape)
@@ -69,7 +72,6 @@ def validate(cfg: DictConfig):  # noqa: ANN201 - returns (encoding, volume_shape
 
 def cache(cfg: DictConfig) -> dict[str, Any]:
     """Validate, encode, write the cache; returns its index."""
-    from hydra.utils import instantiate
     from torch.utils.data import ConcatDataset
 
     from voxdiff.data.latents import INDEX_NAME, write_latent_cache
@@ -77,7 +79,7 @@ def cache(cfg: DictConfig) -> dict[str, Any]:
     encoding, shape, device = validate(cfg)
     with open_dict(cfg):
         cfg.data.volume_shape = list(shape)
-    datamodule = instantiate(cfg.data, _convert_="all")
+    datamodule = instantiate_config(cfg.data, _convert_="all")
     datamodule.setup("fit")
     dataset = ConcatDataset([datamodule.train_dataset, datamodule.val_dataset])
     info = {k: plain(cfg.data.get(k)) for k in ("root", "image_name", "mask_name", "num_subjects", "val_fraction",
@@ -99,12 +101,17 @@ def cache(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(config_path=str(config_dir()), config_name="cache_latents", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    """The ``python cache_latents.py`` entry point: a refused config prints one message and exits 2."""
+    """The ``python cache_latents.py`` entry point: a refusal prints one message and exits with its code."""
+    from voxdiff.data.nifti import DataError
+
     try:
         cache(cfg)
     except ConfigError as e:
         print(f"[voxdiff] config error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_CONFIG) from None
+    except DataError as e:
+        print(f"[voxdiff] data error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_DATA) from None
 
 
 if __name__ == "__main__":

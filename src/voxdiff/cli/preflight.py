@@ -5,7 +5,8 @@
     python preflight.py preflight.sweep=IN.csv preflight.out=OUT.csv   every row of a measured_vram.csv
     python preflight.py experiment=exp11 preflight.measure=true     (CUDA GPU) measured peaks beside the prediction
 
-Exit status: 0 when every checked configuration is valid and fits, 1 otherwise, 2 on a usage error.
+Exit status (voxdiff.cli.exit_codes): 0 when every checked configuration is valid and fits; 2 (EXIT_CONFIG) when
+one is invalid or the command line / sweep CSV is refused; 4 (EXIT_NO_FIT) when all are valid but one does not fit.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_NO_FIT, EXIT_OK
 from voxdiff.config import compose, config_dir, is_diffusion
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.check import PreflightResult, run_preflight
@@ -63,7 +65,8 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join([line(HEADER), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-def _details(r: PreflightResult) -> str:
+def details(r: PreflightResult) -> str:
+    """The problems, the memory summary, the verdict and the fixes of one configuration (indented lines)."""
     out = []
     for p in r.problems:
         out.append(f"  ✗ {p}")
@@ -99,7 +102,7 @@ def _sweep(cfg: DictConfig) -> int:
     bad = [r for r in rows if r.get("pred_error")]
     print(f"preflight sweep: {len(rows)} rows from {src} -> {p.out} and {plot} in {time.perf_counter() - t0:.1f} s"
           + (f"; {len(bad)} invalid rows (pred_error)" if bad else ""))
-    return 0
+    return EXIT_OK
 
 
 def _measure(cfg: DictConfig, result: PreflightResult) -> None:
@@ -121,7 +124,7 @@ def run(overrides: list[str]) -> int:
         return _run(overrides)
     except (ConfigError, HydraException) as err:  # a refused value, or an override Hydra cannot compose
         print(f"preflight: {err}", file=sys.stderr)
-        return 1
+        return EXIT_CONFIG
 
 
 def _run(overrides: list[str]) -> int:
@@ -141,20 +144,22 @@ def _run(overrides: list[str]) -> int:
     print(_table([_row(r) for r in results]))
     for r in results:
         if single or not r.ok:
-            print(f"\n{r.name}:\n{_details(r)}")
+            print(f"\n{r.name}:\n{details(r)}")
     if single and base.preflight.measure:
         _measure(base, results[0])
     failed = [r.name for r in results if not r.ok]
     print(f"\npreflight: {len(results) - len(failed)}/{len(results)} configurations valid and fit"
           + (f"; refused: {', '.join(failed)}" if failed else ""))
-    return 1 if failed else 0
+    if any(r.problems for r in results):
+        return EXIT_CONFIG
+    return EXIT_NO_FIT if failed else EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
         print(__doc__)
-        return 0
+        return EXIT_OK
     code = run(args)
     if argv is None:
         sys.exit(code)

@@ -5,7 +5,10 @@ diffusion) → take ``n`` masks (the validation subjects of the data config save
 ``data.root=DIR``) → DDIM with the EMA weights → decode → NIfTI with the source affine + PNG montage per sample,
 in this run's directory (``<paths.log_dir>/sample/<time>/samples``). In seg mode it writes generated masks.
 
-Exit codes: 0 done; 2 the config was refused.
+Exit codes (:mod:`voxdiff.cli.exit_codes`): 0 done; 2 the config or the checkpoint was refused; 5 the data was
+refused. The checkpoint is read as data (:func:`voxdiff.checkpoint.load_file`) and the run is rebuilt from its
+plain values through voxdiff's own builders: a ``_target_`` stored in it is never called unless it names one of
+voxdiff's own encoding or data classes.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from voxdiff.config import config_dir, plain
+from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_DATA
+from voxdiff.config import config_dir, plain, require
 from voxdiff.errors import ConfigError
 
 SPLITS = ("val", "all")
 DEVICES = ("auto", "cpu", "cuda")
-EXIT_CONFIG = 2
+_CKPT_FIX = "point it at a training checkpoint, e.g. ckpt_path=<run dir>/checkpoints/last.ckpt"
 
 
 def validate(cfg: DictConfig) -> None:
@@ -31,10 +35,10 @@ def validate(cfg: DictConfig) -> None:
     Raises:
         ConfigError: naming the key, the value and a fix.
     """
+    require(cfg, "ckpt_path", fix="python sample.py ckpt_path=<run dir>/checkpoints/last.ckpt")
     ckpt = cfg.get("ckpt_path")
     if ckpt is None or not Path(str(ckpt)).is_file():
-        raise ConfigError("ckpt_path", ckpt, "no such checkpoint file",
-                          "point it at a training checkpoint, e.g. ckpt_path=<run dir>/checkpoints/last.ckpt")
+        raise ConfigError("ckpt_path", ckpt, "no such checkpoint file", _CKPT_FIX)
     for key, minimum in (("n", 1), ("batch_size", 1), ("seed", 0)):
         value = cfg.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -49,22 +53,39 @@ def validate(cfg: DictConfig) -> None:
 
 
 def _load(ckpt_path: str, device: Any):
-    import torch
+    """The diffusion system of a checkpoint, rebuilt from its plain hyper-parameters, with its (EMA) weights."""
+    import inspect
 
+    from voxdiff.checkpoint import KINDS, checkpoint_kind, load_file
     from voxdiff.lightning.callbacks import CONFIG_KEY
     from voxdiff.lightning.diffusion import DiffusionSystem
 
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-    hparams = checkpoint.get("hyper_parameters", {})
-    if not {"model", "encoding", "diffusion", "mode"} <= set(hparams):
-        raise ConfigError("ckpt_path", ckpt_path, "is not a checkpoint of the diffusion system (DiffusionSystem)",
-                          "use a checkpoint written by python train.py with system=diffusion")
-    system = DiffusionSystem.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True)
+    checkpoint = load_file(ckpt_path, "ckpt_path", _CKPT_FIX)
+    kind = checkpoint_kind(checkpoint)
+    if kind != "diffusion":
+        raise ConfigError("ckpt_path", ckpt_path, f"is {KINDS[kind]}; sample.py generates from a diffusion-UNet "
+                          "checkpoint", "use a checkpoint written by python train.py with system=diffusion (a latent "
+                          "run decodes through the stage 1 its own config names)")
+    hparams = checkpoint["hyper_parameters"]
+    args = {k: hparams[k] for k in inspect.signature(DiffusionSystem.__init__).parameters if k in hparams}
+    try:
+        system = DiffusionSystem(**args)
+    except ConfigError as err:  # e.g. a stored encoding whose _target_ is not a voxdiff encoding
+        raise ConfigError("ckpt_path", ckpt_path, f"its stored config is refused ({err})", _CKPT_FIX) from None
+    system.on_load_checkpoint(checkpoint)  # the EMA weights
+    try:
+        system.load_state_dict(checkpoint.get("state_dict") or {})
+    except RuntimeError as err:
+        reason = str(err).strip().splitlines()[0]
+        raise ConfigError("ckpt_path", ckpt_path, f"its weights do not match its stored config ({reason})",
+                          _CKPT_FIX) from None
     return system.to(device).eval(), checkpoint.get(CONFIG_KEY, {})
 
 
 def _datamodule(saved: dict[str, Any], cfg: DictConfig):
-    from hydra.utils import instantiate
+    import lightning as L
+
+    from voxdiff.config import voxdiff_class
 
     data = dict(saved.get("data") or {})
     if not data:
@@ -73,7 +94,12 @@ def _datamodule(saved: dict[str, Any], cfg: DictConfig):
     for key, value in (plain(cfg.get("data")) or {}).items():
         if value is not None:
             data[key] = value
-    return instantiate(data, _convert_="all")
+    try:
+        cls, kwargs = voxdiff_class(data, "data", L.LightningDataModule, ("voxdiff.data",), _CKPT_FIX)
+    except ConfigError as err:
+        raise ConfigError("ckpt_path", cfg.ckpt_path, f"its stored data config is refused ({err})",
+                          _CKPT_FIX) from None
+    return cls(**kwargs)
 
 
 def sample(cfg: DictConfig) -> list[Path]:
@@ -114,12 +140,17 @@ def sample(cfg: DictConfig) -> list[Path]:
 @hydra.main(config_path=str(config_dir()), config_name="sample", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """The ``voxdiff-sample`` / ``python sample.py`` entry point."""
+    from voxdiff.data.nifti import DataError
+
     try:
         validate(cfg)
         sample(cfg)
     except ConfigError as e:
         print(f"[voxdiff] config error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_CONFIG) from None
+    except DataError as e:
+        print(f"[voxdiff] data error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_DATA) from None
 
 
 if __name__ == "__main__":

@@ -1,31 +1,47 @@
-"""``python train.py [experiment=NAME] [key=value ...]``: compose → validate → instantiate → fit → report.
+"""``python train.py [experiment=NAME] [key=value ...]``: compose → validate → claim the run directory → check the
+resume and the memory → instantiate → fit → report.
 
 The system comes from ``cfg.system`` (the diffusion UNet, or the VQ-VAE's stage 1), the data from ``cfg.data``;
 all outputs go to the run directory (``paths.output_dir``): ``checkpoints/``, ``samples/``, ``wandb/`` or
 ``csv/``, and Hydra's ``.hydra/`` config record.
 
-Exit codes: 0 done; 2 the config was refused (nothing was built); 3 training stopped on a NaN/inf loss.
+Exit codes (:mod:`voxdiff.cli.exit_codes`, the README's "Errors and exit codes"): 0 done; 2 refused before
+anything ran (a config value, a checkpoint, the run directory); 3 a NaN/inf loss stopped training; 4 the step does
+not fit the GPU (or the host's memory for a CPU run); 5 the data was refused; 143 SIGTERM (a resume checkpoint was
+saved).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 from omegaconf import DictConfig
 
-from voxdiff.config import build_encoding, config_dir, is_diffusion, model_spec, plain, shapes
+from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_DATA, EXIT_NO_FIT, EXIT_NONFINITE, EXIT_TERMINATED
+from voxdiff.config import (
+    build_encoding,
+    check_name,
+    config_dir,
+    instantiate_config,
+    is_diffusion,
+    model_spec,
+    plain,
+    shapes,
+)
 from voxdiff.errors import ConfigError
 
 log = logging.getLogger("voxdiff.train")
 
-EXIT_CONFIG = 2
-EXIT_NONFINITE = 3
+__all__ = ["EXIT_CONFIG", "EXIT_NONFINITE", "main", "resume_path", "run", "train", "validate"]
+
+
+class DoesNotFit(Exception):
+    """The preflight's memory verdict refused the run (``EXIT_NO_FIT``); the message lists its fixes."""
 
 
 def validate(cfg: DictConfig) -> None:
@@ -34,9 +50,20 @@ def validate(cfg: DictConfig) -> None:
     Raises:
         ConfigError: the first key that cannot work, with its value and a fix.
     """
+    from voxdiff.lightning.trainer import validate_trainer
+
+    check_name("task_name", cfg.get("task_name"))
+    validate_trainer(cfg.trainer)
+    if not isinstance(cfg.get("overwrite", False), bool):
+        raise ConfigError("overwrite", cfg.get("overwrite"), "must be true or false", "use overwrite=true or false")
     encoding = build_encoding(cfg)
     shapes(cfg, encoding)  # volume divisible by the encoding's factor
     model_spec(cfg, encoding)  # the UNet's arguments
+    stage1 = getattr(encoding, "checkpoint", None)
+    if stage1 is not None:  # a latent run: its stage-1 weights must be readable now, not after data loading
+        from voxdiff.encodings.vqvae import read_stage1_checkpoint
+
+        read_stage1_checkpoint(stage1, key="encoding.checkpoint")
     if is_diffusion(cfg):
         from voxdiff.diffusion import diffusion_settings
         from voxdiff.lightning.diffusion import system_settings
@@ -74,56 +101,106 @@ def _one_console_log() -> None:
             logger.propagate = True
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
+def prepare(cfg: DictConfig, run_dir: Path) -> tuple[str | None, Any]:
+    """Everything between a valid config and building the run, in this order: claim the run directory (rank 0:
+    lock, no fresh run over checkpoints, stale temp files removed); check the checkpoint to resume from (kind,
+    architecture, what changed); the preflight's memory verdict for this machine.
+
+    Returns:
+        ``(ckpt_path for trainer.fit, ResumePlan or None)``.
+
+    Raises:
+        ConfigError: the run directory, or the checkpoint, is refused.
+        DoesNotFit: the training step does not fit this machine's memory.
+    """
+    from voxdiff.lightning.resume import check_resume
+    from voxdiff.preflight.host import training_verdict
+    from voxdiff.run_dir import claim, process_rank
+
+    if process_rank() == 0:
+        for note in claim(run_dir, cfg.get("ckpt_path"), bool(cfg.get("overwrite", False))):
+            print(f"[voxdiff] {note}", flush=True)
+    ckpt_path = resume_path(cfg.get("ckpt_path"), run_dir)
+    if cfg.get("ckpt_path") == "auto" and ckpt_path is None:
+        print(f"[voxdiff] ckpt_path=auto: no last.ckpt or hpc_ckpt_*.ckpt in {run_dir}: a fresh start", flush=True)
+    plan = None
+    if ckpt_path is not None and ckpt_path != "last" and "://" not in ckpt_path:
+        plan = check_resume(cfg, ckpt_path)
+    verdict = training_verdict(cfg)
+    if verdict is not None and not verdict.ok:
+        from voxdiff.cli.preflight import details
+
+        raise DoesNotFit(
+            f"does not fit: the training step needs {verdict.need_gib:.1f} GiB (predicted peak "
+            f"{verdict.per_gpu_peak_gib:.1f} GiB, with the safety margin), the {verdict.budget_source} has "
+            f"{verdict.budget_gib:.1f} GiB; nothing was built. Fix: one of the changes below, or a machine with more "
+            f"memory\n{details(verdict)}")
+    if verdict is not None:
+        print(f"[voxdiff] memory: predicted peak {verdict.per_gpu_peak_gib:.2f} GiB per process, needs "
+              f"{verdict.need_gib:.2f} GiB of {verdict.budget_gib:.1f} GiB ({verdict.budget_source})", flush=True)
+    elif is_diffusion(cfg):
+        print("[voxdiff] memory: not checked (the preflight models trainer.precision bf16-mixed and 32-true)",
+              flush=True)
+    return ckpt_path, plan
+
+
+def run(cfg: DictConfig, ckpt_path: str | None = None, plan: Any = None) -> dict[str, Any]:
     """Build the data, the system, the logger and the Trainer from a validated config, fit, and report.
+
+    Args:
+        cfg: the config (validated).
+        ckpt_path: the checkpoint to resume from (:func:`prepare`), or None.
+        plan: what :func:`voxdiff.lightning.resume.check_resume` found, printed before the fit.
 
     Returns:
         ``{"run_dir", "metrics", "last_checkpoint", "best_checkpoint"}`` (metrics as floats).
     """
     import lightning as L
     import torch
-    from hydra.utils import instantiate
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from voxdiff.lightning.callbacks import ConfigInCheckpoint
     from voxdiff.lightning.diffusion import NonFiniteLossError
+    from voxdiff.lightning.preemption import SaveOnSigterm
+    from voxdiff.lightning.resume import FollowCurrentOptimizer
     from voxdiff.lightning.trainer import (
         build_trainer,
         configure_cpu_threads,
         instantiate_callbacks,
         instantiate_loggers,
     )
+    from voxdiff.run_dir import process_rank
 
     _one_console_log()
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", "0"))) or 0)
-    L.seed_everything(int(cfg.seed) + rank, workers=True)  # DDP broadcasts rank 0's initial weights
+    L.seed_everything(int(cfg.seed) + process_rank(), workers=True)  # DDP broadcasts rank 0's initial weights
     threads = configure_cpu_threads()
     run_dir = Path(cfg.paths.output_dir)
     log.info("run directory: %s", run_dir.resolve())
-    print(f"[voxdiff] run directory: {run_dir.resolve()}  (host {socket.gethostname()}, rank {rank}, "
+    print(f"[voxdiff] run directory: {run_dir.resolve()}  (host {socket.gethostname()}, rank {process_rank()}, "
           f"torch threads: {threads})", flush=True)
 
-    from hydra.errors import InstantiationException
-
-    try:
-        datamodule = instantiate(cfg.data, _convert_="all")
-        system = instantiate(cfg.system)
-    except InstantiationException as e:  # a constructor refused its config: surface that refusal, not Hydra's
-        if isinstance(e.__cause__, ConfigError):
-            raise e.__cause__ from None
-        raise
+    datamodule = instantiate_config(cfg.data, _convert_="all")
+    datamodule.setup("fit")  # load (and check) the data before the model is built
+    system = instantiate_config(cfg.system)
     logger = instantiate_loggers(cfg.get("logger"))
-    record = {k: plain(cfg[k]) for k in cfg if k != "hydra"}  # the resolved config, for sample.py
-    callbacks = [*instantiate_callbacks(cfg.get("callbacks")), ConfigInCheckpoint(record)]
-    trainer = build_trainer(cfg.trainer, callbacks=callbacks, logger=logger)
-    ckpt_path = resume_path(cfg.get("ckpt_path"), run_dir)
+    record = {k: plain(cfg[k]) for k in cfg if k != "hydra"}  # the resolved config, for sample.py and resumes
+    on_sigterm = SaveOnSigterm()
+    callbacks = [*instantiate_callbacks(cfg.get("callbacks")), ConfigInCheckpoint(record), on_sigterm]
     if ckpt_path is not None:
-        step = torch.load(ckpt_path, map_location="cpu", weights_only=False).get("global_step", "?")
-        print(f"[voxdiff] resuming from {ckpt_path} (step {step})", flush=True)
+        callbacks.append(FollowCurrentOptimizer())
+    trainer = build_trainer(cfg.trainer, callbacks=callbacks, logger=logger)
+    if plan is not None:
+        print("\n".join(f"[voxdiff] {line}" for line in plan.summary().splitlines()), flush=True)
+    elif ckpt_path is not None:
+        print(f"[voxdiff] resuming from {ckpt_path}", flush=True)
     try:
-        trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path)
+        trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     except NonFiniteLossError as e:
         last = [c.last_model_path for c in trainer.checkpoint_callbacks if getattr(c, "last_model_path", "")]
         e.args = (f"{e}. The last good checkpoint: {last[0] if last else 'none was written yet'}",)
+        raise
+    except SIGTERMException as e:
+        e.report = on_sigterm.report(run_dir.resolve())  # type: ignore[attr-defined]
         raise
     finally:
         if any(type(lg).__name__ == "WandbLogger" for lg in trainer.loggers):
@@ -145,24 +222,41 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return report
 
 
-def train(cfg: DictConfig) -> dict[str, Any]:
-    """validate → run, with the exits of the command line: a refused config or a NaN stop prints one clear
-    message (no traceback) and exits non-zero."""
-    from voxdiff.lightning.diffusion import NonFiniteLossError
+def _exit(code: int, message: str, prefix: str = "config error") -> NoReturn:
+    print(f"[voxdiff] {prefix}: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
 
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """validate → prepare → run, with the exits of the command line: every refusal and every stop prints one clear
+    message (no traceback) and exits with its code (:mod:`voxdiff.cli.exit_codes`)."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from voxdiff.data.nifti import DataError
+    from voxdiff.lightning.diffusion import NonFiniteLossError
+    from voxdiff.run_dir import release
+
+    run_dir = Path(cfg.paths.output_dir)
     try:
-        validate(cfg)
-    except ConfigError as e:
-        print(f"[voxdiff] config error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_CONFIG) from None
-    try:
-        return run(cfg)
-    except NonFiniteLossError as e:
-        print(f"[voxdiff] training stopped: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_NONFINITE) from None
-    except ConfigError as e:  # a check that needs the built objects (e.g. the run length)
-        print(f"[voxdiff] config error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_CONFIG) from None
+        try:
+            validate(cfg)
+            ckpt_path, plan = prepare(cfg, run_dir)
+        except ConfigError as e:
+            _exit(EXIT_CONFIG, str(e))
+        except DoesNotFit as e:
+            _exit(EXIT_NO_FIT, str(e), prefix="memory")
+        try:
+            return run(cfg, ckpt_path, plan)
+        except NonFiniteLossError as e:
+            _exit(EXIT_NONFINITE, str(e), prefix="training stopped")
+        except ConfigError as e:  # a check that needs the built objects (e.g. the run length)
+            _exit(EXIT_CONFIG, str(e))
+        except DataError as e:
+            _exit(EXIT_DATA, str(e), prefix="data error")
+        except SIGTERMException as e:
+            _exit(EXIT_TERMINATED, getattr(e, "report", "stopped by SIGTERM"), prefix="SIGTERM")
+    finally:
+        release(run_dir)
 
 
 @hydra.main(config_path=str(config_dir()), config_name="train", version_base="1.3")

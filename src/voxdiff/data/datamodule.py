@@ -7,7 +7,9 @@ Batches are default-collated contract samples: ``{"image": (B, 1, D, H, W) float
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from voxdiff.data.nifti import CACHE_MODES, IMAGE_NAME, MASK_NAME, DataError, NiftiDataset, find_subjects
 from voxdiff.data.phantom import PhantomDataset, check_volume_shape, subject_name
 from voxdiff.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def _plain(value: Any) -> Any:
@@ -177,6 +181,20 @@ class VolumeDataModule(L.LightningDataModule):
             kwargs: dict[str, Any] = {"cache": self.cache, "cache_dir": self.cache_dir, "validate": False}
             self.train_dataset = NiftiDataset([self._records[i] for i in self._train_idx], self.volume_shape, **kwargs)
             self.val_dataset = NiftiDataset([self._records[i] for i in self._val_idx], self.volume_shape, **kwargs)
+            if self.cache != "memory":  # memory: every subject was loaded (and checked) above
+                self._load_every_subject()
+
+    def _load_every_subject(self) -> None:
+        """Load each subject once now (``cache=none|disk``), so that a NaN voxel or a blank image stops the run
+        before training instead of at its first batch; with ``cache=disk`` this fills the cache."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        t0 = time.perf_counter()
+        jobs = [(ds, i) for ds in (self.train_dataset, self.val_dataset) for i in range(len(ds))]
+        with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
+            for _ in pool.map(lambda job: job[0][job[1]], jobs):
+                pass
+        log.info("checked the intensities of %d subjects in %.1f s", len(jobs), time.perf_counter() - t0)
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
         return DataLoader(

@@ -45,6 +45,8 @@ from voxdiff.errors import ConfigError
 INDEX_NAME = "index.json"
 FORMAT = "voxdiff-latents/1"
 LATENT_KEYS = ("image_z", "mask_z")
+#: what every index holds (read_index refuses an index without them)
+INDEX_KEYS = ("format", "volume_shape", "latent_shape", "factor", "latent_channels", "stage1", "subjects")
 
 
 def _plain(value: Any) -> Any:
@@ -197,10 +199,24 @@ def read_index(cache_dir: str | Path, key: str = "data.latent_dir") -> dict[str,
         raise ConfigError(key, str(cache_dir), f"no latent cache there (no {INDEX_NAME}; an interrupted cache run "
                           "leaves none)", "make it: python cache_latents.py stage1_ckpt=<stage-1 checkpoint> "
                           f"out={cache_dir} data.volume_shape=[D,H,W]")
-    index = json.loads(path.read_text())
-    if index.get("format") != FORMAT:
-        raise ConfigError(key, str(cache_dir), f"the cache has format {index.get('format')!r}, this voxdiff reads "
-                          f"{FORMAT!r}", "re-run python cache_latents.py to rewrite it")
+    remake = ("rewrite the cache: python cache_latents.py stage1_ckpt=<stage-1 checkpoint> "
+              f"out={cache_dir} data.volume_shape=[D,H,W]")
+    try:
+        index = json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise ConfigError(key, str(cache_dir), f"{path} is not valid JSON (not UTF-8 text): the index is damaged",
+                          remake) from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(key, str(cache_dir), f"{path} is not valid JSON ({err.msg} at line {err.lineno}, column "
+                          f"{err.colno}): the index is damaged", remake) from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        found = index.get("format") if isinstance(index, dict) else type(index).__name__
+        raise ConfigError(key, str(cache_dir), f"{path} has format {found!r}, this voxdiff reads {FORMAT!r}", remake)
+    missing = [k for k in INDEX_KEYS if k not in index] + [
+        f"stage1.{k}" for k in ("checkpoint", "sha256") if k not in (index.get("stage1") or {})]
+    if missing or not isinstance(index.get("subjects"), dict):
+        raise ConfigError(key, str(cache_dir), f"{path} lacks {', '.join(missing) or 'its subjects'}: the index is "
+                          "damaged", remake)
     return index
 
 
@@ -288,8 +304,16 @@ class LatentDataset(Dataset):
     def _load(self, i: int) -> dict[str, torch.Tensor]:
         if i in self._memory:
             return self._memory[i]
-        record = torch.load(self.cache_dir / self.index["subjects"][self.subjects[i]], map_location="cpu",
-                            weights_only=True)
+        from voxdiff.checkpoint import load_file
+
+        path = self.cache_dir / self.index["subjects"][self.subjects[i]]
+        record = load_file(path, "data.latent_dir", "rewrite the cache with python cache_latents.py (the command "
+                           f"that made {self.cache_dir})")
+        needed = (*LATENT_KEYS, "affine", *(("mask_bits",) if self.with_mask else ()))
+        missing = [k for k in needed if not isinstance(record, dict) or k not in record]
+        if missing:
+            raise ConfigError("data.latent_dir", str(self.cache_dir), f"{path} lacks {', '.join(missing)}",
+                              "rewrite the cache with python cache_latents.py")
         if self.in_memory:
             self._memory[i] = record
         return record
@@ -392,6 +416,10 @@ class LatentDataModule(L.LightningDataModule):
                                                self.in_memory)
             self.val_dataset = LatentDataset(self.latent_dir, self.index, self.val_subjects, self.masks,
                                              self.in_memory)
+            # read every file once: a damaged one stops the run now, not at its first batch (in_memory keeps them)
+            for dataset in (self.train_dataset, self.val_dataset):
+                for i in range(len(dataset)):
+                    dataset._load(i)
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
         return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,

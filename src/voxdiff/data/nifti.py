@@ -281,7 +281,7 @@ def _diagnose(path: str, exc: BaseException) -> str:
 class _LoadNiftid(MapTransform):
     """``LoadImaged`` (nibabel reader) per key; any failure is re-raised as DataError naming the file.
 
-    Also refuses NaN/inf voxels. Keeps the input paths under ``"<key>_file"`` for later error messages.
+    Also refuses NaN/inf voxels and images without signal (:func:`check_intensities`). Keeps the input paths under ``"<key>_file"`` for later error messages.
     """
 
     def __init__(self, keys: Sequence[str]) -> None:
@@ -304,9 +304,26 @@ class _LoadNiftid(MapTransform):
             volume = d[key]
             if volume.ndim == 4 and volume.shape[-1] == 1:  # (X, Y, Z, 1) → (X, Y, Z)
                 d[key] = volume[..., 0]
-            if not bool(torch.isfinite(torch.as_tensor(d[key])).all()):
-                raise DataError(f"{path} contains NaN or infinite voxel values; fix or replace the file")
+            check_intensities(d[key], path, blank_ok=key != "image")
         return d
+
+
+def check_intensities(volume: Any, path: str, blank_ok: bool = False) -> None:
+    """Refuse a volume with NaN/inf voxels, or (unless ``blank_ok``: masks may be empty) one without signal.
+
+    Raises:
+        DataError: naming the file, the first bad voxel or the constant value, and the fix.
+    """
+    volume = torch.as_tensor(volume)
+    finite = torch.isfinite(volume)
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
+        first = tuple(int(i) for i in torch.nonzero(~finite)[0])
+        raise DataError(f"{path} contains {bad} NaN or infinite voxel value(s) (the first at index {first}); fix or "
+                        "replace the file, or remove the subject from data.root")
+    if not blank_ok and volume.numel() and bool(volume.max() == volume.min()):
+        raise DataError(f"{path} has no signal: every voxel is {float(volume.flatten()[0]):g}; fix or replace the "
+                        "file, or remove the subject from data.root")
 
 
 class _ToSampled(MapTransform):
@@ -407,7 +424,7 @@ class NiftiDataset(Dataset):
                     sort_keys=True,
                 )
                 self.cache_dir = Path(cache_dir).expanduser() / f"nifti-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-                self._data = PersistentDataset(items, transform, cache_dir=self.cache_dir)
+                self._data = PersistentDataset(items, transform, cache_dir=self.cache_dir, weights_only=True)
             else:
                 self._data = MonaiDataset(items, transform)
         except Exception as exc:

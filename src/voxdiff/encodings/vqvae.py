@@ -224,17 +224,17 @@ class Stage1Checkpoint:
 def read_stage1_checkpoint(path: str | Path, key: str = "encoding.checkpoint") -> Stage1Checkpoint:
     """Read a stage-1 checkpoint written by ``python train.py experiment=vqvae_4x`` (or vqvae_8x, vqvae_demo).
 
-    Only tensors and plain data are unpickled (``torch.load(weights_only=True)``).
+    Only tensors and plain data are unpickled (:func:`voxdiff.checkpoint.load_file`).
 
     Raises:
-        ConfigError: no such file, or not a voxdiff VQ-VAE checkpoint (named as ``key``).
+        ConfigError: no such file, unreadable, or not a voxdiff VQ-VAE checkpoint (named as ``key``).
     """
+    from voxdiff.checkpoint import load_file
+
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(key, str(path), "no such file",
-                          "train stage 1 first (python train.py experiment=vqvae_4x) and pass its "
-                          "<run dir>/checkpoints/last.ckpt")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    ckpt = load_file(path, key, "train stage 1 first (python train.py experiment=vqvae_4x) and pass its "
+                     "<run dir>/checkpoints/last.ckpt")
+    ckpt = ckpt if isinstance(ckpt, dict) else {}
     hparams = ckpt.get("hyper_parameters") or {}
     state = ckpt.get("state_dict") or {}
     if "vqvae" not in hparams or SCALE_KEY not in state:

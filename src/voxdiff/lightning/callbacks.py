@@ -14,7 +14,6 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 #: key of the run's resolved config in a checkpoint (read by ``sample.py``)
 CONFIG_KEY = "voxdiff_config"
@@ -129,9 +128,10 @@ class HoldAtStep(L.Callback):
 
     At the start of the batch with ``trainer.global_step == at_step`` (that many optimizer steps done), unless
     ``release_file`` already exists: write ``release_file + ".held"`` (the step, the time) and wait until
-    ``release_file`` exists. A SIGTERM while held (``scontrol requeue``, ``scancel``) ends the wait and stops
-    training at once, as Lightning does at a batch end (``SIGTERMException``), so that no step runs after the
-    hold. A run resumed at or after ``at_step`` with the release file present does not hold again.
+    ``release_file`` exists. A SIGTERM while held (``scontrol requeue``, ``scancel``) ends the wait: the batch
+    then runs to its end and Lightning stops there, as it does for a SIGTERM that arrives during any batch (a
+    checkpoint saved at the signal is therefore at ``at_step + 1``). A run resumed at or after ``at_step`` with the
+    release file present does not hold again.
 
     ``+callbacks.hold._target_=voxdiff.lightning.callbacks.HoldAtStep +callbacks.hold.at_step=6
     +callbacks.hold.release_file=/tmp/go``
@@ -157,9 +157,7 @@ class HoldAtStep(L.Callback):
             return
         self.held_file.write_text(f"{trainer.global_step} {datetime.now().isoformat()}\n")
         deadline = time.monotonic() + self.timeout_s
-        while not self.release_file.exists():
-            if trainer.received_sigterm:
-                raise SIGTERMException
+        while not self.release_file.exists() and not trainer.received_sigterm:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"held at step {self.at_step} for {self.timeout_s} s: nothing created "
                                    f"{self.release_file}")

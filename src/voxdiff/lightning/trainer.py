@@ -86,3 +86,60 @@ def build_trainer(
     precision = resolve_precision(overrides.pop("precision", trainer_cfg.get("precision")), accelerator)
     return instantiate(trainer_cfg, precision=precision, callbacks=callbacks, logger=logger,
                        plugins=[AtomicCheckpointIO()], _convert_="all", **overrides)
+
+
+#: values of ``trainer.precision`` that Lightning accepts (an int from the command line, e.g. 32, counts too)
+PRECISIONS = ("64-true", "64", "32-true", "32", "16-true", "16-mixed", "16", "bf16-true", "bf16-mixed", "bf16")
+
+
+def validate_trainer(trainer_cfg: Mapping[str, Any]) -> None:
+    """Check the ``trainer:`` keys voxdiff relies on, before anything is built (plain values, resolved).
+
+    Lightning checks some of them late (``max_steps=abc`` fails as a comparison naming only ``trainer``), some
+    not at all (``gradient_clip_val=-1`` flips every gradient with voxdiff's clipping; ``max_steps=0`` trains
+    nothing and exits 0).
+
+    Raises:
+        ConfigError: naming ``trainer.<key>``, the value and a fix.
+    """
+    from voxdiff.errors import ConfigError
+
+    def integer(key: str, minimum: int, fix: str, allow: tuple[Any, ...] = ()) -> None:
+        value = trainer_cfg.get(key)
+        if value in allow and not isinstance(value, bool):
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(f"trainer.{key}", value, f"must be an integer >= {minimum}"
+                              + (f" (or {', '.join(map(str, allow))})" if allow else ""), fix)
+
+    for key, text in (("max_steps", "trainer.max_steps=1000, or -1 for no step limit"),
+                      ("max_epochs", "trainer.max_epochs=100, or -1 for no epoch limit")):
+        value = trainer_cfg.get(key)
+        if value == 0 and not isinstance(value, bool):
+            raise ConfigError(f"trainer.{key}", 0, "trains nothing (the run would end before its first step "
+                              "and exit 0)", f"e.g. {text}")
+        integer(key, 1, f"e.g. {text}", allow=(-1, None) if key == "max_epochs" else (-1,))
+    clip = trainer_cfg.get("gradient_clip_val")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
+                             or clip == float("inf")):
+        raise ConfigError("trainer.gradient_clip_val", clip, "must be a positive number, or null for no clipping "
+                          "(a negative value would flip every gradient)",
+                          "e.g. trainer.gradient_clip_val=1.0, or trainer.gradient_clip_val=null for no clipping")
+    algorithm = trainer_cfg.get("gradient_clip_algorithm")
+    if algorithm is not None and algorithm not in ("norm", "value"):
+        raise ConfigError("trainer.gradient_clip_algorithm", algorithm, "must be norm or value",
+                          "use trainer.gradient_clip_algorithm=norm")
+    integer("accumulate_grad_batches", 1, "e.g. trainer.accumulate_grad_batches=1 (a positive integer)")
+    integer("log_every_n_steps", 1, "e.g. trainer.log_every_n_steps=10", allow=(None,))
+    integer("check_val_every_n_epoch", 1, "e.g. trainer.check_val_every_n_epoch=1", allow=(None,))
+    integer("num_sanity_val_steps", -1, "e.g. trainer.num_sanity_val_steps=2 (0: none, -1: all)", allow=(None,))
+    integer("num_nodes", 1, "e.g. trainer.num_nodes=1", allow=(None,))
+    limit = trainer_cfg.get("limit_val_batches")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit < 0
+                              or (isinstance(limit, float) and limit > 1)):
+        raise ConfigError("trainer.limit_val_batches", limit, "must be a fraction in [0, 1] or a number of batches",
+                          "e.g. trainer.limit_val_batches=1.0")
+    precision = trainer_cfg.get("precision")
+    if precision is not None and str(precision) not in PRECISIONS:
+        raise ConfigError("trainer.precision", precision, "is not a precision Lightning knows",
+                          "use null (bf16-mixed on a GPU, 32-true on the CPU), bf16-mixed or 32-true")

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from voxdiff.errors import ConfigError
 from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "parse_row",
     "plot_sweep",
     "predict_row",
+    "read_sweep_csv",
     "sweep",
 ]
 
@@ -52,6 +54,11 @@ PRED_COLUMNS: tuple[str, ...] = (
 """Columns :func:`sweep` appends: parameters (millions); step-1 forward and backward peaks; peak over step 1
 including ``optimizer.step()``; peak of a steady-state step; predicted reserved memory; the verdict against
 the budget; why the row could not be predicted (empty when it could)."""
+
+#: the columns every sweep row needs (parse_row); every other column is carried through
+REQUIRED_COLUMNS: tuple[str, ...] = ("input_shape", "in_channels", "out_channels", "channels", "attention_levels",
+                                     "num_res_blocks", "num_head_channels", "norm_num_groups")
+SWEEP_KEY = "preflight.sweep"
 
 REFERENCE_FIGURE: dict[str, str] = {"latent8x": "pred_step1_gib", "s2d128": "pred_steady_gib"}
 """Which prediction a measured ``total_gib`` corresponds to, per ``table``: the latent rows were measured on
@@ -235,10 +242,7 @@ def sweep(
     Returns:
         The output rows.
     """
-    with open(in_csv, newline="") as fh:
-        reader = csv.DictReader(fh)
-        fields = list(reader.fieldnames or [])
-        rows = list(reader)
+    fields, rows = read_sweep_csv(in_csv)
     out_rows = []
     for row in rows:
         pred, _ = predict_row(
@@ -250,9 +254,39 @@ def sweep(
         writer = csv.DictWriter(fh, fieldnames=out_fields)
         writer.writeheader()
         writer.writerows(out_rows)
+    valid = [r for r in out_rows if not r["pred_error"]]
+    if not valid:
+        first = out_rows[0]
+        raise ConfigError(SWEEP_KEY, str(in_csv), f"has no valid row: all {len(out_rows)} failed (row 1, "
+                          f"{first.get('name') or 'unnamed'}: {first['pred_error']}; every row's error is in "
+                          f"{out_csv}, column pred_error)", "fix the rows as the errors say")
     if plot_path is not None:
         plot_sweep(out_rows, plot_path or Path(out_csv).with_suffix(".png"), budget_gib=budget_gib)
     return out_rows
+
+
+def read_sweep_csv(path: str | Path) -> tuple[list[str], list[dict[str, str]]]:
+    """The header and the rows of a sweep CSV.
+
+    Raises:
+        ConfigError: not a UTF-8 text CSV, no rows, or a required column missing (named as ``preflight.sweep``).
+    """
+    fix = "give a CSV in the format of reference/measured_vram.csv (a header, then one configuration per row)"
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            fields = list(reader.fieldnames or [])
+            rows = list(reader)
+    except (UnicodeDecodeError, csv.Error) as err:
+        reason = "not UTF-8 text" if isinstance(err, UnicodeDecodeError) else str(err)
+        raise ConfigError(SWEEP_KEY, str(path), f"is not a text CSV ({reason})", fix) from None
+    missing = [c for c in REQUIRED_COLUMNS if c not in fields]
+    if missing:
+        raise ConfigError(SWEEP_KEY, str(path), f"lacks the column(s) {', '.join(missing)}" + (
+            f" (its header: {', '.join(fields)})" if fields else " (it has no header)"), fix)
+    if not rows:
+        raise ConfigError(SWEEP_KEY, str(path), "has no configuration rows (only a header)", fix)
+    return fields, rows
 
 
 def _float(text: Any) -> float | None:

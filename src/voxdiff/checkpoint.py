@@ -1,0 +1,92 @@
+"""Reading the files voxdiff loads — training and stage-1 checkpoints, latent-cache records — as data only.
+
+Every ``torch.load`` of the project goes through :func:`load_file`: ``weights_only=True`` (the unpickler accepts
+tensors and plain containers and nothing else, so a pickle payload in a file is refused, never run), with the
+globals it needs declared in :data:`SAFE_GLOBALS`, and a one-line :class:`~voxdiff.errors.ConfigError` naming the
+file, what is wrong with it and what to do — never torch's advice to retry with ``weights_only=False``.
+
+A checkpoint is data in a second sense too: the config stored in it is never handed to Hydra's ``instantiate``
+as it is. Runs are rebuilt from its plain values through voxdiff's own builders
+(:func:`voxdiff.config.instantiate_voxdiff` accepts only voxdiff's own classes).
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from voxdiff.errors import ConfigError
+
+#: globals the files voxdiff writes need beyond torch's weights-only defaults. None: checkpoints hold tensors,
+#: numbers, strings and containers only (numpy RNG states are stored as lists, voxdiff.lightning.rng; the LR
+#: schedule as its ``__dict__``). Add a class here only if a checkpoint really needs it, never a function.
+SAFE_GLOBALS: tuple[Any, ...] = ()
+
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
+
+#: what kind of checkpoint a file is, keyed as :func:`checkpoint_kind` returns it
+KINDS = {
+    "diffusion": "a diffusion-UNet checkpoint (DiffusionSystem, system=diffusion)",
+    "vqvae": "a VQ-VAE stage-1 checkpoint (VQVAESystem, system=vqvae)",
+    "unknown": "not a checkpoint of voxdiff's train.py (no DiffusionSystem or VQVAESystem hyper-parameters in it)",
+}
+
+
+def _reason(exc: BaseException) -> str:
+    """The first sentence of an error (torch's go on with advice that does not apply here)."""
+    text = str(exc).strip()
+    return text.splitlines()[0].split(". ")[0].rstrip(".") if text else type(exc).__name__
+
+
+def load_file(path: str | Path, key: str, fix: str, *, mmap: bool = False) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU, or a :class:`ConfigError` in one line.
+
+    Args:
+        path: the file.
+        key: the config key that named it (``ckpt_path``, ``stage1_ckpt``, ``data.latent_dir`` ...).
+        fix: what the user should do instead, in one sentence.
+        mmap: map the tensors instead of reading them (for a look at a large checkpoint's metadata).
+
+    Raises:
+        ConfigError: the file is missing, empty, not a PyTorch checkpoint, truncated or corrupt, or holds Python
+            objects other than tensors and plain data (a pickle payload is refused before it can run).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(key, str(path), "no such file", fix)
+    size = path.stat().st_size
+    if size == 0:
+        raise ConfigError(key, str(path), "the file is empty (0 bytes: an interrupted copy or write)", fix)
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != _ZIP_MAGIC:
+        raise ConfigError(key, str(path), f"is not a PyTorch checkpoint (no zip archive as torch.save writes; "
+                          f"{size} bytes starting {magic!r})", fix)
+    try:
+        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)|Unsupported operand (\d+)", str(exc))
+        what = (f"GLOBAL {found.group(1)}" if found and found.group(1) else
+                f"pickle opcode {found.group(2)}" if found else "an object it cannot read")
+        raise ConfigError(key, str(path), f"holds Python objects, not just tensors and plain data ({what}); "
+                          "voxdiff never runs code from a file, so it is refused", fix) from None
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as exc:
+        raise ConfigError(key, str(path), f"is truncated or corrupt ({_reason(exc)})", fix) from None
+
+
+def checkpoint_kind(checkpoint: Mapping[str, Any]) -> str:
+    """``"diffusion"``, ``"vqvae"`` or ``"unknown"``: which voxdiff system wrote a loaded checkpoint."""
+    hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, Mapping) else None
+    if not isinstance(hparams, Mapping):
+        return "unknown"
+    if {"model", "encoding", "diffusion", "mode"} <= set(hparams):
+        return "diffusion"
+    if "vqvae" in hparams:
+        return "vqvae"
+    return "unknown"

@@ -1,0 +1,82 @@
+"""The exit codes of every voxdiff command (train, sample, cache_latents, preflight) and of ``slurm/job.sh``.
+
+One table, defined here only: the entry points import the constants, the README's "Errors and exit codes" section
+lists the same rows (a test compares them), and ``slurm/job.sh`` reads them as shell variables::
+
+    eval "$(python -m voxdiff.cli.exit_codes)"      # EXIT_CONFIG=2 EXIT_NONFINITE=3 ...
+
+1 is not voxdiff's: it is Python's status for an uncaught exception (a traceback), which is a bug to report.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+EXIT_OK = 0
+EXIT_CONFIG = 2
+EXIT_NONFINITE = 3
+EXIT_NO_FIT = 4
+EXIT_DATA = 5
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process ended by SIGTERM
+
+
+@dataclass(frozen=True)
+class ExitCode:
+    code: int
+    name: str
+    meaning: str
+    action: str
+
+
+TABLE: tuple[ExitCode, ...] = (
+    ExitCode(EXIT_OK, "EXIT_OK", "done", "nothing"),
+    ExitCode(1, "-", "an unexpected error: Python printed a traceback (also Lightning's exit after Ctrl-C)",
+             "a bug or a broken environment: report it with the command line and the traceback"),
+    ExitCode(EXIT_CONFIG, "EXIT_CONFIG",
+             "refused before anything ran: a config value, an argument or an input file (checkpoint, CSV, "
+             "latent-cache index) cannot work, or the run directory is in use or holds another run",
+             "change what the one-line message names (key=value: problem. Fix: ...)"),
+    ExitCode(EXIT_NONFINITE, "EXIT_NONFINITE",
+             "training stopped on a NaN/inf loss or gradient norm, before the optimizer step",
+             "resume from the last good checkpoint the message names, with a lower system.optim.lr, "
+             "trainer.precision=32-true or a smaller trainer.gradient_clip_val"),
+    ExitCode(EXIT_NO_FIT, "EXIT_NO_FIT",
+             "the preflight's verdict: the training step does not fit the GPU (or, for a CPU run, the host's "
+             "memory); nothing was built",
+             "apply one of the changes the message lists with their predicted peaks"),
+    ExitCode(EXIT_DATA, "EXIT_DATA",
+             "the input data was refused: a NIfTI file is missing, unreadable, has NaN/inf voxels or no signal",
+             "fix or remove the file the message names"),
+    ExitCode(EXIT_TERMINATED, "EXIT_TERMINATED",
+             "stopped by SIGTERM (scancel, preemption, kill): a resume checkpoint was saved at the last finished "
+             "step (the message says where); in a Slurm job that was not cancelled the job requeued itself",
+             "resume with ckpt_path=auto paths.run_dir=<run dir> (a requeued Slurm job does this itself)"),
+)
+
+
+def describe(code: int) -> str:
+    """One line about ``code`` (``job.sh`` prints it when a step fails)."""
+    for row in TABLE:
+        if row.code == code:
+            return f"{row.meaning}. What to do: {row.action}"
+    return "not a voxdiff exit code (killed by a signal, or a crash outside Python)"
+
+
+def shell() -> str:
+    """``NAME=CODE`` lines for ``eval`` in ``slurm/job.sh``."""
+    return "\n".join(f"{row.name}={row.code}" for row in TABLE if row.name != "-")
+
+
+def markdown() -> str:
+    """The README's table."""
+    lines = ["| code | meaning | what to do |", "|---|---|---|"]
+    lines += [f"| {row.code} | {row.meaning} | {row.action} |" for row in TABLE]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--describe":
+        print(describe(int(sys.argv[2])))
+    else:
+        print(shell())

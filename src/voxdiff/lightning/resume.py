@@ -1,0 +1,247 @@
+"""Resuming a run: only from a checkpoint this config can continue, and with every changed setting accounted for.
+
+:func:`check_resume` reads the checkpoint's metadata (tensors memory-mapped, never unpickled code) before
+anything is built and
+
+* refuses a checkpoint of the other system (a VQ-VAE stage 1 given to a diffusion run, or the reverse), saying
+  what it is and what to pass instead;
+* refuses *architectural* differences, naming every differing key: what defines the weights and what they
+  predict — ``model.*`` (but ``gradient_checkpointing`` and ``use_flash_attention``, which change memory, not
+  weights), ``encoding.*`` (but ``checkpoint``), ``mode``, ``diffusion.`` ``num_train_timesteps``, ``schedule``,
+  ``beta_start``, ``beta_end``, ``prediction_type``; for a stage 1 ``system.vqvae.*`` but ``use_checkpoint``,
+  ``commitment_cost`` and ``decay``;
+* lists every other setting that changed since the checkpoint. They are all applied: most are read from the
+  current config when the run is built; the optimizer's (``system.optim.*``, which Lightning would restore from the
+  checkpoint with its state) are applied by :class:`FollowCurrentOptimizer`. One is not: ``seed`` (the RNG
+  states continue from the checkpoint), and the message says so.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import lightning as L
+from omegaconf import DictConfig, OmegaConf
+
+from voxdiff.checkpoint import KINDS, checkpoint_kind, load_file
+from voxdiff.config import is_diffusion, model_spec, plain
+from voxdiff.errors import ConfigError, show_value
+
+#: UNet arguments that change memory and speed, not the weights
+RUNTIME_MODEL_KEYS = ("use_flash_attention", "gradient_checkpointing", "in_channels", "out_channels")
+#: diffusion settings that define what the UNet predicts
+PROCESS_KEYS = ("num_train_timesteps", "schedule", "beta_start", "beta_end", "prediction_type")
+#: VQ-VAE settings that do not change its weights' shapes
+VQVAE_TRAINING_KEYS = ("use_checkpoint", "commitment_cost", "decay")
+#: config keys not compared: where the run lives, and what derives from it
+NOT_COMPARED = ("hydra", "hydra.*", "paths.*", "ckpt_path", "overwrite", "trainer.default_root_dir",
+                "callbacks.*.dirpath", "logger.save_dir", "logger.*.save_dir", "data.cache_dir")
+#: settings that a resume does not apply, and why
+NOT_APPLIED = {"seed": "the RNG states continue from the checkpoint"}
+
+_RUNS = {"diffusion": "the diffusion UNet (system=diffusion)", "vqvae": "the VQ-VAE stage 1 (system=vqvae)"}
+_RESUME_FIX = ("point ckpt_path at a checkpoint of this run (<run dir>/checkpoints/last.ckpt or best-step*.ckpt), "
+               "or use ckpt_path=auto or null")
+
+
+@dataclass
+class ResumePlan:
+    """What a resume continues and what changed since the checkpoint."""
+
+    path: str
+    step: int
+    applied: list[str] = field(default_factory=list)  # "key: old → new"
+    not_applied: list[str] = field(default_factory=list)  # "key: old → new (why)"
+
+    def summary(self) -> str:
+        lines = [f"resuming from {self.path} (step {self.step})"]
+        if self.applied:
+            lines.append("changed since the checkpoint, applied: " + "; ".join(self.applied))
+        if self.not_applied:
+            lines.append("changed since the checkpoint, NOT applied: " + "; ".join(self.not_applied))
+        return "\n".join(lines)
+
+
+def _cli(value: Any) -> str:
+    """A value as a command-line override writes it: ``[8,8,16]``, ``true``, ``null``."""
+    return show_value(value).replace(", ", ",")
+
+
+def _wanted_kind(cfg: DictConfig) -> str:
+    return "diffusion" if is_diffusion(cfg) else "vqvae"
+
+
+def _kind_fix(kind: str, path: str) -> str:
+    if kind == "vqvae":
+        return (f"to train latent diffusion on this stage 1, pass it as encoding.checkpoint={path} "
+                f"(experiment=exp9_*, with a cache from python cache_latents.py stage1_ckpt={path} out=DIR); to resume "
+                "a diffusion run, pass that run's checkpoints/last.ckpt as ckpt_path")
+    if kind == "diffusion":
+        return ("resume it with the experiment that trained it (a diffusion experiment, e.g. experiment=exp9_demo), "
+                "or pass a stage-1 run's checkpoints/last.ckpt")
+    return _RESUME_FIX
+
+
+def _stored_config_error(path: str, err: ConfigError) -> ConfigError:
+    return ConfigError("ckpt_path", path, f"its stored config is refused ({err})", _RESUME_FIX)
+
+
+def architecture_differences(hparams: Mapping[str, Any], cfg: DictConfig, path: str) -> list[tuple[str, Any, Any]]:
+    """``(key, in the checkpoint, now)`` for every architectural setting that differs (see the module docstring)."""
+    out: list[tuple[str, Any, Any]] = []
+    if _wanted_kind(cfg) == "vqvae":
+        from voxdiff.encodings.vqvae import vqvae_spec
+
+        try:
+            old = asdict(vqvae_spec(**dict(hparams["vqvae"])))
+        except ConfigError as err:
+            raise _stored_config_error(path, err) from None
+        new = asdict(vqvae_spec(**plain(cfg.system.vqvae)))
+        return [(f"system.vqvae.{k}", old[k], new[k]) for k in old if k not in VQVAE_TRAINING_KEYS and old[k] != new[k]]
+    old_enc = {k: v for k, v in dict(hparams["encoding"]).items() if k != "checkpoint"}
+    new_enc = {k: v for k, v in plain(cfg.encoding).items() if k != "checkpoint"}
+    out += [(f"encoding.{k}", old_enc.get(k), new_enc.get(k)) for k in sorted(set(old_enc) | set(new_enc))
+            if old_enc.get(k) != new_enc.get(k)]
+    if hparams["mode"] != cfg.mode:
+        out.append(("mode", hparams["mode"], cfg.mode))
+    if not out:  # same encoding and mode: the UNet's in/out channels agree, compare the rest of the UNet
+        stored = OmegaConf.create({"model": hparams["model"], "encoding": hparams["encoding"], "mode": hparams["mode"]})
+        try:
+            old = asdict(model_spec(stored))
+        except ConfigError as err:
+            raise _stored_config_error(path, err) from None
+        new = asdict(model_spec(cfg))
+        out += [(f"model.{k}", old[k], new[k]) for k in old if k not in RUNTIME_MODEL_KEYS and old[k] != new[k]]
+    from voxdiff.diffusion import diffusion_settings
+
+    old_d = asdict(diffusion_settings(dict(hparams["diffusion"] or {})))
+    new_d = asdict(diffusion_settings(plain(cfg.diffusion)))
+    out += [(f"diffusion.{k}", old_d[k], new_d[k]) for k in PROCESS_KEYS if old_d[k] != new_d[k]]
+    return out
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: tree}
+
+
+def setting_changes(stored: Mapping[str, Any] | None, current: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """(applied, not applied): every setting whose value differs between the checkpoint's config and this one."""
+    if not stored:
+        return [], []
+    old, new = _flatten(stored), _flatten(current)
+    applied, not_applied = [], []
+    for key in sorted(set(old) | set(new)):
+        if any(fnmatch.fnmatchcase(key, p) for p in NOT_COMPARED) or old.get(key) == new.get(key):
+            continue
+        change = f"{key} {show_value(old.get(key))} → {show_value(new.get(key))}"
+        if key in NOT_APPLIED:
+            not_applied.append(f"{change} ({NOT_APPLIED[key]})")
+        else:
+            applied.append(change)
+    return applied, not_applied
+
+
+def check_resume(cfg: DictConfig, ckpt_path: str) -> ResumePlan:
+    """Check that ``cfg`` can continue the run saved in ``ckpt_path``; see the module docstring.
+
+    Raises:
+        ConfigError: the file cannot be read, is of the other system, or was trained with another architecture.
+    """
+    from voxdiff.lightning.callbacks import CONFIG_KEY
+
+    ckpt = load_file(ckpt_path, "ckpt_path", _RESUME_FIX, mmap=True)
+    kind, wanted = checkpoint_kind(ckpt), _wanted_kind(cfg)
+    if kind != wanted:
+        raise ConfigError("ckpt_path", ckpt_path, f"is {KINDS[kind]}, but this run trains {_RUNS[wanted]}",
+                          _kind_fix(kind, ckpt_path))
+    hparams = ckpt["hyper_parameters"]
+    diffs = architecture_differences(hparams, cfg, ckpt_path)
+    if diffs:
+        raise ConfigError(
+            "ckpt_path", ckpt_path,
+            "was trained with another architecture, which its weights cannot continue: "
+            + "; ".join(f"{k} is {show_value(old)} in the checkpoint and {show_value(new)} now" for k, old, new in diffs),
+            "resume with the checkpoint's values (" + " ".join(f"{k}={_cli(old)}" for k, old, _ in diffs)
+            + "), or train the new architecture as a new run (ckpt_path=null, another paths.run_dir)")
+    old_wd = float((hparams.get("optim") or {}).get("weight_decay") or 0.0)
+    new_wd = float(OmegaConf.select(cfg, "system.optim.weight_decay", default=0.0) or 0.0)
+    if (old_wd == 0.0) != (new_wd == 0.0):
+        raise ConfigError("system.optim.weight_decay", new_wd,
+                          f"the checkpoint's optimizer was built with weight_decay {old_wd:g}; switching between 0 "
+                          "and a positive value changes its parameter groups, which a resume cannot map",
+                          f"resume with system.optim.weight_decay={old_wd:g}" if old_wd == 0.0 else
+                          "resume with a positive system.optim.weight_decay")
+    current = {k: plain(cfg[k]) for k in cfg if k != "hydra"}
+    applied, not_applied = setting_changes(ckpt.get(CONFIG_KEY), current)
+    return ResumePlan(str(ckpt_path), int(ckpt.get("global_step", 0)), applied, not_applied)
+
+
+_OPTIM_NAMES = {"lr": "system.optim.lr", "betas": "system.optim.betas", "eps": "system.optim.eps",
+                "weight_decay": "system.optim.weight_decay", "foreach": "system.optim.foreach",
+                "fused": "system.optim.fused", "warmup_steps": "system.optim.warmup_steps",
+                "decay_steps": "system.optim.decay_steps (null: the run length)",
+                "min_lr_ratio": "system.optim.min_lr_ratio"}
+
+
+class FollowCurrentOptimizer(L.Callback):
+    """On resume, the optimizer and the LR schedule follow the *current* ``system.optim``.
+
+    Lightning restores the optimizer's and the scheduler's state dicts, hyper-parameters included, so a new
+    ``system.optim.lr`` would be silently ignored. This captures the hyper-parameters of the freshly configured
+    optimizer and schedule (``on_fit_start``, before Lightning restores the checkpoint's) and puts them back over
+    the restored state (``on_train_start``): the Adam moments and the step count stay the checkpoint's; the base
+    learning rate, betas, eps, weight decay and the warm-up/cosine shape (decay length included) are the
+    config's, and the learning rate continues at the current step of the new schedule.
+    """
+
+    def __init__(self) -> None:
+        self._groups: list[list[dict[str, Any]]] = []
+        self._schedulers: list[dict[str, Any]] = []
+        self.changes: list[str] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._groups = [copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+                        for opt in trainer.optimizers]
+        self._schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        changes: dict[str, str] = {}
+        for opt, fresh in zip(trainer.optimizers, self._groups):
+            for group, new in zip(opt.param_groups, fresh):
+                for k, v in new.items():
+                    if k not in ("lr", "initial_lr") and group.get(k) != v:
+                        changes.setdefault(k, f"{group.get(k)} → {v}")
+                        group[k] = v
+        for config, fresh in zip(trainer.lr_scheduler_configs, self._schedulers):
+            sched = config.scheduler
+            new_base = list(fresh.get("base_lrs", sched.base_lrs))
+            new_fns = fresh.get("lr_lambdas") or []
+            old_fns = [dict(getattr(fn, "__dict__", {})) for fn in getattr(sched, "lr_lambdas", [])]
+            if list(sched.base_lrs) == new_base and all(d is None or d == o for d, o in zip(new_fns, old_fns)):
+                continue
+            if list(sched.base_lrs) != new_base:
+                changes["lr"] = f"{sched.base_lrs[0]:g} → {new_base[0]:g}"
+            for old, new in zip(old_fns, new_fns):
+                for k, v in (new or {}).items():
+                    if old.get(k) != v:
+                        changes.setdefault(k, f"{old.get(k)} → {v}")
+            sched.base_lrs = new_base
+            for fn, d in zip(getattr(sched, "lr_lambdas", []), new_fns):
+                if d is not None:
+                    fn.__dict__.update(d)
+            lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+            for group, lr, base in zip(sched.optimizer.param_groups, lrs, sched.base_lrs):
+                group["lr"], group["initial_lr"] = lr, base
+            sched._last_lr = lrs
+        self.changes = [f"{_OPTIM_NAMES.get(k, k)} {v}" for k, v in changes.items()]
+        if self.changes and trainer.is_global_zero:
+            print("[voxdiff] resume: the optimizer follows the current config: " + "; ".join(self.changes), flush=True)

@@ -1,0 +1,196 @@
+"""Bad input to the four entry points, as a careless user gives it: each row is the command line, the exit code
+and the words the one-line message must carry (key or file, what is wrong, the fix). No traceback reaches the
+user, and nothing is trained, written or built for any of them (issue 17).
+
+The entry points run in-process (``main()`` of each CLI, with Hydra, as ``python train.py ...`` runs it); every
+row is refused before a model is built, so the table takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import sys
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+# the exit codes of the README's "Errors and exit codes" (voxdiff.cli.exit_codes; checked there against the table)
+CONFIG, DATA, NO_FIT = 2, 5, 4
+
+TRAIN = "train"
+SAMPLE = "sample"
+CACHE = "cache_latents"
+PREFLIGHT = "preflight"
+
+# (id, entry point, arguments, exit code, words of the message; {name} is a file of the `files` fixture)
+ROWS = [
+    ("clip_negative", TRAIN, ["trainer.gradient_clip_val=-1"], CONFIG,
+     ["trainer.gradient_clip_val=-1", "must be a positive number", "null for no clipping", "Fix:"]),
+    ("clip_zero", TRAIN, ["trainer.gradient_clip_val=0"], CONFIG,
+     ["trainer.gradient_clip_val=0", "trainer.gradient_clip_val=null"]),
+    ("accumulate_zero", TRAIN, ["trainer.accumulate_grad_batches=0"], CONFIG,
+     ["trainer.accumulate_grad_batches=0", "positive integer", "Fix:"]),
+    ("max_steps_text", TRAIN, ["trainer.max_steps=abc"], CONFIG,
+     ["trainer.max_steps=abc", "integer", "Fix:"]),
+    ("max_steps_zero", TRAIN, ["trainer.max_steps=0"], CONFIG,
+     ["trainer.max_steps=0", "trains nothing", "Fix:"]),
+    ("task_name_path", TRAIN, ["task_name=../../escaped"], CONFIG,
+     ["task_name=../../escaped", "path separator", "Fix:"]),
+    ("resume_empty", TRAIN, ["ckpt_path={empty}"], CONFIG, ["empty.ckpt", "is empty", "Fix:"]),
+    ("resume_garbage", TRAIN, ["ckpt_path={garbage}"], CONFIG, ["garbage.ckpt", "not a PyTorch checkpoint"]),
+    ("resume_truncated", TRAIN, ["ckpt_path={truncated}"], CONFIG,
+     ["truncated.ckpt", "truncated or corrupt", "Fix:"]),
+    ("resume_vqvae_into_diffusion", TRAIN, ["ckpt_path={vqvae}"], CONFIG,
+     ["vqvae.ckpt", "VQ-VAE stage-1 checkpoint", "encoding.checkpoint="]),
+    ("resume_other_architecture", TRAIN, ["ckpt_path={diffusion}", "model.channels=[8,8,8]"], CONFIG,
+     ["model.channels", "[8, 8, 16]", "[8, 8, 8]", "Fix:"]),
+    ("fresh_run_over_checkpoints", TRAIN, ["paths.run_dir={used_run}"], CONFIG,
+     ["used_run", "already holds checkpoints", "ckpt_path=auto", "overwrite=true"]),
+    ("run_dir_locked", TRAIN, ["paths.run_dir={locked_run}"], CONFIG,
+     ["locked_run", "in use", f"pid {os.getppid()}", socket.gethostname()]),
+    ("nan_voxel", TRAIN, ["data.root={nan_data}", "data.cache=none"], DATA,
+     ["subject-001", "bravo.nii.gz", "NaN"]),
+    ("blank_images", TRAIN, ["data.root={zero_data}"], DATA, ["bravo.nii.gz", "every voxel is 0"]),
+    ("stage1_garbage", TRAIN, ["experiment=exp9_demo", "encoding.checkpoint={garbage}",
+                               "data.latent_dir={cache_bad_index}"], CONFIG,
+     ["encoding.checkpoint", "garbage.ckpt", "not a PyTorch checkpoint"]),
+    ("latent_index_corrupt", TRAIN, ["experiment=exp9_demo", "encoding.checkpoint={vqvae}",
+                                     "data.latent_dir={cache_bad_index}"], CONFIG,
+     ["index.json", "not valid JSON", "cache_latents.py"]),
+    ("model_far_too_large", TRAIN, ["model.channels=[1536,3072,6144]", "model.num_res_blocks=3",
+                                    "model.num_head_channels=64", "model.norm_num_groups=32"], NO_FIT,
+     ["does not fit", "host memory"]),
+    ("sample_empty", SAMPLE, ["ckpt_path={empty}"], CONFIG, ["empty.ckpt", "is empty"]),
+    ("sample_garbage", SAMPLE, ["ckpt_path={garbage}"], CONFIG, ["garbage.ckpt", "not a PyTorch checkpoint"]),
+    ("sample_truncated", SAMPLE, ["ckpt_path={truncated}"], CONFIG, ["truncated.ckpt", "truncated or corrupt"]),
+    ("cache_no_arguments", CACHE, [], CONFIG, ["stage1_ckpt", "is required", "Fix:"]),
+    ("cache_empty", CACHE, ["stage1_ckpt={empty}", "out={tmp}/cache"], CONFIG, ["empty.ckpt", "is empty"]),
+    ("cache_truncated", CACHE, ["stage1_ckpt={truncated}", "out={tmp}/cache"], CONFIG,
+     ["truncated.ckpt", "truncated or corrupt"]),
+    ("sweep_header_only", PREFLIGHT, ["preflight.sweep={sweep_header_only}", "preflight.out={tmp}/out.csv"],
+     CONFIG, ["header_only.csv", "no configuration rows"]),
+    ("sweep_missing_columns", PREFLIGHT, ["preflight.sweep={sweep_columns}", "preflight.out={tmp}/out.csv"],
+     CONFIG, ["columns.csv", "lacks the column", "reference/measured_vram.csv"]),
+    ("sweep_all_invalid", PREFLIGHT, ["preflight.sweep={sweep_invalid}", "preflight.out={tmp}/out.csv"],
+     CONFIG, ["invalid.csv", "no valid row", "norm_num_groups"]),
+    ("sweep_binary", PREFLIGHT, ["preflight.sweep={sweep_binary}", "preflight.out={tmp}/out.csv"], CONFIG,
+     ["binary.csv", "not a text CSV"]),
+]
+
+
+def _write_subjects(root, image_of) -> str:
+    affine = np.diag([1.0, 1.0, 1.0, 1.0])
+    for i in range(3):
+        d = root / f"subject-{i:03d}"
+        d.mkdir(parents=True)
+        mask = np.zeros((16, 16, 16), np.float32)
+        mask[4:8, 4:8, 4:8] = 1
+        nib.save(nib.Nifti1Image(image_of(i), affine), str(d / "bravo.nii.gz"))
+        nib.save(nib.Nifti1Image(mask, affine), str(d / "seg.nii.gz"))
+    return str(root)
+
+
+def _nan_image(i: int) -> np.ndarray:
+    image = np.random.default_rng(i).uniform(10, 100, (16, 16, 16)).astype(np.float32)
+    if i == 1:
+        image[3, 4, 5] = np.nan
+    return image
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, diffusion_ckpt, vqvae_ckpt, reference_csv):
+    tmp = tmp_path_factory.mktemp("bad_input")
+    (tmp / "empty.ckpt").write_bytes(b"")
+    (tmp / "garbage.ckpt").write_bytes(np.random.default_rng(0).bytes(4096))
+    data = diffusion_ckpt.read_bytes()
+    (tmp / "truncated.ckpt").write_bytes(data[: len(data) // 2])
+    shutil.copy(vqvae_ckpt, tmp / "vqvae.ckpt")
+    (tmp / "used_run" / "checkpoints").mkdir(parents=True)
+    shutil.copy(diffusion_ckpt, tmp / "used_run" / "checkpoints" / "last.ckpt")
+    (tmp / "locked_run").mkdir()
+    (tmp / "locked_run" / ".voxdiff.lock").write_text(json.dumps(
+        {"pid": os.getppid(), "host": socket.gethostname(), "started": "2026-01-01T00:00:00",
+         "command": "python train.py"}))
+    (tmp / "cache_bad_index").mkdir()
+    (tmp / "cache_bad_index" / "index.json").write_text('{"format": "voxdiff-latents/1", "subj')
+    header = reference_csv.read_text().splitlines()[0]
+    (tmp / "header_only.csv").write_text(header + "\n")
+    (tmp / "columns.csv").write_text("name,params_m\nrow1,12.5\n")
+    rows = reference_csv.read_text().splitlines()
+    cols = header.split(",")
+    bad = []
+    for line in rows[1:3]:
+        values = dict(zip(cols, line.split(",")))
+        values["norm_num_groups"] = "24"
+        bad.append(",".join(values[c] for c in cols))
+    (tmp / "invalid.csv").write_text("\n".join([header, *bad]) + "\n")
+    (tmp / "binary.csv").write_bytes(bytes(range(256)) * 16)
+    return {
+        "tmp": str(tmp),
+        "empty": str(tmp / "empty.ckpt"),
+        "garbage": str(tmp / "garbage.ckpt"),
+        "truncated": str(tmp / "truncated.ckpt"),
+        "vqvae": str(tmp / "vqvae.ckpt"),
+        "diffusion": str(diffusion_ckpt),
+        "used_run": str(tmp / "used_run"),
+        "locked_run": str(tmp / "locked_run"),
+        "nan_data": _write_subjects(tmp / "nan_data", _nan_image),
+        "zero_data": _write_subjects(tmp / "zero_data", lambda i: np.zeros((16, 16, 16), np.float32)),
+        "cache_bad_index": str(tmp / "cache_bad_index"),
+        "sweep_header_only": str(tmp / "header_only.csv"),
+        "sweep_columns": str(tmp / "columns.csv"),
+        "sweep_invalid": str(tmp / "invalid.csv"),
+        "sweep_binary": str(tmp / "binary.csv"),
+    }
+
+
+def run_cli(entry: str, args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """``python <entry>.py ARGS`` in this process: (exit code, stdout, stderr)."""
+    import importlib
+
+    module = importlib.import_module(f"voxdiff.cli.{entry}")
+    capsys.readouterr()
+    if entry == PREFLIGHT:
+        code = module.main(list(args))
+    else:
+        monkeypatch.setattr(sys, "argv", [f"{entry}.py", *args])
+        try:
+            module.main()
+            code = 0
+        except SystemExit as e:
+            code = 0 if e.code is None else e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_rows_use_voxdiffs_exit_codes():
+    from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_DATA, EXIT_NO_FIT
+
+    assert (CONFIG, DATA, NO_FIT) == (EXIT_CONFIG, EXIT_DATA, EXIT_NO_FIT)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
+def test_bad_input_is_refused_in_one_line(row, files, tiny_demo, tmp_path, monkeypatch, capsys):
+    name, entry, args, code, words = row
+    monkeypatch.chdir(tmp_path)
+    args = [a.format(**files) for a in args]
+    words = [w.format(**files) for w in words]
+    if entry == TRAIN:
+        base = tiny_demo if not any(a.startswith("experiment=") for a in args) else ["logger=csv", "trainer=cpu"]
+        args = [*base, f"paths.log_dir={tmp_path}/a/b/logs", *args]
+    elif entry != PREFLIGHT:
+        args = [f"paths.log_dir={tmp_path}/logs", *args]
+    got, out, err = run_cli(entry, args, monkeypatch, capsys)
+    assert "Traceback" not in out + err, err[-3000:]
+    assert got == code, f"exit {got}\n{out[-2000:]}\n{err[-3000:]}"
+    lines = [line for line in err.splitlines() if words[0] in line]
+    assert lines, err[-3000:]
+    assert all(w in lines[0] for w in words), lines[0]  # one line carries the key/file, the problem and the fix
+    assert "weights_only=False" not in out + err  # never advise unpickling a file
+    assert not list(tmp_path.rglob("*.ckpt")), "a refused run must not write checkpoints"
+    if name == "task_name_path":
+        assert not (tmp_path / "a" / "escaped").exists()

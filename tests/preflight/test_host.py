@@ -1,0 +1,35 @@
+"""train.py's memory verdict on its own machine (voxdiff.preflight.host): the host's memory for a CPU run, split
+among its processes; a budget of the user's own replaces it."""
+
+import os
+
+import pytest
+from voxdiff.config import compose
+from voxdiff.preflight.host import host_memory_bytes, training_verdict
+from voxdiff.preflight.memory import GiB
+
+HUGE = ["model.channels=[1536,3072,6144]", "model.num_res_blocks=3", "model.num_head_channels=64",
+        "model.norm_num_groups=32"]  # 31 billion parameters
+
+
+def test_host_memory_is_the_physical_memory_or_less():
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < host_memory_bytes() <= physical
+
+
+def test_a_cpu_run_is_checked_against_the_host_memory_per_process(tiny_demo):
+    one = training_verdict(compose("train", tiny_demo))
+    assert one.fits and one.budget_source == "host memory"
+    assert one.budget_gib == pytest.approx(host_memory_bytes() / GiB)
+    two = training_verdict(compose("train", [*tiny_demo, "trainer.devices=2"]))
+    assert two.budget_source == "host memory shared by 2 processes"
+    assert two.budget_gib == pytest.approx(one.budget_gib / 2)
+
+
+def test_a_budget_of_the_users_own_replaces_the_hosts(tiny_demo):
+    result = training_verdict(compose("train", [*tiny_demo, *HUGE, "+preflight.gpu_memory_gib=100000"]))
+    assert result.params > 29e9 and result.fits and result.budget_source == "preflight.gpu_memory_gib"
+
+
+def test_a_stage1_run_is_not_modelled():
+    assert training_verdict(compose("train", ["experiment=vqvae_demo"])) is None

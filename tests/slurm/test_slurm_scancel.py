@@ -1,0 +1,99 @@
+"""SIGTERM in a real Slurm job (slurm/exp11.slurm, unchanged): ``scancel`` of a running job saves a resume
+checkpoint and leaves the job cancelled; a SIGTERM that does not end the job (``scancel --signal=TERM``, what a
+preemption's grace period delivers) saves, requeues the job as SIGUSR1 does, and the requeued job resumes from that
+checkpoint to the end. The cluster is tests/slurm/harness.py's, on ports of its own (another test cluster may run beside).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import SlurmCluster, running_cluster  # noqa: E402  (tests/slurm is on sys.path via conftest)
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "slurm" / "exp11.slurm"
+pytestmark = [pytest.mark.slurm]
+
+# exp11's 5-level UNet at CPU size (32³ phantom → S2D 16×16³), no validation: the steps are what matters here
+TINY = ("trainer=cpu logger=csv data.volume_shape=[32,32,32] data.num_subjects=4 "
+        "model.channels=[8,8,16,16,16] model.norm_num_groups=8 model.num_head_channels=8 model.num_res_blocks=1 "
+        "trainer.check_val_every_n_epoch=1000 system.sampling.every_n_epochs=0 system.sampling.final=false "
+        "callbacks.last.every_n_train_steps=2")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    # ports of its own (job ids are unique per cluster: harness.SlurmCluster.first_job_id)
+    with running_cluster(tmp_path_factory.mktemp("slurm_scancel"), port=20000 + os.getpid() % 20000) as c:
+        yield c
+
+
+def _submit(cluster: SlurmCluster, run_root: Path, overrides: str) -> int:
+    env = {"VOXDIFF_RUN_ROOT": str(run_root), "VOXDIFF_VENV": str(Path(sys.executable).parents[1]),
+           "VOXDIFF_OVERRIDES": overrides, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    return cluster.sbatch(SCRIPT, cwd=REPO, env=env)
+
+
+def _log(job: int) -> str:
+    path = REPO / "slurm" / "logs" / f"voxdiff-exp11-{job}.out"
+    return path.read_text() if path.exists() else ""
+
+
+def _last(run_root: Path, job: int) -> Path:
+    return run_root / "exp11" / f"job-{job}" / "checkpoints" / "last.ckpt"
+
+
+def _step(ckpt: Path) -> int:
+    return int(torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"])
+
+
+def _wait_training(cluster: SlurmCluster, job: int, last: Path, timeout: float = 300.0) -> None:
+    """Until the job's first periodic checkpoint exists (training is under way)."""
+    deadline = time.monotonic() + timeout
+    while not last.is_file():
+        assert time.monotonic() < deadline, _log(job)
+        assert cluster.job(job)["JobState"] in ("PENDING", "CONFIGURING", "RUNNING"), _log(job)
+        time.sleep(0.3)
+
+
+def test_scancel_saves_a_resume_checkpoint_and_the_job_stays_cancelled(cluster, tmp_path):
+    job = _submit(cluster, tmp_path, f"{TINY} trainer.max_steps=100000")
+    last = _last(tmp_path, job)
+    _wait_training(cluster, job, last)
+    t_cancel = time.time()
+    cluster.run("scancel", str(job))
+    info = cluster.wait(job, timeout=120)
+    time.sleep(1.0)  # the log's last lines
+    log = _log(job)
+    assert info["JobState"] == "CANCELLED" and int(info["Restarts"]) == 0, log
+    assert f"resume checkpoint saved to {last}" in log, log
+    assert f"Slurm job {job} not requeued" in log
+    assert last.stat().st_mtime >= t_cancel and _step(last) >= 2
+    saved = re.findall(r"stopped by SIGTERM after step (\d+)", log)
+    assert saved and int(saved[-1]) == _step(last)
+    assert "Traceback" not in log
+
+
+def test_a_sigterm_that_does_not_end_the_job_requeues_it_and_it_resumes(cluster, tmp_path):
+    max_steps = 40
+    job = _submit(cluster, tmp_path, f"{TINY} trainer.max_steps={max_steps}")
+    last = _last(tmp_path, job)
+    _wait_training(cluster, job, last)
+    cluster.run("scancel", "--signal=TERM", str(job))  # the steps get SIGTERM; Slurm keeps the job RUNNING
+    cluster.wait(job, {"PENDING"}, timeout=120, poll=0.2)  # requeued by train.py itself
+    saved = re.findall(r"stopped by SIGTERM after step (\d+)", _log(job))
+    assert saved and f"Slurm job {job} requeued" in _log(job), _log(job)
+    # Slurm holds a requeued job for ~2 minutes (BeginTime); release it, as an admin would
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    info = cluster.wait(job, timeout=600)
+    log = _log(job)
+    assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) == 1, log
+    assert re.search(rf"resuming from \S*last\.ckpt \(step {saved[0]}\)", log), log
+    assert _step(last) == max_steps
