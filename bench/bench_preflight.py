@@ -4,6 +4,10 @@ Usage::
 
     .venv/bin/python bench/bench_preflight.py                 # seconds per configuration, mean / max
     .venv/bin/python bench/bench_preflight.py --table docs/preflight_error_table.md   # also write the error table
+    .venv/bin/python bench/bench_preflight.py --csv IN.csv --bytes-csv OUT.csv   # exact bytes per phase and row
+
+``--bytes-csv`` writes every row's predicted peaks in bytes (no rounding), so two versions of the preflight can be
+compared row by row with ``diff``: a refactor of the traced step must leave them unchanged.
 
 The reference CSV is ``reference/measured_vram.csv`` of the repository (``$VOXDIFF_REFERENCE_CSV`` or ``--csv``
 override it). GiB = 2**30 bytes.
@@ -53,13 +57,33 @@ def _reference(path: str | None) -> Path:
     sys.exit("measured_vram.csv not found; pass --csv or set VOXDIFF_REFERENCE_CSV")
 
 
-def _predict_all(rows: list[dict[str, str]], **kwargs) -> tuple[list[dict[str, str]], list[float]]:
+BYTES_COLUMNS = ["name", "params", "step1_fwd", "step1_bwd", "step1_opt", "steady_fwd", "steady_bwd", "steady_opt",
+                 "peak_allocated", "estimated_reserved", "pred_error"]
+
+
+def _bytes_row(row: dict[str, str], pred: dict[str, str], report) -> dict[str, object]:
+    """The exact predicted bytes of one row (:data:`BYTES_COLUMNS`); empty figures for a row that failed."""
+    out: dict[str, object] = dict.fromkeys(BYTES_COLUMNS, "")
+    out.update(name=row.get("name", ""), pred_error=pred["pred_error"])
+    if report is not None:
+        s1, s2 = report.first_step, report.steady_step
+        out.update(params=report.params, step1_fwd=s1.forward, step1_bwd=s1.backward, step1_opt=s1.optimizer,
+                   steady_fwd=s2.forward, steady_bwd=s2.backward, steady_opt=s2.optimizer,
+                   peak_allocated=report.peak_allocated, estimated_reserved=report.estimated_reserved)
+    return out
+
+
+def _predict_all(
+    rows: list[dict[str, str]], bytes_rows: list[dict[str, object]] | None = None, **kwargs
+) -> tuple[list[dict[str, str]], list[float]]:
     out, seconds = [], []
     for row in rows:
         t0 = time.perf_counter()
-        pred, _ = predict_row(row, **kwargs)
+        pred, report = predict_row(row, **kwargs)
         seconds.append(time.perf_counter() - t0)
         out.append({**row, **pred})
+        if bytes_rows is not None:
+            bytes_rows.append(_bytes_row(row, pred, report))
     return out, seconds
 
 
@@ -120,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--csv", help="reference CSV (measured_vram.csv format)")
     ap.add_argument("--out-csv", help="also write the predictions here (and a PNG next to it)")
     ap.add_argument("--table", help="write the markdown error table here")
+    ap.add_argument("--bytes-csv", help="write every row's predicted peaks in bytes here (for diffs)")
     ap.add_argument("--budget-gib", type=float, default=80.0)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -133,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                  "input_shape": "16x8x8x8"})  # fmt: skip
     print(f"warm-up (imports, first meta kernels): {time.perf_counter() - t0:.2f} s")
 
-    out, seconds = _predict_all(rows, budget_gib=args.budget_gib)
+    bytes_rows: list[dict[str, object]] = []
+    out, seconds = _predict_all(rows, bytes_rows, budget_gib=args.budget_gib)
     width = max(len(r["name"]) for r in rows)
     print(f"{'configuration':{width}s}  params M   peak GiB  seconds")
     for r, s in zip(out, seconds):
@@ -148,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
             writer.writeheader()
             writer.writerows(out)
         plot_sweep(out, Path(args.out_csv).with_suffix(".png"), budget_gib=args.budget_gib)
+
+    if args.bytes_csv:
+        with open(args.bytes_csv, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=BYTES_COLUMNS)
+            writer.writeheader()
+            writer.writerows(bytes_rows)
+        print(f"wrote {args.bytes_csv}")
 
     if args.table:
         out_after, _ = _predict_all(rows, budget_gib=args.budget_gib, zero_grad_at="after_step")
