@@ -114,8 +114,8 @@ def _system_zero_grad_at() -> str:
 def predict_memory(cfg: DictConfig, gpu: str = "H100") -> MemoryReport:
     """Trace one training step of ``cfg`` on the meta device; see the module docstring for what is traced."""
     from voxdiff.diffusion import DiffusionProcess, diffusion_settings
-    from voxdiff.lightning.ema import EMA
-    from voxdiff.lightning.optim import optim_settings
+    from voxdiff.step.ema import EMA
+    from voxdiff.step.optim import optim_settings
 
     encoding = build_encoding(cfg)
     s = shapes(cfg, encoding)

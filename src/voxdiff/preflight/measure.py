@@ -30,8 +30,8 @@ def measure_steps(cfg: DictConfig, steps: int = 3) -> dict[str, Any]:
                           "run it on a GPU node (e.g. srun --gres=gpu:1 python preflight.py ... preflight.measure=true)")
     from voxdiff.config import build_model
     from voxdiff.diffusion import DiffusionProcess, diffusion_settings
-    from voxdiff.lightning.ema import EMA
-    from voxdiff.lightning.optim import build_optimizer
+    from voxdiff.step.ema import EMA
+    from voxdiff.step.optim import build_optimizer
     from voxdiff.preflight.check import _get, _system_zero_grad_at, trainer_precision
 
     device = torch.device("cuda")
