@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import os
 import statistics
 import sys
@@ -27,6 +28,7 @@ import torch
 
 from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN
 from voxdiff.preflight.sweep import PRED_COLUMNS, compare_to_measured, plot_sweep, predict_row
+from voxdiff.step import SEED
 
 ROOT = Path(__file__).resolve().parents[1]
 _CANDIDATES = [os.environ.get("VOXDIFF_REFERENCE_CSV", ""), str(ROOT / "reference" / "measured_vram.csv")]
@@ -79,7 +81,7 @@ def _predict_all(
     out, seconds = [], []
     for row in rows:
         t0 = time.perf_counter()
-        pred, report = predict_row(row, **kwargs)
+        pred, report = predict_row(row, **{"recipe": SEED, **kwargs})
         seconds.append(time.perf_counter() - t0)
         out.append({**row, **pred})
         if bytes_rows is not None:
@@ -129,8 +131,8 @@ def _seed_table(budget_gib: float) -> list[str]:
         "|---|---:|---:|---|---:|---:|---|",
     ]
     for cfg in SEED_OOM_CONFIGS:
-        mat, _ = predict_row(cfg, budget_gib=budget_gib)
-        fla, _ = predict_row({**cfg, "use_flash_attention": "1"}, budget_gib=budget_gib)
+        mat, _ = predict_row(cfg, SEED, budget_gib=budget_gib)
+        fla, _ = predict_row({**cfg, "use_flash_attention": "1"}, SEED, budget_gib=budget_gib)
         peak_mat = max(float(mat["pred_step1_gib"]), float(mat["pred_steady_gib"]))
         lines.append(
             f"| {cfg['name']} | {fla['pred_params_m']} | {peak_mat:.1f} | {mat['pred_fits']} | "
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     predict_row({**SEED_OOM_CONFIGS[0], "channels": "32 32 32 32", "attention_levels": "0 0 0 0",
-                 "input_shape": "16x8x8x8"})  # fmt: skip
+                 "input_shape": "16x8x8x8"}, SEED)  # fmt: skip
     print(f"warm-up (imports, first meta kernels): {time.perf_counter() - t0:.2f} s")
 
     bytes_rows: list[dict[str, object]] = []
@@ -183,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.bytes_csv}")
 
     if args.table:
-        out_after, _ = _predict_all(rows, budget_gib=args.budget_gib, zero_grad_at="after_step")
+        after_step = dataclasses.replace(SEED, name="seed, zero_grad after step", zero_grad_at="after_step")
+        out_after, _ = _predict_all(rows, budget_gib=args.budget_gib, recipe=after_step)
         error_lines, summary_after = _error_table(out, out_after)
         big = [s for r, s in zip(out, seconds) if float(r["pred_params_m"] or 0) >= 2500]
         text = [

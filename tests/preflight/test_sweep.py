@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from voxdiff.preflight.sweep import PRED_COLUMNS, MODEL_FACTORY, compare_to_measured, parse_row, sweep
+from voxdiff.preflight.sweep import PRED_COLUMNS, MODEL_FACTORY, compare_to_measured, parse_row, predict_row, sweep
+from voxdiff.step import SEED, system_recipe
 
 
 _CANDIDATES = [
@@ -40,7 +41,7 @@ def test_invalid_rows_get_an_error_and_the_sweep_goes_on(tmp_path: Path) -> None
         ["bad-in-channels", "3x8x8x8", "4", "2", "16 32", "0 1", "1 1", "16", "8", "0", "x"],
         ["checkpointed", *good[1:9], "1", "ckpt"],
     ]
-    out = sweep(_write(tmp_path / "in.csv", rows), tmp_path / "out.csv", plot_path=tmp_path / "plot.png")
+    out = sweep(_write(tmp_path / "in.csv", rows), tmp_path / "out.csv", SEED, plot_path=tmp_path / "plot.png")
     with open(tmp_path / "out.csv", newline="") as fh:
         reader = csv.DictReader(fh)
         assert reader.fieldnames == _HEADER + list(PRED_COLUMNS)
@@ -63,9 +64,32 @@ def test_invalid_rows_get_an_error_and_the_sweep_goes_on(tmp_path: Path) -> None
 def test_budget_decides_the_verdict(tmp_path: Path) -> None:
     row = ["tiny", "4x8x8x8", "4", "2", "16 32", "0 1", "1 1", "16", "8", "0", ""]
     src = _write(tmp_path / "in.csv", [row])
-    fits = sweep(src, tmp_path / "a.csv", plot_path=None)[0]
-    too_small = sweep(src, tmp_path / "b.csv", plot_path=None, budget_gib=0.25)[0]  # below the 0.5 GiB context
+    fits = sweep(src, tmp_path / "a.csv", SEED, plot_path=None)[0]
+    too_small = sweep(src, tmp_path / "b.csv", SEED, plot_path=None, budget_gib=0.25)[0]  # below the 0.5 GiB context
     assert fits["pred_fits"] == "true" and too_small["pred_fits"] == "false"
+
+
+_GOOD = dict(zip(_HEADER, ["tiny", "4x8x8x8", "4", "2", "16 32", "0 1", "1 1", "16", "8", "0", ""]))
+
+
+def test_the_step_of_a_row_is_named_never_assumed() -> None:
+    system = system_recipe({}, {}, {})
+    assert "names no training step" in predict_row(_GOOD)[0]["pred_error"]
+    assert predict_row(_GOOD, SEED)[0]["pred_recipe"] == "seed"
+    # a recipe column wins over the argument; "system" is the run config's step (here with its EMA: +1 copy)
+    seed_row, seed_report = predict_row({**_GOOD, "recipe": "seed"}, system, system=system)
+    sys_row, sys_report = predict_row({**_GOOD, "recipe": "system"}, SEED, system=system)
+    assert (seed_row["pred_recipe"], sys_row["pred_recipe"]) == ("seed", "system")
+    assert sys_report.ema_bytes == sys_report.param_bytes and seed_report.ema_bytes == 0
+    assert "recipe='sgd'" in predict_row({**_GOOD, "recipe": "sgd"}, SEED)[0]["pred_error"]
+    assert "needs the run config" in predict_row({**_GOOD, "recipe": "system"})[0]["pred_error"]
+
+
+def test_a_batch_size_column_is_read_and_checked() -> None:
+    one = predict_row({**_GOOD, "batch_size": ""}, SEED)[1]
+    two = predict_row({**_GOOD, "batch_size": "2"}, SEED)[1]
+    assert one.input_shape[0] == 1 and two.input_shape[0] == 2
+    assert "batch_size='0'" in predict_row({**_GOOD, "batch_size": "0"}, SEED)[0]["pred_error"]
 
 
 def _tolerance(reported: str) -> float:
@@ -79,7 +103,7 @@ def reference_sweep(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, 
     if REFERENCE is None:
         pytest.skip("measured_vram.csv not found (set VOXDIFF_REFERENCE_CSV)")
     out = tmp_path_factory.mktemp("sweep")
-    return sweep(REFERENCE, out / "pred.csv", plot_path=out / "pred.png")
+    return sweep(REFERENCE, out / "pred.csv", SEED, plot_path=out / "pred.png")
 
 
 @pytest.mark.slow

@@ -3,9 +3,13 @@
 The CSV format is that of ``reference/measured_vram.csv``: one row per configuration with the columns
 ``input_shape`` (``C x D x H x W``, e.g. ``16x80x64x64``), ``in_channels``, ``out_channels``, ``channels``
 (space-separated), ``attention_levels`` (0/1 per level, space-separated), ``num_res_blocks`` (space-separated),
-``num_head_channels``, ``norm_num_groups``, ``grad_checkpointing`` and, optionally, ``use_flash_attention`` and
-``batch_size``. Every other column is carried through unchanged. :func:`sweep` appends the ``pred_*`` columns
-of :data:`PRED_COLUMNS` (GiB = 2**30 bytes) and draws parameters vs predicted peak.
+``num_head_channels``, ``norm_num_groups``, ``grad_checkpointing`` and, optionally, ``use_flash_attention``,
+``batch_size`` and ``recipe``. Every other column is carried through unchanged. :func:`sweep` appends the
+``pred_*`` columns of :data:`PRED_COLUMNS` (GiB = 2**30 bytes) and draws parameters vs predicted peak.
+
+The training step traced for a row is named, never assumed: by the row's ``recipe`` column (``seed``: the step
+of the reference measurements, :data:`voxdiff.step.SEED`; ``system``: ``train.py``'s step for the run config)
+or, for rows without one, by the ``recipe`` argument (``preflight.recipe`` on the command line).
 
 Models are built by voxdiff's own factory and gradient-checkpointing policy (:func:`build_monai_unet`,
 :data:`MODEL_FACTORY`, or the ``build_model`` argument of :func:`sweep`), under ``torch.device("meta")``.
@@ -20,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
+from voxdiff.step import RECIPES, SEED, Recipe
 
 __all__ = [
     "MODEL_FACTORY",
@@ -36,6 +40,7 @@ __all__ = [
     "parse_row",
     "plot_sweep",
     "predict_row",
+    "row_recipe",
     "sweep",
 ]
 
@@ -47,11 +52,12 @@ PRED_COLUMNS: tuple[str, ...] = (
     "pred_steady_gib",
     "pred_reserved_gib",
     "pred_fits",
+    "pred_recipe",
     "pred_error",
 )
 """Columns :func:`sweep` appends: parameters (millions); step-1 forward and backward peaks; peak over step 1
 including ``optimizer.step()``; peak of a steady-state step; predicted reserved memory; the verdict against
-the budget; why the row could not be predicted (empty when it could)."""
+the budget; the training-step recipe traced; why the row could not be predicted (empty when it could)."""
 
 REFERENCE_FIGURE: dict[str, str] = {"latent8x": "pred_step1_gib", "s2d128": "pred_steady_gib"}
 """Which prediction a measured ``total_gib`` corresponds to, per ``table``: the latent rows were measured on
@@ -124,7 +130,9 @@ def parse_row(row: Mapping[str, Any]) -> UNetRow:
     cdhw = tuple(int(v) for v in str(row["input_shape"]).lower().split("x"))
     if len(cdhw) != 4:
         raise ValueError(f"input_shape={row['input_shape']!r} must be CxDxHxW")
-    batch = int(row.get("batch_size") or 1)
+    batch = int(row.get("batch_size") or 1)  # an absent or empty column: batch 1, as the reference measured
+    if batch < 1:
+        raise ValueError(f"batch_size={row.get('batch_size')!r} must be 1 or more")
     return UNetRow(
         input_shape=(batch, *cdhw),
         in_channels=int(row["in_channels"]),
@@ -163,9 +171,37 @@ MODEL_FACTORY: Callable[[UNetRow], nn.Module] = build_monai_unet
 """Row -> module (with its checkpointing policy applied)."""
 
 
+def row_recipe(row: Mapping[str, Any], recipe: Recipe | None = None, system: Recipe | None = None) -> Recipe:
+    """The recipe a row names in its ``recipe`` column, else ``recipe``.
+
+    Args:
+        row: the CSV row.
+        recipe: the recipe of rows without a ``recipe`` column (or with an empty one).
+        system: what ``recipe=system`` stands for (the run config's step); needed only by rows that name it.
+
+    Raises:
+        ValueError: no recipe named, or one that is not known.
+    """
+    name = str(row.get("recipe") or "").strip()
+    if not name:
+        if recipe is None:
+            raise ValueError("the row names no training step: add a recipe column (seed or system) or name one "
+                             "(preflight.recipe=seed for the reference measurements' step)")
+        return recipe
+    if name == "seed":
+        return SEED
+    if name == "system" and system is not None:
+        return system
+    if name == "system":
+        raise ValueError("recipe=system needs the run config's step (pass system=recipe_from_config(cfg, 'system'))")
+    raise ValueError(f"recipe={name!r} is not known; use one of {', '.join(RECIPES)}")
+
+
 def predict_row(
     row: Mapping[str, Any],
+    recipe: Recipe | None = None,
     *,
+    system: Recipe | None = None,
     build_model: Callable[[UNetRow], nn.Module] | None = None,
     budget_gib: float = 80.0,
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
@@ -175,6 +211,7 @@ def predict_row(
 
     Args:
         row: the CSV row.
+        recipe, system: the training step traced (see :func:`row_recipe`).
         build_model: overrides :data:`MODEL_FACTORY`.
         budget_gib: device memory budget in GiB.
         safety_margin: see :meth:`MemoryReport.fits`.
@@ -192,8 +229,9 @@ def predict_row(
         def build() -> nn.Module:
             return factory(cfg)
 
+        step = row_recipe(row, recipe, system)
         kwargs = {"attention": "flash" if cfg.use_flash_attention else "materialised", **predict_kwargs}
-        report = predict_step_memory(build, cfg.input_shape, **kwargs)
+        report = predict_step_memory(build, cfg.input_shape, step, **kwargs)
     except Exception as exc:  # one bad row must not stop the sweep
         out["pred_error"] = f"{type(exc).__name__}: {exc}".replace("\n", " ")
         return out, None
@@ -205,6 +243,7 @@ def predict_row(
         pred_steady_gib=f"{report.steady_step.peak / GiB:.2f}",
         pred_reserved_gib=f"{report.estimated_reserved / GiB:.2f}",
         pred_fits=str(report.fits(int(budget_gib * GiB), safety_margin)).lower(),
+        pred_recipe=report.recipe,
     )
     return out, report
 
@@ -212,7 +251,9 @@ def predict_row(
 def sweep(
     in_csv: str | Path,
     out_csv: str | Path,
+    recipe: Recipe | None = None,
     *,
+    system: Recipe | None = None,
     build_model: Callable[[UNetRow], nn.Module] | None = None,
     budget_gib: float = 80.0,
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
@@ -224,13 +265,14 @@ def sweep(
     Args:
         in_csv: rows in the format of ``measured_vram.csv``.
         out_csv: where to write.
+        recipe, system: the training step traced for each row (see :func:`row_recipe`).
         build_model: row -> module, overrides :data:`MODEL_FACTORY`.
         budget_gib: device memory budget in GiB (an 80 GB A100/H100 by default).
         safety_margin: fraction added to the predicted peak before comparing with the budget.
         plot_path: PNG of parameters vs predicted peak; ``""`` puts it next to ``out_csv`` with suffix
             ``.png``, ``None`` skips the plot.
-        **predict_kwargs: forwarded to :func:`~voxdiff.preflight.memory.predict_step_memory` (precision,
-            optimizer_impl, ...); batch 1, bf16 AMP and foreach AdamW by default.
+        **predict_kwargs: forwarded to :func:`~voxdiff.preflight.memory.predict_step_memory` (precision, gpu,
+            ...); bf16 AMP by default; the batch is the row's ``batch_size`` (1 when absent).
 
     Returns:
         The output rows.
@@ -241,9 +283,8 @@ def sweep(
         rows = list(reader)
     out_rows = []
     for row in rows:
-        pred, _ = predict_row(
-            row, build_model=build_model, budget_gib=budget_gib, safety_margin=safety_margin, **predict_kwargs
-        )
+        pred, _ = predict_row(row, recipe, system=system, build_model=build_model, budget_gib=budget_gib,
+                              safety_margin=safety_margin, **predict_kwargs)
         out_rows.append({**row, **pred})
     out_fields = fields + [c for c in PRED_COLUMNS if c not in fields]
     with open(out_csv, "w", newline="") as fh:
