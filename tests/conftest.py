@@ -25,6 +25,11 @@ def reference_csv() -> Path:
     return REPO / "reference" / "measured_vram.csv"
 
 
+@pytest.fixture(scope="session")
+def h100_csv() -> Path:
+    return REPO / "reference" / "h100_measured.csv"
+
+
 #: a 3-level UNet of 0.5 M parameters on a 16×32×32 phantom (S2D: 16×8×16×16 in): traced in about a second
 TINY_UNET = [
     "experiment=demo",
