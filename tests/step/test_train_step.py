@@ -121,6 +121,17 @@ def test_gradient_order_of_the_recipes():
     assert system.optimizer_impl == "single"  # torch's default on the CPU when system.optim leaves it open
 
 
+def test_the_optimizer_implementation_follows_the_device_the_model_is_on_when_it_is_made():
+    """Lightning builds the system (and its step) on the CPU and moves it to the GPU before configure_optimizers:
+    the implementation is decided then, for where the parameters are (foreach on CUDA, single elsewhere)."""
+    step = _tiny_step(system_recipe({}, False, {}))
+    assert step.device_type == "cpu" and step.optimizer_impl == "single"
+    step.model.to("meta")
+    assert step.device_type == "meta"
+    told = TrainStep(step.model, system_recipe({}, False, {}), device_type="cuda")  # the preflight's meta = a GPU
+    assert told.device_type == "cuda" and told.optimizer_impl == "foreach"
+
+
 def test_clipping_by_value_and_by_norm():
     for algorithm in ("norm", "value"):
         step = _tiny_step(system_recipe({}, False, {}, clip_settings(1e-4, algorithm)))

@@ -93,8 +93,9 @@ class TrainStep:
             default: one built from ``recipe.diffusion``, or the seed's loss when that is None.
         precision: the precision context of :meth:`run` (default: no autocast); Lightning brings its own.
         device_type: the device the run is on (``cuda``/``cpu``), which picks the AdamW implementation when
-            ``system.optim`` leaves it open; default: the model's. The preflight passes ``cuda`` for its meta
-            tensors, which stand for a GPU.
+            ``system.optim`` leaves it open; default: the device of the model's parameters when the optimizer is
+            made (Lightning moves the model to the GPU before ``configure_optimizers``). The preflight passes
+            ``cuda`` for its meta tensors, which stand for a GPU.
 
     Attributes:
         optimizer, scheduler: set by :meth:`configure_optimizer`.
@@ -123,7 +124,7 @@ class TrainStep:
             process = DiffusionProcess(recipe.diffusion)
         self.process = process
         self.loss_fn: LossFn = process.loss if process is not None else seed_loss
-        self.device_type = device_type or next(model.parameters()).device.type
+        self._device_type = device_type
         self.precision = precision if precision is not None else Precision("32-true", "cpu").context()
         self.loss_scaled = self.precision.scales_loss
         self.zero_grad_at = recipe.zero_grad_at
@@ -136,6 +137,11 @@ class TrainStep:
         self.steps_done = 0
 
     # ------------------------------------------------------------------ set-up
+    @property
+    def device_type(self) -> str:
+        """The device type the step runs on: as given, else that of the model's parameters now."""
+        return self._device_type or next(self.model.parameters()).device.type
+
     @property
     def optimizer_impl(self) -> str:
         """``foreach``, ``fused`` or ``single``: :func:`voxdiff.step.optim.optimizer_impl` on this device."""
