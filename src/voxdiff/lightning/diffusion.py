@@ -159,10 +159,6 @@ class DiffusionSystem(L.LightningModule):
         """The EMA of the weights (None with ``system.ema: false``)."""
         return self.step.ema
 
-    @property
-    def optim_settings(self) -> OptimSettings:
-        return self.step.recipe.optim
-
     # ------------------------------------------------------------------ training: hooks of the TrainStep
     def train(self, mode: bool = True) -> DiffusionSystem:
         super().train(mode)

@@ -381,7 +381,8 @@ class TraceResult:
 
     Attributes:
         steps: per-phase peaks of each traced step.
-        start_bytes: live bytes when tracing began (parameters, buffers, existing grads and optimizer state).
+        start_bytes: live bytes when tracing began (the step's tensors: weights, buffers, gradients, optimizer
+            state, EMA).
         events: the allocation/free sequence (``(+1|-1, key, bytes)``) for the allocator model.
         autocast: the autocast emulator (its ``calls`` count the ops seen in autocast regions).
         flash: the flash-attention emulator, if one was used.
