@@ -30,19 +30,15 @@ class _SeedEachStep(L.Callback):
         torch.manual_seed(1000 + trainer.global_step)
 
 
-@pytest.fixture(scope="module")
-def run_cfg(tmp_path_factory):
-    from voxdiff.config import compose
-
-    from conftest import TINY_UNET
-
-    out = tmp_path_factory.mktemp("run")
-    return compose("train", [*TINY_UNET, f"paths.output_dir={out}", "data.num_subjects=4", "system.ema.decay=0.5", "system.ema.start_step=1",
-                             "system.optim.lr=1e-3", "system.optim.warmup_steps=2", "system.optim.weight_decay=0.01",
-                             f"trainer.gradient_clip_val={CLIP}", "trainer.accelerator=cpu"])
+@pytest.fixture
+def run_cfg(tiny_cfg, tmp_path):
+    return tiny_cfg(f"paths.output_dir={tmp_path}", "data.num_subjects=4", "system.ema.decay=0.5",
+                    "system.ema.start_step=1", "system.optim.lr=1e-3", "system.optim.warmup_steps=2",
+                    "system.optim.weight_decay=0.01", f"trainer.gradient_clip_val={CLIP}", "trainer.accelerator=cpu",
+                    config_name="train")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def batches(run_cfg):
     dm = instantiate(run_cfg.data, _convert_="all")
     dm.setup("fit")
