@@ -3,10 +3,10 @@
     python bench/bench_system.py [--steps 20] [--warmup 3] [--repeats 4] [--logger wandb|csv|none] [override ...]
 
 Both sides train the same model (same initial weights) on the same batches (the same DataLoader of the same data
-module) with the same loss function (``DiffusionProcess.loss``), optimizer (``build_optimizer``) and LR schedule,
-gradient clipping and EMA update. The Lightning side is ``trainer.fit`` through ``voxdiff.cli.train``'s own
-Trainer factory with the shipped callbacks and logging (``--logger``: the shipped default is wandb offline);
-validation is off on both sides. A callback / the loop records the wall time of every step (data loading
+module) with the same training step, :class:`voxdiff.step.TrainStep` (loss, AdamW and LR schedule, clipping, the
+non-finite guard, EMA): the Lightning side is ``trainer.fit`` of the system that drives it, through
+``voxdiff.cli.train``'s own Trainer factory with the shipped callbacks and logging (``--logger``: the shipped
+default is wandb offline); the plain side calls ``TrainStep.run`` in a loop. Validation is off on both sides. A callback / the loop records the wall time of every step (data loading
 included); the first ``--warmup`` steps are dropped. The sides alternate ``--repeats`` times (which side goes first
 alternates too) so drift in machine load hits both, and each repeat checks that both sides ended with the same
 weights. Goal: Lightning within 5% of the plain loop (ratio of medians). On a shared machine other processes move
@@ -25,14 +25,13 @@ import torch
 from hydra.utils import instantiate
 
 from voxdiff.config import compose
-from voxdiff.diffusion import encode_batch
-from voxdiff.lightning import build_lr_scheduler, build_optimizer
 from voxdiff.lightning.trainer import (
     build_trainer,
     configure_cpu_threads,
     instantiate_callbacks,
     instantiate_loggers,
 )
+from voxdiff.step import TrainStep, accelerator_device, decide_precision, recipe_from_config
 
 
 class StepTimer(L.Callback):
@@ -77,34 +76,26 @@ def lightning_steps(
 
 
 def plain_steps(cfg, datamodule, steps: int, warmup: int) -> tuple[list[float], torch.nn.Module]:
-    """The same step without Lightning: encode → loss → backward → clip → AdamW → LR step → EMA."""
+    """The same step without Lightning: ``TrainStep.run`` (encode → loss → backward → clip → AdamW → EMA → LR)."""
     L.seed_everything(int(cfg.seed))
-    system = instantiate(cfg.system)  # the same model, process and EMA objects, used without a Trainer
-    model, process, ema = system.model, system.process, system.ema
-    model.train()
-    optimizer = build_optimizer(model.parameters(), system.optim_settings)
-    scheduler = build_lr_scheduler(optimizer, system.optim_settings, warmup + steps)
-    clip = float(cfg.trainer.gradient_clip_val or 0.0)
+    system = instantiate(cfg.system)  # the same model, encoding and process objects, used without a Trainer
+    device = accelerator_device(cfg.trainer.accelerator)
+    system.to(device).train()
+    precision = decide_precision(cfg.trainer.precision, device)
+    step = TrainStep(system.model, recipe_from_config(cfg, "system"), encoding=system.encoding, mode=system.mode,
+                     process=system.process, precision=precision.context(), device_type=device)
+    step.configure_optimizer(total_steps=warmup + steps)
     datamodule.setup("fit")
     times, done = [], 0
     start = time.perf_counter()
     while done < warmup + steps:
         for batch in datamodule.train_dataloader():
-            x0, cond = encode_batch(system.encoding, batch, system.mode)
-            loss, _ = process.loss(model, x0, cond)
-            if not torch.isfinite(loss):
-                raise RuntimeError("non-finite loss")
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            ema.update(model)
+            step.run({k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()})
             times.append(time.perf_counter())
             done += 1
             if done == warmup + steps:
                 break
-    return _intervals(times, start, warmup), model
+    return _intervals(times, start, warmup), system.model
 
 
 def main() -> None:

@@ -100,6 +100,15 @@ def volume_shape(cfg: DictConfig) -> tuple[int, int, int]:
     return tuple(shape)  # type: ignore[return-value]
 
 
+def batch_size(cfg: DictConfig) -> int:
+    """``data.batch_size`` as a validated positive integer (volumes per batch and GPU); never guessed."""
+    value = plain(OmegaConf.select(cfg, "data.batch_size"))
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError("data.batch_size", value, "must be an integer >= 1 (volumes per batch and GPU)",
+                          "set data.batch_size to 1 or more, e.g. data.batch_size=1")
+    return value
+
+
 def is_diffusion(cfg: DictConfig) -> bool:
     """Whether ``cfg`` trains the diffusion UNet (``system: diffusion``) rather than a stage-1 model."""
     return str(OmegaConf.select(cfg, "system._target_", default="")).endswith("DiffusionSystem")

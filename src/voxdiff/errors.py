@@ -6,6 +6,7 @@ that works, so a wrong config is refused before anything launches (STYLE.md, hab
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -36,3 +37,29 @@ def show_value(value: Any) -> str:
     if value is None:
         return "null"
     return str(value)
+
+
+def settings_from(cls: type, key: str, values: Mapping[str, Any] | None) -> Any:
+    """The dataclass ``cls`` from a plain config mapping, refusing keys it does not have.
+
+    Args:
+        cls: a dataclass of settings with defaults.
+        key: the config key of the mapping (``system.ema``), for the error.
+        values: the mapping (None: all defaults).
+
+    Raises:
+        ConfigError: ``<key>.<unknown>``, its value and the settings that exist.
+    """
+    values = dict(values or {})
+    known = set(cls.__dataclass_fields__)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}", values[unknown[0]], f"is not a {key} setting",
+                          f"remove it; the settings are {', '.join(sorted(known))}")
+    return cls(**values)
+
+
+def require_nonneg_int(key: str, value: Any, example: str) -> None:
+    """Refuse anything but an integer >= 0 (booleans included), with ``key=example`` as the fix."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(key, value, "must be an integer >= 0", f"e.g. {key}={example}")

@@ -77,12 +77,13 @@ def test_sweep_mode_writes_csv_and_plot(tmp_path, reference_csv, capsys):
         bad = dict(rows[0], name="bad", norm_num_groups="24")
         writer.writerow(bad)
     out = tmp_path / "out.csv"
-    assert run([f"preflight.sweep={src}", f"preflight.out={out}"]) == 0
+    assert run([f"preflight.sweep={src}", "preflight.recipe=seed", f"preflight.out={out}"]) == 0
     got = list(csv.DictReader(open(out)))
     assert len(got) == 4
     for col in ("pred_params_m", "pred_fwd_gib", "pred_bwd_gib", "pred_step1_gib", "pred_steady_gib",
-                "pred_reserved_gib", "pred_fits", "pred_error", *rows[0].keys()):
+                "pred_reserved_gib", "pred_fits", "pred_recipe", "pred_error", *rows[0].keys()):
         assert col in got[0]
+    assert got[0]["pred_recipe"] == "seed"
     assert got[0]["name"] == rows[0]["name"] and got[0]["pred_error"] == ""
     assert abs(float(got[1]["pred_params_m"]) - float(rows[1]["params_m"])) / float(rows[1]["params_m"]) < 0.005
     assert "norm_num_groups" in got[3]["pred_error"] and got[3]["pred_fits"] == ""
@@ -93,6 +94,13 @@ def test_sweep_mode_writes_csv_and_plot(tmp_path, reference_csv, capsys):
 def test_sweep_without_out_is_refused(capsys, reference_csv):
     assert run([f"preflight.sweep={reference_csv}"]) == EXIT_CONFIG
     assert "preflight.out=null: sweep mode writes a CSV" in capsys.readouterr().err
+
+
+def test_sweep_needs_the_step_named(capsys, reference_csv, tmp_path):
+    """A CSV without a recipe column does not say which training step it is about: the sweep asks for one."""
+    assert run([f"preflight.sweep={reference_csv}", f"preflight.out={tmp_path / 'out.csv'}"]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "preflight.recipe=null" in err and "preflight.recipe=seed" in err and not (tmp_path / "out.csv").exists()
 
 
 def test_measure_needs_a_gpu(capsys):

@@ -139,3 +139,12 @@ def test_train_py_main_job_with_wandb_offline(tmp_path):
 def test_demo_variants_fast_dev_run(override, tmp_path):
     report = train(compose("train", [*tiny_overrides(tmp_path), override, "trainer.fast_dev_run=true"]))
     assert report["metrics"]["train/loss"] > 0 and list((tmp_path / "samples").glob("*.png"))
+
+
+@pytest.mark.parametrize("override, key", [("trainer.precision=bf16-true", "trainer.precision"),
+                                           ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val"),
+                                           ("system.ema=3", "system.ema")])
+def test_the_training_step_settings_are_checked_before_anything_is_built(override, key):
+    with pytest.raises(ConfigError) as e:
+        validate(compose("train", ["experiment=demo", override]))
+    assert e.value.key == key

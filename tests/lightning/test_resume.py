@@ -9,7 +9,7 @@ import torch
 from voxdiff.cli.train import train
 from voxdiff.config import compose
 from voxdiff.errors import ConfigError
-from voxdiff.lightning.optim import WarmupCosine
+from voxdiff.step import WarmupCosine
 from voxdiff.lightning.resume import check_resume
 
 OPTIM = ["system.optim.warmup_steps=0", "system.optim.decay_steps=20", "system.optim.min_lr_ratio=0.1",

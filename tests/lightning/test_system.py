@@ -181,3 +181,35 @@ def test_lr_follows_warmup_and_cosine(short_run):
     for step in (2, 3, 4, 5):  # cosine from the end of warm-up to the end of the run (6 steps)
         assert lrs[step] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * (step - 2) / 4)))
     assert report["metrics"]["train/loss"] > 0
+
+
+def test_ema_false_means_no_ema(tmp_path):
+    """``system.ema=false``: training keeps no EMA (none saved); validation and samples use the raw weights."""
+    report = train(_cfg(tmp_path, "trainer.max_steps=2", "system.ema=false"))
+    ckpt = _load(report["last_checkpoint"])
+    assert ckpt["global_step"] == 2 and "ema" not in ckpt
+    system = DiffusionSystem.load_from_checkpoint(report["last_checkpoint"], weights_only=True)
+    mask = torch.zeros(1, 1, 16, 32, 32)
+    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    assert torch.equal(system.generate(mask, num_inference_steps=2, generator=g()),
+                       system.generate(mask, num_inference_steps=2, generator=g(), use_ema=False))
+
+
+def test_resume_from_a_checkpoint_of_the_original_code(repo, tmp_path):
+    """``tests/fixtures/pre_step_tiny.ckpt`` was written by voxdiff 9134779 (before the step package): 3 steps of
+    a 4-channel UNet with EMA. Resuming it continues the step count, the optimizer and the EMA."""
+    fixture = repo / "tests" / "fixtures" / "pre_step_tiny.ckpt"
+    old = _load(fixture)
+    cfg = compose("train", [
+        "experiment=demo", "logger=csv", "data.volume_shape=[16,32,32]", "data.num_subjects=3",
+        "model.channels=[4,4,4]", "model.num_res_blocks=1", "model.num_head_channels=4", "model.norm_num_groups=4",
+        "trainer.max_steps=5", "trainer.accelerator=cpu", "system.sampling.final=false", "system.ema.start_step=1",
+        "trainer.enable_progress_bar=false", "callbacks.progress_bar=null", "trainer.enable_model_summary=false",
+        f"paths.output_dir={tmp_path}", f"ckpt_path={fixture}",
+    ])
+    new = _load(train(cfg)["last_checkpoint"])
+    assert old["global_step"] == 3 and new["global_step"] == 5
+    assert new["ema"]["num_updates"] == old["ema"]["num_updates"] + 2
+    assert set(new["ema"]["shadow"]) == set(old["ema"]["shadow"])
+    steps = [s["step"] for s in new["optimizer_states"][0]["state"].values()]
+    assert all(float(s) == 5 for s in steps)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -21,10 +22,18 @@ from voxdiff.preflight.autocast import (
     CUDA_PROMOTE_OPS,
     CudaAutocastEmulator,
 )
-from voxdiff.preflight.memory import diffusion_loss, trace_training_step
+from voxdiff.preflight.memory import EmulatedPrecision, trace_training_step, unet_batch
 from voxdiff.models import apply_gradient_checkpointing
 from voxdiff.preflight.tracker import StorageTracker
+from voxdiff.step import SEED, EMASettings, OptimSettings, TrainStep
 
+
+
+def _cpu_seed_step(model: torch.nn.Module) -> TrainStep:
+    """The seed's step of ``model`` on real CPU tensors in fp32, ready to be traced."""
+    step = TrainStep(model, SEED, precision=EmulatedPrecision(CudaAutocastEmulator(device_type="cpu", enabled=False)))
+    step.configure_optimizer()
+    return step
 
 
 def _unet(**kw) -> DiffusionModelUNet:
@@ -110,11 +119,9 @@ def test_tracker_matches_cpu_allocator(checkpointing: bool, attention_levels: tu
     model = _unet(channels=(16, 32, 32), attention_levels=attention_levels, num_res_blocks=1)
     if checkpointing:
         apply_gradient_checkpointing(model, "layer", preserve_rng_state=False)
-    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    step = _cpu_seed_step(model)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        trace = trace_training_step(
-            model, (1, 2, 32, 32, 32), diffusion_loss, opt, precision="32-true", device_type="cpu", steps=1
-        )
+        trace = trace_training_step(step, unet_batch((1, 2, 32, 32, 32), 1)[0], device_type="cpu", steps=1)
     raw_peak, op_peak = _profiler_peaks(prof)
     tracked = trace.steps[0].peak - trace.start_bytes
     assert tracked == pytest.approx(op_peak, rel=0.05)
@@ -129,9 +136,8 @@ def test_checkpointing_really_recomputes_on_cpu(one_thread) -> None:
         model = _unet(channels=(16, 32, 32), attention_levels=(0, 0, 1), num_res_blocks=1)
         if ckpt:
             apply_gradient_checkpointing(model, "layer", preserve_rng_state=False)
-        opt = torch.optim.AdamW(model.parameters(), foreach=True)
-        trace = trace_training_step(model, (1, 2, 32, 32, 32), diffusion_loss, opt, precision="32-true",
-                                    device_type="cpu", steps=1)  # fmt: skip
+        trace = trace_training_step(_cpu_seed_step(model), unet_batch((1, 2, 32, 32, 32), 1)[0], device_type="cpu",
+                                    steps=1)
         peaks[ckpt] = trace.steps[0].peak - trace.start_bytes
     assert peaks[True] <= 0.75 * peaks[False]
 
@@ -151,8 +157,8 @@ def test_checkpointing_lowers_prediction_of_5_level_model() -> None:
 
         return f
 
-    plain = predict_step_memory(build(False), (1, 2, 64, 64, 64))
-    ckpt = predict_step_memory(build(True), (1, 2, 64, 64, 64))
+    plain = predict_step_memory(build(False), (1, 2, 64, 64, 64), SEED)
+    ckpt = predict_step_memory(build(True), (1, 2, 64, 64, 64), SEED)
     # Without checkpointing a resnet block keeps ~6 activations (fp32 norm inputs, fp32 SiLU inputs, bf16 conv
     # inputs, twice); with it only the block input. The forward peak, dominated by activations here, must
     # fall at least 2x; the backward recomputes one block at a time, so the step peak falls less: >= 25 %.
@@ -168,8 +174,8 @@ def test_flash_attention_lowers_prediction_of_attention_heavy_model() -> None:
         return lambda: _unet(channels=(ch, 64), attention_levels=(1, 1), num_res_blocks=1, num_head_channels=head_ch,
                              use_flash_attention=flash)  # fmt: skip
 
-    mat = predict_step_memory(build(False), (1, 2, d, h, w), attention="materialised")
-    fla = predict_step_memory(build(True), (1, 2, d, h, w), attention="flash")
+    mat = predict_step_memory(build(False), (1, 2, d, h, w), SEED, attention="materialised")
+    fla = predict_step_memory(build(True), (1, 2, d, h, w), SEED, attention="flash")
     assert "flash" in fla.attention_path and "materialised" in mat.attention_path
     # Structure: at the end of the forward every finest-level attention block (1 down + 2 up) still holds its
     # scores as fp32 softmax output + bf16 copy (6 B per score element); flash holds none of them.
@@ -184,6 +190,7 @@ def test_flash_requested_for_a_model_that_materialises_scores_is_reported() -> N
     rep = predict_step_memory(
         lambda: _unet(channels=(32, 64), attention_levels=(0, 1), num_res_blocks=1, num_head_channels=32),
         (1, 2, 8, 8, 8),
+        SEED,
         attention="flash",
     )
     assert "materialised" in rep.attention_path
@@ -202,7 +209,7 @@ def large_unet():
 
 
 def test_large_model_first_step_is_five_param_copies(large_unet) -> None:
-    rep = predict_step_memory(large_unet, (1, 8, 8, 16, 16))
+    rep = predict_step_memory(large_unet, (1, 8, 8, 16, 16), SEED)
     p = rep.param_bytes
     assert rep.params > 5e8 and p == pytest.approx(4 * rep.params, rel=1e-3)
     ws = rep.workspace_bytes
@@ -219,7 +226,9 @@ def test_large_model_first_step_is_five_param_copies(large_unet) -> None:
 
 @pytest.mark.parametrize("impl", ["fused", "single"])
 def test_optimizer_variants_have_no_parameter_sized_temporary(large_unet, impl: str) -> None:
-    rep = predict_step_memory(large_unet, (1, 8, 8, 16, 16), optimizer_impl=impl)
+    optim = OptimSettings(fused=True) if impl == "fused" else OptimSettings(foreach=False)
+    rep = predict_step_memory(large_unet, (1, 8, 8, 16, 16), dataclasses.replace(SEED, optim=optim))
+    assert rep.optimizer == f"AdamW({impl})"
     p = rep.param_bytes
     with torch.device("meta"):
         largest = max(t.numel() * t.element_size() for t in large_unet().parameters())
@@ -308,9 +317,10 @@ def test_allocator_segments() -> None:
 
 def test_invalid_arguments_are_named() -> None:
     with pytest.raises(ValueError, match="precision"):
-        predict_step_memory(lambda: _unet(channels=(8, 8), attention_levels=(0, 0)), (1, 2, 8, 8, 8), precision="fp8")
+        predict_step_memory(lambda: _unet(channels=(8, 8), attention_levels=(0, 0)), (1, 2, 8, 8, 8), SEED,
+                            precision="fp8")
     with pytest.raises(ValueError, match="input_shape"):
-        predict_step_memory(lambda: _unet(channels=(8, 8), attention_levels=(0, 0)), (2, 8))
+        predict_step_memory(lambda: _unet(channels=(8, 8), attention_levels=(0, 0)), (2, 8), SEED)
 
 
 def test_memoized_group_norm_metadata_equals_the_meta_kernel() -> None:
@@ -332,20 +342,52 @@ def test_memoized_group_norm_metadata_equals_the_meta_kernel() -> None:
     assert grads[1][1] is None and grads[1][2] is None and grads[0][1].shape == (8,)
 
 
-def test_after_step_hook_is_traced() -> None:
+def test_the_ema_of_the_recipe_is_traced() -> None:
     """An EMA copy made after the optimizer step lives through the next step: +1 parameter copy."""
-    shadow: list[torch.Tensor] = []
-
-    def ema_update(model: torch.nn.Module) -> None:
-        with torch.no_grad():
-            if not shadow:
-                shadow.extend(p.detach().clone() for p in model.parameters())
-            else:
-                torch._foreach_lerp_(shadow, [p.detach() for p in model.parameters()], 1e-3)
 
     def build():
         return _unet(channels=(16, 32), attention_levels=(0, 0))
 
-    plain = predict_step_memory(build, (1, 2, 16, 16, 16), zero_grad_at="after_step")
-    ema = predict_step_memory(build, (1, 2, 16, 16, 16), zero_grad_at="after_step", after_step=ema_update)
-    assert ema.steady_step.forward - plain.steady_step.forward == pytest.approx(plain.param_bytes, rel=0.01)
+    after_step = dataclasses.replace(SEED, zero_grad_at="after_step")
+    plain = predict_step_memory(build, (1, 2, 16, 16, 16), after_step)
+    ema = predict_step_memory(build, (1, 2, 16, 16, 16), dataclasses.replace(after_step, ema=EMASettings()))
+    assert plain.ema_bytes == 0 and ema.ema_bytes == plain.param_bytes
+    assert ema.steady_step.forward - plain.steady_step.forward == ema.ema_bytes
+
+
+def test_the_gradient_order_is_the_recipes() -> None:
+    """Freed after the forward (the seed, Lightning's automatic order), the previous gradients are alive in the
+    steady forward; freed right after the optimizer step (the system), they are not: one parameter copy."""
+
+    def build():
+        return _unet(channels=(16, 32), attention_levels=(0, 0))
+
+    before = predict_step_memory(build, (1, 2, 16, 16, 16), SEED)
+    after = predict_step_memory(build, (1, 2, 16, 16, 16), dataclasses.replace(SEED, zero_grad_at="after_step"))
+    assert before.steady_step.forward - after.steady_step.forward == before.param_bytes
+    assert before.first_step.forward == after.first_step.forward
+
+
+def test_the_trace_runs_the_step_itself(one_thread) -> None:
+    """The harness on real CPU tensors, with the system's recipe (clipping, guard, EMA): it leaves the weights, the
+    optimizer state and the EMA exactly where the bare step leaves them."""
+    from voxdiff.step import clip_settings, system_recipe
+
+    recipe = system_recipe({"lr": 1e-3}, {"decay": 0.5}, {}, clip_settings(1e-3))
+    steps = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = _unet(channels=(8, 16), attention_levels=(0, 1), num_head_channels=8, norm_num_groups=4)
+        steps.append(TrainStep(model, recipe,
+                               precision=EmulatedPrecision(CudaAutocastEmulator(device_type="cpu", enabled=False))))
+        steps[-1].configure_optimizer()
+    traced, bare = steps
+    torch.manual_seed(1)
+    trace_training_step(traced, {"image_z": (1, 1, 8, 8, 8), "mask_z": (1, 1, 8, 8, 8)}, device_type="cpu", steps=2)
+    torch.manual_seed(1)
+    data = {"image_z": torch.randn(1, 1, 8, 8, 8), "mask_z": torch.randn(1, 1, 8, 8, 8)}
+    grad_norms = [float(bare.run(data)["grad_norm"]) for _ in range(2)]
+    assert min(grad_norms) > 1e-3  # the clipping was active
+    for a, b in zip(traced.tensors(), bare.tensors()):
+        assert torch.equal(a, b)
+    assert traced.ema.num_updates == bare.ema.num_updates == 2

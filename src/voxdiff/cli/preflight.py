@@ -2,7 +2,7 @@
 
     python preflight.py                                   every configs/experiment/*.yaml, as a table
     python preflight.py experiment=exp11 model.channels=[...]      one configuration, in detail
-    python preflight.py preflight.sweep=IN.csv preflight.out=OUT.csv   every row of a measured_vram.csv
+    python preflight.py preflight.sweep=IN.csv preflight.recipe=seed preflight.out=OUT.csv   every row of a CSV
     python preflight.py experiment=exp11 preflight.measure=true     (CUDA GPU) measured peaks beside the prediction
 
 Exit status (voxdiff.cli.exit_codes): 0 when every checked configuration is valid and fits; 2 (EXIT_CONFIG) when
@@ -86,7 +86,8 @@ def details(r: PreflightResult) -> str:
 
 
 def _sweep(cfg: DictConfig) -> int:
-    from voxdiff.preflight.sweep import sweep
+    from voxdiff.preflight.sweep import read_sweep_csv, sweep
+    from voxdiff.step import recipe_from_config
 
     p = cfg.preflight
     if not p.out:
@@ -95,10 +96,17 @@ def _sweep(cfg: DictConfig) -> int:
     if not src.is_file():
         raise ConfigError("preflight.sweep", p.sweep, "no such file", "give the path of a CSV in the format of "
                           "reference/measured_vram.csv")
+    fields, _ = read_sweep_csv(src)  # refuses a file that is not a sweep CSV, naming it
+    if p.recipe is None and "recipe" not in fields:
+        raise ConfigError("preflight.recipe", None, f"{src} has no recipe column, so the training step to trace "
+                          "must be named", "add preflight.recipe=seed (the step of the reference measurements) or "
+                          "preflight.recipe=system (train.py's step for this config)")
+    recipe = recipe_from_config(cfg) if p.recipe is not None else None
     plot = str(p.plot) if p.plot else str(Path(str(p.out)).with_suffix(".png"))
     t0 = time.perf_counter()
-    rows = sweep(src, str(p.out), budget_gib=float(p.gpu_memory_gib or 80.0), safety_margin=float(p.safety_margin),
-                 plot_path=plot, gpu=str(p.gpu))
+    rows = sweep(src, str(p.out), recipe, system=recipe_from_config(cfg, "system"),
+                 budget_gib=float(p.gpu_memory_gib or 80.0), safety_margin=float(p.safety_margin), plot_path=plot,
+                 gpu=str(p.gpu))
     bad = [r for r in rows if r.get("pred_error")]
     print(f"preflight sweep: {len(rows)} rows from {src} -> {p.out} and {plot} in {time.perf_counter() - t0:.1f} s"
           + (f"; {len(bad)} invalid rows (pred_error)" if bad else ""))

@@ -4,6 +4,8 @@ compose → validate → load the system from the checkpoint (its hyper-paramete
 diffusion) → take ``n`` masks (the validation subjects of the data config saved in the checkpoint, or
 ``data.root=DIR``) → DDIM with the EMA weights → decode → NIfTI with the source affine + PNG montage per sample,
 in this run's directory (``<paths.log_dir>/sample/<time>/samples``). In seg mode it writes generated masks.
+The precision is the trained one (``precision: null``): the checkpoint's ``trainer.precision`` decided for the
+sampling device by :func:`voxdiff.step.decide_precision`, as the Trainer decided it.
 
 Exit codes (:mod:`voxdiff.cli.exit_codes`): 0 done; 2 the config or the checkpoint was refused; 5 the data was
 refused. The checkpoint is read as data (:func:`voxdiff.checkpoint.load_file`) and the run is rebuilt from its
@@ -109,6 +111,7 @@ def sample(cfg: DictConfig) -> list[Path]:
 
     from voxdiff.lightning.samples import save_samples
     from voxdiff.lightning.trainer import configure_cpu_threads
+    from voxdiff.step import decide_precision
 
     configure_cpu_threads()
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
@@ -123,12 +126,17 @@ def sample(cfg: DictConfig) -> list[Path]:
     loader = DataLoader(Subset(dataset, list(range(n))), batch_size=int(cfg.batch_size), shuffle=False)
     out_dir = Path(cfg.paths.output_dir) / "samples"
     print(f"[voxdiff] {system.mode} samples from {cfg.ckpt_path} (EMA: {cfg.use_ema}) into {out_dir}", flush=True)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast(
-        "cpu", enabled=False)
+    requested = cfg.get("precision") if cfg.get("precision") is not None else (saved.get("trainer") or {}).get(
+        "precision")
+    try:
+        precision = decide_precision(requested, device.type)
+    except ConfigError as e:
+        raise ConfigError("precision", requested, f"cannot run on {device.type}: {e.problem}",
+                          "set precision=32-true, or one this device runs (null: as trained)") from None
     pngs: list[Path] = []
     for i, batch in enumerate(loader):
         generator = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1_000_003 + i)
-        with autocast:
+        with precision.autocast():
             generated = system.generate(batch["mask"], num_inference_steps=cfg.get("num_inference_steps"),
                                         generator=generator, use_ema=bool(cfg.use_ema), eta=cfg.get("eta"))
         pngs += save_samples(out_dir, "sample", system.mode, generated.cpu(), batch["mask"], batch.get("image"),

@@ -51,6 +51,7 @@ def validate(cfg: DictConfig) -> None:
         ConfigError: the first key that cannot work, with its value and a fix.
     """
     from voxdiff.lightning.trainer import validate_trainer
+    from voxdiff.step import accelerator_device, decide_precision
 
     check_name("task_name", cfg.get("task_name"))
     validate_trainer(cfg.trainer)
@@ -59,18 +60,19 @@ def validate(cfg: DictConfig) -> None:
     encoding = build_encoding(cfg)
     shapes(cfg, encoding)  # volume divisible by the encoding's factor
     model_spec(cfg, encoding)  # the UNet's arguments
+    decide_precision(plain(cfg.trainer.get("precision")), accelerator_device(cfg.trainer.get("accelerator")))
     stage1 = getattr(encoding, "checkpoint", None)
     if stage1 is not None:  # a latent run: its stage-1 weights must be readable now, not after data loading
         from voxdiff.encodings.vqvae import read_stage1_checkpoint
 
         read_stage1_checkpoint(stage1, key="encoding.checkpoint")
     if is_diffusion(cfg):
-        from voxdiff.diffusion import diffusion_settings
         from voxdiff.lightning.diffusion import system_settings
         from voxdiff.preflight.rules import validate as static_rules
+        from voxdiff.step import recipe_from_config
 
         static_rules(cfg)  # the preflight's static rules: divisibility by the UNet's levels, in/out channels, ...
-        diffusion_settings(plain(cfg.diffusion))
+        recipe_from_config(cfg, "system")  # the training step: diffusion, system.optim/.ema, trainer clipping
         system_settings(plain(cfg.system.get("optim")), plain(cfg.system.get("ema")),
                         plain(cfg.system.get("sampling")), plain(cfg.system.get("val_timesteps", 4)))
     ckpt = cfg.get("ckpt_path")

@@ -1,22 +1,26 @@
-"""The Lightning system of a diffusion UNet: optimizer, EMA, NaN guard, validation loss, samples, full resume.
+"""The Lightning system of a diffusion UNet: the training step's hooks, validation loss, samples, full resume.
 
 ``python train.py`` instantiates it from ``configs/system/diffusion.yaml`` (``_recursive_: false``): the model,
 encoding, diffusion and mode configs arrive as config nodes, are turned into plain data here, saved with
 ``save_hyperparameters`` (never modules) and rebuilt from the checkpoint by ``load_from_checkpoint``.
 
-One training step::
+The training step itself is :class:`voxdiff.step.TrainStep` (no Lightning in it), the same object the preflight
+traces and the measure mode runs; the hooks below only hand it over to Lightning's loop::
 
-    batch ──encode_batch──▶ x0 (B, C_out, d, h, w), cond (B, C_cond, d, h, w) | None
-          ──DiffusionProcess.loss──▶ fp32 loss ──finite?──▶ backward ──grad norm finite? clip──▶ AdamW ──▶ EMA
+    training_step               → step.loss (encode_batch → DiffusionProcess.loss → finite?)
+    optimizer_zero_grad         → step.zero_grad_before_backward (nothing: the system frees them after the step)
+    configure_gradient_clipping → step.clip_and_check (trainer.gradient_clip_val; gradient norm finite?)
+    optimizer_step              → Lightning's AdamW step, then step.after_optimizer_step (EMA, free gradients)
+    configure_optimizers        → step.configure_optimizer (AdamW, warm-up/cosine)
 
-Checkpoints carry, besides Lightning's weights, optimizer, LR scheduler and loop state: the EMA weights and the
-RNG states (torch CPU/CUDA, numpy, python) of every rank, so ``ckpt_path=...`` continues the same run.
+Lightning brings the autocast (``trainer.precision``, decided by :func:`voxdiff.step.decide_precision`) and the
+backward. Checkpoints carry, besides Lightning's weights, optimizer, LR scheduler and loop state: the EMA weights
+and the RNG states (torch CPU/CUDA, numpy, python) of every rank, so ``ckpt_path=...`` continues the same run.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -36,40 +40,25 @@ from voxdiff.diffusion import (
     encode_volume,
     encoded_range,
 )
-from voxdiff.errors import ConfigError
-from voxdiff.lightning.ema import EMA
-from voxdiff.lightning.optim import OptimSettings, configure_adamw, optim_settings
+from voxdiff.errors import ConfigError, require_nonneg_int, settings_from
+from voxdiff.lightning.optim import lightning_optimizers
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
 from voxdiff.models.unet import build_unet_from_spec
+from voxdiff.step import (
+    EMA,
+    EMASettings,
+    NonFiniteLossError,
+    OptimSettings,
+    TrainStep,
+    clip_settings,
+    ema_settings,
+    optim_settings,
+    system_recipe,
+)
+
+__all__ = ["DiffusionSystem", "NonFiniteLossError", "SamplingSettings", "system_settings"]
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteLossError(RuntimeError):
-    """Training produced a NaN or infinite loss (or gradient norm); raised before the optimizer step.
-
-    Attributes:
-        step: the global step (optimizer steps completed) whose batch failed.
-        what: ``loss`` or ``gradient norm``.
-        value: the offending value.
-    """
-
-    def __init__(self, step: int, what: str, value: float, detail: str = "") -> None:
-        self.step, self.what, self.value = step, what, value
-        super().__init__(
-            f"the training {what} is {value} at global step {step}{detail}. Training stopped before the optimizer "
-            "step: no NaN reached the weights, the EMA or any checkpoint. Resume from the last good checkpoint "
-            "(ckpt_path=...) with a lower system.optim.lr, trainer.precision=32-true or a smaller "
-            "trainer.gradient_clip_val"
-        )
-
-
-@dataclass(frozen=True)
-class EMASettings:
-    """``system.ema``: decay per optimizer step and the number of steps that copy instead of averaging."""
-
-    decay: float = 0.9999
-    start_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,46 +72,28 @@ class SamplingSettings:
     final: bool = True  # also sample when training ends
 
 
-def _settings(cls: type, key: str, cfg: Mapping[str, Any] | None) -> Any:
-    values = dict(cfg or {})
-    known = set(cls.__dataclass_fields__)
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"system.{key}.{unknown[0]}", values[unknown[0]], f"is not a system.{key} setting",
-                          f"remove it; the settings are {', '.join(sorted(known))}")
-    return cls(**values)
-
-
-def _nonneg_int(key: str, value: Any, example: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(key, value, "must be an integer >= 0", f"e.g. {key}={example}")
-
-
 def system_settings(
-    optim: Mapping[str, Any] | None, ema: Mapping[str, Any] | None, sampling: Mapping[str, Any] | None,
+    optim: Mapping[str, Any] | None, ema: Mapping[str, Any] | bool | None, sampling: Mapping[str, Any] | None,
     val_timesteps: int = 4,
-) -> tuple[OptimSettings, EMASettings, SamplingSettings]:
-    """Validate ``system.optim``, ``.ema``, ``.sampling`` (plain mappings) and ``.val_timesteps`` before anything
-    is built.
+) -> tuple[OptimSettings, EMASettings | None, SamplingSettings]:
+    """Validate ``system.optim``, ``.ema`` (``false``: no EMA → None), ``.sampling`` (plain mappings) and
+    ``.val_timesteps`` before anything is built.
 
     Raises:
         ConfigError: naming the key, the value and a fix.
     """
     o = optim_settings(optim)
-    e = _settings(EMASettings, "ema", ema)
-    if isinstance(e.decay, bool) or not isinstance(e.decay, (int, float)) or not 0.0 <= e.decay < 1.0:
-        raise ConfigError("system.ema.decay", e.decay, "must be a number in [0, 1)", "e.g. system.ema.decay=0.9999")
-    _nonneg_int("system.ema.start_step", e.start_step, "1000")
-    s = _settings(SamplingSettings, "sampling", sampling)
-    _nonneg_int("system.sampling.every_n_epochs", s.every_n_epochs, "10")
-    _nonneg_int("system.sampling.num_masks", s.num_masks, "2")
+    e = ema_settings(ema)
+    s = settings_from(SamplingSettings, "system.sampling", sampling)
+    require_nonneg_int("system.sampling.every_n_epochs", s.every_n_epochs, "10")
+    require_nonneg_int("system.sampling.num_masks", s.num_masks, "2")
     if s.num_inference_steps is not None:
-        _nonneg_int("system.sampling.num_inference_steps", s.num_inference_steps, "50")
+        require_nonneg_int("system.sampling.num_inference_steps", s.num_inference_steps, "50")
         if s.num_inference_steps == 0:
             raise ConfigError("system.sampling.num_inference_steps", 0, "must be positive or null",
                               "use null for diffusion.num_inference_steps")
-    _nonneg_int("system.sampling.seed", s.seed, "0")
-    _nonneg_int("system.val_timesteps", val_timesteps, "4")
+    require_nonneg_int("system.sampling.seed", s.seed, "0")
+    require_nonneg_int("system.val_timesteps", val_timesteps, "4")
     if val_timesteps == 0:
         raise ConfigError("system.val_timesteps", 0, "must be positive", "e.g. system.val_timesteps=4")
     if not isinstance(s.final, bool):
@@ -138,8 +109,9 @@ class DiffusionSystem(L.LightningModule):
         encoding: the ``encoding:`` config (``_target_`` of a :class:`voxdiff.encodings.Encoding`).
         diffusion: the ``diffusion:`` config (:func:`voxdiff.diffusion.diffusion_settings`).
         mode: ``bravo`` (image conditioned on the mask) or ``seg`` (masks alone).
-        optim: AdamW and schedule settings (:class:`voxdiff.lightning.optim.OptimSettings`).
-        ema: :class:`EMASettings`.
+        optim: AdamW and schedule settings (:class:`voxdiff.step.OptimSettings`).
+        ema: :class:`voxdiff.step.EMASettings`; ``false`` for no EMA (validation and samples then use the raw
+            weights); None: the defaults.
         sampling: :class:`SamplingSettings`.
         val_timesteps: the validation loss of a batch is the mean over this many fixed, evenly spread timesteps
             (with fixed noise), so it is comparable from epoch to epoch.
@@ -154,7 +126,7 @@ class DiffusionSystem(L.LightningModule):
         diffusion: Mapping[str, Any],
         mode: str = "bravo",
         optim: Mapping[str, Any] | None = None,
-        ema: Mapping[str, Any] | None = None,
+        ema: Mapping[str, Any] | bool | None = None,
         sampling: Mapping[str, Any] | None = None,
         val_timesteps: int = 4,
     ) -> None:
@@ -166,7 +138,7 @@ class DiffusionSystem(L.LightningModule):
             {"model": model, "encoding": encoding, "diffusion": diffusion, "mode": mode, "optim": optim,
              "ema": ema, "sampling": sampling, "val_timesteps": val_timesteps}
         )
-        self.optim_settings, ema_settings, self.sampling = system_settings(optim, ema, sampling, val_timesteps)
+        _, _, self.sampling = system_settings(optim, ema, sampling, val_timesteps)
         self.val_timesteps = val_timesteps
         self.mode = mode
         cfg = OmegaConf.create({"model": model, "encoding": encoding, "mode": mode})
@@ -175,64 +147,56 @@ class DiffusionSystem(L.LightningModule):
         self.spec = model_spec(cfg, self.encoding)  # validated UNet arguments, in/out channels
         self.model = build_unet_from_spec(self.spec)
         self.process = DiffusionProcess(diffusion_settings(diffusion), clip_range=encoded_range(self.encoding))
-        self.ema = EMA(self.model, decay=ema_settings.decay, start_step=ema_settings.start_step)
+        # the training step (a plain object: its model is self.model, so the checkpoint keys stay model.*)
+        self.step = TrainStep(self.model, system_recipe(optim, ema, diffusion), encoding=self.encoding, mode=mode,
+                              process=self.process)
         self._val_cache: list[dict[str, Any]] = []
         self._last_sampled_step: int | None = None
         self._pending_rng_states: list[dict[str, Any]] | None = None
 
-    # ------------------------------------------------------------------ training
+    @property
+    def ema(self) -> EMA | None:
+        """The EMA of the weights (None with ``system.ema: false``)."""
+        return self.step.ema
+
+    # ------------------------------------------------------------------ training: hooks of the TrainStep
     def train(self, mode: bool = True) -> DiffusionSystem:
         super().train(mode)
         self.encoding.eval()  # a learned encoding is frozen (no batch statistics, no codebook updates)
         return self
 
     def on_fit_start(self) -> None:
-        self.ema.to(self.device)
-
-    def _raise_if_nonfinite(self, value: torch.Tensor, what: str, detail: str = "") -> None:
-        bad = not bool(torch.isfinite(value).all())  # one host sync per step: the guard is worth it
-        if self._trainer is not None:
-            bad = self.trainer.strategy.reduce_boolean_decision(bad, all=False)  # any rank → all ranks stop
-        if bad:
-            raise NonFiniteLossError(self.global_step, what, float(value.detach().float().cpu()), detail)
+        self.step.to(self.device)
+        self.step.clip = clip_settings(self.trainer.gradient_clip_val, self.trainer.gradient_clip_algorithm)
+        # fp16 with a GradScaler: inf gradients are expected and skipped by the scaler, not a reason to stop
+        self.step.loss_scaled = getattr(self.trainer.precision_plugin, "scaler", None) is not None
+        # a non-finite value on any rank stops all ranks
+        self.step.any_rank = lambda bad: self.trainer.strategy.reduce_boolean_decision(bad, all=False)
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
-        x0, cond = encode_batch(self.encoding, batch, self.mode)  # (B, C_out, d, h, w), (B, C_cond, ...) | None
-        loss, stats = self.process.loss(self.model, x0, cond)
-        self._raise_if_nonfinite(loss, "loss", f" (epoch {self.current_epoch}, batch {batch_idx})")
-        b = x0.shape[0]
+        loss, stats = self.step.loss(batch, self.global_step, f" (epoch {self.current_epoch}, batch {batch_idx})")
+        b = stats["timesteps"].shape[0]
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=b)
         if self.process.settings.min_snr_gamma is not None:
             self.log("train/mse", stats["mse"], on_step=True, on_epoch=False, batch_size=b)
         return loss
 
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        self.step.zero_grad_before_backward()
+
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
-        """Clip as the trainer config says, and stop on a non-finite gradient norm before the optimizer step."""
-        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
-            # fp16 with a GradScaler: inf gradients are expected and skipped by the scaler
-            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        algorithm = (gradient_clip_algorithm or "norm").lower()
-        if gradient_clip_val and algorithm == "value":
-            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
-        max_norm = float(gradient_clip_val) if gradient_clip_val and algorithm == "norm" else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # the norm before clipping
-        self._raise_if_nonfinite(norm, "gradient norm")
-        self.log("train/grad_norm", norm, on_step=True, on_epoch=False, batch_size=1)
-
-    #: when the gradients are freed; the preflight traces the same order (voxdiff.preflight.check)
-    zero_grad_at = "after_step"
+        """Clip as the Trainer says (``step.clip``, set at fit start) and stop on a non-finite gradient norm."""
+        norm = self.step.clip_and_check(self.global_step)
+        if norm is not None:
+            self.log("train/grad_norm", norm, on_step=True, on_epoch=False, batch_size=1)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        self.ema.update(self.model)  # once per optimizer step
-        # Lightning zeroes gradients only before the next backward, so they would stay alive through the next
-        # forward: 4 bytes per parameter of the peak (13 GiB for a 3.5B model). Free them now.
-        optimizer.zero_grad(set_to_none=True)
+        self.step.after_optimizer_step()
 
     def configure_optimizers(self) -> dict[str, Any]:
-        return configure_adamw(self.model.parameters(), self.optim_settings, self.trainer.estimated_stepping_batches)
+        return lightning_optimizers(*self.step.configure_optimizer(self.trainer.estimated_stepping_batches))
 
     # ------------------------------------------------------------------ validation
     def _generator(self, offset: int) -> torch.Generator:
@@ -247,7 +211,7 @@ class DiffusionSystem(L.LightningModule):
         n, b = self.val_timesteps, x0.shape[0]
         timesteps = ((torch.arange(n, device=x0.device) + 0.5) * (self.process.num_train_timesteps / n)).long()
         generator = self._generator(batch_idx)
-        with self.ema.swapped(self.model):
+        with self.step.ema_weights():
             losses = [self.process.loss(self.model, x0, cond, generator=generator, timesteps=t.expand(b))[0]
                       for t in timesteps]
         loss = torch.stack(losses).mean()
@@ -320,9 +284,9 @@ class DiffusionSystem(L.LightningModule):
             spatial = self.encoding.encoded_shape((1, *mask.shape[2:]))[1:]
         was_training = self.model.training
         self.model.eval()
-        self.ema.to(self.device)
+        self.step.to(self.device)
         try:
-            with self.ema.swapped(self.model) if use_ema else nullcontext():
+            with self.step.ema_weights() if use_ema else nullcontext():
                 z = self.process.sample(self.model, (mask.shape[0], c_out, *spatial), cond, steps,
                                         generator=generator, device=self.device, eta=eta)
         finally:
@@ -367,11 +331,15 @@ class DiffusionSystem(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["ema"] = self.ema.state_dict()
+        if self.ema is not None:
+            checkpoint["ema"] = self.ema.state_dict()
         checkpoint["rng_states"] = gather_rng_states()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if "ema" in checkpoint:
+        if self.ema is None:
+            if "ema" in checkpoint:
+                log.warning("system.ema=false: the EMA weights in the checkpoint are not used")
+        elif "ema" in checkpoint:
             self.ema.load_state_dict(checkpoint["ema"])
         else:  # e.g. a weights-only checkpoint: the average starts at the loaded weights
             log.warning("the checkpoint has no EMA state: the EMA starts from the loaded weights")

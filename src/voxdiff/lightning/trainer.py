@@ -1,7 +1,8 @@
 """The Trainer of a run, built the same way for ``train.py``, the tests and the benchmark.
 
-``trainer.precision: null`` resolves here, at run time: ``bf16-mixed`` on a CUDA GPU (``16-mixed`` where bf16 is
-not supported), ``32-true`` on the CPU. Checkpoints are written by :class:`AtomicCheckpointIO`.
+``trainer.precision`` is decided at run time by :func:`voxdiff.step.decide_precision` (null: ``bf16-mixed`` on a
+CUDA GPU with bf16, ``16-mixed`` on one without, ``32-true`` on the CPU), the function the preflight and the
+sampler call too. Checkpoints are written by :class:`AtomicCheckpointIO`.
 """
 
 from __future__ import annotations
@@ -15,20 +16,13 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor
 
 from voxdiff.lightning.checkpoint_io import AtomicCheckpointIO
-
-
-def _uses_gpu(accelerator: Any) -> bool:
-    accelerator = str(accelerator or "auto").lower()
-    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+from voxdiff.step.precision import accelerator_device, decide_precision
 
 
 def resolve_precision(precision: Any, accelerator: Any = "auto") -> str:
-    """``trainer.precision`` as Lightning takes it; None → ``bf16-mixed`` on a CUDA GPU, ``32-true`` on the CPU."""
-    if precision is not None:
-        return str(precision)
-    if _uses_gpu(accelerator):
-        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
-    return "32-true"
+    """``trainer.precision`` as Lightning takes it, decided by :func:`voxdiff.step.decide_precision` for the device
+    of ``trainer.accelerator`` (raises ConfigError for a precision voxdiff does not run)."""
+    return decide_precision(precision, accelerator_device(accelerator)).name
 
 
 def configure_cpu_threads() -> int:

@@ -41,8 +41,9 @@ from einops import rearrange
 
 from voxdiff.encodings.vqvae import SCALE_KEY, build_vqvae, vqvae_spec
 from voxdiff.errors import ConfigError
-from voxdiff.lightning.optim import configure_adamw, optim_settings
+from voxdiff.lightning.optim import configure_adamw
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
+from voxdiff.step.optim import optim_settings
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class VQVAESystem(L.LightningModule):
             ``latent_channels``, ``channels``, ``num_res_layers``, ``num_res_channels``, ``num_embeddings``,
             ``commitment_cost``, ``decay``, ``use_checkpoint``).
         optim: AdamW and its warm-up/cosine schedule, the same settings as the diffusion system's
-            (:class:`voxdiff.lightning.optim.OptimSettings`: ``lr``, ``betas``, ``warmup_steps``, ...).
+            (:class:`voxdiff.step.optim.OptimSettings`: ``lr``, ``betas``, ``warmup_steps``, ...).
         loss: ``reconstruction`` (``mse``, the default, or ``l1``) and ``quantization_weight`` (weight of the VQ
             loss). On the phantom, L1 often stalls at the blurred mean head for the first hundreds of steps (its
             optimum on a mostly-zero volume is the median, zero), where MSE does not.

@@ -65,11 +65,14 @@ class GpuSpec:
             ``:4096:2:16:8`` (2 x 4 MiB + 8 x 16 KiB) elsewhere; the workspace is taken from the caching
             allocator, so ``max_memory_allocated`` counts it. A training step uses two handles: the main
             thread's (forward, optimizer) and the autograd engine's device thread (backward).
+        bf16: whether the GPU has bf16 (sm80 and later), which decides ``trainer.precision: null``
+            (:func:`voxdiff.step.decide_precision`).
     """
 
     name: str
     total_bytes: int
     cublas_workspace_bytes: int
+    bf16: bool = True
 
 
 GPUS: dict[str, GpuSpec] = {

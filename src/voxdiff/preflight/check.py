@@ -1,10 +1,13 @@
 """Preflight of one configuration: static rules, then the memory of the training step that ``train.py`` runs.
 
-The traced step is the trainer's own: the UNet from :func:`voxdiff.config.build_model` (with its checkpointing
-policy), :meth:`voxdiff.diffusion.DiffusionProcess.loss` with the configured diffusion settings, AdamW from
-:func:`voxdiff.lightning.optim.optim_settings` (its foreach/fused choice), the EMA copy of the weights that the
-system keeps on the GPU, the trainer's precision and the moment the system frees gradients. Nothing here needs a
-GPU; :func:`run_preflight` takes ~1 s per configuration on a laptop CPU (more when it suggests fixes).
+The traced step is the trainer's own object, :class:`voxdiff.step.TrainStep`, made as :func:`step_plan` says:
+the UNet from :func:`voxdiff.config.build_model` (with its checkpointing policy), the recipe of
+``preflight.recipe`` (``system``: :func:`voxdiff.step.recipe_from_config` — the configured diffusion loss, AdamW
+as ``system.optim`` sets it, ``trainer.gradient_clip_val`` and the non-finite guard, the EMA as ``system.ema``
+says, gradients freed after the optimizer step), the batch the data module hands over (``data.batch_size``
+volumes, or latents for a learned encoding), and the precision :func:`voxdiff.step.decide_precision` picks for the
+GPU. The measure mode (:mod:`voxdiff.preflight.measure`) runs the same plan on a GPU. Nothing here needs a GPU;
+:func:`run_preflight` takes ~1 s per configuration on a laptop CPU (more when it suggests fixes).
 """
 
 from __future__ import annotations
@@ -17,10 +20,14 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from voxdiff.config import Shapes, build_encoding, build_model, model_spec, plain, shapes
+from voxdiff.config import Shapes, batch_size, build_encoding, build_model, model_spec, plain, shapes
+from voxdiff.encodings.base import Encoding
 from voxdiff.errors import ConfigError
+from voxdiff.models.unet import UNetSpec
+from voxdiff.preflight.allocator import GPUS, GpuSpec
 from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
 from voxdiff.preflight.rules import static_problems
+from voxdiff.step import Recipe, batch_shapes, decide_precision, recipe_from_config
 
 DEFAULT_BUDGET_GIB = 80.0
 
@@ -45,15 +52,57 @@ def gpu_budget_gib(cfg: DictConfig) -> tuple[float, str]:
     return DEFAULT_BUDGET_GIB, "default"
 
 
-def trainer_precision(cfg: DictConfig) -> str:
-    """The precision a GPU run of ``cfg`` uses (``trainer.precision: null`` means bf16-mixed on a GPU)."""
-    precision = str(_get(cfg, "trainer.precision") or "bf16-mixed")
-    if precision in ("32", "32-true"):
-        return "32-true"
-    if precision in ("bf16-mixed", "bf16", "16-mixed", "16"):
-        return "bf16-mixed"  # fp16 AMP keeps the same bytes as bf16 AMP
-    raise ConfigError("trainer.precision", precision, "the preflight models bf16-mixed and 32-true",
-                      "use trainer.precision=bf16-mixed (GPU) or 32-true")
+def gpu_spec(name: str) -> GpuSpec:
+    """``preflight.gpu`` as a :class:`~voxdiff.preflight.allocator.GpuSpec`."""
+    if name not in GPUS:
+        raise ConfigError("preflight.gpu", name, "is not a GPU the preflight knows", f"use one of {', '.join(GPUS)}")
+    return GPUS[name]
+
+
+def gpu_precision(cfg: DictConfig, gpu: GpuSpec | None = None) -> str:
+    """The precision a GPU run of ``cfg`` uses: :func:`voxdiff.step.decide_precision` of ``trainer.precision`` on
+    ``cuda`` — for the local GPU when there is one (as the Trainer decides on it), else for ``gpu``."""
+    bf16 = None if torch.cuda.is_available() or gpu is None else gpu.bf16
+    return decide_precision(_get(cfg, "trainer.precision"), "cuda", bf16).name
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the training step of a config is made of, for the trace (:func:`predict_memory`) and the measure mode.
+
+    Attributes:
+        encoding: the encoding (volumes → UNet input).
+        shapes: the encoded shapes.
+        spec: the UNet's validated arguments.
+        recipe: the step's recipe (``preflight.recipe``, default ``system``).
+        batch: shapes of the tensors of one batch as the data module hands them over.
+        mode: ``bravo`` or ``seg``.
+    """
+
+    encoding: Encoding
+    shapes: Shapes
+    spec: UNetSpec
+    recipe: Recipe
+    batch: dict[str, tuple[int, ...]]
+    mode: str
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """``(B, C_in, d, h, w)`` of the UNet input."""
+        return (next(iter(self.batch.values()))[0], *self.shapes.unet_input)
+
+
+def step_plan(cfg: DictConfig) -> StepPlan:
+    """The :class:`StepPlan` of ``cfg``.
+
+    Raises:
+        ConfigError: ``data.batch_size`` that is not a positive integer, an unknown ``preflight.recipe``, or a
+            ``system``/``trainer`` setting that cannot work.
+    """
+    encoding = build_encoding(cfg)
+    s = shapes(cfg, encoding)
+    return StepPlan(encoding, s, model_spec(cfg, encoding), recipe_from_config(cfg),
+                    batch_shapes(encoding, s.volume, batch_size(cfg)), str(cfg.mode))
 
 
 def world(cfg: DictConfig) -> tuple[str, int]:
@@ -105,55 +154,17 @@ class PreflightResult:
         return not self.problems and (self.fits or not self.modelled)
 
 
-def _system_zero_grad_at() -> str:
-    from voxdiff.lightning.diffusion import DiffusionSystem
-
-    return getattr(DiffusionSystem, "zero_grad_at", "before_backward")
-
-
 def predict_memory(cfg: DictConfig, gpu: str = "H100") -> MemoryReport:
-    """Trace one training step of ``cfg`` on the meta device; see the module docstring for what is traced."""
-    from voxdiff.diffusion import DiffusionProcess, diffusion_settings
-    from voxdiff.lightning.ema import EMA
-    from voxdiff.lightning.optim import optim_settings
+    """Trace two training steps of ``cfg`` on the meta device; see the module docstring for what is traced.
 
-    encoding = build_encoding(cfg)
-    s = shapes(cfg, encoding)
-    spec = model_spec(cfg, encoding)
-    batch = int(_get(cfg, "data.batch_size", 1) or 1)
-    process = DiffusionProcess(diffusion_settings(_get(cfg, "diffusion") or {}))
-    optim = optim_settings(_get(cfg, "system.optim") or {})
-    impl = "fused" if optim.fused else "single" if optim.foreach is False else "foreach"
-    ema_cfg = _get(cfg, "system.ema") or {}
-    emas: list[EMA] = []
-
-    def build() -> torch.nn.Module:
-        model = build_model(cfg, encoding, preserve_rng_state=False)
-        if ema_cfg is not False:
-            ema = EMA(model)  # the system keeps an fp32 copy of the weights on the GPU from set-up on
-            for i, shadow in enumerate(ema.shadow):
-                model.register_buffer(f"_preflight_ema_{i}", shadow, persistent=False)
-            emas.append(ema)
-        return model
-
-    c_out = spec.out_channels
-    bravo = cfg.mode == "bravo"
-
-    def loss_fn(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        # x (B, C_in, d, h, w): the image encoding ⊕ the mask encoding (bravo), as encode_batch hands them over
-        x0, cond = (x[:, :c_out], x[:, c_out:]) if bravo else (x, None)
-        return process.loss(model, x0, cond)[0]
-
-    def after_step(model: torch.nn.Module) -> None:
-        if emas:
-            emas[-1].update(model)
-
+    Raises:
+        ConfigError: see :func:`step_plan` and :func:`gpu_precision`.
+    """
+    plan = step_plan(cfg)
     return predict_step_memory(
-        build, (batch, *s.unet_input), loss_fn,
-        precision=trainer_precision(cfg), optimizer="adamw", optimizer_impl=impl,
-        attention="flash" if spec.use_flash_attention else "materialised",
-        zero_grad_at=_system_zero_grad_at(), gpu=gpu, after_step=after_step, lr=optim.lr,
-        weight_decay=optim.weight_decay,
+        lambda: build_model(cfg, plan.encoding, preserve_rng_state=False), plan.input_shape, plan.recipe,
+        batch=plan.batch, encoding=plan.encoding, mode=plan.mode, precision=gpu_precision(cfg, gpu_spec(gpu)),
+        attention="flash" if plan.spec.use_flash_attention else "materialised", gpu=gpu,
     )
 
 
@@ -163,17 +174,17 @@ def per_gpu_peak(report: MemoryReport, strategy: str, world_size: int) -> float:
     * single GPU / DDP: the traced peak; DDP (world > 1) adds its gradient buckets, one fp32 copy of the
       parameters (Lightning's DDP keeps ``gradient_as_bucket_view=False``).
     * FSDP (full shard, analytic on top of the trace): the parameter-sized state — weights, gradients, AdamW's
-      two moments and the EMA copy, 5 copies — is sharded over the GPUs; the all-gathered weights of the units
-      in flight (about 2 of the larger blocks, approximated as 2/levels of the weights) come on top.
+      two moments and the EMA copy (if any) — is sharded over the GPUs; the all-gathered weights of the units in
+      flight (about 2 of the larger blocks, approximated as 2/levels of the weights) come on top.
     """
     peak = float(report.peak_allocated)
     if world_size <= 1 or strategy in ("auto", "single_device"):
         return peak
+    weights = float(report.param_bytes)
     if strategy.startswith("fsdp"):
-        state = 5.0 * report.param_bytes / (1.0 + 1.0)  # param_bytes counts the EMA buffers: halve to get weights
-        weights = report.param_bytes / 2.0
+        state = 4.0 * weights + report.ema_bytes
         return peak - state * (1.0 - 1.0 / world_size) + 2.0 * weights / max(2, world_size)
-    return peak + report.param_bytes / 2.0  # DDP buckets: one fp32 copy of the weights (param_bytes has the EMA)
+    return peak + weights  # DDP buckets: one fp32 copy of the weights
 
 
 def _need(peak_bytes: float, report: MemoryReport, margin: float) -> float:
@@ -234,15 +245,17 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
         result.budget_gib, result.budget_source = gpu_budget_gib(cfg)
         margin = float(_get(cfg, "preflight.safety_margin", margin))
         gpu = str(_get(cfg, "preflight.gpu", "H100"))
+        if not result.problems:  # the step's own settings, once the UNet and the shapes are known to work
+            plan = step_plan(cfg)
+            gpu_precision(cfg, gpu_spec(gpu))
     except ConfigError as err:
         result.problems.append(err)
     if result.problems:
         return result
-    encoding = build_encoding(cfg)
-    result.shapes = shapes(cfg, encoding)
-    result.levels = model_spec(cfg, encoding).levels
+    result.shapes = plan.shapes
+    result.levels = plan.spec.levels
     with torch.device("meta"):
-        result.params = sum(p.numel() for p in build_model(cfg, encoding).parameters())
+        result.params = sum(p.numel() for p in build_model(cfg, plan.encoding).parameters())
     result.strategy, result.world_size = world(cfg)
     report = predict_memory(cfg, gpu=gpu)
     result.report = report

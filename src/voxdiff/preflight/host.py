@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from voxdiff.config import is_diffusion
 from voxdiff.errors import ConfigError
-from voxdiff.preflight.check import PreflightResult, run_preflight, trainer_precision
+from voxdiff.preflight.check import PreflightResult, gpu_precision, run_preflight
 from voxdiff.preflight.memory import GiB
 
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
@@ -51,19 +51,20 @@ def _local_processes(cfg: DictConfig) -> int:
 def training_verdict(cfg: DictConfig) -> PreflightResult | None:
     """The preflight's verdict for this run on this machine; None when the step is not modelled (a VQ-VAE stage
     1, or a precision the preflight does not model)."""
-    from voxdiff.lightning.trainer import _uses_gpu, resolve_precision
+    from voxdiff.lightning.trainer import resolve_precision
+    from voxdiff.step import accelerator_device
 
     if not is_diffusion(cfg):
         return None
     accelerator = OmegaConf.select(cfg, "trainer.accelerator", default="auto")
     checked = copy.deepcopy(cfg)
-    OmegaConf.update(checked, "trainer.precision", resolve_precision(OmegaConf.select(cfg, "trainer.precision"),
-                                                                      accelerator), force_add=True)
-    try:
-        trainer_precision(checked)
+    try:  # the precision this machine runs (voxdiff.step.decide_precision), then as the preflight predicts it
+        OmegaConf.update(checked, "trainer.precision", resolve_precision(OmegaConf.select(cfg, "trainer.precision"),
+                                                                          accelerator), force_add=True)
+        gpu_precision(checked)
     except ConfigError:
         return None
-    on_host = not _uses_gpu(accelerator) and OmegaConf.select(cfg, "preflight.gpu_memory_gib") is None
+    on_host = accelerator_device(accelerator) == "cpu" and OmegaConf.select(cfg, "preflight.gpu_memory_gib") is None
     if on_host:  # a CPU run, and no budget of the user's own (+preflight.gpu_memory_gib=N)
         processes = _local_processes(cfg)
         OmegaConf.update(checked, "preflight.gpu_memory_gib", host_memory_bytes() / processes / GiB, force_add=True)

@@ -1,9 +1,10 @@
 """Measure the real peak GPU memory of training steps, beside the prediction (``preflight.measure=true``).
 
-Runs the same step as :func:`voxdiff.preflight.check.predict_memory` — model factory, diffusion loss, AdamW
-settings, EMA, bf16 autocast, gradients freed where the system frees them — on a CUDA GPU, resetting the peak
-statistics at each phase, and writes rows in the format of ``reference/measured_vram.csv`` plus the prediction, so
-anyone with a GPU can extend the reference.
+Runs the step that :func:`voxdiff.preflight.check.predict_memory` traces — the same
+:class:`voxdiff.step.TrainStep`, made from the same :func:`~voxdiff.preflight.check.step_plan` (model factory,
+recipe: loss, AdamW, gradient order, clipping and the guard, EMA; the batch of the data module) — with real CUDA
+autocast as its precision context, on a CUDA GPU, resetting the peak statistics at each phase, and writes rows in
+the format of ``reference/measured_vram.csv`` plus the prediction, so anyone with a GPU can extend the reference.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from voxdiff.config import build_encoding, model_spec, shapes
+from voxdiff.config import model_spec, shapes
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.memory import GiB, MemoryReport
 
@@ -23,64 +24,65 @@ MEASURED_COLUMNS = ["model_gib", "fwd_gib", "bwd_gib", "total_gib", "steady_fwd_
                     "steady_total_gib", "reserved_gib", "oom"]
 
 
+class CudaPhasePeaks:
+    """The :class:`~voxdiff.step.PhaseProbe` of the measure mode: ``torch.cuda.max_memory_allocated()`` of each
+    phase after a reset at its start, in bytes."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, int] = {}
+
+    def begin(self, phase: str) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def end(self, phase: str) -> None:
+        self.peaks[phase] = torch.cuda.max_memory_allocated()
+
+
+def measured_step(cfg: DictConfig, device_type: str = "cuda") -> tuple[Any, dict[str, tuple[int, ...]]]:
+    """The training step of :func:`~voxdiff.preflight.check.step_plan` on a real device, with real autocast as
+    its precision context (the precision of a GPU run on ``cuda``) and its optimizer configured.
+
+    Returns:
+        ``(step, batch)``: a :class:`voxdiff.step.TrainStep` and the shapes of the batch it trains on.
+    """
+    from voxdiff.config import build_model
+    from voxdiff.preflight.check import gpu_precision, step_plan
+    from voxdiff.step import TrainStep, decide_precision
+
+    plan = step_plan(cfg)
+    requested = gpu_precision(cfg) if device_type == "cuda" else cfg.trainer.get("precision")
+    with torch.device(device_type):
+        model = build_model(cfg, plan.encoding)
+        step = TrainStep(model, plan.recipe, encoding=plan.encoding.to(device_type), mode=plan.mode,
+                         precision=decide_precision(requested, device_type).context(), device_type=device_type)
+    step.configure_optimizer()
+    return step, plan.batch
+
+
 def measure_steps(cfg: DictConfig, steps: int = 3) -> dict[str, Any]:
     """Run ``steps`` training steps of ``cfg`` on the current CUDA device; peaks per phase in GiB."""
     if not torch.cuda.is_available():
         raise ConfigError("preflight.measure", True, "needs a CUDA GPU and none is visible",
                           "run it on a GPU node (e.g. srun --gres=gpu:1 python preflight.py ... preflight.measure=true)")
-    from voxdiff.config import build_model
-    from voxdiff.diffusion import DiffusionProcess, diffusion_settings
-    from voxdiff.lightning.ema import EMA
-    from voxdiff.lightning.optim import build_optimizer
-    from voxdiff.preflight.check import _get, _system_zero_grad_at, trainer_precision
-
-    device = torch.device("cuda")
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    encoding = build_encoding(cfg)
-    s = shapes(cfg, encoding)
-    c_out = model_spec(cfg, encoding).out_channels
-    with device:
-        model = build_model(cfg, encoding)
-        ema = EMA(model) if _get(cfg, "system.ema") is not False else None
-    process = DiffusionProcess(diffusion_settings(_get(cfg, "diffusion") or {})).to(device)
-    optimizer = build_optimizer(model.parameters(), _get(cfg, "system.optim") or {})
-    batch = int(_get(cfg, "data.batch_size", 1) or 1)
-    x = torch.randn((batch, *s.unet_input), device=device)
-    autocast = trainer_precision(cfg) == "bf16-mixed"
-    zero_after = _system_zero_grad_at() == "after_step"
-    out: dict[str, Any] = {"model_gib": torch.cuda.max_memory_allocated() / GiB, "oom": 0}
+    step, batch_spec = measured_step(cfg, "cuda")
+    out: dict[str, Any] = {"model_gib": torch.cuda.max_memory_allocated() / GiB, "oom": 0}  # weights and EMA
+    batch = {k: torch.randn(shape, device="cuda") for k, shape in batch_spec.items()}
     try:
-        for step in range(1, steps + 1):
-            phases = {}
-            torch.cuda.reset_peak_memory_stats()
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                loss = process.loss(model, x[:, :c_out], x[:, c_out:] if cfg.mode == "bravo" else None)[0]
-            phases["fwd"] = torch.cuda.max_memory_allocated()
-            if not zero_after:
-                optimizer.zero_grad(set_to_none=True)
-            torch.cuda.reset_peak_memory_stats()
-            loss.backward()
-            phases["bwd"] = torch.cuda.max_memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            optimizer.step()
-            if ema is not None:
-                ema.update(model)
-            if zero_after:
-                optimizer.zero_grad(set_to_none=True)
-            phases["opt"] = torch.cuda.max_memory_allocated()
+        for i in range(1, steps + 1):
+            probe = CudaPhasePeaks()
+            step.run(batch, probe)
             torch.cuda.synchronize()
-            if step == 1:
-                out.update(fwd_gib=phases["fwd"] / GiB, bwd_gib=phases["bwd"] / GiB,
-                           total_gib=max(phases.values()) / GiB)
-            else:
-                out.update(steady_fwd_gib=phases["fwd"] / GiB, steady_bwd_gib=phases["bwd"] / GiB,
-                           steady_total_gib=max(phases.values()) / GiB)
+            phases = {k: v / GiB for k, v in probe.peaks.items()}
+            prefix = "" if i == 1 else "steady_"
+            out.update({f"{prefix}fwd_gib": phases["forward"], f"{prefix}bwd_gib": phases["backward"],
+                        f"{prefix}total_gib": max(phases.values())})
         out["reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
     except torch.OutOfMemoryError:
         out["oom"] = 1
     finally:
-        del model, optimizer, x
+        del step, batch
         torch.cuda.empty_cache()
     return out
 

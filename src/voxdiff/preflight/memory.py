@@ -1,19 +1,21 @@
 """GPU-free prediction of the peak GPU memory of one training step.
 
-:func:`predict_step_memory` builds the model on the ``meta`` device and runs two real training steps on it
-(forward, backward, optimizer step, ``zero_grad(set_to_none=True)``) under three modes:
+:func:`predict_step_memory` builds the model on the ``meta`` device, makes the training step of a
+:class:`~voxdiff.step.Recipe` around it — the very :class:`~voxdiff.step.TrainStep` that Lightning drives in
+``train.py`` and the measure mode runs on a GPU — and runs two of its steps (:meth:`TrainStep.run`: forward,
+backward, clipping and the guard, optimizer step, post-step hooks, the recipe's gradient order) under three modes:
 
-* :class:`~voxdiff.preflight.autocast.CudaAutocastEmulator` gives every op the dtype CUDA autocast would give
-  it (above autograd, so the tensors saved for backward have their GPU dtypes);
+* :class:`~voxdiff.preflight.autocast.CudaAutocastEmulator` is the step's precision context
+  (:class:`EmulatedPrecision`): every op gets the dtype CUDA autocast would give it (above autograd, so the
+  tensors saved for backward have their GPU dtypes);
 * :class:`~voxdiff.preflight.attention.FlashAttentionEmulator` (``attention="flash"``) makes SDPA keep what
   FlashAttention-2 keeps instead of the O(N^2) math path that ``meta`` takes;
 * :class:`~voxdiff.preflight.tracker.StorageTracker` counts the bytes of every live storage, rounded as the
   CUDA caching allocator rounds them, and the peak of each phase.
 
 Step 1 has no optimizer state during forward and backward; step 2 is the steady state (the AdamW state lives
-through forward and backward). By default the gradients of the previous step are released the way Lightning's
-automatic optimisation does it: ``zero_grad`` runs inside the optimizer closure *after* ``training_step`` (the
-forward) and before ``backward``, so they are still alive during the steady-state forward.
+through forward and backward, and so do the previous step's gradients when the recipe frees them only before
+the next backward, as Lightning's automatic optimisation does).
 
 Units: every ``*_bytes`` value is in bytes; the ``*_gib`` properties divide by 2**30.
 """
@@ -23,50 +25,44 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from voxdiff.diffusion import DiffusionProcess
+from voxdiff.encodings.base import Encoding
 from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES, GPUS, GpuSpec, simulate_reserved
 from voxdiff.preflight.attention import FlashAttentionEmulator
 from voxdiff.preflight.autocast import CudaAutocastEmulator
 from voxdiff.preflight.tracker import StorageTracker, round_block
+from voxdiff.step import OptimSettings, Recipe, TrainStep
 
 __all__ = [
     "DEFAULT_SAFETY_MARGIN",
+    "EmulatedPrecision",
     "GiB",
-    "LossFn",
     "MemoryReport",
     "StepPeaks",
     "TraceResult",
-    "diffusion_loss",
     "predict_step_memory",
     "trace_training_step",
+    "unet_batch",
 ]
 
 GiB = 2**30
 
-LossFn = Callable[[nn.Module, Tensor], Tensor]
-"""``loss_fn(model, batch) -> scalar loss``: the function the trainer runs in its training step."""
-
-Precision = Literal["bf16-mixed", "32-true"]
 AttentionMode = Literal["materialised", "flash"]
-OptimizerImpl = Literal["foreach", "fused", "single"]
-ZeroGradAt = Literal["before_backward", "after_step"]
 
 DEFAULT_SAFETY_MARGIN = 0.10
 """Head-room asked on top of the predicted peak before a configuration is said to fit. PyTorch's own
 ``MemTracker`` tests accept +-10 % of ``max_memory_allocated``, and the reference measurements of one
 configuration vary by up to 15 % between runs; 10 % covers the former and most of the latter."""
 
-_PRECISIONS = ("bf16-mixed", "32-true")
+_AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": None}
 _ATTENTION = ("materialised", "flash")
-_OPTIMIZER_IMPLS = ("foreach", "fused", "single")
-_ZERO_GRAD_AT = ("before_backward", "after_step")
 
 
 def _gib(nbytes: int | float) -> float:
@@ -106,9 +102,11 @@ class MemoryReport:
         params: number of parameters (trainable or not).
         trainable_params: number of parameters with ``requires_grad``.
         param_bytes: bytes of parameters and buffers (fp32 master weights), as allocated on the GPU.
+        ema_bytes: bytes of the EMA copy of the weights (0 without an EMA).
         input_shape: shape of the model input ``(B, C_in, *spatial)``.
-        precision: ``"bf16-mixed"`` or ``"32-true"``.
+        precision: ``"bf16-mixed"``, ``"16-mixed"`` or ``"32-true"``.
         optimizer: description of the optimizer traced (e.g. ``"AdamW(foreach)"``).
+        recipe: the name of the training-step recipe traced (``system`` or ``seed``).
         attention: the requested SDPA behaviour (``"materialised"`` or ``"flash"``).
         attention_path: what the trace actually did with attention (SDPA calls as flash or math, or softmax
             over materialised scores computed by the model itself).
@@ -129,9 +127,11 @@ class MemoryReport:
     params: int
     trainable_params: int
     param_bytes: int
+    ema_bytes: int
     input_shape: tuple[int, ...]
     precision: str
     optimizer: str
+    recipe: str
     attention: str
     attention_path: str
     first_step: StepPeaks
@@ -171,8 +171,10 @@ class MemoryReport:
         """A few human-readable lines."""
         s1, s2 = self.first_step.gib(), self.steady_step.gib()
         lines = [
-            f"params {self.params / 1e6:.1f} M ({_gib(self.param_bytes):.2f} GiB), input {self.input_shape}, "
-            f"{self.precision}, {self.optimizer}, attention {self.attention_path}",
+            f"params {self.params / 1e6:.1f} M ({_gib(self.param_bytes):.2f} GiB"
+            + (f", EMA {_gib(self.ema_bytes):.2f} GiB" if self.ema_bytes else "")
+            + f"), input {self.input_shape}, {self.precision}, {self.optimizer}, step {self.recipe}, "
+            f"attention {self.attention_path}",
             "step 1   : fwd {forward:.2f}  bwd {backward:.2f}  opt {optimizer:.2f} GiB".format(**s1),
             "steady   : fwd {forward:.2f}  bwd {backward:.2f}  opt {optimizer:.2f} GiB".format(**s2),
             f"peak allocated {self.peak_allocated_gib:.2f} GiB, reserved ~{_gib(self.estimated_reserved):.2f} GiB, "
@@ -183,31 +185,31 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def diffusion_loss(model: nn.Module, x: Tensor, num_train_timesteps: int = 1000) -> Tensor:
-    """The default loss of one diffusion training step (epsilon prediction, fp32 MSE).
+class EmulatedPrecision:
+    """The precision context of a traced :class:`~voxdiff.step.TrainStep`: CUDA autocast emulated on meta tensors.
 
-    The first ``model.out_channels`` channels of ``x`` are the image (the noising target), the rest is the
-    conditioning that is concatenated to the noisy image (bravo mode: ``C_in = 2 * out_channels``).
-
-    Args:
-        model: the denoiser, called as ``model(x_t, t)``.
-        x: the clean batch ``(B, C_in, *spatial)``.
-        num_train_timesteps: number of diffusion steps to draw ``t`` from.
-
-    Returns:
-        The scalar loss ``mse(pred.float(), noise.float())``.
+    The forward runs in an emulated autocast region; the backward keeps the emulation active for the whole
+    backward pass (``torch.utils.checkpoint`` recomputation re-enters autocast, as on the GPU); there is no loss
+    scaler (fp16 AMP's ``GradScaler`` holds a few scalars and unscales in place).
     """
-    b = x.shape[0]
-    c_out = int(getattr(model, "out_channels", x.shape[1]))
-    x_img, cond = x[:, :c_out], x[:, c_out:]
-    t = torch.randint(0, num_train_timesteps, (b,), device=x.device)
-    noise = torch.randn_like(x_img)
-    alphas_cumprod = torch.linspace(0.9999, 1e-4, num_train_timesteps, device=x.device)
-    a = alphas_cumprod[t].view(b, *([1] * (x.dim() - 1)))
-    x_t = a.sqrt() * x_img + (1.0 - a).sqrt() * noise
-    model_in = torch.cat([x_t, cond], dim=1) if cond.shape[1] else x_t
-    pred = model(model_in, t)
-    return F.mse_loss(pred.float(), noise.float())
+
+    scales_loss = False
+
+    def __init__(self, autocast: CudaAutocastEmulator) -> None:
+        self.autocast = autocast
+
+    def forward(self) -> Any:
+        return self.autocast.region()
+
+    def backward(self, loss: Tensor) -> None:
+        with self.autocast.backward_region():
+            _run_backward(loss)
+
+    def unscale(self, optimizer: Any) -> None:
+        pass
+
+    def step(self, optimizer: Any) -> None:
+        optimizer.step()
 
 
 class _FusedAdamWOnMeta:
@@ -218,9 +220,10 @@ class _FusedAdamWOnMeta:
     ``torch._fused_adamw_`` kernel, which works in place (no temporaries).
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], lr: float, weight_decay: float) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], settings: OptimSettings) -> None:
         self.params = [p for p in params if p.requires_grad]
-        self.lr, self.weight_decay = lr, weight_decay
+        self.param_groups = [{"params": self.params}]
+        self.settings = settings
         self.state: dict[nn.Parameter, dict[str, Tensor]] = {}
 
     @torch.no_grad()
@@ -236,11 +239,12 @@ class _FusedAdamWOnMeta:
         if not ps:
             return
         st = [self.state[p] for p in ps]
-        torch._foreach_add_([s["step"] for s in st], 1)
+        s = self.settings
+        torch._foreach_add_([x["step"] for x in st], 1)
         torch._fused_adamw_(
-            ps, [p.grad for p in ps], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st], [],
-            [s["step"] for s in st], lr=self.lr, beta1=0.9, beta2=0.999, weight_decay=self.weight_decay,
-            eps=1e-8, amsgrad=False, maximize=False,
+            ps, [p.grad for p in ps], [x["exp_avg"] for x in st], [x["exp_avg_sq"] for x in st], [],
+            [x["step"] for x in st], lr=s.lr, beta1=s.betas[0], beta2=s.betas[1], weight_decay=s.weight_decay,
+            eps=s.eps, amsgrad=False, maximize=False,
         )  # fmt: skip
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -248,24 +252,16 @@ class _FusedAdamWOnMeta:
             p.grad = None
 
 
-def _make_optimizer(
-    optimizer: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-    impl: str,
-    params: list[nn.Parameter],
-    lr: float,
-    weight_decay: float,
-) -> tuple[object, str]:
-    if callable(optimizer):
-        opt = optimizer(params)
-        return opt, type(opt).__name__
-    if optimizer.lower() != "adamw":
-        raise ValueError(
-            f"optimizer={optimizer!r} is not known; pass 'adamw' or a callable params -> torch.optim.Optimizer"
-        )
-    if impl == "fused":
-        return _FusedAdamWOnMeta(params, lr, weight_decay), "AdamW(fused)"
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=(impl == "foreach"))
-    return opt, f"AdamW({impl})"
+def unet_batch(input_shape: Sequence[int], out_channels: int) -> tuple[dict[str, tuple[int, ...]], str]:
+    """A batch of encodings for a bare UNet of input ``(B, C_in, *spatial)``: ``image_z`` (the ``out_channels``
+    the UNet denoises) and ``mask_z`` (the other ``C_in - C_out`` channels, the condition) in bravo mode; ``mask_z``
+    alone in seg mode (``C_in == C_out``). Returns the shapes and the mode."""
+    b, c_in, *spatial = (int(s) for s in input_shape)
+    if c_in == out_channels:
+        return {"mask_z": (b, c_in, *spatial)}, "seg"
+    if c_in < out_channels:
+        raise ValueError(f"input_shape has {c_in} channels, fewer than the model's out_channels={out_channels}")
+    return {"image_z": (b, out_channels, *spatial), "mask_z": (b, c_in - out_channels, *spatial)}, "bravo"
 
 
 def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
@@ -276,17 +272,15 @@ def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
 def predict_step_memory(
     build_model: Callable[[], nn.Module],
     input_shape: Sequence[int],
-    loss_fn: LossFn | None = None,
+    recipe: Recipe,
     *,
-    precision: Precision = "bf16-mixed",
-    optimizer: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] = "adamw",
-    optimizer_impl: OptimizerImpl = "foreach",
+    batch: Mapping[str, Sequence[int]] | None = None,
+    encoding: Encoding | None = None,
+    mode: str | None = None,
+    process: DiffusionProcess | None = None,
+    precision: str = "bf16-mixed",
     attention: AttentionMode = "materialised",
-    zero_grad_at: ZeroGradAt = "before_backward",
     gpu: str | GpuSpec = "H100",
-    after_step: Callable[[nn.Module], None] | None = None,
-    lr: float = 1e-4,
-    weight_decay: float = 1e-2,
 ) -> MemoryReport:
     """Predict ``torch.cuda.max_memory_allocated()`` of a training step without a GPU.
 
@@ -294,41 +288,32 @@ def predict_step_memory(
         build_model: builds the model; it is called under ``torch.device("meta")``, so it must create its
             tensors on the default device (no explicit ``device=``). Gradient checkpointing applied inside it
             (``torch.utils.checkpoint``, ``use_reentrant=False``) is traced with its real effect.
-        input_shape: ``(B, C_in, *spatial)`` of the batch handed to ``loss_fn``.
-        loss_fn: ``loss_fn(model, x) -> loss``, the trainer's own training-step loss; defaults to
-            :func:`diffusion_loss`. It runs inside one autocast region (as Lightning's precision plugin
-            wraps ``training_step``).
-        precision: ``"bf16-mixed"`` (CUDA autocast to bf16, fp32 weights) or ``"32-true"``.
-        optimizer: ``"adamw"`` or a callable ``params -> torch.optim.Optimizer`` that works on meta tensors.
-        optimizer_impl: AdamW implementation: ``"foreach"`` (torch default on CUDA), ``"fused"`` or
-            ``"single"`` (``foreach=False``).
+        input_shape: ``(B, C_in, *spatial)`` of the UNet input (reported; the batch by default).
+        recipe: the training step traced (:data:`voxdiff.step.SEED`, or :func:`voxdiff.step.recipe_from_config`).
+        batch: shapes of the data batch the step receives (``image``/``mask`` volumes, or ``image_z``/``mask_z``
+            encodings); default :func:`unet_batch` of ``input_shape`` and the model's ``out_channels``.
+        encoding: the encoding that turns volumes into the UNet's input (default identity).
+        mode: ``bravo`` or ``seg``; default: that of :func:`unet_batch`.
+        process: the diffusion process of the loss (default: from ``recipe.diffusion``).
+        precision: ``"bf16-mixed"`` (CUDA autocast to bf16, fp32 weights), ``"16-mixed"`` (to fp16; the same
+            bytes) or ``"32-true"``, as :func:`voxdiff.step.decide_precision` decided it.
         attention: how ``F.scaled_dot_product_attention`` behaves on the GPU: ``"flash"`` (FlashAttention-2
             where it applies) or ``"materialised"`` (the math path). A model that computes attention itself
             (MONAI with ``use_flash_attention=False``) materialises the scores either way.
-        zero_grad_at: when the previous step's gradients are freed: ``"before_backward"`` (Lightning's
-            automatic optimisation: after the forward) or ``"after_step"`` (a loop calling ``zero_grad``
-            right after ``step()``).
         gpu: ``"H100"``, ``"A100"`` or a :class:`~voxdiff.preflight.allocator.GpuSpec` (workspace sizes).
-        after_step: called with the model right after ``optimizer.step()`` (inside the optimizer phase), for
-            what the trainer does there, e.g. an EMA update; it runs on meta tensors and is traced.
-        lr: learning rate handed to the optimizer (no effect on memory).
-        weight_decay: AdamW weight decay (no effect on memory).
 
     Returns:
         A :class:`MemoryReport`.
 
     Raises:
-        ValueError: on an unknown precision, attention mode, optimizer, or a malformed ``input_shape``.
+        ValueError: on an unknown precision or attention mode, or a malformed ``input_shape``.
     """
-    _check_choice("precision", precision, _PRECISIONS)
+    _check_choice("precision", precision, tuple(_AUTOCAST_DTYPES))
     _check_choice("attention", attention, _ATTENTION)
-    _check_choice("optimizer_impl", optimizer_impl, _OPTIMIZER_IMPLS)
-    _check_choice("zero_grad_at", zero_grad_at, _ZERO_GRAD_AT)
     shape = tuple(int(s) for s in input_shape)
     if len(shape) < 3 or any(s <= 0 for s in shape):
         raise ValueError(f"input_shape={tuple(input_shape)} must be (B, C_in, *spatial) with positive sizes")
     gpu_spec = GPUS[gpu] if isinstance(gpu, str) else gpu
-    loss_fn = loss_fn or diffusion_loss
     t0 = time.perf_counter()
     notes: list[str] = []
 
@@ -338,24 +323,23 @@ def predict_step_memory(
         notes.append("build_model created tensors off the meta device; they were moved to meta")
         model = model.to("meta")
     model.train()
+    if batch is None:
+        batch, default_mode = unet_batch(shape, int(getattr(model, "out_channels", shape[1])))
+        mode = mode or default_mode
+    dtype = _AUTOCAST_DTYPES[precision]
+    autocast = CudaAutocastEmulator(dtype=dtype or torch.bfloat16, device_type="meta", enabled=dtype is not None)
+    # the meta tensors stand for a GPU: the step decides its optimizer implementation for "cuda"
+    step = TrainStep(model, recipe, encoding=encoding, mode=mode or "bravo", process=process,
+                     precision=EmulatedPrecision(autocast), device_type="cuda")
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     n_params = sum(p.numel() for p in params)
     param_bytes = sum(round_block(t.untyped_storage().nbytes()) for t in [*params, *model.buffers()])
+    ema_bytes = sum(round_block(t.untyped_storage().nbytes()) for t in (step.ema.shadow if step.ema else []))
+    impl = step.optimizer_impl
+    step.configure_optimizer(optimizer=_FusedAdamWOnMeta(trainable, recipe.optim) if impl == "fused" else None)
 
-    opt, opt_name = _make_optimizer(optimizer, optimizer_impl, trainable, lr, weight_decay)
-    trace = trace_training_step(
-        model,
-        shape,
-        loss_fn,
-        opt,
-        precision=precision,
-        attention=attention,
-        zero_grad_at=zero_grad_at,
-        device_type="meta",
-        steps=2,
-        after_step=after_step,
-    )
+    trace = trace_training_step(step, batch, attention=attention, device_type="meta", steps=2)
     peaks = trace.steps
     attention_path = _describe_attention(attention, trace.flash, trace.autocast, notes)
 
@@ -371,9 +355,11 @@ def predict_step_memory(
         params=n_params,
         trainable_params=sum(p.numel() for p in trainable),
         param_bytes=param_bytes,
+        ema_bytes=ema_bytes,
         input_shape=shape,
         precision=precision,
-        optimizer=opt_name,
+        optimizer=f"AdamW({impl})",
+        recipe=recipe.name,
         attention=attention,
         attention_path=attention_path,
         first_step=first,
@@ -395,7 +381,8 @@ class TraceResult:
 
     Attributes:
         steps: per-phase peaks of each traced step.
-        start_bytes: live bytes when tracing began (parameters, buffers, existing grads and optimizer state).
+        start_bytes: live bytes when tracing began (the step's tensors: weights, buffers, gradients, optimizer
+            state, EMA).
         events: the allocation/free sequence (``(+1|-1, key, bytes)``) for the allocator model.
         autocast: the autocast emulator (its ``calls`` count the ops seen in autocast regions).
         flash: the flash-attention emulator, if one was used.
@@ -409,44 +396,35 @@ class TraceResult:
 
 
 def trace_training_step(
-    model: nn.Module,
-    input_shape: Sequence[int],
-    loss_fn: LossFn,
-    optimizer: object,
+    step: TrainStep,
+    batch: Mapping[str, Sequence[int]],
     *,
-    precision: Precision = "bf16-mixed",
     attention: AttentionMode = "materialised",
-    zero_grad_at: ZeroGradAt = "before_backward",
     device_type: str = "meta",
     granularity: int | None = None,
     steps: int = 2,
-    after_step: Callable[[nn.Module], None] | None = None,
 ) -> TraceResult:
-    """Run ``steps`` training steps of an existing model and record live bytes on ``device_type``.
+    """Run ``steps`` calls of :meth:`TrainStep.run` and record live bytes on ``device_type``, per phase.
 
     This is the measuring core of :func:`predict_step_memory`; it also runs on real tensors (e.g. on the CPU,
-    to check the tracker against the allocator). Each step: ``loss = loss_fn(model, x)`` inside an autocast
-    region (bf16-mixed), ``zero_grad`` (if ``zero_grad_at="before_backward"``), ``loss.backward()``,
-    ``optimizer.step()``, ``zero_grad`` (if ``"after_step"``).
+    to check the tracker against the allocator, or the trace against the step itself).
 
     Args:
-        model: the model, its tensors on ``device_type``.
-        input_shape: shape of the batch ``x`` (drawn with ``torch.randn`` on ``device_type``).
-        loss_fn: ``loss_fn(model, x) -> loss``.
-        optimizer: an object with ``step()`` and ``zero_grad(set_to_none=True)``.
-        precision: ``"bf16-mixed"`` (CUDA autocast emulated) or ``"32-true"``.
+        step: the training step, its model on ``device_type``, its optimizer configured, and an
+            :class:`EmulatedPrecision` as its precision context.
+        batch: the shapes of the batch tensors (drawn with ``torch.randn`` on ``device_type``, inside the trace).
         attention: ``"flash"`` to emulate FlashAttention-2 for SDPA calls, else ``"materialised"``.
-        zero_grad_at: ``"before_backward"`` (Lightning) or ``"after_step"``.
         device_type: the device whose storages are counted.
         granularity: allocation rounding (default: the CUDA allocator's 512 B on meta, 1 B elsewhere).
             The CUDA kernel temporaries of :data:`~voxdiff.preflight.tracker.KERNEL_TEMPORARIES` are added on
             meta only.
         steps: how many steps to trace.
-        after_step: called with the model after each ``optimizer.step()`` (e.g. an EMA update).
 
     Returns:
         A :class:`TraceResult`.
     """
+    if not isinstance(step.precision, EmulatedPrecision):
+        raise TypeError("trace_training_step needs a TrainStep whose precision context is an EmulatedPrecision")
     on_meta = device_type == "meta"  # meta stands for CUDA: apply the CUDA allocator's rounding and kernels
     tracker = StorageTracker(
         device_type=device_type,
@@ -454,58 +432,38 @@ def trace_training_step(
         granularity=granularity or (512 if on_meta else 1),
         kernel_temporaries=None if on_meta else {},
     )
-    autocast = CudaAutocastEmulator(dtype=torch.bfloat16, device_type=device_type, enabled=(precision == "bf16-mixed"))
+    autocast = step.precision.autocast
     flash = FlashAttentionEmulator() if attention == "flash" else None
-    existing = [*model.parameters(), *model.buffers()]
-    existing += [p.grad for p in model.parameters() if p.grad is not None]
-    state = getattr(optimizer, "state", {})
-    existing += [v for st in state.values() for v in st.values() if isinstance(v, Tensor)]
+    probe = _PhasePeaks(tracker)
     with tracker:
-        tracker.track_all(existing)
+        tracker.track_all(step.tensors())
         start = tracker.live
-        x = torch.randn(tuple(input_shape), device=device_type)
+        data = {k: torch.randn(tuple(shape), device=device_type) for k, shape in batch.items()}
         with flash if flash is not None else contextlib.nullcontext(), autocast:
-            peaks = [
-                _trace_step(model, x, loss_fn, optimizer, tracker, autocast, zero_grad_at, i, after_step)
-                for i in range(1, steps + 1)
-            ]
-        del x
-    return TraceResult(steps=peaks, start_bytes=start, events=tracker.events, autocast=autocast, flash=flash)
+            for _ in range(steps):
+                step.run(data, probe)
+                probe.finish_step()
+        del data
+    return TraceResult(steps=probe.steps, start_bytes=start, events=tracker.events, autocast=autocast, flash=flash)
 
 
-def _trace_step(
-    model: nn.Module,
-    x: Tensor,
-    loss_fn: LossFn,
-    opt: object,
-    tracker: StorageTracker,
-    autocast: CudaAutocastEmulator,
-    zero_grad_at: str,
-    step: int,
-    after_step: Callable[[nn.Module], None] | None = None,
-) -> StepPeaks:
-    """Run one training step on meta tensors and return its per-phase peaks (bytes, no workspaces)."""
-    tracker.begin_phase(f"forward{step}")
-    with autocast.region():
-        loss = loss_fn(model, x)
-    fwd = tracker.end_phase().peak
-    if not (isinstance(loss, Tensor) and loss.numel() == 1 and loss.requires_grad):
-        raise ValueError("loss_fn must return a scalar tensor that requires grad")
-    if zero_grad_at == "before_backward":
-        opt.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
-    tracker.begin_phase(f"backward{step}")
-    with autocast.backward_region():
-        _run_backward(loss)
-    del loss
-    bwd = tracker.end_phase().peak
-    tracker.begin_phase(f"optimizer{step}")
-    opt.step()  # type: ignore[attr-defined]
-    if after_step is not None:
-        after_step(model)
-    if zero_grad_at == "after_step":
-        opt.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
-    step_peak = tracker.end_phase().peak
-    return StepPeaks(fwd, bwd, step_peak)
+class _PhasePeaks:
+    """The :class:`~voxdiff.step.PhaseProbe` of a trace: the tracker's peak of each phase of each step."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        self.tracker = tracker
+        self.current: dict[str, int] = {}
+        self.steps: list[StepPeaks] = []
+
+    def begin(self, phase: str) -> None:
+        self.tracker.begin_phase(f"{phase}{len(self.steps) + 1}")
+
+    def end(self, phase: str) -> None:
+        self.current[phase] = self.tracker.end_phase().peak
+
+    def finish_step(self) -> None:
+        self.steps.append(StepPeaks(self.current["forward"], self.current["backward"], self.current["optimizer"]))
+        self.current = {}
 
 
 def _run_backward(loss: Tensor) -> None:

@@ -3,9 +3,13 @@
 The CSV format is that of ``reference/measured_vram.csv``: one row per configuration with the columns
 ``input_shape`` (``C x D x H x W``, e.g. ``16x80x64x64``), ``in_channels``, ``out_channels``, ``channels``
 (space-separated), ``attention_levels`` (0/1 per level, space-separated), ``num_res_blocks`` (space-separated),
-``num_head_channels``, ``norm_num_groups``, ``grad_checkpointing`` and, optionally, ``use_flash_attention`` and
-``batch_size``. Every other column is carried through unchanged. :func:`sweep` appends the ``pred_*`` columns
-of :data:`PRED_COLUMNS` (GiB = 2**30 bytes) and draws parameters vs predicted peak.
+``num_head_channels``, ``norm_num_groups``, ``grad_checkpointing`` and, optionally, ``use_flash_attention``,
+``batch_size`` and ``recipe``. Every other column is carried through unchanged. :func:`sweep` appends the
+``pred_*`` columns of :data:`PRED_COLUMNS` (GiB = 2**30 bytes) and draws parameters vs predicted peak.
+
+The training step traced for a row is named, never assumed: by the row's ``recipe`` column (``seed``: the step
+of the reference measurements, :data:`voxdiff.step.SEED`; ``system``: ``train.py``'s step for the run config)
+or, for rows without one, by the ``recipe`` argument (``preflight.recipe`` on the command line).
 
 Models are built by voxdiff's own factory and gradient-checkpointing policy (:func:`build_monai_unet`,
 :data:`MODEL_FACTORY`, or the ``build_model`` argument of :func:`sweep`), under ``torch.device("meta")``.
@@ -20,24 +24,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
+from voxdiff.step import RECIPES, SEED, Recipe
 
 __all__ = [
     "MODEL_FACTORY",
     "PRED_COLUMNS",
-    "REFERENCE_FIGURE",
-    "Comparison",
     "UNetRow",
     "build_monai_unet",
-    "compare_to_measured",
+    "PhaseComparison",
+    "compare_phases",
     "parse_row",
     "plot_sweep",
     "predict_row",
     "read_sweep_csv",
+    "row_recipe",
     "sweep",
 ]
 
@@ -45,24 +49,38 @@ PRED_COLUMNS: tuple[str, ...] = (
     "pred_params_m",
     "pred_fwd_gib",
     "pred_bwd_gib",
+    "pred_opt_gib",
     "pred_step1_gib",
+    "pred_steady_fwd_gib",
+    "pred_steady_bwd_gib",
+    "pred_steady_opt_gib",
     "pred_steady_gib",
     "pred_reserved_gib",
     "pred_fits",
+    "pred_recipe",
     "pred_error",
 )
-"""Columns :func:`sweep` appends: parameters (millions); step-1 forward and backward peaks; peak over step 1
-including ``optimizer.step()``; peak of a steady-state step; predicted reserved memory; the verdict against
-the budget; why the row could not be predicted (empty when it could)."""
+"""Columns :func:`sweep` appends: parameters (millions); step-1 forward, backward and ``optimizer.step()`` peaks
+and the peak over step 1; the same for a steady-state step; predicted reserved memory; the verdict against the
+budget; the training-step recipe traced; why the row could not be predicted (empty when it could)."""
 
 #: the columns every sweep row needs (parse_row); every other column is carried through
 REQUIRED_COLUMNS: tuple[str, ...] = ("input_shape", "in_channels", "out_channels", "channels", "attention_levels",
                                      "num_res_blocks", "num_head_channels", "norm_num_groups")
 SWEEP_KEY = "preflight.sweep"
 
-REFERENCE_FIGURE: dict[str, str] = {"latent8x": "pred_step1_gib", "s2d128": "pred_steady_gib"}
-"""Which prediction a measured ``total_gib`` corresponds to, per ``table``: the latent rows were measured on
-the first step, the s2d rows behave like a later step (see ``reference/README.md``)."""
+MEASURED_PHASES: dict[str, tuple[tuple[str, ...], str]] = {
+    "step1 forward": (("s1_fwd",), "pred_fwd_gib"),
+    "step1 backward": (("s1_bwd",), "pred_bwd_gib"),
+    "step1 optimizer": (("s1_opt",), "pred_opt_gib"),
+    "step1": (("step1_gib",), "pred_step1_gib"),
+    "steady forward": (("s2_fwd", "s3_fwd"), "pred_steady_fwd_gib"),
+    "steady backward": (("s2_bwd", "s3_bwd"), "pred_steady_bwd_gib"),
+    "steady optimizer": (("s2_opt", "s3_opt"), "pred_steady_opt_gib"),
+    "steady": (("steady_gib",), "pred_steady_gib"),
+}
+"""Phase -> (the columns of ``reference/h100_measured.csv`` whose largest value is the measurement, the prediction's
+column). Steady state: steps 2 and 3, as ``steady_gib`` is their peak."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +149,9 @@ def parse_row(row: Mapping[str, Any]) -> UNetRow:
     cdhw = tuple(int(v) for v in str(row["input_shape"]).lower().split("x"))
     if len(cdhw) != 4:
         raise ValueError(f"input_shape={row['input_shape']!r} must be CxDxHxW")
-    batch = int(row.get("batch_size") or 1)
+    batch = int(row.get("batch_size") or 1)  # an absent or empty column: batch 1, as the reference measured
+    if batch < 1:
+        raise ValueError(f"batch_size={row.get('batch_size')!r} must be 1 or more")
     return UNetRow(
         input_shape=(batch, *cdhw),
         in_channels=int(row["in_channels"]),
@@ -170,9 +190,37 @@ MODEL_FACTORY: Callable[[UNetRow], nn.Module] = build_monai_unet
 """Row -> module (with its checkpointing policy applied)."""
 
 
+def row_recipe(row: Mapping[str, Any], recipe: Recipe | None = None, system: Recipe | None = None) -> Recipe:
+    """The recipe a row names in its ``recipe`` column, else ``recipe``.
+
+    Args:
+        row: the CSV row.
+        recipe: the recipe of rows without a ``recipe`` column (or with an empty one).
+        system: what ``recipe=system`` stands for (the run config's step); needed only by rows that name it.
+
+    Raises:
+        ValueError: no recipe named, or one that is not known.
+    """
+    name = str(row.get("recipe") or "").strip()
+    if not name:
+        if recipe is None:
+            raise ValueError("the row names no training step: add a recipe column (seed or system) or name one "
+                             "(preflight.recipe=seed for the reference measurements' step)")
+        return recipe
+    if name == "seed":
+        return SEED
+    if name == "system" and system is not None:
+        return system
+    if name == "system":
+        raise ValueError("recipe=system needs the run config's step (pass system=recipe_from_config(cfg, 'system'))")
+    raise ValueError(f"recipe={name!r} is not known; use one of {', '.join(RECIPES)}")
+
+
 def predict_row(
     row: Mapping[str, Any],
+    recipe: Recipe | None = None,
     *,
+    system: Recipe | None = None,
     build_model: Callable[[UNetRow], nn.Module] | None = None,
     budget_gib: float = 80.0,
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
@@ -182,6 +230,7 @@ def predict_row(
 
     Args:
         row: the CSV row.
+        recipe, system: the training step traced (see :func:`row_recipe`).
         build_model: overrides :data:`MODEL_FACTORY`.
         budget_gib: device memory budget in GiB.
         safety_margin: see :meth:`MemoryReport.fits`.
@@ -199,19 +248,25 @@ def predict_row(
         def build() -> nn.Module:
             return factory(cfg)
 
+        step = row_recipe(row, recipe, system)
         kwargs = {"attention": "flash" if cfg.use_flash_attention else "materialised", **predict_kwargs}
-        report = predict_step_memory(build, cfg.input_shape, **kwargs)
+        report = predict_step_memory(build, cfg.input_shape, step, **kwargs)
     except Exception as exc:  # one bad row must not stop the sweep
         out["pred_error"] = f"{type(exc).__name__}: {exc}".replace("\n", " ")
         return out, None
     out.update(
         pred_params_m=f"{report.params / 1e6:.3f}",
-        pred_fwd_gib=f"{report.first_step.forward / GiB:.2f}",
-        pred_bwd_gib=f"{report.first_step.backward / GiB:.2f}",
-        pred_step1_gib=f"{report.first_step.peak / GiB:.2f}",
-        pred_steady_gib=f"{report.steady_step.peak / GiB:.2f}",
-        pred_reserved_gib=f"{report.estimated_reserved / GiB:.2f}",
+        pred_fwd_gib=f"{report.first_step.forward / GiB:.3f}",
+        pred_bwd_gib=f"{report.first_step.backward / GiB:.3f}",
+        pred_opt_gib=f"{report.first_step.optimizer / GiB:.3f}",
+        pred_step1_gib=f"{report.first_step.peak / GiB:.3f}",
+        pred_steady_fwd_gib=f"{report.steady_step.forward / GiB:.3f}",
+        pred_steady_bwd_gib=f"{report.steady_step.backward / GiB:.3f}",
+        pred_steady_opt_gib=f"{report.steady_step.optimizer / GiB:.3f}",
+        pred_steady_gib=f"{report.steady_step.peak / GiB:.3f}",
+        pred_reserved_gib=f"{report.estimated_reserved / GiB:.3f}",
         pred_fits=str(report.fits(int(budget_gib * GiB), safety_margin)).lower(),
+        pred_recipe=report.recipe,
     )
     return out, report
 
@@ -219,7 +274,9 @@ def predict_row(
 def sweep(
     in_csv: str | Path,
     out_csv: str | Path,
+    recipe: Recipe | None = None,
     *,
+    system: Recipe | None = None,
     build_model: Callable[[UNetRow], nn.Module] | None = None,
     budget_gib: float = 80.0,
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
@@ -231,13 +288,14 @@ def sweep(
     Args:
         in_csv: rows in the format of ``measured_vram.csv``.
         out_csv: where to write.
+        recipe, system: the training step traced for each row (see :func:`row_recipe`).
         build_model: row -> module, overrides :data:`MODEL_FACTORY`.
         budget_gib: device memory budget in GiB (an 80 GB A100/H100 by default).
         safety_margin: fraction added to the predicted peak before comparing with the budget.
         plot_path: PNG of parameters vs predicted peak; ``""`` puts it next to ``out_csv`` with suffix
             ``.png``, ``None`` skips the plot.
-        **predict_kwargs: forwarded to :func:`~voxdiff.preflight.memory.predict_step_memory` (precision,
-            optimizer_impl, ...); batch 1, bf16 AMP and foreach AdamW by default.
+        **predict_kwargs: forwarded to :func:`~voxdiff.preflight.memory.predict_step_memory` (precision, gpu,
+            ...); bf16 AMP by default; the batch is the row's ``batch_size`` (1 when absent).
 
     Returns:
         The output rows.
@@ -245,9 +303,8 @@ def sweep(
     fields, rows = read_sweep_csv(in_csv)
     out_rows = []
     for row in rows:
-        pred, _ = predict_row(
-            row, build_model=build_model, budget_gib=budget_gib, safety_margin=safety_margin, **predict_kwargs
-        )
+        pred, _ = predict_row(row, recipe, system=system, build_model=build_model, budget_gib=budget_gib,
+                              safety_margin=safety_margin, **predict_kwargs)
         out_rows.append({**row, **pred})
     out_fields = fields + [c for c in PRED_COLUMNS if c not in fields]
     with open(out_csv, "w", newline="") as fh:
@@ -299,8 +356,9 @@ def _float(text: Any) -> float | None:
 def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, budget_gib: float = 80.0) -> Path:
     """Scatter parameters (M) against the predicted peak (GiB), measured ``total_gib`` where present.
 
-    The predicted peak of a row is the larger of ``pred_step1_gib`` and ``pred_steady_gib``; measured points
-    are drawn at the row's ``params_m`` (or the predicted count when absent).
+    The predicted peak of a row is the larger of ``pred_step1_gib`` and ``pred_steady_gib``; the measured one the
+    larger of ``step1_gib`` and ``steady_gib`` (``reference/h100_measured.csv``), else ``total_gib``
+    (``measured_vram.csv``), drawn at the row's ``params_m`` (or the predicted count when absent).
     """
     import matplotlib
 
@@ -315,14 +373,15 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, budget_gib: 
         if p is not None and s1 is not None and s2 is not None:
             px.append(p)
             py.append(max(s1, s2))
-        m = _float(r.get("total_gib"))
+        measured = [v for v in (_float(r.get(k)) for k in ("step1_gib", "steady_gib")) if v is not None]
+        m = max(measured) if measured else _float(r.get("total_gib"))
         mp = _float(r.get("params_m")) or p
         if m is not None and mp is not None:
             mx.append(mp)
             my.append(m)
     ax.scatter(px, py, marker="o", facecolors="none", edgecolors="C0", label="predicted peak (max of step 1, steady)")
     if mx:
-        ax.scatter(mx, my, marker="x", color="C1", label="measured total_gib")
+        ax.scatter(mx, my, marker="x", color="C1", label="measured peak")
     ax.axhline(budget_gib, color="C3", linestyle="--", label=f"budget {budget_gib:g} GiB")
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -339,75 +398,64 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, budget_gib: 
 
 
 @dataclass(frozen=True)
-class Comparison:
-    """Predicted vs measured peak of one row (GiB = 2**30 bytes).
+class PhaseComparison:
+    """Predicted vs measured peak of one phase of one row of ``reference/h100_measured.csv`` (GiB).
 
     Attributes:
         name: row name.
         table: the row's ``table``.
-        figure: which prediction was compared (``pred_step1_gib`` or ``pred_steady_gib``).
-        measured: measured ``total_gib`` (``None`` for a run that died out of memory).
-        predicted: the compared prediction.
-        measured_fits: the run did not run out of memory.
-        predicted_fits: ``pred_fits``.
+        phase: a key of :data:`MEASURED_PHASES`.
+        measured: the measured peak.
+        predicted: the predicted peak.
     """
 
     name: str
     table: str
-    figure: str
-    measured: float | None
+    phase: str
+    measured: float
     predicted: float
-    measured_fits: bool
-    predicted_fits: bool
 
     @property
     def ratio(self) -> float:
-        """predicted / measured (NaN without a measurement)."""
-        return self.predicted / self.measured if self.measured else float("nan")
+        """predicted / measured."""
+        return self.predicted / self.measured
 
     @property
     def abs_error(self) -> float:
-        """|predicted - measured| / measured (NaN without a measurement)."""
+        """|predicted - measured| / measured."""
         return abs(self.ratio - 1.0)
 
-    @property
-    def flipped(self) -> bool:
-        """The predicted verdict (fits / out of memory) differs from what the run did."""
-        return self.measured_fits != self.predicted_fits
 
-
-def compare_to_measured(rows: Sequence[Mapping[str, Any]]) -> tuple[list[Comparison], dict[str, float]]:
-    """Pair each predicted row that has a measurement (``total_gib`` or ``oom=1``) with its prediction.
+def compare_phases(
+    rows: Sequence[Mapping[str, Any]],
+) -> tuple[list[PhaseComparison], dict[str, dict[str, float]], list[tuple[str, bool, bool]]]:
+    """Compare predicted rows in the format of ``reference/h100_measured.csv`` with their measurements, per phase.
 
     Returns:
-        The comparisons and a summary: ``rows`` (with a measured peak), ``median_abs_error`` and
-        ``max_abs_error`` (fractions, over those rows), ``flips`` (rows, OOM ones included, whose fit/OOM
-        verdict differs from the measurement).
+        The comparisons (rows and phases with a measurement and a prediction); per phase of
+        :data:`MEASURED_PHASES` a summary ``rows``, ``median_abs_error``, ``max_abs_error`` (fractions); and the
+        fit/OOM flips ``(name, ran, predicted to fit)``: rows whose ``oom`` (1: the run died) disagrees with
+        ``pred_fits``.
     """
-    comps = []
+    comps, flips = [], []
     for r in rows:
-        measured = _float(r.get("total_gib"))
-        oom = _flag(r.get("oom", ""))
-        figure = REFERENCE_FIGURE.get(str(r.get("table", "")), "pred_steady_gib")
-        predicted = _float(r.get(figure))
-        if predicted is None or r.get("pred_error") or (measured is None and not oom):
+        if r.get("pred_error"):
             continue
-        comps.append(
-            Comparison(
-                name=str(r.get("name", "")),
-                table=str(r.get("table", "")),
-                figure=figure,
-                measured=measured,
-                predicted=predicted,
-                measured_fits=not oom,
-                predicted_fits=str(r.get("pred_fits")).lower() == "true",
-            )
-        )
-    errors = [c.abs_error for c in comps if c.measured]
-    summary = {
-        "rows": float(len(errors)),
-        "median_abs_error": statistics.median(errors) if errors else float("nan"),
-        "max_abs_error": max(errors) if errors else float("nan"),
-        "flips": float(sum(c.flipped for c in comps)),
-    }
-    return comps, summary
+        for phase, (columns, pred) in MEASURED_PHASES.items():
+            values = [v for v in (_float(r.get(c)) for c in columns) if v is not None]
+            predicted = _float(r.get(pred))
+            if values and predicted is not None:
+                comps.append(PhaseComparison(str(r.get("name", "")), str(r.get("table", "")), phase, max(values),
+                                             predicted))
+        ran, fits = not _flag(r.get("oom", "")), str(r.get("pred_fits")).lower() == "true"
+        if ran != fits:
+            flips.append((str(r.get("name", "")), ran, fits))
+    summary = {}
+    for phase in MEASURED_PHASES:
+        errors = [c.abs_error for c in comps if c.phase == phase]
+        summary[phase] = {
+            "rows": float(len(errors)),
+            "median_abs_error": statistics.median(errors) if errors else float("nan"),
+            "max_abs_error": max(errors) if errors else float("nan"),
+        }
+    return comps, summary, flips

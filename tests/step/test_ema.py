@@ -1,7 +1,9 @@
-"""EMA: the update rule, the swap (raw weights restored bit for bit), the state round trip."""
+"""EMA: the update rule, the swap (raw weights restored bit for bit), the state round trip, ``system.ema``."""
 
+import pytest
 import torch
-from voxdiff.lightning import EMA
+from voxdiff.errors import ConfigError
+from voxdiff.step import EMA, EMASettings, ema_settings
 
 
 def _model(seed=0):
@@ -71,3 +73,17 @@ def test_state_dict_round_trip():
     assert other.num_updates == 1
     for a, b in zip(ema.shadow, other.shadow):
         assert torch.equal(a, b)
+
+
+def test_system_ema_false_means_none_and_null_means_the_defaults():
+    assert ema_settings(False) is None
+    assert ema_settings(None) == ema_settings(True) == ema_settings({}) == EMASettings()
+    assert ema_settings({"decay": 0.9, "start_step": 5}) == EMASettings(0.9, 5)
+
+
+@pytest.mark.parametrize("cfg, key", [({"decay": 1.0}, "system.ema.decay"), ({"start_step": -1}, "system.ema.start_step"),
+                                      ({"beta": 0.9}, "system.ema.beta"), ("yes", "system.ema")])
+def test_bad_ema_settings_name_the_key(cfg, key):
+    with pytest.raises(ConfigError) as e:
+        ema_settings(cfg)
+    assert e.value.key == key

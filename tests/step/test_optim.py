@@ -1,11 +1,11 @@
-"""The optimizer factory (shared with the preflight) and the warm-up + cosine schedule."""
+"""The optimizer factory of the training step, its implementation choice, and the warm-up + cosine schedule."""
 
 import math
 
 import pytest
 import torch
 from voxdiff.errors import ConfigError
-from voxdiff.lightning import WarmupCosine, build_lr_scheduler, build_optimizer, optim_settings
+from voxdiff.step import WarmupCosine, build_lr_scheduler, build_optimizer, optim_settings, optimizer_impl
 
 
 def _model():
@@ -70,3 +70,31 @@ def test_lr_scheduler_steps_per_call_and_round_trips():
     fresh = build_lr_scheduler(build_optimizer(m.parameters(), s), s, total_steps=999)
     fresh.load_state_dict(state)
     assert fresh.lr_lambdas[0].decay_steps == 6 and fresh.last_epoch == sched.last_epoch
+
+
+@pytest.mark.parametrize(
+    "cfg, device, impl",
+    [({}, "cuda", "foreach"), ({}, "cpu", "single"), ({"foreach": True}, "cpu", "foreach"),
+     ({"foreach": False}, "cuda", "single"), ({"fused": True}, "cuda", "fused"), ({"fused": True}, "cpu", "fused")],
+)
+def test_implementation_follows_the_settings_then_torchs_default_for_the_device(cfg, device, impl):
+    assert optimizer_impl(optim_settings(cfg), device) == impl
+
+
+@pytest.mark.parametrize("impl", ["foreach", "single", None])
+def test_build_optimizer_makes_the_chosen_implementation(impl):
+    opt = build_optimizer(_model().parameters(), {}, impl)
+    want = impl or "single"  # None: torch's default for CPU parameters
+    assert opt.defaults["foreach"] is (want == "foreach") and not opt.defaults["fused"]
+    with pytest.raises(ValueError, match="impl"):
+        build_optimizer(_model().parameters(), {}, "sgd")
+
+
+def test_an_unbounded_run_needs_decay_steps():
+    s = optim_settings({})
+    with pytest.raises(ConfigError) as e:
+        build_lr_scheduler(build_optimizer(_model().parameters(), s), s, total_steps=math.inf)
+    assert e.value.key == "system.optim.decay_steps"
+    bounded = optim_settings({"decay_steps": 10})
+    assert build_lr_scheduler(build_optimizer(_model().parameters(), bounded), bounded, math.inf).lr_lambdas[0](10) \
+        == pytest.approx(bounded.min_lr_ratio)

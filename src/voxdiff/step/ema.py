@@ -1,20 +1,54 @@
 """Exponential moving average of a model's weights, swapped in for validation and sampling.
 
-Updated once per optimizer step (diffusers' ``EMAModel`` habit), kept in fp32 on the model's device, saved in
+Updated once per optimizer step (diffusers' ``EMAModel`` habit) by the training step's post-step hook, kept in
+fp32 on the model's device (one more parameter-sized copy on the GPU, which the preflight traces), saved in
 checkpoints by the system's ``on_save_checkpoint``. For sampling the averaged weights are swapped in and the raw
 ones restored afterwards, bit for bit (store → copy → use → restore).
+
+``system.ema`` configures it: a mapping of :class:`EMASettings` (null or absent: the defaults) or ``false``
+for no EMA at all — in training, in the preflight's trace and in the measure mode alike (:func:`ema_settings`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from voxdiff.errors import ConfigError
+from voxdiff.errors import ConfigError, require_nonneg_int, settings_from
+
+
+@dataclass(frozen=True)
+class EMASettings:
+    """``system.ema``: decay per optimizer step and the number of steps that copy instead of averaging."""
+
+    decay: float = 0.9999
+    start_step: int = 0
+
+
+def ema_settings(cfg: Mapping[str, Any] | bool | None) -> EMASettings | None:
+    """Validate ``system.ema``: ``false`` → None (no EMA); null, ``true`` or absent → the defaults; a mapping →
+    its settings.
+
+    Raises:
+        ConfigError: naming the key, the value and a fix.
+    """
+    if cfg is False:
+        return None
+    if cfg is None or cfg is True:
+        cfg = {}
+    if not isinstance(cfg, Mapping):
+        raise ConfigError("system.ema", cfg, "must be a mapping of EMA settings or false",
+                          "e.g. system.ema.decay=0.9999, or system.ema=false for no EMA")
+    e = settings_from(EMASettings, "system.ema", cfg)
+    if isinstance(e.decay, bool) or not isinstance(e.decay, (int, float)) or not 0.0 <= e.decay < 1.0:
+        raise ConfigError("system.ema.decay", e.decay, "must be a number in [0, 1)", "e.g. system.ema.decay=0.9999")
+    require_nonneg_int("system.ema.start_step", e.start_step, "1000")
+    return e
 
 
 class EMA:
@@ -28,11 +62,7 @@ class EMA:
     """
 
     def __init__(self, model: nn.Module, decay: float = 0.9999, start_step: int = 0) -> None:
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
-            raise ConfigError("system.ema.decay", decay, "must be a number in [0, 1)", "e.g. system.ema.decay=0.9999")
-        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-            raise ConfigError("system.ema.start_step", start_step, "must be an integer >= 0",
-                              "e.g. system.ema.start_step=1000")
+        ema_settings({"decay": decay, "start_step": start_step})  # refuses bad values, naming system.ema.*
         self.decay = float(decay)
         self.start_step = start_step
         self.num_updates = 0

@@ -1,0 +1,187 @@
+"""The optimizer of a training step and its learning-rate schedule, from ``system.optim``.
+
+:func:`build_optimizer` is the one place an optimizer is made, and :func:`optimizer_impl` the one place its
+implementation is chosen (``foreach``, ``fused`` or ``single``: it decides the memory of ``optimizer.step()``,
+see ``tests/preflight/test_memory.py``). The training step (:class:`voxdiff.step.TrainStep`) calls both, whether
+Lightning drives it, the preflight traces it or the measure mode runs it. AdamW's state is 2 fp32 tensors per
+parameter: ``exp_avg`` and ``exp_avg_sq``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from voxdiff.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """The validated ``system.optim`` config."""
+
+    lr: float = 1.0e-4  # peak learning rate (after warm-up)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1.0e-8
+    weight_decay: float = 0.0  # decoupled (AdamW); applied to weights with ndim >= 2 only
+    foreach: bool | None = None  # None: torch's default
+    fused: bool | None = None  # None: torch's default (fused=True needs all parameters on a GPU)
+    warmup_steps: int = 0  # linear warm-up from 0 to lr over this many optimizer steps
+    decay_steps: int | None = None  # cosine decay ends here (None: at the end of the run)
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio, then stays there
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+
+def _bad(key: str, value: Any, problem: str, fix: str) -> ConfigError:
+    return ConfigError(f"system.optim.{key}", value, problem, fix)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def optim_settings(cfg: Mapping[str, Any] | None = None) -> OptimSettings:
+    """Validate a plain ``system.optim`` mapping.
+
+    Raises:
+        ConfigError: naming ``system.optim.<key>``, the value and a fix.
+    """
+    values = dict(cfg or {})
+    known = set(OptimSettings.__dataclass_fields__)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise _bad(unknown[0], values[unknown[0]], "is not an optimizer setting",
+                   f"remove it; the settings are {', '.join(sorted(known))}")
+    if "betas" in values and values["betas"] is not None:
+        values["betas"] = tuple(values["betas"])
+    s = OptimSettings(**values)
+    if not _is_number(s.lr) or s.lr <= 0:
+        raise _bad("lr", s.lr, "must be a positive number", "e.g. system.optim.lr=1e-4")
+    if len(s.betas) != 2 or not all(_is_number(b) and 0 <= b < 1 for b in s.betas):
+        raise _bad("betas", list(s.betas), "must be two numbers in [0, 1)", "e.g. system.optim.betas=[0.9,0.999]")
+    if not _is_number(s.eps) or s.eps <= 0:
+        raise _bad("eps", s.eps, "must be a positive number", "e.g. system.optim.eps=1e-8")
+    if not _is_number(s.weight_decay) or s.weight_decay < 0:
+        raise _bad("weight_decay", s.weight_decay, "must be a number >= 0", "e.g. system.optim.weight_decay=0.0")
+    for key in ("foreach", "fused"):
+        if getattr(s, key) not in (None, True, False):
+            raise _bad(key, getattr(s, key), "must be true, false or null", f"use system.optim.{key}=null")
+    if s.foreach and s.fused:
+        raise _bad("fused", s.fused, "cannot be combined with system.optim.foreach=true",
+                   "set one of them to null")
+    if isinstance(s.warmup_steps, bool) or not isinstance(s.warmup_steps, int) or s.warmup_steps < 0:
+        raise _bad("warmup_steps", s.warmup_steps, "must be an integer >= 0", "e.g. system.optim.warmup_steps=500")
+    if s.decay_steps is not None and (
+        isinstance(s.decay_steps, bool) or not isinstance(s.decay_steps, int) or s.decay_steps < 1
+    ):
+        raise _bad("decay_steps", s.decay_steps, "must be a positive integer or null",
+                   "use null to decay over the whole run")
+    if not _is_number(s.min_lr_ratio) or not 0 <= s.min_lr_ratio <= 1:
+        raise _bad("min_lr_ratio", s.min_lr_ratio, "must be a number in [0, 1]", "e.g. system.optim.min_lr_ratio=0.1")
+    return s
+
+
+OPTIMIZER_IMPLS = ("foreach", "fused", "single")
+
+
+def optimizer_impl(settings: OptimSettings, device_type: str) -> str:
+    """The AdamW implementation a run uses on ``device_type`` (``cuda`` or ``cpu``).
+
+    ``fused=true`` → ``fused`` (one in-place kernel); ``foreach=true`` → ``foreach`` (multi-tensor kernels, with a
+    parameter-sized temporary in ``step()``); ``foreach=false`` → ``single`` (a loop over parameters). Neither
+    set: torch's own default for the device, ``foreach`` on CUDA and ``single`` elsewhere.
+    """
+    if settings.fused:
+        return "fused"
+    if settings.foreach is not None:
+        return "foreach" if settings.foreach else "single"
+    return "foreach" if device_type == "cuda" else "single"
+
+
+def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
+    """Trainable ``params`` split for AdamW: weights with two or more dimensions (convolutions, linear layers)
+    get ``weight_decay``; biases and norm scales get none (nanoGPT's split). One group without weight decay."""
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        raise ValueError("build_optimizer: no trainable parameters")
+    if weight_decay == 0:
+        return [{"params": params, "weight_decay": 0.0}]
+    return [g for g in (
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay, "name": "decay"},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "name": "no_decay"},
+    ) if g["params"]]  # fmt: skip
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], optim_cfg: OptimSettings | Mapping[str, Any], impl: str | None = None
+) -> torch.optim.AdamW:
+    """AdamW over ``params`` with the settings of ``system.optim``: the optimizer of a training step.
+
+    The learning rate is the peak ``lr``; :class:`WarmupCosine` scales it per step.
+
+    Args:
+        params: the parameters to optimise (those with ``requires_grad``; frozen ones are skipped).
+        optim_cfg: :class:`OptimSettings` or a plain ``system.optim`` mapping (validated here).
+        impl: one of :data:`OPTIMIZER_IMPLS`; None: :func:`optimizer_impl` for the device of the parameters.
+
+    Returns:
+        ``torch.optim.AdamW``: see :func:`param_groups`.
+    """
+    s = optim_cfg if isinstance(optim_cfg, OptimSettings) else optim_settings(optim_cfg)
+    groups = param_groups(params, s.weight_decay)
+    impl = impl or optimizer_impl(s, groups[0]["params"][0].device.type)
+    if impl not in OPTIMIZER_IMPLS:
+        raise ValueError(f"impl={impl!r}: use one of {', '.join(OPTIMIZER_IMPLS)}")
+    return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, foreach=impl == "foreach",
+                             fused=impl == "fused")
+
+
+class WarmupCosine:
+    """Learning-rate multiplier per optimizer step: linear warm-up, then cosine decay to ``min_lr_ratio``.
+
+    ``factor(step)`` is ``(step + 1) / warmup_steps`` during warm-up, then
+    ``min_lr_ratio + (1 - min_lr_ratio) · ½(1 + cos(π · progress))`` with ``progress`` going from 0 at the end of
+    warm-up to 1 at ``decay_steps``, then ``min_lr_ratio``. A callable object (not a lambda), so
+    ``LambdaLR.state_dict()`` saves it and a resumed run continues the same curve.
+    """
+
+    def __init__(self, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> None:
+        self.warmup_steps = int(warmup_steps)
+        self.decay_steps = max(int(decay_steps), self.warmup_steps + 1)
+        self.min_lr_ratio = float(min_lr_ratio)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, settings: OptimSettings,
+                       total_steps: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """``LambdaLR`` with :class:`WarmupCosine`, stepped once per optimizer step.
+
+    Args:
+        optimizer: the optimizer whose learning rate it scales.
+        settings: ``system.optim``.
+        total_steps: the run length in optimizer steps (``trainer.estimated_stepping_batches``; inf when
+            unbounded), used when ``settings.decay_steps`` is None.
+
+    Raises:
+        ConfigError: an unbounded run without ``system.optim.decay_steps`` (the cosine would have no end).
+    """
+    if settings.decay_steps is None and not math.isfinite(total_steps):
+        raise ConfigError("system.optim.decay_steps", None,
+                          "the run has no fixed length (trainer.max_steps=-1 and trainer.max_epochs=-1), so "
+                          "the cosine decay has no end", "set system.optim.decay_steps or trainer.max_steps")
+    decay_steps = settings.decay_steps if settings.decay_steps is not None else max(1, int(total_steps))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, WarmupCosine(settings.warmup_steps, decay_steps, settings.min_lr_ratio)
+    )

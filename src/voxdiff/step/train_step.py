@@ -1,0 +1,298 @@
+"""One training step of a diffusion UNet, written once, without Lightning.
+
+:class:`TrainStep` holds the model, the loss of a batch, the optimizer, the gradient order, clipping and the
+non-finite guard, the EMA and the precision context, as a :class:`~voxdiff.step.recipe.Recipe` describes them.
+Three drivers run it:
+
+* the Lightning system (``voxdiff.lightning.diffusion``) calls its parts from its hooks — ``training_step`` →
+  :meth:`TrainStep.loss`, ``optimizer_zero_grad`` → :meth:`TrainStep.zero_grad_before_backward`,
+  ``configure_gradient_clipping`` → :meth:`TrainStep.clip_and_check`, ``optimizer_step`` →
+  :meth:`TrainStep.after_optimizer_step` — while Lightning does the autocast, the backward and ``step()``;
+* the preflight traces :meth:`TrainStep.run` on meta tensors, with its CUDA-autocast emulator as the precision
+  context (``voxdiff.preflight.memory``);
+* ``preflight.measure=true`` runs :meth:`TrainStep.run` on a GPU (``voxdiff.preflight.measure``).
+
+One step (:meth:`TrainStep.run`), in Lightning's order::
+
+    forward   batch ──encode_batch──▶ x0 (B, C_out, d, h, w), cond (B, C_cond, d, h, w) | None
+              ──loss (under the precision context)──▶ fp32 loss ──finite?
+    [zero_grad]                                          (recipe.zero_grad_at == "before_backward")
+    backward  loss.backward()
+    optimizer [unscale] ──clip, grad norm finite?──▶ optimizer.step() ──▶ EMA update ──▶ [zero_grad]  ("after_step")
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from voxdiff.diffusion import DiffusionProcess, encode_batch
+from voxdiff.diffusion.seed import seed_loss
+from voxdiff.encodings.base import Encoding
+from voxdiff.encodings.identity import Identity
+from voxdiff.step.ema import EMA
+from voxdiff.step.optim import build_lr_scheduler, build_optimizer, optimizer_impl
+from voxdiff.step.precision import Precision, PrecisionContext
+from voxdiff.step.recipe import Recipe
+
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""``loss_fn(model, x0, cond) -> (loss, stats)``: :meth:`DiffusionProcess.loss` or the seed's loss."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN or infinite loss (or gradient norm); raised before the optimizer step.
+
+    Attributes:
+        step: the global step (optimizer steps completed) whose batch failed.
+        what: ``loss`` or ``gradient norm``.
+        value: the offending value.
+    """
+
+    def __init__(self, step: int, what: str, value: float, detail: str = "") -> None:
+        self.step, self.what, self.value = step, what, value
+        super().__init__(
+            f"the training {what} is {value} at global step {step}{detail}. Training stopped before the optimizer "
+            "step: no NaN reached the weights, the EMA or any checkpoint. Resume from the last good checkpoint "
+            "(ckpt_path=...) with a lower system.optim.lr, trainer.precision=32-true or a smaller "
+            "trainer.gradient_clip_val"
+        )
+
+
+class PhaseProbe(Protocol):
+    """Called around the three phases of :meth:`TrainStep.run` (``forward``, ``backward``, ``optimizer``): the
+    preflight's storage tracker and the measure mode's CUDA peak statistics."""
+
+    def begin(self, phase: str) -> None: ...
+
+    def end(self, phase: str) -> None: ...
+
+
+class _NoProbe:
+    def begin(self, phase: str) -> None:
+        pass
+
+    def end(self, phase: str) -> None:
+        pass
+
+
+class TrainStep:
+    """The training step of ``model`` as ``recipe`` describes it.
+
+    Args:
+        model: the denoiser, called as ``model(x, timesteps=t)``.
+        recipe: loss, optimizer, gradient order, clipping, guard, EMA (:mod:`voxdiff.step.recipe`).
+        encoding: turns data batches into what the UNet sees (:func:`voxdiff.diffusion.encode_batch`); default
+            identity (batches that carry ``image_z``/``mask_z`` are used as they are anyway).
+        mode: ``bravo`` (image conditioned on the mask) or ``seg``.
+        process: the diffusion process whose loss is used (the system passes its own, which also samples);
+            default: one built from ``recipe.diffusion``, or the seed's loss when that is None.
+        precision: the precision context of :meth:`run` (default: no autocast); Lightning brings its own.
+        device_type: the device the run is on (``cuda``/``cpu``), which picks the AdamW implementation when
+            ``system.optim`` leaves it open; default: the device of the model's parameters when the optimizer is
+            made (Lightning moves the model to the GPU before ``configure_optimizers``). The preflight passes
+            ``cuda`` for its meta tensors, which stand for a GPU.
+
+    Attributes:
+        optimizer, scheduler: set by :meth:`configure_optimizer`.
+        clip, guard, zero_grad_at: from the recipe; the Lightning system sets ``clip`` from its Trainer.
+        ema: the :class:`~voxdiff.step.ema.EMA`, or None (``system.ema: false``).
+        any_rank: ``bad -> bool`` reduces a non-finite verdict over processes (DDP: any rank stops all).
+        loss_scaled: a loss scaler (fp16) skips non-finite gradients itself: the gradient-norm guard is off.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        recipe: Recipe,
+        *,
+        encoding: Encoding | None = None,
+        mode: str = "bravo",
+        process: DiffusionProcess | None = None,
+        precision: PrecisionContext | None = None,
+        device_type: str | None = None,
+    ) -> None:
+        self.model = model
+        self.recipe = recipe
+        self.encoding = encoding if encoding is not None else Identity()
+        self.mode = mode
+        if process is None and recipe.diffusion is not None:
+            process = DiffusionProcess(recipe.diffusion)
+        self.process = process
+        self.loss_fn: LossFn = process.loss if process is not None else seed_loss
+        self._device_type = device_type
+        self.precision = precision if precision is not None else Precision("32-true", "cpu").context()
+        self.loss_scaled = self.precision.scales_loss
+        self.zero_grad_at = recipe.zero_grad_at
+        self.clip = recipe.clip
+        self.guard = recipe.guard
+        self.ema = EMA(model, recipe.ema.decay, recipe.ema.start_step) if recipe.ema is not None else None
+        self.any_rank: Callable[[bool], bool] = lambda bad: bad
+        self.optimizer: Any = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.steps_done = 0
+
+    # ------------------------------------------------------------------ set-up
+    @property
+    def device_type(self) -> str:
+        """The device type the step runs on: as given, else that of the model's parameters now."""
+        return self._device_type or next(self.model.parameters()).device.type
+
+    @property
+    def optimizer_impl(self) -> str:
+        """``foreach``, ``fused`` or ``single``: :func:`voxdiff.step.optim.optimizer_impl` on this device."""
+        return optimizer_impl(self.recipe.optim, self.device_type)
+
+    def configure_optimizer(
+        self, total_steps: float | None = None, optimizer: Any = None
+    ) -> tuple[Any, torch.optim.lr_scheduler.LRScheduler | None]:
+        """Build AdamW over the model's trainable parameters (:func:`~voxdiff.step.optim.build_optimizer` with
+        :attr:`optimizer_impl`) and, given the run length ``total_steps``, its warm-up/cosine schedule.
+
+        Args:
+            total_steps: optimizer steps of the run (inf: unbounded); None: no schedule (a constant ``lr``).
+            optimizer: use this optimizer instead (the preflight's stand-in for fused AdamW, which refuses meta
+                tensors); it needs ``param_groups``, ``state``, ``step()`` and ``zero_grad(set_to_none=True)``.
+
+        Raises:
+            ConfigError: an unbounded run without ``system.optim.decay_steps``.
+        """
+        if optimizer is None:
+            optimizer = build_optimizer(self.model.parameters(), self.recipe.optim, self.optimizer_impl)
+        self.optimizer = optimizer
+        self.scheduler = None
+        if total_steps is not None:
+            self.scheduler = build_lr_scheduler(self.optimizer, self.recipe.optim, total_steps)
+        return self.optimizer, self.scheduler
+
+    def to(self, device: torch.device | str) -> TrainStep:
+        """Keep what the step owns besides the model (the EMA) on ``device``."""
+        if self.ema is not None:
+            self.ema.to(device)
+        return self
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the step keeps between steps: weights, buffers, gradients, optimizer state, EMA."""
+        out = [*self.model.parameters(), *self.model.buffers()]
+        out += [p.grad for p in self.model.parameters() if p.grad is not None]
+        state = getattr(self.optimizer, "state", {})
+        out += [v for st in state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        if self.ema is not None:
+            out += self.ema.shadow
+        return out
+
+    # ------------------------------------------------------------------ the parts
+    def check_finite(self, value: torch.Tensor, what: str, step: int, detail: str = "") -> None:
+        """Raise :class:`NonFiniteLossError` if ``value`` is NaN/inf on any rank (one host sync). On meta tensors
+        there is no value to check: the check's own tensors are traced and nothing is raised."""
+        finite = torch.isfinite(value).all()
+        if finite.device.type == "meta":
+            return
+        if self.any_rank(not bool(finite)):
+            raise NonFiniteLossError(step, what, float(value.detach().float().cpu()), detail)
+
+    def loss(self, batch: Mapping[str, Any], step: int | None = None,
+             detail: str = "") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of a data batch (run it under the precision context: :meth:`run`, or Lightning's).
+
+        Args:
+            batch: ``image``/``mask`` volumes ``(B, 1, D, H, W)`` or their encodings ``image_z``/``mask_z``.
+            step: the global step, for the guard's message (default: the steps :meth:`run` has done).
+            detail: more context for the guard's message.
+
+        Returns:
+            ``(loss, stats)``: a float32 scalar with grad, and detached statistics of the loss function.
+        """
+        x0, cond = encode_batch(self.encoding, batch, self.mode)  # (B, C_out, d, h, w), (B, C_cond, ...) | None
+        loss, stats = self.loss_fn(self.model, x0, cond)
+        if self.guard:
+            self.check_finite(loss, "loss", self.steps_done if step is None else step, detail)
+        return loss, stats
+
+    def zero_grad_before_backward(self) -> None:
+        """Free the previous step's gradients here if the recipe frees them before backward (else they are gone
+        already: :meth:`after_optimizer_step`)."""
+        if self.zero_grad_at == "before_backward":
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def clip_and_check(self, step: int | None = None) -> torch.Tensor | None:
+        """Clip the gradients as ``clip`` says and stop on a non-finite total norm (the guard), before the
+        optimizer step. Returns the norm before clipping, or None when neither clipping nor the guard needs it."""
+        guard = self.guard and not self.loss_scaled
+        if self.clip is None and not guard:
+            return None
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if self.clip is not None and self.clip.algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, self.clip.value)
+        max_norm = self.clip.value if self.clip is not None and self.clip.algorithm == "norm" else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if guard:
+            self.check_finite(norm, "gradient norm", self.steps_done if step is None else step)
+        return norm
+
+    def after_optimizer_step(self) -> None:
+        """The post-step hooks: the EMA update (once per optimizer step), then, if the recipe says so, free the
+        gradients now rather than before the next backward (they would live through the next forward: 4 bytes
+        per parameter of the peak)."""
+        if self.ema is not None:
+            self.ema.update(self.model)
+        if self.zero_grad_at == "after_step":
+            self.optimizer.zero_grad(set_to_none=True)
+
+    @contextmanager
+    def ema_weights(self) -> Iterator[nn.Module]:
+        """``with step.ema_weights(): ...`` runs the model with the EMA weights (the raw ones without an EMA)."""
+        with self.ema.swapped(self.model) if self.ema is not None else nullcontext(self.model):
+            yield self.model
+
+    # ------------------------------------------------------------------ the whole step
+    def run(self, batch: Mapping[str, Any], probe: PhaseProbe | None = None) -> dict[str, torch.Tensor]:
+        """One optimizer step on ``batch`` (see the module docstring); :meth:`configure_optimizer` first.
+
+        Args:
+            batch: as :meth:`loss` takes it, on the model's device.
+            probe: told where each phase begins and ends (memory statistics).
+
+        Returns:
+            The loss function's statistics, plus ``grad_norm`` (the norm before clipping) when it was computed.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("TrainStep.run: call configure_optimizer() first")
+        probe = probe or _NoProbe()
+        step = self.steps_done
+        probe.begin("forward")
+        with self.precision.forward():
+            loss, stats = self.loss(batch, step)
+        probe.end("forward")
+        self.zero_grad_before_backward()
+        probe.begin("backward")
+        self.precision.backward(loss)
+        del loss
+        probe.end("backward")
+        probe.begin("optimizer")
+        self.precision.unscale(self.optimizer)
+        norm = self.clip_and_check(step)
+        self.precision.step(self.optimizer)
+        self.after_optimizer_step()
+        probe.end("optimizer")
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.steps_done += 1
+        return stats if norm is None else {**stats, "grad_norm": norm.detach()}
+
+
+def batch_shapes(encoding: Encoding, volume_shape: tuple[int, int, int], batch_size: int) -> dict[str, tuple[int, ...]]:
+    """The tensors of a training batch as the data modules hand them to the step (both modes carry both).
+
+    Weight-free encodings (S2D, Haar, identity) get the volumes, ``image`` and ``mask`` ``(B, 1, D, H, W)``, and
+    encode them inside the step; a learned encoding (VQ-VAE) trains on a latent cache, whose batches carry the
+    latents ``image_z`` and ``mask_z`` ``(B, C, d, h, w)``.
+    """
+    if getattr(encoding, "has_weights", False):
+        latent = encoding.encoded_shape((1, *volume_shape))
+        return {"image_z": (batch_size, *latent), "mask_z": (batch_size, *latent)}
+    return {"image": (batch_size, 1, *volume_shape), "mask": (batch_size, 1, *volume_shape)}

@@ -1,0 +1,84 @@
+"""The preflight of one configuration traces the step that ``train.py`` runs: the EMA as ``system.ema`` says,
+clipping and the non-finite guard, the precision the trainer would pick, and a batch size it refuses to guess."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from voxdiff.config import build_encoding, build_model
+from voxdiff.errors import ConfigError
+from voxdiff.preflight.check import predict_memory, run_preflight
+from voxdiff.preflight.tracker import round_block
+
+def _weight_bytes(cfg) -> int:
+    with torch.device("meta"):
+        model = build_model(cfg, build_encoding(cfg))
+    return sum(round_block(p.numel() * 4) for p in model.parameters())
+
+
+def test_ema_false_traces_no_ema_copy(tiny_cfg):
+    """``system.ema: false`` means no EMA: the trace holds one parameter copy less than with the default EMA."""
+    with_ema = predict_memory(tiny_cfg())
+    without = predict_memory(tiny_cfg("system.ema=false"))
+    weights = _weight_bytes(tiny_cfg())
+    assert with_ema.steady_step.forward - without.steady_step.forward == weights
+    assert with_ema.first_step.forward - without.first_step.forward == weights
+
+
+def test_trace_runs_clipping_and_the_nonfinite_guard(tiny_cfg, monkeypatch):
+    """Training clips (trainer.gradient_clip_val) and checks the loss and the gradient norm every step; the
+    traced step does the same, twice (step 1 and the steady step)."""
+    clip_calls, finite_calls = [], []
+    clip, isfinite = torch.nn.utils.clip_grad_norm_, torch.isfinite
+
+    def spy_clip(parameters, max_norm, *args, **kwargs):
+        clip_calls.append(float(max_norm))
+        return clip(parameters, max_norm, *args, **kwargs)
+
+    def spy_isfinite(x):
+        finite_calls.append(tuple(x.shape))
+        return isfinite(x)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy_clip)
+    monkeypatch.setattr(torch, "isfinite", spy_isfinite)
+    predict_memory(tiny_cfg("trainer.gradient_clip_val=0.5"))
+    assert clip_calls == [0.5, 0.5]
+    assert finite_calls.count(()) >= 4  # the loss and the gradient norm (scalars) of each traced step
+
+
+@pytest.mark.parametrize("value", [0, "null", -2])
+def test_batch_size_that_is_not_positive_is_refused(tiny_cfg, value):
+    cfg = tiny_cfg(f"data.batch_size={value}")
+    with pytest.raises(ConfigError, match=r"data\.batch_size=.*Fix: "):
+        predict_memory(cfg)
+    result = run_preflight(cfg, suggest=False)
+    assert not result.ok and [p.key for p in result.problems] == ["data.batch_size"]
+
+
+def test_batch_size_is_traced_as_given(tiny_cfg):
+    one, three = predict_memory(tiny_cfg("data.batch_size=1")), predict_memory(tiny_cfg("data.batch_size=3"))
+    assert three.input_shape[0] == 3 and one.input_shape[0] == 1
+    assert three.first_step.forward > one.first_step.forward
+
+
+def test_the_preflight_imports_no_lightning(repo):
+    """The preflight runs on a login node: neither importing it nor predicting a config (the latent one builds a
+    VQ-VAE encoding) imports Lightning."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import voxdiff.preflight\n"
+        "gone = lambda: [m for m in ('lightning', 'pytorch_lightning') if m in sys.modules]\n"
+        "assert not gone(), gone()\n"
+        "from voxdiff.config import compose\n"
+        "from voxdiff.preflight.check import run_preflight\n"
+        "r = run_preflight(compose('preflight', ['experiment=exp9_ldm_8x_bravo', 'model=3L_tiny']), suggest=False)\n"
+        "assert r.ok and r.report is not None, r.problems\n"
+        "assert not gone(), gone()\n"
+        "print('light')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "light" in result.stdout, result.stderr[-2000:]

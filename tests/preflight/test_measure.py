@@ -1,0 +1,36 @@
+"""``preflight.measure=true`` runs the step the preflight traces: the same plan, as a real TrainStep. Here on the CPU
+(the CUDA peak statistics need a GPU; ``tests/cli/test_preflight.py`` checks the refusal without one)."""
+
+from __future__ import annotations
+
+import torch
+
+from voxdiff.preflight.check import step_plan
+from voxdiff.preflight.measure import measured_step
+from voxdiff.step import ClipSettings
+
+
+class _Phases:
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def begin(self, phase: str) -> None:
+        self.seen.append(f"<{phase}")
+
+    def end(self, phase: str) -> None:
+        self.seen.append(f"{phase}>")
+
+
+def test_measure_runs_the_planned_step(tiny_cfg):
+    cfg = tiny_cfg("system.ema=false", "trainer.gradient_clip_val=0.5", "trainer.precision=32-true")
+    step, batch = measured_step(cfg, "cpu")
+    assert step.recipe == step_plan(cfg).recipe
+    assert step.ema is None and step.clip == ClipSettings(0.5) and step.guard and step.zero_grad_at == "after_step"
+    assert batch == {"image": (1, 1, 16, 32, 32), "mask": (1, 1, 16, 32, 32)}  # the volumes, encoded in the step
+    probe = _Phases()
+    data = {k: torch.rand(shape) for k, shape in batch.items()}
+    stats = [step.run(data, probe) for _ in range(2)]
+    assert probe.seen == ["<forward", "forward>", "<backward", "backward>", "<optimizer", "optimizer>"] * 2
+    assert all(float(s["grad_norm"]) > 0 for s in stats) and step.steps_done == 2
+    with_ema, _ = measured_step(tiny_cfg("trainer.precision=32-true"), "cpu")
+    assert with_ema.ema is not None

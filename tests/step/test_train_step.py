@@ -1,0 +1,163 @@
+"""The training step, written once: the Lightning system and the bare :class:`TrainStep` compute the same bits; the
+step's parts (gradient order, clipping, guard, EMA, recipes) do what the recipe says."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import lightning as L
+import pytest
+import torch
+from hydra.utils import instantiate
+from torch.utils.data import DataLoader
+
+from voxdiff.config import build_encoding, model_spec
+from voxdiff.diffusion import DiffusionProcess, diffusion_settings
+from voxdiff.lightning.trainer import build_trainer
+from voxdiff.models.unet import build_unet_from_spec
+from voxdiff.step import SEED, NonFiniteLossError, TrainStep, clip_settings, system_recipe
+from voxdiff.step.recipe import recipe_from_config
+
+CLIP = 0.05  # well below the gradient norms of these first steps (about 0.3-2): clipping is active every step
+STEPS = 4
+
+
+class _SeedEachStep(L.Callback):
+    """The same global RNG state before each batch on both sides (timesteps and noise of the loss)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        torch.manual_seed(1000 + trainer.global_step)
+
+
+@pytest.fixture
+def run_cfg(tiny_cfg, tmp_path):
+    return tiny_cfg(f"paths.output_dir={tmp_path}", "data.num_subjects=4", "system.ema.decay=0.5",
+                    "system.ema.start_step=1", "system.optim.lr=1e-3", "system.optim.warmup_steps=2",
+                    "system.optim.weight_decay=0.01", f"trainer.gradient_clip_val={CLIP}", "trainer.accelerator=cpu",
+                    config_name="train")
+
+
+@pytest.fixture
+def batches(run_cfg):
+    dm = instantiate(run_cfg.data, _convert_="all")
+    dm.setup("fit")
+    train = list(dm.train_dataloader())
+    return [train[i % len(train)] for i in range(STEPS)]
+
+
+def test_lightning_and_the_bare_step_are_bit_identical(run_cfg, batches):
+    """The same batches through ``trainer.fit`` of the DiffusionSystem and through ``TrainStep.run`` (no
+    Lightning): identical weights, AdamW state, learning rate and EMA after several clipped steps."""
+    L.seed_everything(0)
+    system = instantiate(run_cfg.system)
+    initial = copy.deepcopy(system.model.state_dict())
+    trainer = build_trainer(run_cfg.trainer, callbacks=[_SeedEachStep()], logger=False, max_steps=STEPS,
+                            max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(system, train_dataloaders=DataLoader(batches, batch_size=None))
+    assert trainer.global_step == STEPS
+
+    # the bare step, built without Lightning from the same config
+    encoding = build_encoding(run_cfg)
+    model = build_unet_from_spec(model_spec(run_cfg, encoding))
+    model.load_state_dict(initial)
+    sys_cfg = run_cfg.system
+    recipe = system_recipe(dict(sys_cfg.optim), dict(sys_cfg.ema), dict(run_cfg.diffusion), clip_settings(CLIP))
+    assert recipe == recipe_from_config(run_cfg)  # what the preflight traces for this config
+    step = TrainStep(model, recipe, encoding=encoding, mode=run_cfg.mode,
+                     process=DiffusionProcess(diffusion_settings(dict(run_cfg.diffusion))))
+    step.configure_optimizer(total_steps=STEPS)
+    for i, batch in enumerate(batches):
+        torch.manual_seed(1000 + i)
+        stats = step.run(batch)
+        assert stats["grad_norm"] > CLIP  # clipping was active
+
+    for (name, a), b in zip(system.model.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+    lit, bare = trainer.optimizers[0].state_dict(), step.optimizer.state_dict()
+    assert len(lit["state"]) == len(bare["state"]) == len(list(model.parameters()))
+    for i in lit["state"]:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(lit["state"][i][key], bare["state"][i][key]), (i, key)
+    assert [g["lr"] for g in lit["param_groups"]] == [g["lr"] for g in bare["param_groups"]]
+    assert system.ema.num_updates == step.ema.num_updates == STEPS
+    for a, b in zip(system.ema.shadow, step.ema.shadow):
+        assert torch.equal(a, b)
+    assert all(p.grad is None for p in model.parameters())  # freed right after the optimizer step
+
+
+def _tiny_step(recipe, seed=0):
+    torch.manual_seed(seed)
+    model = build_unet_from_spec(model_spec_for_tiny())
+    return TrainStep(model, recipe, mode="bravo")
+
+
+def model_spec_for_tiny():
+    from voxdiff.models import unet_spec
+
+    return unet_spec(4, 2, [8, 8], [False, False], [1, 1], 8, 4)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    return {"image_z": torch.randn(1, 2, 8, 8, 8, generator=g), "mask_z": torch.randn(1, 2, 8, 8, 8, generator=g)}
+
+
+def test_gradient_order_of_the_recipes():
+    """system: gradients freed right after the optimizer step; seed: kept until the next backward."""
+    system = _tiny_step(system_recipe({}, False, {}))
+    seed = _tiny_step(SEED)
+    for step in (system, seed):
+        step.configure_optimizer()
+        step.run(_batch())
+    assert all(p.grad is None for p in system.model.parameters())
+    assert all(p.grad is not None for p in seed.model.parameters())
+    assert seed.ema is None and seed.clip is None and not seed.guard and seed.optimizer_impl == "foreach"
+    assert system.optimizer_impl == "single"  # torch's default on the CPU when system.optim leaves it open
+
+
+def test_the_optimizer_implementation_follows_the_device_the_model_is_on_when_it_is_made():
+    """Lightning builds the system (and its step) on the CPU and moves it to the GPU before configure_optimizers:
+    the implementation is decided then, for where the parameters are (foreach on CUDA, single elsewhere)."""
+    step = _tiny_step(system_recipe({}, False, {}))
+    assert step.device_type == "cpu" and step.optimizer_impl == "single"
+    step.model.to("meta")
+    assert step.device_type == "meta"
+    told = TrainStep(step.model, system_recipe({}, False, {}), device_type="cuda")  # the preflight's meta = a GPU
+    assert told.device_type == "cuda" and told.optimizer_impl == "foreach"
+
+
+def test_clipping_by_value_and_by_norm():
+    for algorithm in ("norm", "value"):
+        step = _tiny_step(system_recipe({}, False, {}, clip_settings(1e-4, algorithm)))
+        step.configure_optimizer()
+        step.zero_grad_at = "before_backward"  # keep the clipped gradients to look at them
+        step.run(_batch())
+        grads = [p.grad for p in step.model.parameters()]
+        if algorithm == "value":
+            assert max(float(g.abs().max()) for g in grads) <= 1e-4
+        else:
+            assert float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) == pytest.approx(1e-4, rel=1e-3)
+
+
+def test_a_nonfinite_loss_or_gradient_norm_stops_before_the_optimizer_step():
+    step = _tiny_step(system_recipe({}, {}, {}))
+    step.configure_optimizer()
+    before = [p.detach().clone() for p in step.model.parameters()]
+    bad = _batch()
+    bad["image_z"][0, 0, 0, 0, 0] = math.nan
+    with pytest.raises(NonFiniteLossError, match="loss is nan at global step 0"):
+        step.run(bad)
+    # a finite loss whose gradient is not: one parameter's gradient turned to inf
+    step.optimizer.zero_grad(set_to_none=True)
+    step.model.conv_in.conv.weight.register_hook(lambda g: g + math.inf)
+    with pytest.raises(NonFiniteLossError, match="gradient norm is inf at global step 0"):
+        step.run(_batch())
+    assert step.ema.num_updates == 0 and step.steps_done == 0  # nothing reached the EMA
+    assert all(torch.equal(a, b) for a, b in zip(before, step.model.parameters()))
+
+
+def test_run_needs_an_optimizer():
+    with pytest.raises(RuntimeError, match="configure_optimizer"):
+        _tiny_step(SEED).run(_batch())
