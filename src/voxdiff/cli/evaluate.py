@@ -196,7 +196,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     configure_cpu_threads()
     device = _device(str(cfg.device))
     ckpt_path = Path(str(cfg.ckpt_path)).resolve()
-    header = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    header = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)  # tensors stay on disk
     hparams = header.get("hyper_parameters") or {}
     step, epoch = int(header.get("global_step", -1)), int(header.get("epoch", -1))
     del header

@@ -81,19 +81,20 @@ def histogram_png(real: torch.Tensor, generated: torch.Tensor, masks_real: torch
 def read_loss_log(run_dir: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
     """``{"train/loss": [(step, value), ...], "val/loss": [...]}`` from ``<run_dir>/csv/*/metrics.csv``.
 
-    Lightning's CSV logger writes one ``metrics.csv`` per version (a resumed run adds one); all are read, in
-    version order, and rows without a value are skipped.
+    Lightning's CSV logger writes one ``metrics.csv`` per version; a resumed run adds a version that logs again the
+    steps after its checkpoint. The files are read oldest first and a later file's value for a step replaces the
+    earlier one, so the curve is the one the run followed. Rows without a value are skipped.
     """
-    series: dict[str, list[tuple[int, float]]] = {}
+    series: dict[str, dict[int, float]] = {}
     files = sorted(Path(run_dir).glob("csv/*/metrics.csv"), key=lambda p: (p.stat().st_mtime, str(p)))
     for path in files:
         with open(path, newline="") as f:
             for row in csv.DictReader(f):
                 for key in ("train/loss", "val/loss"):
                     value = row.get(key) or ""
-                    if value.strip() and row.get("step", "").strip():
-                        series.setdefault(key, []).append((int(float(row["step"])), float(value)))
-    return {k: sorted(v) for k, v in series.items()}
+                    if value.strip() and (row.get("step") or "").strip():
+                        series.setdefault(key, {})[int(float(row["step"]))] = float(value)
+    return {k: sorted(v.items()) for k, v in series.items()}
 
 
 def loss_curve_png(series: Mapping[str, Sequence[tuple[int, float]]], step: int | None = None) -> bytes:
