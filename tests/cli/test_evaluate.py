@@ -109,6 +109,9 @@ def test_figures_move_the_right_way_from_an_early_to_a_late_checkpoint(early, la
     assert early["checkpoint"]["global_step"] == 2
     assert l["psnr"]["value"] > e["psnr"]["value"]
     assert l["ssim"]["value"] > e["ssim"]["value"]
+    assert l["ms_ssim"]["value"] > e["ms_ssim"]["value"]
+    real = l["lesion_contrast_real"]["value"]  # the lesion's contrast comes closer to the real one
+    assert abs(l["lesion_contrast_generated"]["value"] - real) < abs(e["lesion_contrast_generated"]["value"] - real)
     assert l["mmd_histogram"]["value"] < e["mmd_histogram"]["value"]
     assert l["frechet_random_resnet10"]["value"] < e["frechet_random_resnet10"]["value"]
 
