@@ -116,3 +116,12 @@ def test_nibabels_real_t1_is_oriented_cropped_padded_and_written_with_its_affine
     np.testing.assert_allclose(written.affine, affine, atol=1e-6)
     centre = affine @ np.array([15, 24, 12, 1.0])
     np.testing.assert_allclose(np.linalg.solve(written.affine, centre)[:3], [15, 24, 12], atol=1e-6)
+
+
+def test_colin27_without_mricron_data_is_refused_with_the_install_command(monkeypatch, tmp_path):
+    import voxdiff.data.mni_template as mni
+
+    monkeypatch.setattr(mni, "COLIN27_FILE", tmp_path / "ch2bet.nii.gz")
+    with pytest.raises(ConfigError) as e:
+        mni.load_template("colin27")
+    assert e.value.key == "data.template" and "apt-get install mricron-data" in str(e.value)
