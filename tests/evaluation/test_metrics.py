@@ -111,3 +111,13 @@ def test_intensity_stats_measure_the_lesion_contrast():
     assert s["contrast"] == pytest.approx(0.4)
     shell = M.lesion_shell(mask)
     assert int(shell.sum()) == 8**3 - 4**3  # a 2-voxel shell around a 4^3 cube
+
+
+def test_chunked_calls_give_the_same_figures(monkeypatch):
+    a, b = _volumes(5, 0), _volumes(5, 1)
+    whole = (M.ssim(a, b), M.ms_ssim(a, b), M.psnr(a, b), M.pairwise_ms_ssim(a)["value"])
+    monkeypatch.setattr(M, "VOXELS_PER_CALL", 2 * a[0].numel())  # two volumes per MONAI call
+    assert M._chunks(5, a[0].numel()) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    chunked = (M.ssim(a, b), M.ms_ssim(a, b), M.psnr(a, b), M.pairwise_ms_ssim(a)["value"])
+    for w, c in zip(whole, chunked):
+        torch.testing.assert_close(torch.as_tensor(c), torch.as_tensor(w))

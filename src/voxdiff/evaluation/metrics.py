@@ -80,18 +80,34 @@ def _pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if a.shape != b.shape or a.dim() != 5 or a.shape[1] != 1:
         raise ValueError(f"expected two (N, 1, D, H, W) volumes of one shape, got {tuple(a.shape)} and "
                          f"{tuple(b.shape)}")
-    return a.double(), b.double()
+    return a, b
+
+
+#: float64 voxels per MONAI call; SSIM keeps about ten maps of its input's size, so this bounds it near 3 GB
+VOXELS_PER_CALL = 40_000_000
+
+
+def _chunks(n: int, voxels: int) -> list[slice]:
+    """Slices of ``range(n)`` holding at most :data:`VOXELS_PER_CALL` voxels each (at least one volume)."""
+    size = max(1, VOXELS_PER_CALL // max(voxels, 1))
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _per_pair(metric, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``metric(a[i], b[i])`` for every pair, in chunks, as ``(N,)`` float64 (inputs cast per chunk)."""
+    a, b = _pair(a, b)
+    return torch.cat([metric(a[c].double(), b[c].double()).reshape(-1).double()
+                      for c in _chunks(a.shape[0], a[0].numel())])
 
 
 def ssim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """SSIM of each pair ``a[i]``, ``b[i]`` (``(N, 1, D, H, W)`` in [0, 1]) → ``(N,)`` float64, MONAI ``SSIMMetric``."""
     from monai.metrics import SSIMMetric
 
-    a, b = _pair(a, b)
     s = SSIM_SETTINGS
     metric = SSIMMetric(spatial_dims=3, data_range=s.data_range, kernel_type="gaussian", win_size=s.kernel_size,
                         kernel_sigma=s.kernel_sigma, k1=s.k1, k2=s.k2, reduction="none")
-    return metric(a, b).reshape(-1).double()
+    return _per_pair(metric, a, b)
 
 
 def ms_ssim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -99,29 +115,26 @@ def ms_ssim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     with :data:`MS_SSIM_SETTINGS`."""
     from monai.metrics import MultiScaleSSIMMetric
 
-    a, b = _pair(a, b)
     check_volume_shape(tuple(a.shape[2:]))
     s = MS_SSIM_SETTINGS
     metric = MultiScaleSSIMMetric(spatial_dims=3, data_range=s.data_range, kernel_type="gaussian",
                                   kernel_size=s.kernel_size, kernel_sigma=s.kernel_sigma, k1=s.k1, k2=s.k2,
                                   weights=s.weights, reduction="none")
-    return metric(a, b).reshape(-1).double()
+    return _per_pair(metric, a, b)
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """PSNR in dB of each pair (``(N, 1, D, H, W)`` in [0, 1], peak 1) → ``(N,)`` float64, MONAI ``PSNRMetric``."""
     from monai.metrics import PSNRMetric
 
-    a, b = _pair(a, b)
-    return PSNRMetric(max_val=1.0, reduction="none")(a, b).reshape(-1).double()
+    return _per_pair(PSNRMetric(max_val=1.0, reduction="none"), a, b)
 
 
-def pairwise_ms_ssim(volumes: torch.Tensor, chunk: int = 16) -> dict[str, float | int]:
+def pairwise_ms_ssim(volumes: torch.Tensor) -> dict[str, float | int]:
     """Mean MS-SSIM over all unordered pairs of a set (the diversity figure: lower = more diverse).
 
     Args:
         volumes: ``(N, 1, D, H, W)`` in [0, 1], ``N >= 2``.
-        chunk: pairs per MONAI call.
 
     Returns:
         ``{"value": mean, "std": standard deviation over pairs, "n": N, "pairs": N·(N-1)/2}``.
@@ -130,11 +143,9 @@ def pairwise_ms_ssim(volumes: torch.Tensor, chunk: int = 16) -> dict[str, float 
     if n < 2:
         raise ValueError(f"pairwise MS-SSIM needs at least 2 volumes, got {n}")
     pairs = list(itertools.combinations(range(n), 2))
-    values = []
-    for start in range(0, len(pairs), chunk):
-        i, j = zip(*pairs[start : start + chunk])
-        values.append(ms_ssim(volumes[list(i)], volumes[list(j)]))
-    v = torch.cat(values)
+    i, j = (list(k) for k in zip(*pairs))
+    step = max(1, VOXELS_PER_CALL // volumes[0].numel())  # index per chunk: never a copy of every pair at once
+    v = torch.cat([ms_ssim(volumes[i[k : k + step]], volumes[j[k : k + step]]) for k in range(0, len(i), step)])
     return {"value": float(v.mean()), "std": float(v.std()) if len(v) > 1 else 0.0, "n": n, "pairs": len(pairs)}
 
 
@@ -162,13 +173,17 @@ def intensity_stats(images: torch.Tensor, masks: torch.Tensor) -> dict[str, floa
         ``mean_inside``, ``std_inside``, ``mean_shell``, ``mean_outside``, ``std_outside`` and ``contrast``
         (mean inside − mean of the shell: how much the lesion stands out from the tissue around it).
     """
-    x = images.double()
-    inside, shell = masks > 0.5, lesion_shell(masks)
+    sums = torch.zeros(3, 3, dtype=torch.float64)  # region × (count, Σx, Σx²), accumulated volume by volume
+    for x, m in zip(images, masks):
+        x, m = x.double(), m[None]
+        inside, shell = (m > 0.5)[0], lesion_shell(m)[0]
+        for r, region in enumerate((inside, shell, ~inside)):
+            v = x[region]
+            sums[r] += torch.stack([v.new_tensor(v.numel()), v.sum(), (v * v).sum()])
     out: dict[str, float] = {}
-    for name, region in (("inside", inside), ("shell", shell), ("outside", ~inside)):
-        values = x[region]
-        out[f"mean_{name}"] = float(values.mean()) if values.numel() else math.nan
-        out[f"std_{name}"] = float(values.std()) if values.numel() > 1 else math.nan
+    for (n, s1, s2), name in zip(sums.tolist(), ("inside", "shell", "outside")):
+        out[f"mean_{name}"] = s1 / n if n else math.nan
+        out[f"std_{name}"] = math.sqrt(max(s2 / n - (s1 / n) ** 2, 0.0) * n / (n - 1)) if n > 1 else math.nan
     out["contrast"] = out["mean_inside"] - out["mean_shell"]
     return out
 
