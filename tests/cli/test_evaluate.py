@@ -81,6 +81,7 @@ def test_metrics_json_has_every_figure_with_n_and_the_checkpoint_identity(run, l
     assert saved["sampling"]["num_inference_steps"] == 5 and saved["sampling"]["use_ema"] is True
     assert "never downloads" in saved["absent"]["medicalnet"]
     assert saved["metric_settings"]["ms_ssim"]["kernel_size"] == 5
+    assert saved["metric_settings"]["ms_ssim"]["preset"] == "voxdiff"
     assert record["html"] == str(out / "report.html")
 
 
@@ -145,7 +146,8 @@ def test_the_loss_curve_comes_from_the_runs_csv(run, tmp_path):
 
 @pytest.mark.parametrize("override, key", [
     ("n=1", "n"), ("montages=-1", "montages"), ("random_features_seed=-2", "random_features_seed"),
-    ("stage1_ckpt=/nonexistent.ckpt", "stage1_ckpt"), ("medicalnet.weights=/some.pth", "medicalnet.sha256"),
+    ("stage1_ckpt=/nonexistent.ckpt", "stage1_ckpt"), ("ms_ssim=hagan", "ms_ssim"),
+    ("medicalnet.weights=/some.pth", "medicalnet.sha256"),
 ])
 def test_bad_evaluation_configs_are_refused(run, override, key):
     _, _, last = run

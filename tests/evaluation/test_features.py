@@ -46,6 +46,8 @@ def test_medicalnet_weights_load_from_a_checked_file(medicalnet_file):
     with torch.no_grad():
         expected = reference(f.preprocess(VOLUMES)).double()
     torch.testing.assert_close(f(VOLUMES), expected)
+    raw = MedicalNetFeatures(path, file_sha256(path), depth=10, zscore=False)  # WDM feeds [0, 1] volumes
+    assert torch.equal(raw.preprocess(VOLUMES), VOLUMES) and not torch.allclose(raw(VOLUMES), f(VOLUMES))
 
 
 @pytest.mark.parametrize("change, key", [("sha", "medicalnet.sha256"), ("depth", "medicalnet.depth"),

@@ -44,6 +44,17 @@ def test_ms_ssim_settings_work_from_the_stated_minimum_size_and_refuse_below():
     assert e.value.key == "data.volume_shape" and "20" in str(e.value)
 
 
+def test_the_wdm_preset_is_monais_with_kernel_7_and_needs_112_voxels():
+    wdm = M.MS_SSIM_PRESETS["wdm"]
+    assert wdm.weights == M.WANG_WEIGHTS and wdm.kernel_size == 7 and wdm.min_size == 112
+    ok = _volumes(1, 0, (112, 112, 112))
+    torch.testing.assert_close(M.ms_ssim(ok, ok, wdm), torch.ones(1, dtype=torch.float64))
+    small = _volumes(1, 0, (111, 112, 112))
+    with pytest.raises(ConfigError, match="ms_ssim=voxdiff"):
+        M.ms_ssim(small, small, wdm)
+    assert M.describe(wdm)["ms_ssim"]["preset"] == "wdm" and M.describe()["ms_ssim"]["preset"] == "voxdiff"
+
+
 def test_mmd_is_zero_for_identical_volumes_and_positive_for_different_ones():
     same = M.histograms(_volumes(1, 0).expand(3, -1, -1, -1, -1))
     assert M.mmd(same, same)["value"] == pytest.approx(0.0, abs=1e-12)

@@ -62,6 +62,11 @@ def validate(cfg: DictConfig) -> None:
         value = cfg.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ConfigError(key, value, f"must be an integer >= {minimum}", f"e.g. {key}={max(minimum, 4)}")
+    from voxdiff.evaluation.metrics import MS_SSIM_PRESETS
+
+    if cfg.get("ms_ssim") not in MS_SSIM_PRESETS:
+        raise ConfigError("ms_ssim", cfg.get("ms_ssim"), "unknown MS-SSIM settings",
+                          f"use one of {', '.join(MS_SSIM_PRESETS)} (voxdiff: any axis >= 20; wdm: WDM's, axes >= 112)")
     seed = cfg.get("random_features_seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ConfigError("random_features_seed", seed, "must be an integer >= 0 or null",
@@ -119,12 +124,13 @@ def _generate(cfg: DictConfig, system: Any, real: Any, device: Any) -> tuple[Any
 def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     from voxdiff.cli.sample import _datamodule, _load
     from voxdiff.evaluation.features import build_extractors
-    from voxdiff.evaluation.metrics import check_volume_shape
+    from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, check_volume_shape
     from voxdiff.evaluation.pipeline import diffusion_figures, histogram_section, load_real, montage_section
 
     system, saved = _load(str(cfg.ckpt_path), device)
     dataset = _split(_datamodule(saved, cfg), str(cfg.split))
-    check_volume_shape(tuple(dataset[0]["image"].shape[1:]))
+    ms_ssim = MS_SSIM_PRESETS[cfg.ms_ssim]
+    check_volume_shape(tuple(dataset[0]["image"].shape[1:]), ms_ssim)
     real = load_real(dataset, int(cfg.n))
     extractors, absent = build_extractors(cfg.get("random_features_seed"), cfg.get("stage1_ckpt"),
                                           plain(cfg.get("medicalnet")))
@@ -133,7 +139,7 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     t1 = time.perf_counter()
     print(f"[voxdiff] {len(generated)} samples in {t1 - t0:.1f} s; computing the figures", flush=True)
     figures, more_absent = diffusion_figures(real, generated, sources, system.mode, extractors,
-                                             bins=int(cfg.histogram_bins), device=str(device))
+                                             bins=int(cfg.histogram_bins), device=str(device), ms_ssim=ms_ssim)
     what = "mask | real | generated" if system.mode == "bravo" else "real mask | generated mask"
     sections = [montage_section(pngs, int(cfg.montages), what)]
     if system.mode == "bravo":
@@ -156,7 +162,7 @@ def _vqvae(cfg: DictConfig, device: Any) -> dict[str, Any]:
     import torch
 
     from voxdiff.cli.sample import _datamodule
-    from voxdiff.evaluation.metrics import check_volume_shape
+    from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, check_volume_shape
     from voxdiff.evaluation.pipeline import histogram_section, load_real, vqvae_figures, vqvae_reconstructions
     from voxdiff.evaluation.report import data_uri
     from voxdiff.lightning.callbacks import CONFIG_KEY
@@ -167,11 +173,12 @@ def _vqvae(cfg: DictConfig, device: Any) -> dict[str, Any]:
     system = VQVAESystem.load_from_checkpoint(str(cfg.ckpt_path), map_location="cpu", weights_only=True)
     system = system.to(device).eval()
     dataset = _split(_datamodule(saved, cfg), str(cfg.split))
-    check_volume_shape(tuple(dataset[0]["image"].shape[1:]))
+    ms_ssim = MS_SSIM_PRESETS[cfg.ms_ssim]
+    check_volume_shape(tuple(dataset[0]["image"].shape[1:]), ms_ssim)
     real = load_real(dataset, int(cfg.n))
     t0 = time.perf_counter()
     recon, codes = vqvae_reconstructions(system, real, int(cfg.batch_size), device)
-    figures = vqvae_figures(real, recon, codes, system.spec.num_embeddings)
+    figures = vqvae_figures(real, recon, codes, system.spec.num_embeddings, ms_ssim)
     out = Path(cfg.paths.output_dir) / "samples"
     pngs = [save_montage(out / f"recon_{s}.png", {"image": real.images[i, 0], "reconstruction": recon[i, 0],
                                                   "|difference|": (recon[i, 0] - real.images[i, 0]).abs()},
@@ -189,7 +196,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     import torch
 
     from voxdiff.evaluation.features import file_sha256
-    from voxdiff.evaluation.metrics import describe
+    from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, describe
     from voxdiff.evaluation.report import data_uri, loss_curve_png, read_loss_log, render_html, write_outputs
     from voxdiff.lightning.trainer import configure_cpu_threads
 
@@ -218,7 +225,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "evaluated_at": dt.datetime.now().isoformat(timespec="seconds"),
         "split": str(cfg.split), "n_generated": result["n_generated"], "n_real": len(real),
         "real_subjects": real.subjects, "volume_shape": list(real.images.shape[2:]),
-        "sampling": result["sampling"], "metric_settings": describe(),
+        "sampling": result["sampling"], "metric_settings": describe(MS_SSIM_PRESETS[cfg.ms_ssim]),
         "feature_extractors": result["feature_extractors"], "figures": result["figures"], "absent": result["absent"],
         "seconds": result["seconds"],
     }

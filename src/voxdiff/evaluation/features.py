@@ -106,6 +106,8 @@ class MedicalNetFeatures(FeatureExtractor):
         weights: the ``.pth`` file.
         sha256: its expected SHA-256 (hex); a mismatch is refused.
         depth: the ResNet depth the file holds (10, 18, 34, 50, ...).
+        zscore: standardise each volume over its non-zero voxels (MedicalNet's training); ``False`` feeds the
+            volumes in [0, 1] as they are (as WDM's ``eval/fid.py`` does).
 
     Raises:
         ConfigError: no such file, a SHA-256 mismatch, an unknown depth or weights of another architecture (named
@@ -114,7 +116,7 @@ class MedicalNetFeatures(FeatureExtractor):
 
     comparable = True
 
-    def __init__(self, weights: str | Path, sha256: str, depth: int = 50) -> None:
+    def __init__(self, weights: str | Path, sha256: str, depth: int = 50, zscore: bool = True) -> None:
         path = Path(weights)
         if not path.is_file():
             raise ConfigError("medicalnet.weights", str(weights), "no such file",
@@ -129,7 +131,8 @@ class MedicalNetFeatures(FeatureExtractor):
                               "check that the file is the MedicalNet release you meant and pass its SHA-256 "
                               "(sha256sum FILE)")
         self.name = f"medicalnet_resnet{depth}"
-        self.label = f"MedicalNet ResNet-{depth} (sha256 {actual[:12]}…)"
+        self.zscore = bool(zscore)
+        self.label = f"MedicalNet ResNet-{depth} (sha256 {actual[:12]}…, inputs {'z-scored' if zscore else 'in [0, 1]'})"
         self.sha256 = actual
         self.network = _resnet(depth)
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -151,6 +154,8 @@ class MedicalNetFeatures(FeatureExtractor):
         self.network.eval().requires_grad_(False)
 
     def preprocess(self, volumes: torch.Tensor) -> torch.Tensor:
+        if not self.zscore:
+            return volumes
         out = torch.empty_like(volumes)
         for i, v in enumerate(volumes):
             fg = v[v > 0]
@@ -198,7 +203,7 @@ def build_extractors(random_seed: int | None, stage1_ckpt: str | None, medicalne
     Args:
         random_seed: seed of :class:`RandomResNetFeatures` (None: none).
         stage1_ckpt: a stage-1 checkpoint for :class:`VQVAEFeatures` (None: none).
-        medicalnet: ``{"weights": path | None, "sha256": hex, "depth": int}``.
+        medicalnet: ``{"weights": path | None, "sha256": hex, "depth": int, "zscore": bool}``.
     """
     extractors: list[FeatureExtractor] = []
     absent: dict[str, str] = {}
@@ -211,7 +216,7 @@ def build_extractors(random_seed: int | None, stage1_ckpt: str | None, medicalne
     medicalnet = medicalnet or {}
     if medicalnet.get("weights"):
         extractors.append(MedicalNetFeatures(medicalnet["weights"], medicalnet.get("sha256"),
-                                             int(medicalnet.get("depth", 50))))
+                                             int(medicalnet.get("depth", 50)), bool(medicalnet.get("zscore", True))))
     else:
         absent["medicalnet"] = (
             "no MedicalNet weights file given (medicalnet.weights=null). voxdiff never downloads weights: fetch a "

@@ -45,6 +45,11 @@ class SSIMSettings:
     k2: float = 0.03
     data_range: float = 1.0
 
+    @property
+    def min_size(self) -> int:
+        """The smallest axis MONAI's MS-SSIM accepts with these settings: ``axis // (scales - 1)² > kernel - 1``."""
+        return self.kernel_size * max(1, len(self.weights) - 1) ** 2
+
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["weights"] = list(self.weights)
@@ -59,21 +64,30 @@ MS_SSIM_SETTINGS = SSIMSettings(
     kernel_sigma=1.5,
     weights=tuple(round(w / sum(WANG_WEIGHTS[:3]), 6) for w in WANG_WEIGHTS[:3]),
 )
-#: the smallest axis MS_SSIM_SETTINGS works on: the coarsest scale (1/4) must hold the kernel
-MS_SSIM_MIN_SIZE = MS_SSIM_SETTINGS.kernel_size * 2 ** (len(MS_SSIM_SETTINGS.weights) - 1)
+#: the smallest axis MS_SSIM_SETTINGS works on
+MS_SSIM_MIN_SIZE = MS_SSIM_SETTINGS.min_size
+#: ``ms_ssim=`` presets: voxdiff's (any axis >= 20), and WDM's evaluation (Friedrich et al. 2024, eval/ms_ssim.py:
+#: kernel 7 with MONAI's five default weights; axes >= 112, e.g. their 128^3 and 256^3 volumes)
+MS_SSIM_PRESETS: dict[str, SSIMSettings] = {
+    "voxdiff": MS_SSIM_SETTINGS,
+    "wdm": SSIMSettings(kernel_size=7, kernel_sigma=1.5, weights=WANG_WEIGHTS),
+}
 
 
-def check_volume_shape(shape: tuple[int, ...], key: str = "data.volume_shape") -> None:
-    """Refuse a volume too small for :data:`MS_SSIM_SETTINGS` (every axis must be ≥ :data:`MS_SSIM_MIN_SIZE`).
+def check_volume_shape(shape: tuple[int, ...], settings: SSIMSettings = MS_SSIM_SETTINGS,
+                       key: str = "data.volume_shape") -> None:
+    """Refuse a volume too small for the MS-SSIM ``settings`` (every axis must be ≥ ``settings.min_size``).
 
     Raises:
         ConfigError: naming ``key``, the shape and a fix.
     """
-    if min(shape) < MS_SSIM_MIN_SIZE:
+    if min(shape) < settings.min_size:
+        fix = f"evaluate a model trained on volumes of at least {settings.min_size} voxels per axis"
+        if settings != MS_SSIM_SETTINGS:
+            fix += f", or use ms_ssim=voxdiff (axes >= {MS_SSIM_MIN_SIZE})"
         raise ConfigError(key, list(shape),
-                          f"MS-SSIM ({len(MS_SSIM_SETTINGS.weights)} scales, kernel {MS_SSIM_SETTINGS.kernel_size}) "
-                          f"needs every axis >= {MS_SSIM_MIN_SIZE}",
-                          f"evaluate a model trained on volumes of at least {MS_SSIM_MIN_SIZE} voxels per axis")
+                          f"MS-SSIM ({len(settings.weights)} scales, kernel {settings.kernel_size}) "
+                          f"needs every axis >= {settings.min_size}", fix)
 
 
 def _pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,13 +124,13 @@ def ssim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _per_pair(metric, a, b)
 
 
-def ms_ssim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def ms_ssim(a: torch.Tensor, b: torch.Tensor, settings: SSIMSettings = MS_SSIM_SETTINGS) -> torch.Tensor:
     """MS-SSIM of each pair (``(N, 1, D, H, W)`` in [0, 1]) → ``(N,)`` float64, MONAI ``MultiScaleSSIMMetric``
-    with :data:`MS_SSIM_SETTINGS`."""
+    with ``settings`` (default :data:`MS_SSIM_SETTINGS`)."""
     from monai.metrics import MultiScaleSSIMMetric
 
-    check_volume_shape(tuple(a.shape[2:]))
-    s = MS_SSIM_SETTINGS
+    check_volume_shape(tuple(a.shape[2:]), settings)
+    s = settings
     metric = MultiScaleSSIMMetric(spatial_dims=3, data_range=s.data_range, kernel_type="gaussian",
                                   kernel_size=s.kernel_size, kernel_sigma=s.kernel_sigma, k1=s.k1, k2=s.k2,
                                   weights=s.weights, reduction="none")
@@ -130,11 +144,12 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _per_pair(PSNRMetric(max_val=1.0, reduction="none"), a, b)
 
 
-def pairwise_ms_ssim(volumes: torch.Tensor) -> dict[str, float | int]:
+def pairwise_ms_ssim(volumes: torch.Tensor, settings: SSIMSettings = MS_SSIM_SETTINGS) -> dict[str, float | int]:
     """Mean MS-SSIM over all unordered pairs of a set (the diversity figure: lower = more diverse).
 
     Args:
         volumes: ``(N, 1, D, H, W)`` in [0, 1], ``N >= 2``.
+        settings: the MS-SSIM settings.
 
     Returns:
         ``{"value": mean, "std": standard deviation over pairs, "n": N, "pairs": N·(N-1)/2}``.
@@ -145,7 +160,8 @@ def pairwise_ms_ssim(volumes: torch.Tensor) -> dict[str, float | int]:
     pairs = list(itertools.combinations(range(n), 2))
     i, j = (list(k) for k in zip(*pairs))
     step = max(1, VOXELS_PER_CALL // volumes[0].numel())  # index per chunk: never a copy of every pair at once
-    v = torch.cat([ms_ssim(volumes[i[k : k + step]], volumes[j[k : k + step]]) for k in range(0, len(i), step)])
+    v = torch.cat([ms_ssim(volumes[i[k : k + step]], volumes[j[k : k + step]], settings)
+                   for k in range(0, len(i), step)])
     return {"value": float(v.mean()), "std": float(v.std()) if len(v) > 1 else 0.0, "n": n, "pairs": len(pairs)}
 
 
@@ -293,7 +309,8 @@ def codebook_usage(indices: torch.Tensor, num_embeddings: int) -> dict[str, floa
             "num_embeddings": num_embeddings, "n_latents": int(counts.sum())}
 
 
-def describe(settings: Mapping[str, SSIMSettings] | None = None) -> dict[str, Any]:
+def describe(ms_ssim_settings: SSIMSettings = MS_SSIM_SETTINGS) -> dict[str, Any]:
     """The metric settings as plain data, for ``metrics.json``."""
-    settings = settings or {"ssim": SSIM_SETTINGS, "ms_ssim": MS_SSIM_SETTINGS}
-    return {k: v.as_dict() for k, v in settings.items()} | {"ms_ssim_min_size": MS_SSIM_MIN_SIZE}
+    preset = next((k for k, v in MS_SSIM_PRESETS.items() if v == ms_ssim_settings), "custom")
+    return {"ssim": SSIM_SETTINGS.as_dict(), "ms_ssim": {**ms_ssim_settings.as_dict(), "preset": preset},
+            "ms_ssim_min_size": ms_ssim_settings.min_size}

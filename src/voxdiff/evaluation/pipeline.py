@@ -38,7 +38,7 @@ DEFINITIONS: dict[str, tuple[str, str, str]] = {
              "mean over samples (MONAI PSNRMetric)."),
     "ms_ssim": ("Paired MS-SSIM", "higher",
                 "MS-SSIM of each generated volume against the real image of its mask, mean over samples (MONAI "
-                "MultiScaleSSIMMetric, kernel 5, σ 1.5, 3 scales, weights 0.071/0.453/0.476)."),
+                "MultiScaleSSIMMetric; kernel, σ and weights as stated in metric_settings.ms_ssim)."),
     "lesion_contrast_generated": (
         "Lesion contrast, generated", "match",
         "Mean intensity inside the mask minus the mean in a 2-voxel shell around it, over generated volumes: "
@@ -114,8 +114,8 @@ def batches(n: int, size: int) -> Iterable[list[int]]:
 
 # ------------------------------------------------------------------------------------------------ diffusion
 def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequence[int], mode: str,
-                      extractors: Sequence[FeatureExtractor], bins: int = 64, device: str = "cpu"
-                      ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+                      extractors: Sequence[FeatureExtractor], bins: int = 64, device: str = "cpu",
+                      ms_ssim: M.SSIMSettings = M.MS_SSIM_SETTINGS) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """All figures of a generated set against the real one.
 
     Args:
@@ -125,6 +125,7 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
         mode: ``bravo`` or ``seg``.
         extractors: feature extractors for Fréchet distances.
         bins: histogram bins of the MMD.
+        ms_ssim: the MS-SSIM settings (diversity and paired MS-SSIM).
 
     Returns:
         ``(figures, absent)``: ``{name: figure}`` and ``{name: why it was not computed}``.
@@ -133,16 +134,16 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
     absent: dict[str, str] = {}
     reference = real.images if mode == "bravo" else real.masks  # what the generated volumes should look like
     paired = reference[list(sources)]
-    figures["diversity_ms_ssim_generated"] = figure("diversity_ms_ssim_generated", M.pairwise_ms_ssim(generated))
+    figures["diversity_ms_ssim_generated"] = figure("diversity_ms_ssim_generated", M.pairwise_ms_ssim(generated, ms_ssim))
     if len(real) >= 2:
-        figures["diversity_ms_ssim_real"] = figure("diversity_ms_ssim_real", M.pairwise_ms_ssim(reference))
+        figures["diversity_ms_ssim_real"] = figure("diversity_ms_ssim_real", M.pairwise_ms_ssim(reference, ms_ssim))
     else:
         absent["diversity_ms_ssim_real"] = "the split has 1 subject: no pair of real volumes"
     if mode == "bravo":
         masks = real.masks[list(sources)]
         figures["ssim"] = figure("ssim", M.summary(M.ssim(generated, paired)))
         figures["psnr"] = figure("psnr", M.summary(M.psnr(generated, paired)))
-        figures["ms_ssim"] = figure("ms_ssim", M.summary(M.ms_ssim(generated, paired)))
+        figures["ms_ssim"] = figure("ms_ssim", M.summary(M.ms_ssim(generated, paired, ms_ssim)))
         stats_gen, stats_real = M.intensity_stats(generated, masks), M.intensity_stats(real.images, real.masks)
         figures["lesion_contrast_generated"] = figure("lesion_contrast_generated",
                                                       {"value": stats_gen["contrast"], "n": len(generated),
@@ -199,14 +200,14 @@ def vqvae_reconstructions(system: Any, real: VolumeSet, batch_size: int, device:
     return torch.cat(recons), torch.cat(codes)
 
 
-def vqvae_figures(real: VolumeSet, recon: torch.Tensor, codes: torch.Tensor, num_embeddings: int
-                  ) -> dict[str, dict[str, Any]]:
+def vqvae_figures(real: VolumeSet, recon: torch.Tensor, codes: torch.Tensor, num_embeddings: int,
+                  ms_ssim: M.SSIMSettings = M.MS_SSIM_SETTINGS) -> dict[str, dict[str, Any]]:
     """Reconstruction figures and codebook usage of a VQ-VAE on the real set."""
     usage = M.codebook_usage(codes, num_embeddings)
     return {
         "reconstruction_ssim": figure("reconstruction_ssim", M.summary(M.ssim(recon, real.images))),
         "reconstruction_psnr": figure("reconstruction_psnr", M.summary(M.psnr(recon, real.images))),
-        "reconstruction_ms_ssim": figure("reconstruction_ms_ssim", M.summary(M.ms_ssim(recon, real.images))),
+        "reconstruction_ms_ssim": figure("reconstruction_ms_ssim", M.summary(M.ms_ssim(recon, real.images, ms_ssim))),
         "codebook_perplexity": figure("codebook_perplexity", {"value": usage["perplexity"], "n": len(real),
                                                               **usage}),
         "codebook_dead_codes": figure("codebook_dead_codes", {"value": usage["dead"], "n": len(real), **usage}),
