@@ -90,3 +90,43 @@ def checkpoint_kind(checkpoint: Mapping[str, Any]) -> str:
     if "vqvae" in hparams:
         return "vqvae"
     return "unknown"
+
+
+def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path") -> tuple[Any, dict[str, Any]]:
+    """The Lightning system of a checkpoint, rebuilt from its plain hyper-parameters, with its weights (and, for a
+    diffusion system, its EMA weights), on the CPU in eval mode; and the checkpoint itself.
+
+    Never Lightning's ``load_from_checkpoint`` nor Hydra's ``instantiate`` of a stored ``_target_``: the system's
+    constructor takes the stored plain values, and the encoding or data it names must be one of voxdiff's own.
+
+    Args:
+        kind: ``"diffusion"`` or ``"vqvae"``: the kind of checkpoint the caller needs (see :data:`KINDS`).
+
+    Raises:
+        ConfigError: the file is unreadable, of another kind, or its stored config or weights are refused.
+    """
+    import inspect
+
+    if kind == "diffusion":
+        from voxdiff.lightning.diffusion import DiffusionSystem as cls
+    else:
+        from voxdiff.lightning.vqvae import VQVAESystem as cls
+
+    checkpoint = load_file(path, key, fix)
+    found = checkpoint_kind(checkpoint)
+    if found != kind:
+        raise ConfigError(key, str(path), f"is {KINDS[found]}; this command needs {KINDS[kind]}", fix)
+    hparams = checkpoint["hyper_parameters"]
+    args = {k: hparams[k] for k in inspect.signature(cls.__init__).parameters if k in hparams}
+    try:
+        system = cls(**args)
+    except ConfigError as err:  # e.g. a stored encoding whose _target_ is not a voxdiff encoding
+        raise ConfigError(key, str(path), f"its stored config is refused ({err})", fix) from None
+    if hasattr(system, "on_load_checkpoint"):
+        system.on_load_checkpoint(checkpoint)  # the diffusion system's EMA weights
+    try:
+        system.load_state_dict(checkpoint.get("state_dict") or {})
+    except RuntimeError as err:
+        reason = str(err).strip().splitlines()[0]
+        raise ConfigError(key, str(path), f"its weights do not match its stored config ({reason})", fix) from None
+    return system.eval(), checkpoint

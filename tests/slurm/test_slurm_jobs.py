@@ -7,7 +7,6 @@ run root is a temporary folder. The cluster (slurmctld + slurmd) is started here
 from __future__ import annotations
 
 import csv
-import os
 import re
 import subprocess
 import sys

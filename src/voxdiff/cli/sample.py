@@ -56,32 +56,25 @@ def validate(cfg: DictConfig) -> None:
 
 def _load(ckpt_path: str, device: Any):
     """The diffusion system of a checkpoint, rebuilt from its plain hyper-parameters, with its (EMA) weights."""
-    import inspect
-
-    from voxdiff.checkpoint import KINDS, checkpoint_kind, load_file
+    from voxdiff.checkpoint import rebuild_system
     from voxdiff.lightning.callbacks import CONFIG_KEY
-    from voxdiff.lightning.diffusion import DiffusionSystem
 
-    checkpoint = load_file(ckpt_path, "ckpt_path", _CKPT_FIX)
-    kind = checkpoint_kind(checkpoint)
-    if kind != "diffusion":
-        raise ConfigError("ckpt_path", ckpt_path, f"is {KINDS[kind]}; sample.py generates from a diffusion-UNet "
-                          "checkpoint", "use a checkpoint written by python train.py with system=diffusion (a latent "
-                          "run decodes through the stage 1 its own config names)")
-    hparams = checkpoint["hyper_parameters"]
-    args = {k: hparams[k] for k in inspect.signature(DiffusionSystem.__init__).parameters if k in hparams}
+    system, checkpoint = rebuild_system(ckpt_path, "diffusion", _CKPT_FIX)
+    return system.to(device), checkpoint.get(CONFIG_KEY, {})
+
+
+def sampling_precision(cfg: DictConfig, saved: dict[str, Any], device: Any):
+    """The precision to sample in: ``precision`` if given, else the checkpoint's ``trainer.precision`` (as
+    trained), decided for this device by :func:`voxdiff.step.decide_precision`."""
+    from voxdiff.step import decide_precision
+
+    requested = cfg.get("precision") if cfg.get("precision") is not None else (saved.get("trainer") or {}).get(
+        "precision")
     try:
-        system = DiffusionSystem(**args)
-    except ConfigError as err:  # e.g. a stored encoding whose _target_ is not a voxdiff encoding
-        raise ConfigError("ckpt_path", ckpt_path, f"its stored config is refused ({err})", _CKPT_FIX) from None
-    system.on_load_checkpoint(checkpoint)  # the EMA weights
-    try:
-        system.load_state_dict(checkpoint.get("state_dict") or {})
-    except RuntimeError as err:
-        reason = str(err).strip().splitlines()[0]
-        raise ConfigError("ckpt_path", ckpt_path, f"its weights do not match its stored config ({reason})",
-                          _CKPT_FIX) from None
-    return system.to(device).eval(), checkpoint.get(CONFIG_KEY, {})
+        return decide_precision(requested, device.type)
+    except ConfigError as e:
+        raise ConfigError("precision", requested, f"cannot run on {device.type}: {e.problem}",
+                          "set precision=32-true, or one this device runs (null: as trained)") from None
 
 
 def _datamodule(saved: dict[str, Any], cfg: DictConfig):
@@ -111,7 +104,6 @@ def sample(cfg: DictConfig) -> list[Path]:
 
     from voxdiff.lightning.samples import save_samples
     from voxdiff.lightning.trainer import configure_cpu_threads
-    from voxdiff.step import decide_precision
 
     configure_cpu_threads()
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
@@ -126,13 +118,7 @@ def sample(cfg: DictConfig) -> list[Path]:
     loader = DataLoader(Subset(dataset, list(range(n))), batch_size=int(cfg.batch_size), shuffle=False)
     out_dir = Path(cfg.paths.output_dir) / "samples"
     print(f"[voxdiff] {system.mode} samples from {cfg.ckpt_path} (EMA: {cfg.use_ema}) into {out_dir}", flush=True)
-    requested = cfg.get("precision") if cfg.get("precision") is not None else (saved.get("trainer") or {}).get(
-        "precision")
-    try:
-        precision = decide_precision(requested, device.type)
-    except ConfigError as e:
-        raise ConfigError("precision", requested, f"cannot run on {device.type}: {e.problem}",
-                          "set precision=32-true, or one this device runs (null: as trained)") from None
+    precision = sampling_precision(cfg, saved, device)
     pngs: list[Path] = []
     for i, batch in enumerate(loader):
         generator = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1_000_003 + i)

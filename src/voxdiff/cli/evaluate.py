@@ -1,0 +1,258 @@
+"""``python evaluate.py ckpt_path=PATH [n=8] ...``: how good is a trained checkpoint?
+
+compose → validate → read the checkpoint (its step and SHA-256) → take the real volumes of a split (the
+validation subjects of the data config saved in the checkpoint, or ``data.root=DIR``) → then
+
+* a diffusion checkpoint: ``n`` samples with DDIM and the EMA weights, conditioned on those subjects' masks (in
+  turn, when ``n`` exceeds them), decoded through the encoding (as ``sample.py`` does) → diversity, paired
+  fidelity, intensity statistics, MMD and Fréchet distances (:mod:`voxdiff.evaluation`);
+* a VQ-VAE (stage-1) checkpoint: reconstructions of the real images → SSIM, PSNR, MS-SSIM, codebook usage;
+
+→ ``metrics.json`` and ``report.html`` (one self-contained page) in ``<run dir of the checkpoint>/eval/<time>/``
+(or ``out_dir=DIR``), with the generated NIfTI files (source affine) and montages under ``samples/``.
+
+Exit codes: 0 done; 2 the config was refused.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from voxdiff.config import config_dir, plain
+from voxdiff.errors import ConfigError
+
+EXIT_CONFIG = 2
+
+
+def eval_dir(ckpt_path: Any, out_dir: Any, log_dir: Any, stamp: str) -> str:
+    """The ``${voxdiff.eval_dir:...}`` resolver: ``out_dir`` if set, else ``<run dir>/eval/<stamp>`` where the run
+    directory holds ``checkpoints/<ckpt>`` (else the checkpoint's folder), else ``<log_dir>/evaluate/<stamp>``."""
+    if out_dir not in (None, ""):
+        return str(out_dir)
+    if ckpt_path not in (None, ""):
+        parent = Path(str(ckpt_path)).parent
+        run_dir = parent.parent if parent.name == "checkpoints" else parent
+        return str(run_dir / "eval" / stamp)
+    return str(Path(str(log_dir)) / "evaluate" / stamp)
+
+
+if not OmegaConf.has_resolver("voxdiff.eval_dir"):
+    OmegaConf.register_new_resolver("voxdiff.eval_dir", eval_dir)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Static checks of an evaluation config (those of ``sample.py``, and the evaluation's own).
+
+    Raises:
+        ConfigError: naming the key, the value and a fix.
+    """
+    from voxdiff.cli.sample import validate as validate_sampling
+
+    validate_sampling(cfg)
+    if cfg.n < 2:
+        raise ConfigError("n", cfg.n, "diversity and distribution figures need at least 2 samples", "e.g. n=8")
+    for key, minimum in (("montages", 0), ("histogram_bins", 2)):
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(key, value, f"must be an integer >= {minimum}", f"e.g. {key}={max(minimum, 4)}")
+    from voxdiff.evaluation.metrics import MS_SSIM_PRESETS
+
+    if cfg.get("ms_ssim") not in MS_SSIM_PRESETS:
+        raise ConfigError("ms_ssim", cfg.get("ms_ssim"), "unknown MS-SSIM settings",
+                          f"use one of {', '.join(MS_SSIM_PRESETS)} (voxdiff: any axis >= 20; wdm: WDM's, axes >= 112)")
+    seed = cfg.get("random_features_seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ConfigError("random_features_seed", seed, "must be an integer >= 0 or null",
+                          "e.g. random_features_seed=0 (null: no random-network features)")
+    stage1 = cfg.get("stage1_ckpt")
+    if stage1 is not None and not Path(str(stage1)).is_file():
+        raise ConfigError("stage1_ckpt", stage1, "no such checkpoint file",
+                          "point it at a VQ-VAE run's checkpoints/last.ckpt, or stage1_ckpt=null")
+    medicalnet = cfg.get("medicalnet") or {}
+    if medicalnet.get("weights") is not None and not medicalnet.get("sha256"):
+        raise ConfigError("medicalnet.sha256", medicalnet.get("sha256"), "a MedicalNet weights file needs its SHA-256",
+                          "pass medicalnet.sha256=$(sha256sum FILE | cut -d' ' -f1) of the file you trust")
+
+
+def _device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _split(dm: Any, split: str):
+    from torch.utils.data import ConcatDataset
+
+    dm.setup("fit")
+    return dm.val_dataset if split == "val" else ConcatDataset([dm.val_dataset, dm.train_dataset])
+
+
+def _generate(cfg: DictConfig, system: Any, real: Any, device: Any, precision: Any
+              ) -> tuple[Any, list[int], list[Path]]:
+    """``n`` samples conditioned on the real masks in turn; writes NIfTI + montage per sample."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from voxdiff.evaluation.pipeline import batches
+    from voxdiff.lightning.samples import save_samples
+
+    n, out = int(cfg.n), Path(cfg.paths.output_dir) / "samples"
+    sources = [i % len(real) for i in range(n)]
+    generated, pngs = [], []
+    for b, idx in enumerate(tqdm(list(batches(n, int(cfg.batch_size))), desc="[voxdiff] DDIM", unit="batch")):
+        src = [sources[i] for i in idx]
+        generator = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1_000_003 + b)
+        with precision.autocast():
+            x = system.generate(real.masks[src], num_inference_steps=cfg.get("num_inference_steps"),
+                                generator=generator, use_ema=bool(cfg.use_ema), eta=cfg.get("eta")).float().cpu()
+        generated.append(x)
+        names = [f"{real.subjects[s]}_s{i:03d}" for s, i in zip(src, idx)]
+        pngs += save_samples(out, "eval", system.mode, x, real.masks[src], real.images[src], real.affines[src], names)
+    return torch.cat(generated), sources, pngs
+
+
+def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
+    from voxdiff.cli.sample import _datamodule, _load, sampling_precision
+    from voxdiff.evaluation.features import build_extractors
+    from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, check_volume_shape
+    from voxdiff.evaluation.pipeline import diffusion_figures, histogram_section, load_real, montage_section
+
+    system, saved = _load(str(cfg.ckpt_path), device)
+    dataset = _split(_datamodule(saved, cfg), str(cfg.split))
+    ms_ssim = MS_SSIM_PRESETS[cfg.ms_ssim]
+    check_volume_shape(tuple(dataset[0]["image"].shape[1:]), ms_ssim)
+    real = load_real(dataset, int(cfg.n))
+    extractors, absent = build_extractors(cfg.get("random_features_seed"), cfg.get("stage1_ckpt"),
+                                          plain(cfg.get("medicalnet")))
+    t0 = time.perf_counter()
+    generated, sources, pngs = _generate(cfg, system, real, device, sampling_precision(cfg, saved, device))
+    t1 = time.perf_counter()
+    print(f"[voxdiff] {len(generated)} samples in {t1 - t0:.1f} s; computing the figures", flush=True)
+    figures, more_absent = diffusion_figures(real, generated, sources, system.mode, extractors,
+                                             bins=int(cfg.histogram_bins), device=str(device), ms_ssim=ms_ssim)
+    what = "mask | real | generated" if system.mode == "bravo" else "real mask | generated mask"
+    sections = [montage_section(pngs, int(cfg.montages), what)]
+    if system.mode == "bravo":
+        sections.append(histogram_section(real, generated, sources, int(cfg.histogram_bins)))
+    steps = (cfg.get("num_inference_steps") or system.sampling.num_inference_steps
+             or system.process.settings.num_inference_steps)
+    eta = cfg.get("eta") if cfg.get("eta") is not None else system.process.settings.eta
+    return {
+        "kind": "diffusion", "mode": system.mode, "figures": figures, "absent": {**absent, **more_absent},
+        "sections": sections, "n_generated": len(generated), "real": real,
+        "sampling": {"sampler": "DDIM", "num_inference_steps": int(steps), "eta": float(eta),
+                     "use_ema": bool(cfg.use_ema), "seed": int(cfg.seed), "batch_size": int(cfg.batch_size),
+                     "conditioned_on": [real.subjects[s] for s in sources]},
+        "feature_extractors": {e.name: e.label for e in extractors},
+        "seconds": {"generation": round(t1 - t0, 2), "figures": round(time.perf_counter() - t1, 2)},
+    }
+
+
+def _vqvae(cfg: DictConfig, device: Any) -> dict[str, Any]:
+
+    from voxdiff.checkpoint import rebuild_system
+    from voxdiff.cli.sample import _CKPT_FIX, _datamodule
+    from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, check_volume_shape
+    from voxdiff.evaluation.pipeline import histogram_section, load_real, vqvae_figures, vqvae_reconstructions
+    from voxdiff.evaluation.report import data_uri
+    from voxdiff.lightning.callbacks import CONFIG_KEY
+    from voxdiff.viz import save_montage
+
+    system, checkpoint = rebuild_system(str(cfg.ckpt_path), "vqvae", _CKPT_FIX)
+    system, saved = system.to(device), checkpoint.get(CONFIG_KEY, {})
+    dataset = _split(_datamodule(saved, cfg), str(cfg.split))
+    ms_ssim = MS_SSIM_PRESETS[cfg.ms_ssim]
+    check_volume_shape(tuple(dataset[0]["image"].shape[1:]), ms_ssim)
+    real = load_real(dataset, int(cfg.n))
+    t0 = time.perf_counter()
+    recon, codes = vqvae_reconstructions(system, real, int(cfg.batch_size), device)
+    figures = vqvae_figures(real, recon, codes, system.spec.num_embeddings, ms_ssim)
+    out = Path(cfg.paths.output_dir) / "samples"
+    pngs = [save_montage(out / f"recon_{s}.png", {"image": real.images[i, 0], "reconstruction": recon[i, 0],
+                                                  "|difference|": (recon[i, 0] - real.images[i, 0]).abs()},
+                         title=f"{s}: VQ-VAE reconstruction") for i, s in enumerate(real.subjects[: cfg.montages])]
+    sections = [("Montages", "image | reconstruction | absolute difference, three mid-planes, grey scale [0, 1]",
+                 [(data_uri(p), p.stem) for p in pngs]),
+                histogram_section(real, recon, list(range(len(real))), int(cfg.histogram_bins), "reconstruction")]
+    return {"kind": "vqvae", "mode": "reconstruction", "figures": figures, "absent": {}, "sections": sections,
+            "n_generated": len(recon), "real": real, "sampling": None, "feature_extractors": {},
+            "seconds": {"figures": round(time.perf_counter() - t0, 2)}}
+
+
+def evaluate(cfg: DictConfig) -> dict[str, Any]:
+    """Evaluate ``cfg.ckpt_path``; returns the ``metrics.json`` record plus ``{"json", "html"}`` paths."""
+    import torch
+
+    from voxdiff.evaluation.features import file_sha256
+    from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, describe
+    from voxdiff.evaluation.report import data_uri, loss_curve_png, read_loss_log, render_html, write_outputs
+    from voxdiff.lightning.trainer import configure_cpu_threads
+
+    configure_cpu_threads()
+    device = _device(str(cfg.device))
+    ckpt_path = Path(str(cfg.ckpt_path)).resolve()
+    header = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)  # tensors stay on disk
+    hparams = header.get("hyper_parameters") or {}
+    step, epoch = int(header.get("global_step", -1)), int(header.get("epoch", -1))
+    del header
+    out_dir = Path(cfg.paths.output_dir)
+    print(f"[voxdiff] evaluating {ckpt_path} (step {step}) into {out_dir}", flush=True)
+    result = _vqvae(cfg, device) if "vqvae" in hparams else _diffusion(cfg, device)
+    real = result.pop("real")
+    run_dir = ckpt_path.parent.parent if ckpt_path.parent.name == "checkpoints" else ckpt_path.parent
+    series = read_loss_log(run_dir)
+    if series:
+        loss = ("Training loss", f"from {run_dir}/csv/*/metrics.csv", [(data_uri(loss_curve_png(series, step)),
+                                                                        "loss per optimizer step")])
+    else:
+        loss = ("Training loss", f"absent: no CSV log under {run_dir}/csv/ (train with logger=csv or logger=wandb_csv "
+                "to get one)", [])
+    record = {
+        "checkpoint": {"path": str(ckpt_path), "sha256": file_sha256(ckpt_path), "global_step": step,
+                       "epoch": epoch, "kind": result["kind"], "mode": result["mode"]},
+        "evaluated_at": dt.datetime.now().isoformat(timespec="seconds"),
+        "split": str(cfg.split), "n_generated": result["n_generated"], "n_real": len(real),
+        "real_subjects": real.subjects, "volume_shape": list(real.images.shape[2:]),
+        "sampling": result["sampling"], "metric_settings": describe(MS_SSIM_PRESETS[cfg.ms_ssim]),
+        "feature_extractors": result["feature_extractors"], "figures": result["figures"], "absent": result["absent"],
+        "seconds": result["seconds"],
+    }
+    title = f"voxdiff evaluation: {run_dir.name}, step {step}"
+    meta = {"checkpoint": f"{ckpt_path} (step {step}, epoch {epoch})", "SHA-256": record["checkpoint"]["sha256"],
+            "kind": f"{result['kind']} ({result['mode']})",
+            "sets": f"{result['n_generated']} {'generated' if result['kind'] == 'diffusion' else 'reconstructed'}, "
+                    f"{len(real)} real (split={cfg.split}), volumes {'×'.join(map(str, real.images.shape[2:]))}",
+            "evaluated": record["evaluated_at"]}
+    if result["sampling"]:
+        s = result["sampling"]
+        meta["sampling"] = f"DDIM {s['num_inference_steps']} steps, eta {s['eta']}, EMA {s['use_ema']}, seed {s['seed']}"
+    page = render_html(title, meta, record["figures"], record["absent"], [*result["sections"], loss])
+    json_path, html_path = write_outputs(out_dir, record, page)
+    print(f"[voxdiff] wrote {json_path} and {html_path}", flush=True)
+    for name, f in record["figures"].items():
+        print(f"[voxdiff]   {name} = {f['value']:.6g}", flush=True)
+    return {**record, "json": str(json_path), "html": str(html_path)}
+
+
+@hydra.main(config_path=str(config_dir()), config_name="evaluate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """The ``voxdiff-evaluate`` / ``python evaluate.py`` entry point."""
+    try:
+        validate(cfg)
+        evaluate(cfg)
+    except ConfigError as e:
+        print(f"[voxdiff] config error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_CONFIG) from None
+
+
+if __name__ == "__main__":
+    main()

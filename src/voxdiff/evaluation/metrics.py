@@ -1,0 +1,315 @@
+"""The figures of an evaluation, each computed by a library metric (MONAI) on float64 tensors.
+
+Volumes are ``(N, 1, D, H, W)`` tensors in [0, 1] (images) or {0, 1} (masks); feature sets are ``(N, F)``.
+
+* Structural similarity: MONAI's ``SSIMMetric``, ``MultiScaleSSIMMetric`` and ``PSNRMetric`` with the settings
+  of :data:`SSIM_SETTINGS` and :data:`MS_SSIM_SETTINGS` (data range 1).
+* Diversity: the mean MS-SSIM over all ``N·(N-1)/2`` unordered pairs of a set (:func:`pairwise_ms_ssim`).
+* Distribution: MONAI's ``MMDMetric`` (unbiased, linear kernel) on intensity histograms (:func:`histograms`),
+  and the Fréchet distance of two feature sets through MONAI's ``FIDMetric`` (:func:`frechet_distance`), made
+  safe for ``N`` smaller than the feature dimension.
+* Codebook usage of a VQ-VAE from its code indices (:func:`codebook_usage`).
+
+MONAI's ``MultiScaleSSIMMetric`` with its defaults (11-voxel kernel, the five weights of Wang et al. 2003)
+refuses any axis of 160 voxels or less, i.e. every shape voxdiff trains on. voxdiff uses a 5-voxel Gaussian
+kernel (σ 1.5) and three scales with Wang et al.'s first three weights renormalised to sum to 1; that needs
+every axis ≥ :data:`MS_SSIM_MIN_SIZE` (20) and works for all configured experiments (the smallest axis is 32).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from voxdiff.errors import ConfigError
+
+#: Wang, Simoncelli & Bovik (2003) MS-SSIM weights for five scales (MONAI's default)
+WANG_WEIGHTS = (0.0448, 0.2856, 0.3001, 0.2363, 0.1333)
+
+
+@dataclass(frozen=True)
+class SSIMSettings:
+    """Arguments of MONAI's ``SSIMMetric`` / ``MultiScaleSSIMMetric`` (3D, Gaussian kernel, data range 1)."""
+
+    kernel_size: int
+    kernel_sigma: float
+    weights: tuple[float, ...] = ()  # MS-SSIM only: one weight per scale, finest first
+    k1: float = 0.01
+    k2: float = 0.03
+    data_range: float = 1.0
+
+    @property
+    def min_size(self) -> int:
+        """The smallest axis MONAI's MS-SSIM accepts with these settings: ``axis // (scales - 1)² > kernel - 1``."""
+        return self.kernel_size * max(1, len(self.weights) - 1) ** 2
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["weights"] = list(self.weights)
+        return d
+
+
+#: single-scale SSIM: a 7-voxel Gaussian window (σ 1.5)
+SSIM_SETTINGS = SSIMSettings(kernel_size=7, kernel_sigma=1.5)
+#: MS-SSIM: a 5-voxel Gaussian kernel (σ 1.5) at three scales, Wang et al.'s first three weights renormalised
+MS_SSIM_SETTINGS = SSIMSettings(
+    kernel_size=5,
+    kernel_sigma=1.5,
+    weights=tuple(round(w / sum(WANG_WEIGHTS[:3]), 6) for w in WANG_WEIGHTS[:3]),
+)
+#: the smallest axis MS_SSIM_SETTINGS works on
+MS_SSIM_MIN_SIZE = MS_SSIM_SETTINGS.min_size
+#: ``ms_ssim=`` presets: voxdiff's (any axis >= 20), and WDM's evaluation (Friedrich et al. 2024, eval/ms_ssim.py:
+#: kernel 7 with MONAI's five default weights; axes >= 112, e.g. their 128^3 and 256^3 volumes)
+MS_SSIM_PRESETS: dict[str, SSIMSettings] = {
+    "voxdiff": MS_SSIM_SETTINGS,
+    "wdm": SSIMSettings(kernel_size=7, kernel_sigma=1.5, weights=WANG_WEIGHTS),
+}
+
+
+def check_volume_shape(shape: tuple[int, ...], settings: SSIMSettings = MS_SSIM_SETTINGS,
+                       key: str = "data.volume_shape") -> None:
+    """Refuse a volume too small for the MS-SSIM ``settings`` (every axis must be ≥ ``settings.min_size``).
+
+    Raises:
+        ConfigError: naming ``key``, the shape and a fix.
+    """
+    if min(shape) < settings.min_size:
+        fix = f"evaluate a model trained on volumes of at least {settings.min_size} voxels per axis"
+        if settings != MS_SSIM_SETTINGS:
+            fix += f", or use ms_ssim=voxdiff (axes >= {MS_SSIM_MIN_SIZE})"
+        raise ConfigError(key, list(shape),
+                          f"MS-SSIM ({len(settings.weights)} scales, kernel {settings.kernel_size}) "
+                          f"needs every axis >= {settings.min_size}", fix)
+
+
+def _pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if a.shape != b.shape or a.dim() != 5 or a.shape[1] != 1:
+        raise ValueError(f"expected two (N, 1, D, H, W) volumes of one shape, got {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}")
+    return a, b
+
+
+#: float64 voxels per MONAI call; SSIM keeps about ten maps of its input's size, so this bounds it near 3 GB
+VOXELS_PER_CALL = 40_000_000
+
+
+def _chunks(n: int, voxels: int) -> list[slice]:
+    """Slices of ``range(n)`` holding at most :data:`VOXELS_PER_CALL` voxels each (at least one volume)."""
+    size = max(1, VOXELS_PER_CALL // max(voxels, 1))
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _per_pair(metric, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``metric(a[i], b[i])`` for every pair, in chunks, as ``(N,)`` float64 (inputs cast per chunk)."""
+    a, b = _pair(a, b)
+    return torch.cat([metric(a[c].double(), b[c].double()).reshape(-1).double()
+                      for c in _chunks(a.shape[0], a[0].numel())])
+
+
+def ssim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """SSIM of each pair ``a[i]``, ``b[i]`` (``(N, 1, D, H, W)`` in [0, 1]) → ``(N,)`` float64, MONAI ``SSIMMetric``."""
+    from monai.metrics import SSIMMetric
+
+    s = SSIM_SETTINGS
+    metric = SSIMMetric(spatial_dims=3, data_range=s.data_range, kernel_type="gaussian", win_size=s.kernel_size,
+                        kernel_sigma=s.kernel_sigma, k1=s.k1, k2=s.k2, reduction="none")
+    return _per_pair(metric, a, b)
+
+
+def ms_ssim(a: torch.Tensor, b: torch.Tensor, settings: SSIMSettings = MS_SSIM_SETTINGS) -> torch.Tensor:
+    """MS-SSIM of each pair (``(N, 1, D, H, W)`` in [0, 1]) → ``(N,)`` float64, MONAI ``MultiScaleSSIMMetric``
+    with ``settings`` (default :data:`MS_SSIM_SETTINGS`)."""
+    from monai.metrics import MultiScaleSSIMMetric
+
+    check_volume_shape(tuple(a.shape[2:]), settings)
+    s = settings
+    metric = MultiScaleSSIMMetric(spatial_dims=3, data_range=s.data_range, kernel_type="gaussian",
+                                  kernel_size=s.kernel_size, kernel_sigma=s.kernel_sigma, k1=s.k1, k2=s.k2,
+                                  weights=s.weights, reduction="none")
+    return _per_pair(metric, a, b)
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """PSNR in dB of each pair (``(N, 1, D, H, W)`` in [0, 1], peak 1) → ``(N,)`` float64, MONAI ``PSNRMetric``."""
+    from monai.metrics import PSNRMetric
+
+    return _per_pair(PSNRMetric(max_val=1.0, reduction="none"), a, b)
+
+
+def pairwise_ms_ssim(volumes: torch.Tensor, settings: SSIMSettings = MS_SSIM_SETTINGS) -> dict[str, float | int]:
+    """Mean MS-SSIM over all unordered pairs of a set (the diversity figure: lower = more diverse).
+
+    Args:
+        volumes: ``(N, 1, D, H, W)`` in [0, 1], ``N >= 2``.
+        settings: the MS-SSIM settings.
+
+    Returns:
+        ``{"value": mean, "std": standard deviation over pairs, "n": N, "pairs": N·(N-1)/2}``.
+    """
+    n = volumes.shape[0]
+    if n < 2:
+        raise ValueError(f"pairwise MS-SSIM needs at least 2 volumes, got {n}")
+    pairs = list(itertools.combinations(range(n), 2))
+    i, j = (list(k) for k in zip(*pairs))
+    step = max(1, VOXELS_PER_CALL // volumes[0].numel())  # index per chunk: never a copy of every pair at once
+    v = torch.cat([ms_ssim(volumes[i[k : k + step]], volumes[j[k : k + step]], settings)
+                   for k in range(0, len(i), step)])
+    return {"value": float(v.mean()), "std": float(v.std()) if len(v) > 1 else 0.0, "n": n, "pairs": len(pairs)}
+
+
+def summary(values: torch.Tensor) -> dict[str, float | int]:
+    """``{"value": mean, "std", "n"}`` of per-sample figures ``(N,)``."""
+    v = values.double().reshape(-1)
+    return {"value": float(v.mean()), "std": float(v.std()) if len(v) > 1 else 0.0, "n": int(len(v))}
+
+
+def lesion_shell(masks: torch.Tensor, width: int = 2) -> torch.Tensor:
+    """The ``width``-voxel shell around each mask (dilation minus the mask): ``(N, 1, D, H, W)`` bool."""
+    m = masks > 0.5
+    dilated = F.max_pool3d(m.float(), kernel_size=2 * width + 1, stride=1, padding=width) > 0.5
+    return dilated & ~m
+
+
+def intensity_stats(images: torch.Tensor, masks: torch.Tensor) -> dict[str, float]:
+    """Intensity inside the masks, in a 2-voxel shell around them and outside them, pooled over the set.
+
+    Args:
+        images: ``(N, 1, D, H, W)`` in [0, 1].
+        masks: ``(N, 1, D, H, W)`` in {0, 1}.
+
+    Returns:
+        ``mean_inside``, ``std_inside``, ``mean_shell``, ``mean_outside``, ``std_outside`` and ``contrast``
+        (mean inside − mean of the shell: how much the lesion stands out from the tissue around it).
+    """
+    sums = torch.zeros(3, 3, dtype=torch.float64)  # region × (count, Σx, Σx²), accumulated volume by volume
+    for x, m in zip(images, masks):
+        x, m = x.double(), m[None]
+        inside, shell = (m > 0.5)[0], lesion_shell(m)[0]
+        for r, region in enumerate((inside, shell, ~inside)):
+            v = x[region]
+            sums[r] += torch.stack([v.new_tensor(v.numel()), v.sum(), (v * v).sum()])
+    out: dict[str, float] = {}
+    for (n, s1, s2), name in zip(sums.tolist(), ("inside", "shell", "outside")):
+        out[f"mean_{name}"] = s1 / n if n else math.nan
+        out[f"std_{name}"] = math.sqrt(max(s2 / n - (s1 / n) ** 2, 0.0) * n / (n - 1)) if n > 1 else math.nan
+    out["contrast"] = out["mean_inside"] - out["mean_shell"]
+    return out
+
+
+def histograms(volumes: torch.Tensor, bins: int = 64, masks: torch.Tensor | None = None,
+               inside: bool = True) -> torch.Tensor:
+    """Normalised intensity histograms over [0, 1], one per volume: ``(N, bins)`` float64 summing to 1.
+
+    Args:
+        volumes: ``(N, 1, D, H, W)`` (values outside [0, 1] fall in the end bins).
+        bins: number of equal bins.
+        masks: optional ``(N, 1, D, H, W)``: count only voxels inside (``inside``) or outside the mask.
+    """
+    rows = []
+    for i in range(volumes.shape[0]):
+        v = volumes[i].double().clamp(0.0, 1.0)
+        if masks is not None:
+            region = masks[i] > 0.5
+            v = v[region if inside else ~region]
+        h = torch.histc(v.reshape(-1), bins=bins, min=0.0, max=1.0)
+        rows.append(h / h.sum().clamp_min(1.0))
+    return torch.stack(rows)
+
+
+def mmd(generated: torch.Tensor, real: torch.Tensor) -> dict[str, float | int]:
+    """Unbiased MMD² with a linear kernel (MONAI ``MMDMetric``) between two feature sets ``(N, F)``.
+
+    MONAI needs sets of one size: the first ``min(N_gen, N_real)`` rows of each are used (≥ 2).
+    """
+    from monai.metrics import MMDMetric
+
+    n = min(generated.shape[0], real.shape[0])
+    if n < 2:
+        raise ValueError(f"MMD needs at least 2 volumes per set, got {generated.shape[0]} and {real.shape[0]}")
+    value = MMDMetric()(generated[:n].double(), real[:n].double())
+    return {"value": float(value), "n": n}
+
+
+def frechet_distance(generated: torch.Tensor, real: torch.Tensor) -> dict[str, Any]:
+    """Fréchet distance between Gaussians fitted to two feature sets ``(N, F)``, via MONAI's ``FIDMetric``.
+
+    Safe for small ``N`` (fewer samples than features, where both covariances are singular): MONAI's
+    ``FIDMetric`` (float64, SciPy's ``sqrtm`` of ``Σ_g Σ_r``) is tried first. When it fails (a complex square root
+    with a large imaginary part, the error of wdm-3d #11; a single sample) or is not finite, the distance is
+    recomputed exactly in an orthonormal basis of the span of both sets' centred features and their mean
+    difference (at most ``N_gen + N_real - 1`` dimensions; every term of the distance lies in it), with the
+    trace term from the symmetric form ``tr sqrt(Σ_g Σ_r) = Σ_i sqrt(λ_i(Σ_r^½ Σ_g Σ_r^½))``, eigenvalues clipped
+    at 0: exact for positive semi-definite covariances, and it cannot fail.
+
+    The result is clipped at 0 (it is ≥ 0 mathematically; SciPy's route gives about -1e-4 for a set against
+    itself at N=8, F=512).
+
+    Returns:
+        ``{"value", "n_generated", "n_real", "dim", "sqrtm"}`` (``sqrtm``: ``scipy`` or ``symmetric-eig``).
+    """
+    from monai.metrics import FIDMetric
+
+    g, r = generated.double(), real.double()
+    if g.dim() != 2 or r.dim() != 2 or g.shape[1] != r.shape[1]:
+        raise ValueError(f"expected two (N, F) feature sets of one F, got {tuple(g.shape)} and {tuple(r.shape)}")
+    if min(g.shape[0], r.shape[0]) < 2:
+        raise ValueError(f"a Fréchet distance needs at least 2 samples per set, got {g.shape[0]} and {r.shape[0]}")
+    method = "scipy"
+    try:
+        with warnings.catch_warnings():  # SciPy warns about ill-conditioned products; the check below decides
+            warnings.simplefilter("ignore")
+            value = float(FIDMetric()(g, r))
+    except ValueError:  # "Imaginary component ... too high"
+        value = math.nan
+    if not math.isfinite(value):
+        method = "symmetric-eig"
+        value = _frechet_symmetric(g, r)
+    return {"value": max(value, 0.0), "n_generated": int(g.shape[0]), "n_real": int(r.shape[0]),
+            "dim": int(g.shape[1]), "sqrtm": method}
+
+
+def _psd_sqrt(m: torch.Tensor) -> torch.Tensor:
+    w, v = torch.linalg.eigh((m + m.T) / 2)
+    return (v * w.clamp_min(0).sqrt()) @ v.T
+
+
+def _frechet_symmetric(g: torch.Tensor, r: torch.Tensor) -> float:
+    """The Fréchet distance of ``(N, F)`` float64 sets in the span of their data, with the symmetric trace term."""
+    mu_g, mu_r = g.mean(0), r.mean(0)
+    _, s, vh = torch.linalg.svd(torch.cat([g - mu_g, r - mu_r, (mu_g - mu_r)[None]]), full_matrices=False)
+    basis = vh[: max(int((s > s.max() * 1e-12).sum()), 1)].T  # (F, k), orthonormal columns
+    g, r = g @ basis, r @ basis  # the distance is unchanged: every term lies in this span
+    cov_g, cov_r = torch.cov(g.T).reshape(g.shape[1], -1), torch.cov(r.T).reshape(r.shape[1], -1)
+    root_r = _psd_sqrt(cov_r)
+    eig = torch.linalg.eigvalsh(root_r @ cov_g @ root_r).clamp_min(0)
+    diff = g.mean(0) - r.mean(0)
+    return float(diff @ diff + cov_g.trace() + cov_r.trace() - 2 * eig.sqrt().sum())
+
+
+def codebook_usage(indices: torch.Tensor, num_embeddings: int) -> dict[str, float | int]:
+    """How a VQ-VAE uses its codebook over a set of code indices (any shape, values in ``[0, num_embeddings)``).
+
+    Returns:
+        ``perplexity`` (exp of the entropy of the code histogram: the effective number of codes in use, from 1 to
+        ``num_embeddings``), ``used`` (codes used at least once), ``dead`` (codes never used) and ``n_latents``.
+    """
+    counts = torch.bincount(indices.reshape(-1).long(), minlength=num_embeddings).double()
+    p = counts / counts.sum()
+    entropy = -(p[p > 0] * p[p > 0].log()).sum()
+    used = int((counts > 0).sum())
+    return {"perplexity": float(entropy.exp()), "used": used, "dead": num_embeddings - used,
+            "num_embeddings": num_embeddings, "n_latents": int(counts.sum())}
+
+
+def describe(ms_ssim_settings: SSIMSettings = MS_SSIM_SETTINGS) -> dict[str, Any]:
+    """The metric settings as plain data, for ``metrics.json``."""
+    preset = next((k for k, v in MS_SSIM_PRESETS.items() if v == ms_ssim_settings), "custom")
+    return {"ssim": SSIM_SETTINGS.as_dict(), "ms_ssim": {**ms_ssim_settings.as_dict(), "preset": preset},
+            "ms_ssim_min_size": ms_ssim_settings.min_size}

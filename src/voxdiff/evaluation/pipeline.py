@@ -1,0 +1,214 @@
+"""From a checkpoint to figures and report sections: generation (diffusion) or reconstruction (VQ-VAE stage 1),
+then the metrics of :mod:`voxdiff.evaluation.metrics` against the real volumes of the same split.
+
+Every figure is a dict ``{"value", "n" (or "n_generated"/"n_real"/"pairs"), "direction", "definition", "label"}``
+as it appears in ``metrics.json`` and in the report's table.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from voxdiff.evaluation import metrics as M
+from voxdiff.evaluation.features import FeatureExtractor
+from voxdiff.evaluation.report import data_uri, histogram_png
+
+#: definitions of the figures (the report's table and metrics.json)
+DEFINITIONS: dict[str, tuple[str, str, str]] = {
+    # name: (label, direction, definition)
+    "diversity_ms_ssim_generated": (
+        "Diversity: mean pairwise MS-SSIM, generated", "match",
+        "Mean MS-SSIM over all unordered pairs of generated volumes (float64). Lower = more diverse; compare "
+        "with the same figure for the real volumes (a much higher value: too little variety, mode collapse)."),
+    "diversity_ms_ssim_real": (
+        "Diversity: mean pairwise MS-SSIM, real", "info",
+        "The same figure for the real volumes of the split: the diversity the generated set should reach."),
+    "ssim": ("Paired SSIM (generated vs real of its mask)", "higher",
+             "SSIM of each generated volume against the real image of the mask it was conditioned on, mean over "
+             "samples (MONAI SSIMMetric, Gaussian window 7, σ 1.5, data range 1)."),
+    "psnr": ("Paired PSNR, dB", "higher",
+             "Peak signal-to-noise ratio of each generated volume against the real image of its mask (peak 1), "
+             "mean over samples (MONAI PSNRMetric)."),
+    "ms_ssim": ("Paired MS-SSIM", "higher",
+                "MS-SSIM of each generated volume against the real image of its mask, mean over samples (MONAI "
+                "MultiScaleSSIMMetric; kernel, σ and weights as stated in metric_settings.ms_ssim)."),
+    "lesion_contrast_generated": (
+        "Lesion contrast, generated", "match",
+        "Mean intensity inside the mask minus the mean in a 2-voxel shell around it, over generated volumes: "
+        "does the lesion stand out as in the real images? Compare with the real figure."),
+    "lesion_contrast_real": ("Lesion contrast, real", "info",
+                             "The same figure for the real images of the masks."),
+    "mmd_histogram": (
+        "MMD² of intensity histograms", "lower",
+        "Unbiased MMD² with a linear kernel (MONAI MMDMetric) between 64-bin intensity histograms of generated "
+        "and real volumes (first min(N_gen, N_real) of each). 0 for identical sets of volumes."),
+    "reconstruction_ssim": ("Reconstruction SSIM", "higher",
+                            "SSIM of each validation image against its VQ-VAE reconstruction (clamped to [0, 1])."),
+    "reconstruction_psnr": ("Reconstruction PSNR, dB", "higher",
+                            "PSNR of each validation image against its VQ-VAE reconstruction (peak 1)."),
+    "reconstruction_ms_ssim": ("Reconstruction MS-SSIM", "higher",
+                               "MS-SSIM of each validation image against its reconstruction (settings as above)."),
+    "codebook_perplexity": (
+        "Codebook perplexity", "higher",
+        "exp(entropy) of the code histogram over the validation images and masks: the effective number of codes "
+        "in use (1 … codebook size)."),
+    "codebook_dead_codes": ("Dead codes", "lower",
+                            "Codebook entries no latent of the validation images and masks uses."),
+}
+
+
+def figure(name: str, stats: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+    """A figure for ``metrics.json``: ``stats`` plus its label, direction and definition."""
+    label, direction, definition = DEFINITIONS[name]
+    return {**stats, **extra, "label": extra.get("label", label), "direction": direction,
+            "definition": extra.get("definition", definition)}
+
+
+def frechet_figure(extractor: FeatureExtractor, stats: Mapping[str, Any]) -> dict[str, Any]:
+    """A Fréchet-distance figure on ``extractor``'s features."""
+    kind = "FID" if extractor.comparable else "Fréchet distance"
+    definition = (f"Fréchet distance between Gaussians fitted to {extractor.label} features of generated and real "
+                  f"volumes ({stats['dim']} features, float64, matrix square root: {stats['sqrtm']}).")
+    if not extractor.comparable:
+        definition += " Not comparable to published FIDs (another feature extractor)."
+    return {**stats, "label": f"{kind}, {extractor.label}", "direction": "lower", "definition": definition,
+            "extractor": extractor.name}
+
+
+@dataclass
+class VolumeSet:
+    """Volumes ``(N, 1, D, H, W)`` in [0, 1] with their masks, affines ``(N, 4, 4)`` and names."""
+
+    images: torch.Tensor
+    masks: torch.Tensor
+    affines: torch.Tensor
+    subjects: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.images.shape[0])
+
+
+def load_real(dataset: Dataset, n: int) -> VolumeSet:
+    """The first ``n`` subjects of a dataset of contract samples (fewer if it holds fewer)."""
+    items = [dataset[i] for i in range(min(n, len(dataset)))]
+    if not items:
+        raise ValueError("the split holds no subjects")
+    return VolumeSet(torch.stack([s["image"] for s in items]).float(), torch.stack([s["mask"] for s in items]).float(),
+                     torch.stack([torch.as_tensor(s["affine"]) for s in items]).double(),
+                     [str(s["subject"]) for s in items])
+
+
+def batches(n: int, size: int) -> Iterable[list[int]]:
+    """Index lists ``[0..size), [size..2·size), ...`` covering ``range(n)``."""
+    it = iter(range(n))
+    while chunk := list(itertools.islice(it, size)):
+        yield chunk
+
+
+# ------------------------------------------------------------------------------------------------ diffusion
+def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequence[int], mode: str,
+                      extractors: Sequence[FeatureExtractor], bins: int = 64, device: str = "cpu",
+                      ms_ssim: M.SSIMSettings = M.MS_SSIM_SETTINGS) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """All figures of a generated set against the real one.
+
+    Args:
+        real: the real volumes (``R`` subjects) whose masks conditioned the samples.
+        generated: ``(N, 1, D, H, W)`` in [0, 1] (bravo: images; seg: masks).
+        sources: ``N`` indices into ``real``: the subject whose mask sample ``i`` was conditioned on.
+        mode: ``bravo`` or ``seg``.
+        extractors: feature extractors for Fréchet distances.
+        bins: histogram bins of the MMD.
+        ms_ssim: the MS-SSIM settings (diversity and paired MS-SSIM).
+
+    Returns:
+        ``(figures, absent)``: ``{name: figure}`` and ``{name: why it was not computed}``.
+    """
+    figures: dict[str, dict[str, Any]] = {}
+    absent: dict[str, str] = {}
+    reference = real.images if mode == "bravo" else real.masks  # what the generated volumes should look like
+    paired = reference[list(sources)]
+    figures["diversity_ms_ssim_generated"] = figure("diversity_ms_ssim_generated", M.pairwise_ms_ssim(generated, ms_ssim))
+    if len(real) >= 2:
+        figures["diversity_ms_ssim_real"] = figure("diversity_ms_ssim_real", M.pairwise_ms_ssim(reference, ms_ssim))
+    else:
+        absent["diversity_ms_ssim_real"] = "the split has 1 subject: no pair of real volumes"
+    if mode == "bravo":
+        masks = real.masks[list(sources)]
+        figures["ssim"] = figure("ssim", M.summary(M.ssim(generated, paired)))
+        figures["psnr"] = figure("psnr", M.summary(M.psnr(generated, paired)))
+        figures["ms_ssim"] = figure("ms_ssim", M.summary(M.ms_ssim(generated, paired, ms_ssim)))
+        stats_gen, stats_real = M.intensity_stats(generated, masks), M.intensity_stats(real.images, real.masks)
+        figures["lesion_contrast_generated"] = figure("lesion_contrast_generated",
+                                                      {"value": stats_gen["contrast"], "n": len(generated),
+                                                       "intensity": stats_gen})
+        figures["lesion_contrast_real"] = figure("lesion_contrast_real", {"value": stats_real["contrast"],
+                                                                          "n": len(real), "intensity": stats_real})
+    else:
+        absent["ssim/psnr/ms_ssim"] = "seg mode generates masks without a paired real image"
+    h_gen, h_real = M.histograms(generated, bins), M.histograms(reference, bins)
+    if min(len(generated), len(real)) >= 2:
+        figures["mmd_histogram"] = figure("mmd_histogram", M.mmd(h_gen, h_real))
+        for extractor in extractors:
+            stats = M.frechet_distance(extractor(generated, device=device), extractor(reference, device=device))
+            figures[f"frechet_{extractor.name}"] = frechet_figure(extractor, stats)
+    else:
+        absent["mmd_histogram"] = absent["frechet"] = (
+            f"{len(real)} real volume(s): a distribution figure needs at least 2 per set (n=2 or more, and a split "
+            "with 2 or more subjects)")
+    return figures, absent
+
+
+def histogram_section(real: VolumeSet, generated: torch.Tensor, sources: Sequence[int], bins: int,
+                      label: str = "generated") -> tuple[str, str, list[tuple[str, str]]]:
+    """The report's histogram section (real vs generated, inside and outside the masks)."""
+    png = histogram_png(real.images, generated, real.masks, real.masks[list(sources)], bins=bins, label=label)
+    note = ("Voxel intensities pooled over all volumes of each set; generated volumes are masked with the mask "
+            "they were conditioned on. Log density.")
+    return "Intensity histograms: real vs " + label, note, [(data_uri(png), f"{bins} bins over [0, 1]")]
+
+
+def montage_section(pngs: Sequence[Path], k: int, what: str) -> tuple[str, str, list[tuple[str, str]]]:
+    """The report's montage section: the first ``k`` montage PNGs, embedded."""
+    note = (f"{what} on the axial, coronal and sagittal mid-planes (grey scale fixed to [0, 1]); the NIfTI files "
+            "beside this report carry the source affine.")
+    return "Montages", note, [(data_uri(p), p.stem) for p in pngs[:k]]
+
+
+# ------------------------------------------------------------------------------------------------ VQ-VAE
+@torch.no_grad()
+def vqvae_reconstructions(system: Any, real: VolumeSet, batch_size: int, device: torch.device
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reconstruct the real images with a :class:`~voxdiff.lightning.vqvae.VQVAESystem`.
+
+    Returns:
+        ``(reconstructions (N, 1, D, H, W) clamped to [0, 1], code indices of images and masks (2N, d, h, w))``.
+    """
+    recons, codes = [], []
+    ae = system.vqvae
+    for idx in batches(len(real), batch_size):
+        x = real.images[idx].to(device)
+        recon, *_ = system(x)
+        recons.append(recon.float().clamp(0, 1).cpu())
+        codes += [ae.index_quantize(x).cpu(), ae.index_quantize(real.masks[idx].to(device)).cpu()]
+    return torch.cat(recons), torch.cat(codes)
+
+
+def vqvae_figures(real: VolumeSet, recon: torch.Tensor, codes: torch.Tensor, num_embeddings: int,
+                  ms_ssim: M.SSIMSettings = M.MS_SSIM_SETTINGS) -> dict[str, dict[str, Any]]:
+    """Reconstruction figures and codebook usage of a VQ-VAE on the real set."""
+    usage = M.codebook_usage(codes, num_embeddings)
+    return {
+        "reconstruction_ssim": figure("reconstruction_ssim", M.summary(M.ssim(recon, real.images))),
+        "reconstruction_psnr": figure("reconstruction_psnr", M.summary(M.psnr(recon, real.images))),
+        "reconstruction_ms_ssim": figure("reconstruction_ms_ssim", M.summary(M.ms_ssim(recon, real.images, ms_ssim))),
+        "codebook_perplexity": figure("codebook_perplexity", {"value": usage["perplexity"], "n": len(real),
+                                                              **usage}),
+        "codebook_dead_codes": figure("codebook_dead_codes", {"value": usage["dead"], "n": len(real), **usage}),
+    }

@@ -1,0 +1,196 @@
+"""The one-page report: a self-contained HTML file (every picture a base64 ``data:`` URI, no script, no server,
+no network) beside ``metrics.json``.
+
+Sections: the checkpoint and settings; the metric table (value, N, direction, definition); mask | real |
+generated montages on the three mid-planes; intensity histograms of real against generated, inside and outside
+the mask; the training loss curve from the run's CSV log; what is absent and why.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import io
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+#: ``direction`` values of a figure and how the table shows them
+DIRECTIONS = {"higher": "↑ higher is better", "lower": "↓ lower is better",
+              "match": "≈ closer to the real figure is better", "info": "—"}
+
+
+# ------------------------------------------------------------------------------------------------ pictures
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def png_bytes(fig: Any) -> bytes:
+    """A matplotlib figure → PNG bytes."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    return buf.getvalue()
+
+
+def data_uri(png: bytes | str | os.PathLike[str]) -> str:
+    """PNG bytes (or a PNG file) → a ``data:image/png;base64,...`` URI."""
+    data = png if isinstance(png, bytes) else Path(png).read_bytes()
+    return "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+
+
+def histogram_png(real: torch.Tensor, generated: torch.Tensor, masks_real: torch.Tensor,
+                  masks_generated: torch.Tensor, bins: int = 64, label: str = "generated") -> bytes:
+    """Intensity histograms (density) of real against generated voxels, inside and outside the masks.
+
+    Args:
+        real, generated: ``(N, 1, D, H, W)`` in [0, 1].
+        masks_real, masks_generated: ``(N, 1, D, H, W)`` masks of each set.
+    """
+    fig = _figure(9.0, 3.2)
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    for k, (title, inside) in enumerate((("inside the mask (lesion)", True), ("outside the mask", False))):
+        ax = fig.add_subplot(1, 2, k + 1)
+        for vols, masks, name, colour in ((real, masks_real, "real", "tab:blue"),
+                                          (generated, masks_generated, label, "tab:orange")):
+            region = masks > 0.5 if inside else masks <= 0.5
+            values = vols.float()[region].clamp(0, 1).numpy()
+            if values.size:
+                ax.hist(values, bins=edges, density=True, histtype="step", linewidth=1.6, color=colour,
+                        label=f"{name} ({values.size:,} voxels)")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("intensity (volume scaled to [0, 1])")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    ax.figure.axes[0].set_ylabel("density (log)")
+    fig.tight_layout()
+    return png_bytes(fig)
+
+
+def read_loss_log(run_dir: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
+    """``{"train/loss": [(step, value), ...], "val/loss": [...]}`` from ``<run_dir>/csv/*/metrics.csv``.
+
+    Lightning's CSV logger writes one ``metrics.csv`` per version; a resumed run adds a version that logs again the
+    steps after its checkpoint. The files are read oldest first and a later file's value for a step replaces the
+    earlier one, so the curve is the one the run followed. Rows without a value are skipped.
+    """
+    series: dict[str, dict[int, float]] = {}
+    files = sorted(Path(run_dir).glob("csv/*/metrics.csv"), key=lambda p: (p.stat().st_mtime, str(p)))
+    for path in files:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                for key in ("train/loss", "val/loss"):
+                    value = row.get(key) or ""
+                    if value.strip() and (row.get("step") or "").strip():
+                        series.setdefault(key, {})[int(float(row["step"]))] = float(value)
+    return {k: sorted(v.items()) for k, v in series.items()}
+
+
+def loss_curve_png(series: Mapping[str, Sequence[tuple[int, float]]], step: int | None = None) -> bytes:
+    """The training curve: train loss (raw and a running mean over 10 points), validation loss, checkpoint step."""
+    fig = _figure(9.0, 3.2)
+    ax = fig.add_subplot(1, 1, 1)
+    if "train/loss" in series:
+        steps, values = zip(*series["train/loss"])
+        ax.plot(steps, values, color="tab:blue", alpha=0.3, linewidth=0.8, label="train loss")
+        k = min(10, len(values))
+        smooth = np.convolve(values, np.ones(k) / k, mode="valid")
+        ax.plot(steps[k - 1 :], smooth, color="tab:blue", linewidth=1.6, label=f"train loss (mean of {k})")
+    if "val/loss" in series:
+        steps, values = zip(*series["val/loss"])
+        ax.plot(steps, values, "o-", color="tab:red", markersize=3, label="validation loss")
+    if step is not None:
+        ax.axvline(step, color="grey", linestyle="--", linewidth=1, label=f"checkpoint (step {step})")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return png_bytes(fig)
+
+
+# ------------------------------------------------------------------------------------------------ HTML
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.4g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.3e}"
+    return html.escape(str(value))
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1100px;color:#222}
+h1{font-size:22px;margin-bottom:4px} h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;width:100%;font-size:13px} td,th{border:1px solid #ccc;padding:4px 6px;
+vertical-align:top} th{background:#f2f2f2;text-align:left} td.num{text-align:right;white-space:nowrap;
+font-variant-numeric:tabular-nums} .meta{font-size:13px;color:#444} .note{font-size:12px;color:#666}
+img{max-width:100%;height:auto;display:block;margin:6px 0} figure{margin:0}
+.montages{display:grid;grid-template-columns:repeat(auto-fill,minmax(340px,1fr));gap:8px} figcaption{font-size:12px;color:#555} code{font-size:12px}
+"""
+
+
+def render_html(title: str, meta: Mapping[str, Any], figures: Mapping[str, Mapping[str, Any]],
+                absent: Mapping[str, str], sections: Sequence[tuple[str, str, Sequence[tuple[str, str]]]]) -> str:
+    """The report page.
+
+    Args:
+        title: the page heading.
+        meta: ``{label: value}`` lines under the heading (checkpoint, step, SHA-256, settings).
+        figures: ``{name: {"value", "n", "direction", "definition", "label", ...}}`` as in ``metrics.json``.
+        absent: ``{name: reason}`` for figures that were not computed.
+        sections: ``(heading, note, [(data URI, caption), ...])`` picture sections, in order.
+    """
+    rows = []
+    for name, f in figures.items():
+        n = f.get("n", f.get("n_generated", ""))
+        if "pairs" in f:
+            n = f"{n} ({f['pairs']} pairs)"
+        elif "n_real" in f:
+            n = f"{f['n_generated']} gen / {f['n_real']} real"
+        value = _fmt(f["value"]) + (f" ± {_fmt(f['std'])}" if "std" in f else "")
+        rows.append(f"<tr><td>{html.escape(f.get('label', name))}<br><code>{html.escape(name)}</code></td>"
+                    f"<td class='num'>{value}</td><td class='num'>{html.escape(str(n))}</td>"
+                    f"<td>{html.escape(DIRECTIONS[f.get('direction', 'info')])}</td>"
+                    f"<td>{html.escape(f.get('definition', ''))}</td></tr>")
+    absent_rows = "".join(f"<li><code>{html.escape(k)}</code>: {html.escape(v)}</li>" for k, v in absent.items())
+    meta_rows = "".join(f"<div><b>{html.escape(k)}:</b> {html.escape(str(v))}</div>" for k, v in meta.items())
+    parts = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1><div class='meta'>{meta_rows}</div>",
+        "<h2>Metrics</h2><table id='metrics'><thead><tr><th>figure</th><th>value (± std)</th><th>N</th>"
+        "<th>direction</th><th>definition</th></tr></thead><tbody>", *rows, "</tbody></table>",
+    ]
+    if absent_rows:
+        parts.append(f"<p class='note'><b>Not computed:</b></p><ul class='note'>{absent_rows}</ul>")
+    for heading, note, images in sections:
+        parts.append(f"<h2>{html.escape(heading)}</h2>")
+        if note:
+            parts.append(f"<p class='note'>{html.escape(note)}</p>")
+        if images:
+            figs = "".join(f"<figure><img src='{uri}' alt='{html.escape(cap)}'><figcaption>{html.escape(cap)}"
+                           "</figcaption></figure>" for uri, cap in images)
+            parts.append(f"<div class='{'montages' if len(images) > 1 else 'wide'}'>{figs}</div>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_outputs(out_dir: str | os.PathLike[str], record: Mapping[str, Any], page: str) -> tuple[Path, Path]:
+    """Write ``metrics.json`` and ``report.html`` into ``out_dir`` (created); returns both paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, html_path = out / "metrics.json", out / "report.html"
+    json_path.write_text(json.dumps(record, indent=2, allow_nan=True) + "\n")
+    html_path.write_text(page, encoding="utf-8")
+    return json_path, html_path

@@ -1,0 +1,164 @@
+"""``evaluate.py``: a tiny run trained here, evaluated at an early and a late checkpoint; metrics.json, the
+self-contained report (rendered by a real headless Chromium), samples with the source affine, the direction of
+the figures, a VQ-VAE checkpoint, and refused configs."""
+
+import json
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+from voxdiff.cli.evaluate import evaluate, validate
+from voxdiff.cli.train import train
+from voxdiff.config import compose
+from voxdiff.errors import ConfigError
+from voxdiff.evaluation.features import file_sha256
+
+from chromium import render  # noqa: E402  (tests/cli is on sys.path, as tests/slurm is)
+
+SHAPE = (24, 32, 32)  # the smallest axis MS-SSIM's settings allow is 20
+QUIET = ["logger=csv", "trainer.accelerator=cpu", "trainer.enable_model_summary=false",
+         "trainer.enable_progress_bar=false", "callbacks.progress_bar=null"]
+TINY = [
+    "experiment=demo", *QUIET,
+    f"data.volume_shape=[{SHAPE[0]},{SHAPE[1]},{SHAPE[2]}]", "data.num_subjects=6",
+    "model.channels=[8,16,16]", "model.num_res_blocks=1", "model.num_head_channels=8", "model.norm_num_groups=4",
+    "system.sampling.final=false", "system.ema.start_step=0", "system.ema.decay=0.8",
+    "trainer.max_steps=40", "trainer.check_val_every_n_epoch=5", "trainer.log_every_n_steps=2",
+]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """40 steps of a tiny bravo model; checkpoints at step 2 (early) and 40 (late), a CSV log."""
+    out = tmp_path_factory.mktemp("run")
+    report = train(compose("train", [
+        *TINY, f"paths.output_dir={out}",
+        "+callbacks.early._target_=lightning.pytorch.callbacks.ModelCheckpoint", f"+callbacks.early.dirpath={out}/steps",
+        "+callbacks.early.filename='step{step:03d}'", "+callbacks.early.auto_insert_metric_name=false",
+        "+callbacks.early.every_n_train_steps=2", "+callbacks.early.monitor=step", "+callbacks.early.mode=min",
+        "+callbacks.early.save_top_k=1"]))  # keeps the first: step 2
+    early = out / "steps" / "step002.ckpt"
+    assert early.is_file()
+    return out, early, Path(report["last_checkpoint"])
+
+
+def _evaluate(ckpt, out, *overrides):
+    cfg = compose("evaluate", [f"ckpt_path={ckpt}", f"paths.output_dir={out}", "n=4", "num_inference_steps=5",
+                               "montages=2", *overrides])
+    validate(cfg)
+    return evaluate(cfg)
+
+
+@pytest.fixture(scope="module")
+def late(run, tmp_path_factory):
+    _, _, last = run
+    out = tmp_path_factory.mktemp("eval_late")
+    return _evaluate(last, out), out
+
+
+@pytest.fixture(scope="module")
+def early(run, tmp_path_factory):
+    _, ckpt, _ = run
+    return _evaluate(ckpt, tmp_path_factory.mktemp("eval_early"))
+
+
+def test_metrics_json_has_every_figure_with_n_and_the_checkpoint_identity(run, late):
+    record, out = late
+    _, _, last = run
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["checkpoint"]["sha256"] == file_sha256(last)
+    assert saved["checkpoint"]["global_step"] == 40 and saved["checkpoint"]["kind"] == "diffusion"
+    expected = {"diversity_ms_ssim_generated", "diversity_ms_ssim_real", "ssim", "psnr", "ms_ssim",
+                "lesion_contrast_generated", "lesion_contrast_real", "mmd_histogram", "frechet_random_resnet10"}
+    assert set(saved["figures"]) == expected
+    for name, f in saved["figures"].items():
+        assert np.isfinite(f["value"]), name
+        assert ("n" in f) or ("n_generated" in f and "n_real" in f), name
+        assert f["direction"] in ("higher", "lower", "match", "info") and f["definition"], name
+    assert saved["figures"]["diversity_ms_ssim_generated"]["pairs"] == 6  # 4 samples
+    assert saved["n_generated"] == 4 and saved["n_real"] == 2  # 6 phantom subjects: 2 validation
+    assert saved["sampling"]["num_inference_steps"] == 5 and saved["sampling"]["use_ema"] is True
+    assert "never downloads" in saved["absent"]["medicalnet"]
+    assert saved["metric_settings"]["ms_ssim"]["kernel_size"] == 5
+    assert saved["metric_settings"]["ms_ssim"]["preset"] == "voxdiff"
+    assert record["html"] == str(out / "report.html")
+
+
+def test_samples_carry_the_source_affine(late):
+    _, out = late
+    files = sorted((out / "samples").glob("*_generated.nii.gz"))
+    assert len(files) == 4
+    img = nib.load(files[0])
+    assert img.shape == SHAPE
+    np.testing.assert_allclose(img.affine, np.eye(4))  # the phantom's identity affine, as the data module gives
+
+
+def test_the_report_renders_in_a_real_browser(late, tmp_path):
+    record, out = late
+    page = (out / "report.html").read_text()
+    assert "http://" not in page and "https://" not in page and "<script" not in page  # offline, self-contained
+    result = render(out / "report.html", tmp_path / "report.png")
+    # 2 montages, the histograms and the loss curve, each decoded by the browser
+    assert len(result["image_widths"]) == 4 and min(result["image_widths"]) > 100
+    assert result["table_rows"] == len(record["figures"])
+    assert result["blank"] is False  # the screenshot shows the page, not an empty canvas
+
+
+def test_figures_move_the_right_way_from_an_early_to_a_late_checkpoint(early, late):
+    e, l = early["figures"], late[0]["figures"]
+    assert early["checkpoint"]["global_step"] == 2
+    assert l["psnr"]["value"] > e["psnr"]["value"]
+    assert l["ssim"]["value"] > e["ssim"]["value"]
+    assert l["ms_ssim"]["value"] > e["ms_ssim"]["value"]
+    real = l["lesion_contrast_real"]["value"]  # the lesion's contrast comes closer to the real one
+    assert abs(l["lesion_contrast_generated"]["value"] - real) < abs(e["lesion_contrast_generated"]["value"] - real)
+    assert l["mmd_histogram"]["value"] < e["mmd_histogram"]["value"]
+    assert l["frechet_random_resnet10"]["value"] < e["frechet_random_resnet10"]["value"]
+
+
+def test_a_vqvae_checkpoint_is_evaluated_on_its_reconstructions(tmp_path):
+    report = train(compose("train", [
+        "experiment=vqvae_demo", *QUIET, f"paths.output_dir={tmp_path / 'run'}", "data.volume_shape=[24,32,32]",
+        "data.num_subjects=3", "system.vqvae.channels=[8,8]", "system.vqvae.num_res_channels=8",
+        "system.vqvae.num_res_layers=1", "system.vqvae.num_embeddings=16", "trainer.max_steps=2"]))
+    record = _evaluate(report["last_checkpoint"], tmp_path / "eval", "n=2")
+    f = record["figures"]
+    assert record["checkpoint"]["kind"] == "vqvae"
+    assert {"reconstruction_ssim", "reconstruction_psnr", "reconstruction_ms_ssim", "codebook_perplexity",
+            "codebook_dead_codes"} == set(f)
+    usage = f["codebook_perplexity"]
+    assert 1.0 <= usage["value"] <= 16 and usage["used"] + usage["dead"] == 16
+    assert record["n_real"] == 1  # 3 subjects: 1 validation subject
+    assert usage["n_latents"] == 2 * 6 * 8 * 8  # its image and mask, 24x32x32 / 4
+    assert (tmp_path / "eval" / "report.html").is_file()
+
+
+def test_the_loss_curve_comes_from_the_runs_csv(run, tmp_path):
+    from voxdiff.evaluation.report import read_loss_log
+
+    out, _, _ = run
+    series = read_loss_log(out)
+    steps = [s for s, _ in series["train/loss"]]
+    assert steps == sorted(steps) and steps[-1] >= 38 and len(series["val/loss"]) >= 1
+    assert read_loss_log(tmp_path) == {}  # no csv/ folder: the report says the curve is absent
+
+
+@pytest.mark.parametrize("override, key", [
+    ("n=1", "n"), ("montages=-1", "montages"), ("random_features_seed=-2", "random_features_seed"),
+    ("stage1_ckpt=/nonexistent.ckpt", "stage1_ckpt"), ("ms_ssim=hagan", "ms_ssim"),
+    ("medicalnet.weights=/some.pth", "medicalnet.sha256"),
+])
+def test_bad_evaluation_configs_are_refused(run, override, key):
+    _, _, last = run
+    with pytest.raises(ConfigError) as e:
+        validate(compose("evaluate", [f"ckpt_path={last}", override]))
+    assert e.value.key == key
+
+
+def test_the_default_output_is_the_runs_eval_folder(run):
+    out, _, last = run
+    cfg = compose("evaluate", [f"ckpt_path={last}"])
+    run_dir = Path(cfg.paths.run_dir)
+    assert run_dir.parent == out / "eval" and run_dir.name[:4].isdigit()
+    assert compose("evaluate", [f"ckpt_path={last}", "out_dir=/tmp/x"]).paths.run_dir == "/tmp/x"

@@ -1,0 +1,134 @@
+"""Every figure on a known case: identical volumes, independent noise, a set against itself, small N."""
+
+import math
+
+import pytest
+import torch
+from monai.metrics import FIDMetric
+from voxdiff.errors import ConfigError
+from voxdiff.evaluation import metrics as M
+
+SHAPE = (1, 1, 24, 32, 32)
+
+
+def _volumes(n, seed=0, shape=SHAPE[2:]):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand((n, 1, *shape), generator=g)
+
+
+def test_identical_volumes_score_one_and_noise_scores_low():
+    a, b = _volumes(3, 0), _volumes(3, 1)
+    torch.testing.assert_close(M.ms_ssim(a, a), torch.ones(3, dtype=torch.float64))
+    torch.testing.assert_close(M.ssim(a, a), torch.ones(3, dtype=torch.float64))
+    assert M.ms_ssim(a, a).dtype == torch.float64
+    assert (M.ms_ssim(a, b) < 0.2).all()  # independent uniform noise
+    assert (M.ssim(a, b).abs() < 0.05).all()
+    torch.testing.assert_close(M.psnr(a, (a + 0.1)), torch.full((3,), 20.0, dtype=torch.float64))
+
+
+def test_pairwise_ms_ssim_counts_pairs_and_follows_diversity():
+    same = _volumes(1, 0).expand(4, -1, -1, -1, -1)
+    d = M.pairwise_ms_ssim(same)
+    assert d["n"] == 4 and d["pairs"] == 6 and d["value"] == pytest.approx(1.0)
+    assert M.pairwise_ms_ssim(_volumes(4, 2))["value"] < 0.2  # four independent noise volumes: diverse
+
+
+def test_ms_ssim_settings_work_from_the_stated_minimum_size_and_refuse_below():
+    assert M.MS_SSIM_MIN_SIZE == 20
+    assert sum(M.MS_SSIM_SETTINGS.weights) == pytest.approx(1.0, abs=1e-5)
+    ok = _volumes(2, 0, (20, 20, 20))
+    torch.testing.assert_close(M.ms_ssim(ok, ok), torch.ones(2, dtype=torch.float64))
+    small = _volumes(2, 0, (19, 32, 32))
+    with pytest.raises(ConfigError) as e:
+        M.ms_ssim(small, small)
+    assert e.value.key == "data.volume_shape" and "20" in str(e.value)
+
+
+def test_the_wdm_preset_is_monais_with_kernel_7_and_needs_112_voxels():
+    wdm = M.MS_SSIM_PRESETS["wdm"]
+    assert wdm.weights == M.WANG_WEIGHTS and wdm.kernel_size == 7 and wdm.min_size == 112
+    ok = _volumes(1, 0, (112, 112, 112))
+    torch.testing.assert_close(M.ms_ssim(ok, ok, wdm), torch.ones(1, dtype=torch.float64))
+    small = _volumes(1, 0, (111, 112, 112))
+    with pytest.raises(ConfigError, match="ms_ssim=voxdiff"):
+        M.ms_ssim(small, small, wdm)
+    assert M.describe(wdm)["ms_ssim"]["preset"] == "wdm" and M.describe()["ms_ssim"]["preset"] == "voxdiff"
+
+
+def test_mmd_is_zero_for_identical_volumes_and_positive_for_different_ones():
+    same = M.histograms(_volumes(1, 0).expand(3, -1, -1, -1, -1))
+    assert M.mmd(same, same)["value"] == pytest.approx(0.0, abs=1e-12)
+    bright = M.histograms(_volumes(3, 1) * 0.5 + 0.5)
+    r = M.mmd(bright, M.histograms(_volumes(4, 2)))
+    assert r["value"] > 1e-3 and r["n"] == 3  # sets of unequal size: the first min(N) of each
+
+
+def test_histograms_are_normalised_and_respect_the_mask():
+    v = torch.zeros(SHAPE)
+    v[..., :12, :, :] = 1.0
+    mask = (v > 0.5).float()
+    h_in, h_out = M.histograms(v, 4, mask, inside=True), M.histograms(v, 4, mask, inside=False)
+    torch.testing.assert_close(h_in, torch.tensor([[0.0, 0, 0, 1]], dtype=torch.float64))
+    torch.testing.assert_close(h_out, torch.tensor([[1.0, 0, 0, 0]], dtype=torch.float64))
+
+
+def test_frechet_of_a_set_with_itself_is_zero_and_finite_for_n_below_the_feature_dim():
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(0))
+    r = M.frechet_distance(x, x.clone())
+    assert r["value"] == pytest.approx(0.0, abs=1e-3) and r["dim"] == 512 and r["n_generated"] == 6
+    y = torch.randn(6, 512, generator=torch.Generator().manual_seed(1)) + 0.5
+    d = M.frechet_distance(x, y)["value"]
+    assert math.isfinite(d) and d > 100  # shifted mean: 512 * 0.25 = 128 from the means alone
+
+
+def test_frechet_survives_where_monai_alone_fails():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 512, generator=g), torch.randn(6, 512, generator=g) + 0.1
+    base = M.frechet_distance(x, y)
+    scale = 1e4  # the same sets in other units: MONAI's sqrtm now returns a large imaginary part
+    with pytest.raises(ValueError, match="Imaginary component"):
+        FIDMetric()(x * scale, y * scale)
+    big = M.frechet_distance(x * scale, y * scale)
+    assert big["sqrtm"] == "symmetric-eig"
+    assert big["value"] == pytest.approx(base["value"] * scale**2, rel=1e-6)  # FD scales with the square
+
+
+def test_frechet_fallback_agrees_with_monai_on_a_well_conditioned_case():
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(300, 8, generator=g), torch.randn(200, 8, generator=g) * 1.5 + 0.3
+    r = M.frechet_distance(x, y)
+    assert r["sqrtm"] == "scipy"
+    assert M._frechet_symmetric(x.double(), y.double()) == pytest.approx(r["value"], rel=1e-9)
+
+
+def test_frechet_refuses_a_single_sample():
+    with pytest.raises(ValueError, match="at least 2"):
+        M.frechet_distance(torch.randn(1, 16), torch.randn(5, 16))
+
+
+def test_codebook_usage_on_a_known_histogram():
+    u = M.codebook_usage(torch.tensor([0, 1, 2, 3] * 5), num_embeddings=8)
+    assert u["perplexity"] == pytest.approx(4.0) and u["used"] == 4 and u["dead"] == 4 and u["n_latents"] == 20
+    assert M.codebook_usage(torch.zeros(10, dtype=torch.long), 8)["perplexity"] == pytest.approx(1.0)
+
+
+def test_intensity_stats_measure_the_lesion_contrast():
+    image = torch.full(SHAPE, 0.5)
+    mask = torch.zeros(SHAPE)
+    mask[..., 10:14, 10:14, 10:14] = 1
+    image[mask > 0] = 0.9
+    s = M.intensity_stats(image, mask)
+    assert s["mean_inside"] == pytest.approx(0.9) and s["mean_shell"] == pytest.approx(0.5)
+    assert s["contrast"] == pytest.approx(0.4)
+    shell = M.lesion_shell(mask)
+    assert int(shell.sum()) == 8**3 - 4**3  # a 2-voxel shell around a 4^3 cube
+
+
+def test_chunked_calls_give_the_same_figures(monkeypatch):
+    a, b = _volumes(5, 0), _volumes(5, 1)
+    whole = (M.ssim(a, b), M.ms_ssim(a, b), M.psnr(a, b), M.pairwise_ms_ssim(a)["value"])
+    monkeypatch.setattr(M, "VOXELS_PER_CALL", 2 * a[0].numel())  # two volumes per MONAI call
+    assert M._chunks(5, a[0].numel()) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    chunked = (M.ssim(a, b), M.ms_ssim(a, b), M.psnr(a, b), M.pairwise_ms_ssim(a)["value"])
+    for w, c in zip(whole, chunked):
+        torch.testing.assert_close(torch.as_tensor(c), torch.as_tensor(w))

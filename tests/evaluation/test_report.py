@@ -1,0 +1,35 @@
+"""The report's parts: the loss log of a resumed run, the HTML page (self-contained, one row per figure)."""
+
+import base64
+
+from voxdiff.evaluation.report import data_uri, loss_curve_png, read_loss_log, render_html
+
+
+def _csv(path, rows):
+    path.parent.mkdir(parents=True)
+    path.write_text("epoch,step,train/loss,val/loss\n" + "".join(f"0,{s},{t},{v}\n" for s, t, v in rows))
+
+
+def test_a_resumed_run_replaces_the_steps_it_logged_again(tmp_path):
+    import os
+
+    _csv(tmp_path / "csv" / "version_0" / "metrics.csv", [(0, 1.0, ""), (10, 0.5, ""), (20, 0.4, 0.45)])
+    os.utime(tmp_path / "csv" / "version_0" / "metrics.csv", (1, 1))  # older
+    _csv(tmp_path / "csv" / "version_1" / "metrics.csv", [(20, 0.3, ""), (30, 0.2, 0.25)])
+    series = read_loss_log(tmp_path)
+    assert series["train/loss"] == [(0, 1.0), (10, 0.5), (20, 0.3), (30, 0.2)]
+    assert series["val/loss"] == [(20, 0.45), (30, 0.25)]
+    png = loss_curve_png(series, step=30)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_page_is_self_contained_with_one_row_per_figure():
+    png = loss_curve_png({"train/loss": [(0, 1.0), (1, 0.5)]})
+    figures = {"psnr": {"value": 20.5, "std": 1.0, "n": 4, "direction": "higher", "definition": "d", "label": "PSNR"},
+               "fd": {"value": 3.0, "n_generated": 4, "n_real": 2, "direction": "lower", "definition": "e"}}
+    page = render_html("t", {"checkpoint": "x"}, figures, {"medicalnet": "no file"},
+                       [("Loss", "", [(data_uri(png), "loss")])])
+    assert page.count("<tr><td>") == 2 and "4 gen / 2 real" in page and "no file" in page
+    uri = page.split("src='")[1].split("'")[0]
+    assert base64.b64decode(uri.split(",", 1)[1]) == png
+    assert "http" not in page
