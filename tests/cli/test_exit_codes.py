@@ -36,3 +36,21 @@ def test_job_sh_exits_with_the_tables_codes(repo):
                                           'echo "$EXIT_CONFIG $EXIT_NONFINITE $EXIT_NO_FIT $EXIT_TERMINATED"'],
                            capture_output=True, text=True, check=True)
     assert shell.stdout.split() == ["2", "3", "4", "143"]
+
+
+def test_refusals_turn_bad_input_into_one_line_and_its_code(capsys):
+    import pytest
+
+    from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_DATA, refusals
+    from voxdiff.data.nifti import DataError
+    from voxdiff.errors import ConfigError
+
+    with pytest.raises(SystemExit) as stop, refusals():
+        raise ConfigError("n", 1, "must be at least 2", "use n=2 or more")
+    assert stop.value.code == EXIT_CONFIG
+    assert capsys.readouterr().err.strip() == "[voxdiff] config error: n=1: must be at least 2. Fix: use n=2 or more"
+    with pytest.raises(SystemExit) as stop, refusals():
+        raise DataError("/data/s1/bravo.nii.gz: has NaN voxels")
+    assert stop.value.code == EXIT_DATA and "bravo.nii.gz" in capsys.readouterr().err
+    with pytest.raises(KeyError), refusals():  # anything else is a bug: its traceback stays
+        raise KeyError("x")

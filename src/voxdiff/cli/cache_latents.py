@@ -13,14 +13,13 @@ was written); 5 the data was refused.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig, open_dict
 
-from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_DATA
+from voxdiff.cli.exit_codes import refusals
 from voxdiff.config import config_dir, instantiate_config, plain, require
 from voxdiff.errors import ConfigError
 
@@ -102,16 +101,8 @@ def cache(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(config_path=str(config_dir()), config_name="cache_latents", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """The ``python cache_latents.py`` entry point: a refusal prints one message and exits with its code."""
-    from voxdiff.data.nifti import DataError
-
-    try:
+    with refusals():
         cache(cfg)
-    except ConfigError as e:
-        print(f"[voxdiff] config error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_CONFIG) from None
-    except DataError as e:
-        print(f"[voxdiff] data error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_DATA) from None
 
 
 if __name__ == "__main__":

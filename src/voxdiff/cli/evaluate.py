@@ -17,7 +17,6 @@ Exit codes: 0 done; 2 the config was refused.
 from __future__ import annotations
 
 import datetime as dt
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,10 +24,9 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from voxdiff.cli.exit_codes import refusals
 from voxdiff.config import config_dir, plain
 from voxdiff.errors import ConfigError
-
-EXIT_CONFIG = 2
 
 
 def eval_dir(ckpt_path: Any, out_dir: Any, log_dir: Any, stamp: str) -> str:
@@ -246,12 +244,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(config_path=str(config_dir()), config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """The ``voxdiff-evaluate`` / ``python evaluate.py`` entry point."""
-    try:
+    with refusals():
         validate(cfg)
         evaluate(cfg)
-    except ConfigError as e:
-        print(f"[voxdiff] config error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_CONFIG) from None
 
 
 if __name__ == "__main__":

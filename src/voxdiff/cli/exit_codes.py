@@ -11,6 +11,8 @@ lists the same rows (a test compares them), and ``slurm/job.sh`` reads them as s
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 EXIT_OK = 0
@@ -53,6 +55,23 @@ TABLE: tuple[ExitCode, ...] = (
              "step (the message says where); in a Slurm job that was not cancelled the job requeued itself",
              "resume with ckpt_path=auto paths.run_dir=<run dir> (a requeued Slurm job does this itself)"),
 )
+
+
+@contextmanager
+def refusals() -> Iterator[None]:
+    """Around a command's work: bad input becomes one line on stderr and its exit code, never a traceback
+    (``ConfigError`` → :data:`EXIT_CONFIG`, ``DataError`` → :data:`EXIT_DATA`)."""
+    from voxdiff.data.nifti import DataError
+    from voxdiff.errors import ConfigError
+
+    try:
+        yield
+    except ConfigError as e:
+        print(f"[voxdiff] config error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_CONFIG) from None
+    except DataError as e:
+        print(f"[voxdiff] data error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_DATA) from None
 
 
 def describe(code: int) -> str:

@@ -15,14 +15,13 @@ voxdiff's own encoding or data classes.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig
 
-from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_DATA
+from voxdiff.cli.exit_codes import refusals
 from voxdiff.config import config_dir, plain, require
 from voxdiff.errors import ConfigError
 
@@ -134,17 +133,9 @@ def sample(cfg: DictConfig) -> list[Path]:
 @hydra.main(config_path=str(config_dir()), config_name="sample", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """The ``voxdiff-sample`` / ``python sample.py`` entry point."""
-    from voxdiff.data.nifti import DataError
-
-    try:
+    with refusals():
         validate(cfg)
         sample(cfg)
-    except ConfigError as e:
-        print(f"[voxdiff] config error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_CONFIG) from None
-    except DataError as e:
-        print(f"[voxdiff] data error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_DATA) from None
 
 
 if __name__ == "__main__":
