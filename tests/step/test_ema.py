@@ -87,3 +87,31 @@ def test_bad_ema_settings_name_the_key(cfg, key):
     with pytest.raises(ConfigError) as e:
         ema_settings(cfg)
     assert e.value.key == key
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_every_n_steps_keeps_the_horizon(k):
+    """Weights that change only at the start of each block of k steps: averaging every k-th step with decay^k
+    gives the same average as averaging every step with decay (the horizon is unchanged); in between, the
+    k-step average is not touched."""
+    every, sparse = _model(), _model()
+    a, b = EMA(every, decay=0.9, start_step=k), EMA(sparse, decay=0.9, start_step=k, every_n_steps=k)
+    torch.manual_seed(3)
+    for block in range(6):
+        target = [torch.randn_like(p) for p in every.parameters()]
+        for i in range(k):
+            for m in (every, sparse):
+                with torch.no_grad():
+                    for p, t in zip(m.parameters(), target):
+                        p.copy_(t)
+            before = [s.clone() for s in b.shadow]
+            a.update(every)
+            b.update(sparse)
+            if i < k - 1:
+                assert all(torch.equal(x, y) for x, y in zip(before, b.shadow))  # no pass over the weights
+        for x, y in zip(a.shadow, b.shadow):
+            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+    assert a.num_updates == b.num_updates == 6 * k
+    assert not torch.allclose(a.shadow[0], target[0])  # still an average, not a copy
+    with pytest.raises(ConfigError, match="every_n_steps"):
+        ema_settings({"every_n_steps": 0})

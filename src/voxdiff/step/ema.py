@@ -24,10 +24,13 @@ from voxdiff.errors import ConfigError, require_nonneg_int, settings_from
 
 @dataclass(frozen=True)
 class EMASettings:
-    """``system.ema``: decay per optimizer step and the number of steps that copy instead of averaging."""
+    """``system.ema``: decay per optimizer step, the number of steps that copy instead of averaging, and how
+    often the average is updated (``every_n_steps``: one foreach update every k steps with the decay raised to the
+    k-th power, so that the averaging horizon stays ``1 / (1 - decay)`` optimizer steps)."""
 
     decay: float = 0.9999
     start_step: int = 0
+    every_n_steps: int = 1
 
 
 def ema_settings(cfg: Mapping[str, Any] | bool | None) -> EMASettings | None:
@@ -48,6 +51,9 @@ def ema_settings(cfg: Mapping[str, Any] | bool | None) -> EMASettings | None:
     if isinstance(e.decay, bool) or not isinstance(e.decay, (int, float)) or not 0.0 <= e.decay < 1.0:
         raise ConfigError("system.ema.decay", e.decay, "must be a number in [0, 1)", "e.g. system.ema.decay=0.9999")
     require_nonneg_int("system.ema.start_step", e.start_step, "1000")
+    require_nonneg_int("system.ema.every_n_steps", e.every_n_steps, "4")
+    if e.every_n_steps == 0:
+        raise ConfigError("system.ema.every_n_steps", 0, "must be at least 1", "use 1 (every step) or e.g. 4")
     return e
 
 
@@ -59,12 +65,16 @@ class EMA:
         decay: the EMA decay per optimizer step (0.9999 for long runs; about ``1 − 10/steps`` for short ones).
         start_step: for the first ``start_step`` updates the average copies the weights instead (the early
             weights are noise not worth remembering).
+        every_n_steps: average every k-th optimizer step only, with ``decay ** k``: the same horizon in
+            optimizer steps, k times fewer passes over the weights. Where the weights stay the same between
+            updates this equals updating every step exactly.
     """
 
-    def __init__(self, model: nn.Module, decay: float = 0.9999, start_step: int = 0) -> None:
-        ema_settings({"decay": decay, "start_step": start_step})  # refuses bad values, naming system.ema.*
+    def __init__(self, model: nn.Module, decay: float = 0.9999, start_step: int = 0, every_n_steps: int = 1) -> None:
+        ema_settings({"decay": decay, "start_step": start_step, "every_n_steps": every_n_steps})  # names system.ema.*
         self.decay = float(decay)
         self.start_step = start_step
+        self.every_n_steps = every_n_steps
         self.num_updates = 0
         self.names = [n for n, p in model.named_parameters() if p.is_floating_point()]
         params = dict(model.named_parameters())
@@ -83,16 +93,18 @@ class EMA:
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        """One EMA step from the current weights of ``model`` (call once per optimizer step)."""
+        """Call once per optimizer step (``num_updates`` counts them); averages on every ``every_n_steps``-th."""
+        self.num_updates += 1
+        if self.num_updates % self.every_n_steps:
+            return
         params = [p.detach().float() for p in self._params(model)]
         if not params:
             return
         self.to(params[0].device)
-        self.num_updates += 1
         if self.num_updates <= self.start_step:
             torch._foreach_copy_(self.shadow, params)
         else:
-            torch._foreach_lerp_(self.shadow, params, 1.0 - self.decay)
+            torch._foreach_lerp_(self.shadow, params, 1.0 - self.decay ** self.every_n_steps)
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:

@@ -130,7 +130,8 @@ class TrainStep:
         self.zero_grad_at = recipe.zero_grad_at
         self.clip = recipe.clip
         self.guard = recipe.guard
-        self.ema = EMA(model, recipe.ema.decay, recipe.ema.start_step) if recipe.ema is not None else None
+        self.ema = (EMA(model, recipe.ema.decay, recipe.ema.start_step, recipe.ema.every_n_steps)
+                    if recipe.ema is not None else None)
         self.any_rank: Callable[[bool], bool] = lambda bad: bad
         self.optimizer: Any = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
