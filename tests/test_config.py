@@ -134,3 +134,18 @@ def test_bad_volume_and_model_key_refused():
     cfg = compose("train", ["+model.dropout=0.1"])
     with pytest.raises(ConfigError, match="model.dropout=0.1: is not an argument"):
         model_spec(cfg)
+
+
+def test_wandb_run_id_is_per_run_directory_or_per_slurm_job(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    raw = OmegaConf.to_container(OmegaConf.load(config_dir() / "logger" / "wandb.yaml"), resolve=False)["id"]
+    ids = []
+    for run_dir in (tmp_path / "a", tmp_path / "b", tmp_path / "a"):
+        node = OmegaConf.create({"task_name": "demo", "paths": {"output_dir": str(run_dir)}, "id": raw})
+        ids.append(node.id)
+    assert ids[0] == ids[2] != ids[1]  # a resume into the same run directory continues its run; others do not
+    assert ids[0].startswith("demo-") and len(ids[0]) == len("demo-") + 8
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert node.id == "demo-4242"  # a requeued job keeps its job id, so its run

@@ -50,8 +50,21 @@ def job_run_id(prefix: str, default: str | None = None) -> str | None:
 
 if not OmegaConf.has_resolver("voxdiff.cpu_or"):
     OmegaConf.register_new_resolver("voxdiff.cpu_or", cpu_or)
+def run_id(prefix: str, run_dir: str) -> str:
+    """The ``${voxdiff.run_id:PREFIX,RUN_DIR}`` resolver (wandb's run id): ``PREFIX-<SLURM_JOB_ID>`` inside a Slurm
+    job, else ``PREFIX-<8 hex digits of the run directory's absolute path>``. A requeued job and a resume into the
+    same run directory continue one wandb run; two runs in different directories never share one (a fixed id
+    would make ``wandb sync`` merge every run of a task into one)."""
+    import hashlib
+
+    digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:8]
+    return job_run_id(prefix) or f"{prefix}-{digest}"
+
+
 if not OmegaConf.has_resolver("voxdiff.job_run_id"):
     OmegaConf.register_new_resolver("voxdiff.job_run_id", job_run_id)
+if not OmegaConf.has_resolver("voxdiff.run_id"):
+    OmegaConf.register_new_resolver("voxdiff.run_id", run_id)
 
 
 def config_dir() -> Path:
