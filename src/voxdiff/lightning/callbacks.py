@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 import time
-from datetime import datetime
 from collections.abc import Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
