@@ -12,22 +12,8 @@ from voxdiff.errors import ConfigError
 
 SHAPE = (16, 32, 32)
 AFFINE = np.array([[1.5, 0, 0, -12.0], [0, 1.5, 0, -24.0], [0, 0, 1.5, 6.0], [0, 0, 0, 1]])  # RAS, 1.5 mm
-TINY = [
-    "experiment=demo",
-    "logger=csv",
-    f"data.volume_shape=[{SHAPE[0]},{SHAPE[1]},{SHAPE[2]}]",
-    "data.num_subjects=3",
-    "model.channels=[8,8,8]",
-    "model.num_res_blocks=1",
-    "model.num_head_channels=8",
-    "model.norm_num_groups=4",
-    "system.sampling.final=false",
-    "trainer.max_steps=2",
-    "trainer.accelerator=cpu",
-    "trainer.enable_model_summary=false",
-    "trainer.enable_progress_bar=false",
-    "callbacks.progress_bar=null",
-]
+#: the shared tiny demo run (tests/conftest.py: TINY_DEMO) on this module's volume, 8 channels at every level
+SIZE = [f"data.volume_shape=[{SHAPE[0]},{SHAPE[1]},{SHAPE[2]}]", "model.channels=[8,8,8]"]
 
 
 def _nifti_folder(root, n=3):
@@ -44,11 +30,11 @@ def _nifti_folder(root, n=3):
 
 
 @pytest.fixture(scope="module")
-def nifti_run(tmp_path_factory):
+def nifti_run(tmp_path_factory, tiny_demo):
     """Train 2 steps on a NIfTI folder (the data.root path of train.py)."""
     data = _nifti_folder(tmp_path_factory.mktemp("nifti"))
     out = tmp_path_factory.mktemp("nifti_run")
-    report = train(compose("train", [*TINY, f"data.root={data}", f"paths.output_dir={out}"]))
+    report = train(compose("train", [*tiny_demo, *SIZE, f"data.root={data}", f"paths.output_dir={out}"]))
     return data, report["last_checkpoint"]
 
 
@@ -81,8 +67,8 @@ def test_samples_from_another_folder_with_split_all(nifti_run, tmp_path):
         np.testing.assert_allclose(nib.load(path).affine, AFFINE, atol=1e-5)
 
 
-def test_seg_mode_writes_generated_masks(tmp_path):
-    report = train(compose("train", [*TINY, "mode=seg", f"paths.output_dir={tmp_path / 'run'}"]))
+def test_seg_mode_writes_generated_masks(tmp_path, tiny_demo):
+    report = train(compose("train", [*tiny_demo, *SIZE, "mode=seg", f"paths.output_dir={tmp_path / 'run'}"]))
     ckpt = torch.load(report["last_checkpoint"], map_location="cpu", weights_only=True)
     assert ckpt["hyper_parameters"]["mode"] == "seg"
     assert ckpt["state_dict"]["model.conv_in.conv.weight"].shape[1] == 8  # the mask encoding alone
