@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]
+EXP11 = REPO / "slurm" / "exp11.slurm"  # the rendered job script the tests submit, unchanged
 SLURM_PACKAGES = ["slurmctld", "slurmd", "slurm-client"]
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                    "DEADLINE", "PREEMPTED"}
@@ -300,3 +302,30 @@ def running_cluster(root: Path, **kwargs) -> Iterator[SlurmCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+# ------------------------------------------------------------------------------------- the exp11 job of the tests
+def submit_exp11(cluster: SlurmCluster, run_root: Path, overrides: str, *sbatch_args: str) -> int:
+    """``sbatch [ARGS] slurm/exp11.slurm`` from the repository, with CPU-sized ``overrides`` (VOXDIFF_OVERRIDES),
+    this test's Python environment and ``run_root`` for its run directories."""
+    import sys
+
+    env = {"VOXDIFF_RUN_ROOT": str(run_root), "VOXDIFF_VENV": str(Path(sys.executable).parents[1]),
+           "VOXDIFF_OVERRIDES": overrides, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    return cluster.sbatch(EXP11, *sbatch_args, cwd=REPO, env=env)
+
+
+def job_log(job_id: int) -> str:
+    """The job's output (``slurm/logs/voxdiff-exp11-<id>.out``, both halves of a requeued job), or ''."""
+    path = REPO / "slurm" / "logs" / f"voxdiff-exp11-{job_id}.out"
+    return path.read_text() if path.exists() else ""
+
+
+def exp11_run_dir(run_root: Path, job_id: int) -> Path:
+    return run_root / "exp11" / f"job-{job_id}"
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    import torch
+
+    return int(torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"])

@@ -14,12 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from harness import SlurmCluster, running_cluster  # noqa: E402  (tests/slurm is on sys.path via conftest)
+from harness import (  # noqa: E402  (tests/slurm is on sys.path via conftest)
+    EXP11,
+    REPO,
+    checkpoint_step,
+    exp11_run_dir,
+    job_log,
+    running_cluster,
+    submit_exp11,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "slurm" / "exp11.slurm"
 pytestmark = [pytest.mark.slurm]
 
 # exp11's 5-level UNet, shrunk to CPU size: 32³ phantom -> S2D 16×16³ (divisible by 2^4), 8..16 channels
@@ -34,48 +39,24 @@ def cluster(tmp_path_factory):
         yield c
 
 
-def _submit(cluster: SlurmCluster, run_root: Path, overrides: str) -> int:
-    env = {
-        "VOXDIFF_RUN_ROOT": str(run_root),
-        "VOXDIFF_VENV": str(Path(sys.executable).parents[1]),
-        "VOXDIFF_OVERRIDES": overrides,
-        "WANDB_MODE": "offline",
-        "OMP_NUM_THREADS": "1",
-    }
-    return cluster.sbatch(SCRIPT, cwd=REPO, env=env)
-
-
-def _log(job_id: int) -> str:
-    path = REPO / "slurm" / "logs" / f"voxdiff-exp11-{job_id}.out"
-    return path.read_text() if path.exists() else ""
-
-
-def _run_dir(run_root: Path, job_id: int) -> Path:
-    return run_root / "exp11" / f"job-{job_id}"
-
-
-def _step(ckpt: Path) -> int:
-    return int(torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"])
-
-
 def test_script_is_rendered_from_site_config():
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "render_slurm.py"), "--check"],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    text = SCRIPT.read_text()
+    text = EXP11.read_text()
     for directive in ("--gres=gpu:1", "--signal=USR1@", "--requeue", "--partition=gpu"):
         assert directive in text
 
 
 def test_exp11_job_completes_with_checkpoint(cluster, tmp_path):
-    job = _submit(cluster, tmp_path, f"{TINY} trainer.max_steps=4")
+    job = submit_exp11(cluster, tmp_path, f"{TINY} trainer.max_steps=4")
     info = cluster.wait(job, timeout=600)
-    log = _log(job)
+    log = job_log(job)
     assert info["JobState"] == "COMPLETED", log
     assert "preflight" in log.lower()
-    last = _run_dir(tmp_path, job) / "checkpoints" / "last.ckpt"
+    last = exp11_run_dir(tmp_path, job) / "checkpoints" / "last.ckpt"
     assert last.is_file(), log
-    assert _step(last) == 4
+    assert checkpoint_step(last) == 4
 
 
 def _logged_steps(run_dir: Path) -> list[int]:
@@ -91,40 +72,41 @@ def test_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
     the batch in flight finishes and the run saves its resume checkpoint at step 9, having logged steps 0..8."""
     max_steps, every, hold = 12, 3, 8
     release = tmp_path / "release"
-    job = _submit(cluster, tmp_path, f"{TINY} trainer.max_steps={max_steps} callbacks.last.every_n_train_steps={every} "
+    job = submit_exp11(cluster, tmp_path, f"{TINY} trainer.max_steps={max_steps} "
+                       f"callbacks.last.every_n_train_steps={every} "
                   "trainer.log_every_n_steps=1 +callbacks.hold._target_=voxdiff.lightning.callbacks.HoldAtStep "
                   f"+callbacks.hold.at_step={hold} +callbacks.hold.release_file={release}")
-    run_dir = _run_dir(tmp_path, job)
+    run_dir = exp11_run_dir(tmp_path, job)
     last = run_dir / "checkpoints" / "last.ckpt"
-    cluster.wait_for_file(job, release.with_name("release.held"), log=lambda: _log(job))
+    cluster.wait_for_file(job, release.with_name("release.held"), log=lambda: job_log(job))
     assert cluster.job(job)["JobState"] == "RUNNING"
-    assert _step(last) == 6
+    assert checkpoint_step(last) == 6
     cluster.run("scontrol", "requeue", str(job))
     # Slurm holds a requeued job for ~2 minutes (BeginTime); once it is pending again, release it, as an admin would
     cluster.wait(job, {"PENDING"}, timeout=60, poll=0.2)
-    assert _step(last) == hold + 1  # saved at the signal
-    assert _logged_steps(run_dir) == list(range(hold + 1)), _log(job)  # the first half's metrics are on disk
+    assert checkpoint_step(last) == hold + 1  # saved at the signal
+    assert _logged_steps(run_dir) == list(range(hold + 1)), job_log(job)  # the first half's metrics are on disk
     release.touch()  # the resumed run passes step 8 without holding
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     info = cluster.wait(job, timeout=600)
-    log = _log(job)
+    log = job_log(job)
     assert info["JobState"] == "COMPLETED", log
     assert int(info["Restarts"]) == 1
     assert "(restart 1)" in log
     resumed = re.findall(r"resuming from .*?step (\d+)", log, flags=re.IGNORECASE)
     assert resumed and int(resumed[-1]) == hold + 1, log
-    assert _step(last) == max_steps  # the step count continued to the end, not restarted
+    assert checkpoint_step(last) == max_steps  # the step count continued to the end, not restarted
     # both halves in one file, each step once: 0..8 of the first run, 9..11 of the requeued one
     assert _logged_steps(run_dir) == list(range(max_steps)), log
 
 
 def test_invalid_config_fails_fast_with_preflight_message(cluster, tmp_path):
     t0 = time.monotonic()
-    job = _submit(cluster, tmp_path, f"{TINY} data.volume_shape=[161,128,128]")
+    job = submit_exp11(cluster, tmp_path, f"{TINY} data.volume_shape=[161,128,128]")
     info = cluster.wait(job, timeout=120)
-    log = _log(job)
+    log = job_log(job)
     assert info["JobState"] == "FAILED", log
     assert "data.volume_shape=[161, 128, 128]" in log and "not divisible" in log
     assert "nothing was trained" in log
-    assert not (_run_dir(tmp_path, job) / "checkpoints").exists()
+    assert not (exp11_run_dir(tmp_path, job) / "checkpoints").exists()
     assert time.monotonic() - t0 < 60

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
-import torch
 
-from harness import running_cluster  # noqa: E402  (tests/slurm is on sys.path via conftest)
+from harness import (  # noqa: E402  (tests/slurm is on sys.path via conftest)
+    checkpoint_step,
+    exp11_run_dir,
+    job_log,
+    running_cluster,
+    submit_exp11,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "slurm" / "exp11.slurm"
 pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.slow]
 
 # exp11's 5-level UNet at CPU size under the DDP trainer the job adds for two nodes (accelerator and precision
@@ -39,39 +40,24 @@ def cluster(tmp_path_factory):
         yield c
 
 
-def _log(job_id: int) -> str:
-    path = REPO / "slurm" / "logs" / f"voxdiff-exp11-{job_id}.out"
-    return path.read_text() if path.exists() else ""
-
-
-def _step(ckpt: Path) -> int:
-    return int(torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"])
-
-
 def test_two_node_job_requeued_mid_run_resumes_on_both_nodes(cluster, tmp_path):
     max_steps, every, hold = 10, 3, 8
     release = tmp_path / "release"
-    env = {
-        "VOXDIFF_RUN_ROOT": str(tmp_path),
-        "VOXDIFF_VENV": str(Path(sys.executable).parents[1]),
-        "VOXDIFF_OVERRIDES": (f"{TINY_DDP} trainer.max_steps={max_steps} callbacks.last.every_n_train_steps={every} "
-                              "+callbacks.hold._target_=voxdiff.lightning.callbacks.HoldAtStep "
-                              f"+callbacks.hold.at_step={hold} +callbacks.hold.release_file={release}"),
-        "WANDB_MODE": "offline",
-        "OMP_NUM_THREADS": "1",
-    }
-    job = cluster.sbatch(SCRIPT, "--nodes=2", cwd=REPO, env=env)
-    run_dir = tmp_path / "exp11" / f"job-{job}"
-    cluster.wait_for_file(job, release.with_name("release.held"), log=lambda: _log(job))
+    overrides = (f"{TINY_DDP} trainer.max_steps={max_steps} callbacks.last.every_n_train_steps={every} "
+                 "+callbacks.hold._target_=voxdiff.lightning.callbacks.HoldAtStep "
+                 f"+callbacks.hold.at_step={hold} +callbacks.hold.release_file={release}")
+    job = submit_exp11(cluster, tmp_path, overrides, "--nodes=2")
+    run_dir = exp11_run_dir(tmp_path, job)
+    cluster.wait_for_file(job, release.with_name("release.held"), log=lambda: job_log(job))
     info = cluster.job(job)
     assert info["JobState"] == "RUNNING" and info["NodeList"] == "node[1-2]", info
-    assert _step(run_dir / "checkpoints" / "last.ckpt") == 6
+    assert checkpoint_step(run_dir / "checkpoints" / "last.ckpt") == 6
     cluster.run("scontrol", "requeue", str(job))
     cluster.wait(job, {"PENDING"}, timeout=90, poll=0.2)
     release.touch()
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     info = cluster.wait(job, timeout=600)
-    log = _log(job)
+    log = job_log(job)
     assert info["JobState"] == "COMPLETED", log
     assert int(info["Restarts"]) == 1
     second = log.split("(restart 1)", 1)[1]
@@ -79,7 +65,7 @@ def test_two_node_job_requeued_mid_run_resumes_on_both_nodes(cluster, tmp_path):
     # both ranks of the requeued job, one per node, resumed from the checkpoint saved at the signal (step 9)
     assert len(re.findall(r"resuming from \S+last\.ckpt \(step 9\)", second)) == 2, log
     assert sorted(re.findall(r"\(host (node\d), rank (\d),", second)) == [("node1", "0"), ("node2", "1")], log
-    assert _step(run_dir / "checkpoints" / "last.ckpt") == max_steps
+    assert checkpoint_step(run_dir / "checkpoints" / "last.ckpt") == max_steps
     report = json.loads((run_dir / "replicas.json").read_text())
     assert report["world_size"] == 2 and report["global_step"] == max_steps
     first_rank, second_rank = report["checksums"]

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from harness import SlurmCluster, running_cluster  # noqa: E402  (tests/slurm is on sys.path via conftest)
+from harness import (  # noqa: E402  (tests/slurm is on sys.path via conftest)
+    SlurmCluster,
+    checkpoint_step,
+    exp11_run_dir,
+    job_log,
+    running_cluster,
+    submit_exp11,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "slurm" / "exp11.slurm"
 pytestmark = [pytest.mark.slurm]
 
 # exp11's 5-level UNet at CPU size (32³ phantom → S2D 16×16³), no validation: the steps are what matters here
@@ -35,65 +38,50 @@ def cluster(tmp_path_factory):
         yield c
 
 
-def _submit(cluster: SlurmCluster, run_root: Path, overrides: str) -> int:
-    env = {"VOXDIFF_RUN_ROOT": str(run_root), "VOXDIFF_VENV": str(Path(sys.executable).parents[1]),
-           "VOXDIFF_OVERRIDES": overrides, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
-    return cluster.sbatch(SCRIPT, cwd=REPO, env=env)
-
-
-def _log(job: int) -> str:
-    path = REPO / "slurm" / "logs" / f"voxdiff-exp11-{job}.out"
-    return path.read_text() if path.exists() else ""
-
-
 def _last(run_root: Path, job: int) -> Path:
-    return run_root / "exp11" / f"job-{job}" / "checkpoints" / "last.ckpt"
-
-
-def _step(ckpt: Path) -> int:
-    return int(torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"])
+    return exp11_run_dir(run_root, job) / "checkpoints" / "last.ckpt"
 
 
 def _wait_training(cluster: SlurmCluster, job: int, last: Path, timeout: float = 300.0) -> None:
     """Until the job's first periodic checkpoint exists (training is under way)."""
     deadline = time.monotonic() + timeout
     while not last.is_file():
-        assert time.monotonic() < deadline, _log(job)
-        assert cluster.job(job)["JobState"] in ("PENDING", "CONFIGURING", "RUNNING"), _log(job)
+        assert time.monotonic() < deadline, job_log(job)
+        assert cluster.job(job)["JobState"] in ("PENDING", "CONFIGURING", "RUNNING"), job_log(job)
         time.sleep(0.3)
 
 
 def test_scancel_saves_a_resume_checkpoint_and_the_job_stays_cancelled(cluster, tmp_path):
-    job = _submit(cluster, tmp_path, f"{TINY} trainer.max_steps=100000")
+    job = submit_exp11(cluster, tmp_path, f"{TINY} trainer.max_steps=100000")
     last = _last(tmp_path, job)
     _wait_training(cluster, job, last)
     t_cancel = time.time()
     cluster.run("scancel", str(job))
     info = cluster.wait(job, timeout=120)
     time.sleep(1.0)  # the log's last lines
-    log = _log(job)
+    log = job_log(job)
     assert info["JobState"] == "CANCELLED" and int(info["Restarts"]) == 0, log
     assert f"resume checkpoint saved to {last}" in log, log
     assert f"Slurm job {job} not requeued" in log
-    assert last.stat().st_mtime >= t_cancel and _step(last) >= 2
+    assert last.stat().st_mtime >= t_cancel and checkpoint_step(last) >= 2
     saved = re.findall(r"stopped by SIGTERM after step (\d+)", log)
-    assert saved and int(saved[-1]) == _step(last)
+    assert saved and int(saved[-1]) == checkpoint_step(last)
     assert "Traceback" not in log
 
 
 def test_a_sigterm_that_does_not_end_the_job_requeues_it_and_it_resumes(cluster, tmp_path):
     max_steps = 40
-    job = _submit(cluster, tmp_path, f"{TINY} trainer.max_steps={max_steps}")
+    job = submit_exp11(cluster, tmp_path, f"{TINY} trainer.max_steps={max_steps}")
     last = _last(tmp_path, job)
     _wait_training(cluster, job, last)
     cluster.run("scancel", "--signal=TERM", str(job))  # the steps get SIGTERM; Slurm keeps the job RUNNING
     cluster.wait(job, {"PENDING"}, timeout=120, poll=0.2)  # requeued by train.py itself
-    saved = re.findall(r"stopped by SIGTERM after step (\d+)", _log(job))
-    assert saved and f"Slurm job {job} requeued" in _log(job), _log(job)
+    saved = re.findall(r"stopped by SIGTERM after step (\d+)", job_log(job))
+    assert saved and f"Slurm job {job} requeued" in job_log(job), job_log(job)
     # Slurm holds a requeued job for ~2 minutes (BeginTime); release it, as an admin would
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     info = cluster.wait(job, timeout=600)
-    log = _log(job)
+    log = job_log(job)
     assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) == 1, log
     assert re.search(rf"resuming from \S*last\.ckpt \(step {saved[0]}\)", log), log
-    assert _step(last) == max_steps
+    assert checkpoint_step(last) == max_steps
