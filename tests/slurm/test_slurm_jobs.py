@@ -74,8 +74,8 @@ def test_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
     release = tmp_path / "release"
     job = submit_exp11(cluster, tmp_path, f"{TINY} trainer.max_steps={max_steps} "
                        f"callbacks.last.every_n_train_steps={every} "
-                  "trainer.log_every_n_steps=1 +callbacks.hold._target_=voxdiff.lightning.callbacks.HoldAtStep "
-                  f"+callbacks.hold.at_step={hold} +callbacks.hold.release_file={release}")
+                       "trainer.log_every_n_steps=1 +callbacks.hold._target_=voxdiff.lightning.callbacks.HoldAtStep "
+                       f"+callbacks.hold.at_step={hold} +callbacks.hold.release_file={release}")
     run_dir = exp11_run_dir(tmp_path, job)
     last = run_dir / "checkpoints" / "last.ckpt"
     cluster.wait_for_file(job, release.with_name("release.held"), log=lambda: job_log(job))
