@@ -86,7 +86,7 @@ def details(r: PreflightResult) -> str:
 
 
 def _sweep(cfg: DictConfig) -> int:
-    from voxdiff.preflight.sweep import read_sweep_csv, sweep
+    from voxdiff.preflight.sweep import sweep
     from voxdiff.step import recipe_from_config
 
     p = cfg.preflight
@@ -96,11 +96,6 @@ def _sweep(cfg: DictConfig) -> int:
     if not src.is_file():
         raise ConfigError("preflight.sweep", p.sweep, "no such file", "give the path of a CSV in the format of "
                           "reference/measured_vram.csv")
-    fields, _ = read_sweep_csv(src)  # refuses a file that is not a sweep CSV, naming it
-    if p.recipe is None and "recipe" not in fields:
-        raise ConfigError("preflight.recipe", None, f"{src} has no recipe column, so the training step to trace "
-                          "must be named", "add preflight.recipe=seed (the step of the reference measurements) or "
-                          "preflight.recipe=system (train.py's step for this config)")
     recipe = recipe_from_config(cfg) if p.recipe is not None else None
     plot = str(p.plot) if p.plot else str(Path(str(p.out)).with_suffix(".png"))
     t0 = time.perf_counter()

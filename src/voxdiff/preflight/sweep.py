@@ -299,8 +299,16 @@ def sweep(
 
     Returns:
         The output rows.
+
+    Raises:
+        ConfigError: ``in_csv`` is not a sweep CSV (:func:`read_sweep_csv`), or it has no ``recipe`` column and
+            no ``recipe`` is given (the step to trace is never assumed), before any row is traced.
     """
     fields, rows = read_sweep_csv(in_csv)
+    if recipe is None and "recipe" not in fields:
+        raise ConfigError("preflight.recipe", None, f"{in_csv} has no recipe column, so the training step to trace "
+                          "must be named", "add preflight.recipe=seed (the step of the reference measurements) or "
+                          "preflight.recipe=system (train.py's step for this config)")
     out_rows = []
     for row in rows:
         pred, _ = predict_row(row, recipe, system=system, build_model=build_model, budget_gib=budget_gib,
