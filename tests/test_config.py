@@ -9,7 +9,7 @@ from voxdiff.errors import ConfigError
 from voxdiff.models import count_parameters
 
 EXPERIMENTS = sorted(p.stem for p in (config_dir() / "experiment").glob("*.yaml"))
-MODELS = sorted(p.stem for p in (config_dir() / "model").glob("*.yaml"))
+MODELS = sorted(p.stem for p in (config_dir() / "model").glob("*.yaml") if not p.stem.startswith("_"))  # _unet: shared
 
 # (experiment, UNet input C x D x H x W, parameters in millions as MONAI's UNet has them)
 EXPECTED = {
