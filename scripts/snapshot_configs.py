@@ -23,12 +23,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT = ROOT / "tests" / "fixtures" / "resolved_configs.json"
 
 
+#: group choices beside the experiments whose composition is itself a config file's work
+VARIANTS = {"(logger=csv)": ["logger=csv"], "(logger=wandb_csv)": ["logger=wandb_csv"]}
+
+
 def experiments() -> list[str]:
     return sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
 
 
 def resolved(target: str) -> dict[str, Any]:
-    """``{experiment (or "" for no experiment): resolved train config}`` with ``VOXDIFF_TARGET=target``."""
+    """``{experiment or variant: resolved train config}`` with ``VOXDIFF_TARGET=target``."""
     from omegaconf import OmegaConf
 
     from voxdiff.config import compose
@@ -39,10 +43,10 @@ def resolved(target: str) -> dict[str, Any]:
         os.environ.pop(var, None)
     try:
         out = {}
-        for name in ["", *experiments()]:
-            fixed = ["paths.run_dir=/RUN", "paths.output_dir=/RUN"]
-            cfg = compose("train", [*fixed, f"experiment={name}"] if name else fixed)
-            out[name or "(none)"] = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k])
+        runs = {"(none)": [], **{n: [f"experiment={n}"] for n in experiments()}, **VARIANTS}
+        for name, overrides in runs.items():
+            cfg = compose("train", ["paths.run_dir=/RUN", "paths.output_dir=/RUN", *overrides])
+            out[name] = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k])
                                      else cfg[k] for k in cfg if k != "hydra"}
         return out
     finally:
