@@ -59,7 +59,6 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("overwrite", cfg.get("overwrite"), "must be true or false", "use overwrite=true or false")
     encoding = build_encoding(cfg)
     shapes(cfg, encoding)  # volume divisible by the encoding's factor
-    model_spec(cfg, encoding)  # the UNet's arguments
     decide_precision(plain(cfg.trainer.get("precision")), accelerator_device(cfg.trainer.get("accelerator")))
     stage1 = getattr(encoding, "checkpoint", None)
     if stage1 is not None:  # a latent run: its stage-1 weights must be readable now, not after data loading
@@ -71,6 +70,7 @@ def validate(cfg: DictConfig) -> None:
         from voxdiff.preflight.rules import validate as static_rules
         from voxdiff.step import recipe_from_config
 
+        model_spec(cfg, encoding)  # the UNet's arguments
         static_rules(cfg)  # the preflight's static rules: divisibility by the UNet's levels, in/out channels, ...
         recipe_from_config(cfg, "system")  # the training step: diffusion, system.optim/.ema, trainer clipping
         system_settings(plain(cfg.system.get("optim")), plain(cfg.system.get("ema")),
