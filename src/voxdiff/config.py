@@ -218,8 +218,9 @@ def _nested_target(value: Any, path: str, top: bool = False) -> str | None:
 
 def build_encoding(cfg: DictConfig) -> Encoding:
     """Build ``cfg.encoding`` (an :class:`~voxdiff.encodings.Encoding`; only voxdiff's own encoding classes)."""
+    names = ", ".join(sorted(p.stem for p in (config_dir() / "encoding").glob("*.yaml")))
     cls, kwargs = voxdiff_class(cfg.encoding, "encoding", Encoding, ("voxdiff.encodings",),
-                                "use encoding=s2d, haar, identity, vqvae_4x or vqvae_8x")
+                                f"use one of configs/encoding/*.yaml: encoding={names.replace(', ', '|')}")
     return cls(**kwargs)
 
 
