@@ -163,7 +163,6 @@ def _flops(step: Any, device: str) -> float:
 def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str) -> dict[str, Any]:
     """``trainer.fit`` of the experiment's system as ``train.py`` builds it (validation off)."""
     import lightning as L
-    import torch
     from hydra.utils import instantiate
     from torch.utils.data import DataLoader, Dataset
 
