@@ -40,7 +40,8 @@ TABLE: tuple[ExitCode, ...] = (
              "latent-cache index) cannot work, or the run directory is in use or holds another run",
              "change what the one-line message names (key=value: problem. Fix: ...)"),
     ExitCode(EXIT_NONFINITE, "EXIT_NONFINITE",
-             "training stopped on a NaN/inf loss or gradient norm, before the optimizer step",
+             "training stopped on a NaN/inf loss or gradient norm, at most system.guard.check_every_n_steps "
+             "steps after it and before any checkpoint was written after it",
              "resume from the last good checkpoint the message names, with a lower system.optim.lr, "
              "trainer.precision=32-true or a smaller trainer.gradient_clip_val"),
     ExitCode(EXIT_NO_FIT, "EXIT_NO_FIT",

@@ -198,7 +198,8 @@ def run(cfg: DictConfig, ckpt_path: str | None = None, plan: Any = None) -> dict
     try:
         trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     except NonFiniteLossError as e:
-        last = [c.last_model_path for c in trainer.checkpoint_callbacks if getattr(c, "last_model_path", "")]
+        last = [p for c in trainer.checkpoint_callbacks
+                if (p := getattr(c, "last_model_path", "")) and Path(p).is_file()]  # a failed write leaves the path
         e.args = (f"{e}. The last good checkpoint: {last[0] if last else 'none was written yet'}",)
         raise
     except SIGTERMException as e:
