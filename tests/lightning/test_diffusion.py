@@ -1,9 +1,11 @@
-"""The step through Lightning: no host synchronisation in a steady-state step, and the non-finite guard checked
-before every checkpoint."""
+"""The fast default step through Lightning: no host synchronisation in a steady-state step, the non-finite guard
+checked before every checkpoint, and the compiled training forward with EMA, validation, sampling and resume."""
 
 from __future__ import annotations
 
 import collections
+import csv
+import logging
 
 import lightning as L
 import pytest
@@ -12,7 +14,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
-from voxdiff.cli.exit_codes import EXIT_NONFINITE
+from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_NONFINITE
 from voxdiff.cli.train import train
 from voxdiff.lightning.callbacks import ProgressBar, StepsPerSecond
 from voxdiff.lightning.trainer import build_trainer
@@ -107,3 +109,68 @@ def test_a_nan_between_checks_stops_at_the_next_checkpoint_write(tiny_cfg, tmp_p
         assert all(torch.isfinite(w).all() for w in weights)
         for state in ckpt["optimizer_states"][0]["state"].values():
             assert torch.isfinite(state["exp_avg"]).all() and torch.isfinite(state["exp_avg_sq"]).all()
+
+
+def test_the_compiled_training_forward_through_fit_validation_sampling_and_resume(tiny_cfg, tmp_path, caplog):
+    """model.compile=true (aot_eager: dynamo and AOTAutograd, no C++ codegen) with layer checkpointing and EMA:
+    validation (EMA swapped in), sampling and the EMA never recompile the training forward; checkpoints keep the
+    model's keys; a resumed run compiles again and continues."""
+    compiled = [*FAST, "model.compile=true", "model.compile_backend=aot_eager", "model.gradient_checkpointing=layer",
+                "system.sampling.final=true", "trainer.log_every_n_steps=1"]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with caplog.at_level(logging.INFO, logger="voxdiff.step.compiling"), \
+            torch._dynamo.config.patch(error_on_recompile=True):  # any recompilation fails the run
+        first = train(tiny_cfg(*compiled, f"paths.output_dir={tmp_path}", "trainer.max_steps=6", config_name="train"))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # dynamo did capture the forward
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("compiling the training step (model.compile=true, mode default, backend aot_eager)")
+               for m in messages), messages
+    assert sum(m.startswith("compiled the training step in") for m in messages) == 1
+    ckpt = _load(first["last_checkpoint"])
+    assert ckpt["global_step"] == 6 and ckpt["ema"]["num_updates"] == 6
+    assert all(k.startswith("model.") and "_orig_mod" not in k for k in ckpt["state_dict"] if "encoding" not in k)
+    assert list((tmp_path / "samples").glob("final_step0000006*")), "no samples at the end"
+    rows = list(csv.DictReader(open(next(tmp_path.glob("csv/*/metrics.csv")))))
+    assert [float(r["train/compile_s"]) > 0 for r in rows if r.get("train/compile_s")] == [True]
+    assert sum(1 for r in rows if r.get("val/loss")) == 2  # validated after each epoch of 3 steps
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        resumed = train(tiny_cfg(*compiled, f"paths.output_dir={tmp_path}", "trainer.max_steps=8",
+                                 f"ckpt_path={first['last_checkpoint']}", config_name="train"))
+    again = _load(resumed["last_checkpoint"])
+    assert again["global_step"] == 8 and again["ema"]["num_updates"] == 8
+    assert set(again["state_dict"]) == set(ckpt["state_dict"])
+    assert any(not torch.equal(again["state_dict"][k], v) for k, v in ckpt["state_dict"].items())
+
+
+def test_a_compile_failure_stops_the_run_naming_model_compile_false(tiny_cfg, tmp_path, capsys):
+    """Inductor without a C++ compiler (as on a node without one): exit 2 with one line that says how to train
+    without compiling; nothing falls back to eager behind the user's back."""
+    cfg = tiny_cfg(*FAST, f"paths.output_dir={tmp_path}", "model.compile=true", "trainer.max_steps=2",
+                   config_name="train")
+    with torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}), \
+            pytest.raises(SystemExit) as e:
+        train(cfg)
+    assert e.value.code == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "model.compile=true: torch.compile of the training step failed" in err, err
+    assert "Fix: set model.compile=false" in err
+    assert not (tmp_path / "checkpoints" / "last.ckpt").exists()
+
+
+def test_the_system_decides_the_auto_switches_for_its_device(tiny_cfg):
+    """``model.use_flash_attention=auto`` and ``model.compile=auto`` (the configs' defaults): SDPA attention and a
+    compiled training forward for a CUDA run, neither on the CPU; AdamW fused once the weights are on a GPU."""
+    from monai.networks.blocks.selfattention import SABlock
+
+    cfg = tiny_cfg(config_name="train")
+    assert cfg.model.use_flash_attention == "auto" and cfg.model.compile == "auto"
+    for device, on in (("cuda", True), ("cpu", False)):
+        system = instantiate(cfg.system, device_type=device)
+        assert {m.use_flash_attention for m in system.model.modules() if isinstance(m, SABlock)} == {on}
+        assert (system.step.compiled is not None) == on
+        assert "device_type" not in system.hparams  # the same checkpoint samples on another device
+    assert instantiate(cfg.system).device_type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert system.step.optimizer_impl == "single"  # its weights are on the CPU

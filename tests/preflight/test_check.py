@@ -13,7 +13,7 @@ from voxdiff.preflight.tracker import round_block
 
 def _weight_bytes(cfg) -> int:
     with torch.device("meta"):
-        model = build_model(cfg, build_encoding(cfg))
+        model = build_model(cfg, build_encoding(cfg), device_type="cuda")
     return sum(round_block(p.numel() * 4) for p in model.parameters())
 
 

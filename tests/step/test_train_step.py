@@ -60,7 +60,7 @@ def test_lightning_and_the_bare_step_are_bit_identical(run_cfg, batches):
 
     # the bare step, built without Lightning from the same config
     encoding = build_encoding(run_cfg)
-    model = build_unet_from_spec(model_spec(run_cfg, encoding))
+    model = build_unet_from_spec(model_spec(run_cfg, encoding, "cpu"))
     model.load_state_dict(initial)
     sys_cfg = run_cfg.system
     recipe = system_recipe(dict(sys_cfg.optim), dict(sys_cfg.ema), dict(run_cfg.diffusion), clip_settings(CLIP))
@@ -119,13 +119,13 @@ def test_gradient_order_of_the_recipes():
 
 def test_the_optimizer_implementation_follows_the_device_the_model_is_on_when_it_is_made():
     """Lightning builds the system (and its step) on the CPU and moves it to the GPU before configure_optimizers:
-    the implementation is decided then, for where the parameters are (foreach on CUDA, single elsewhere)."""
+    the implementation is decided then, for where the parameters are (fused on CUDA, single elsewhere)."""
     step = _tiny_step(system_recipe({}, False, {}))
     assert step.device_type == "cpu" and step.optimizer_impl == "single"
     step.model.to("meta")
     assert step.device_type == "meta"
     told = TrainStep(step.model, system_recipe({}, False, {}), device_type="cuda")  # the preflight's meta = a GPU
-    assert told.device_type == "cuda" and told.optimizer_impl == "foreach"
+    assert told.device_type == "cuda" and told.optimizer_impl == "fused"
 
 
 def test_clipping_by_value_and_by_norm():

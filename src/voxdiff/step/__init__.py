@@ -10,9 +10,11 @@
 * :mod:`~voxdiff.step.ema`: the EMA of the weights;
 * :mod:`~voxdiff.step.guard`: the non-finite guard, recorded on the device and checked every N steps and before
   every checkpoint;
+* :mod:`~voxdiff.step.compiling`: ``torch.compile`` of the training forward (``model.compile``);
 * :mod:`~voxdiff.step.precision`: :func:`decide_precision`, the one decision of ``trainer.precision`` on a device.
 """
 
+from voxdiff.step.compiling import CompiledForward, CompileFailed, CompileSettings
 from voxdiff.step.ema import EMA, EMASettings, ema_settings
 from voxdiff.step.guard import FiniteGuard, GuardSettings, NonFiniteLossError, guard_settings
 from voxdiff.step.optim import (
@@ -22,6 +24,7 @@ from voxdiff.step.optim import (
     build_optimizer,
     optim_settings,
     optimizer_impl,
+    params_device_type,
 )
 from voxdiff.step.precision import Precision, accelerator_device, decide_precision
 from voxdiff.step.recipe import (
@@ -40,6 +43,9 @@ __all__ = [
     "RECIPES",
     "SEED",
     "ClipSettings",
+    "CompileFailed",
+    "CompileSettings",
+    "CompiledForward",
     "EMASettings",
     "FiniteGuard",
     "GuardSettings",
@@ -60,6 +66,7 @@ __all__ = [
     "guard_settings",
     "optim_settings",
     "optimizer_impl",
+    "params_device_type",
     "recipe_from_config",
     "system_recipe",
 ]

@@ -5,9 +5,10 @@ non-finite guard, the EMA and the precision context, as a :class:`~voxdiff.step.
 Three drivers run it:
 
 * the Lightning system (``voxdiff.lightning.diffusion``) calls its parts from its hooks — ``training_step`` →
-  :meth:`TrainStep.loss`, ``optimizer_zero_grad`` → :meth:`TrainStep.zero_grad_before_backward`,
-  ``configure_gradient_clipping`` → :meth:`TrainStep.clip_and_check`, ``optimizer_step`` →
-  :meth:`TrainStep.after_optimizer_step` — while Lightning does the autocast, the backward and ``step()``;
+  :meth:`TrainStep.loss`, ``optimizer_zero_grad`` → :meth:`TrainStep.zero_grad_before_backward`, ``backward`` →
+  :meth:`TrainStep.compile_errors`, ``configure_gradient_clipping`` → :meth:`TrainStep.clip_and_check`,
+  ``optimizer_step`` → :meth:`TrainStep.after_optimizer_step` — while Lightning does the autocast, the backward
+  and ``step()``;
 * the preflight traces :meth:`TrainStep.run` on meta tensors, with its CUDA-autocast emulator as the precision
   context (``voxdiff.preflight.memory``);
 * ``preflight.measure=true`` runs :meth:`TrainStep.run` on a GPU (``voxdiff.preflight.measure``).
@@ -15,7 +16,7 @@ Three drivers run it:
 One step (:meth:`TrainStep.run`), in Lightning's order::
 
     forward   batch ──encode_batch──▶ x0 (B, C_out, d, h, w), cond (B, C_cond, d, h, w) | None
-              ──loss (under the precision context)──▶ fp32 loss ──▶ guard
+              ──loss (under the precision context; the model compiled with model.compile)──▶ fp32 loss ──▶ guard
     [zero_grad]                                          (recipe.zero_grad_at == "before_backward")
     backward  loss.backward()
     optimizer [unscale] ──clip, grad norm──▶ guard ──▶ optimizer.step() ──▶ EMA update ──▶ [zero_grad] ("after_step")
@@ -39,9 +40,10 @@ from voxdiff.diffusion import DiffusionProcess, encode_batch
 from voxdiff.diffusion.seed import seed_loss
 from voxdiff.encodings.base import Encoding
 from voxdiff.encodings.identity import Identity
+from voxdiff.step.compiling import CompiledForward, CompileSettings
 from voxdiff.step.ema import EMA
 from voxdiff.step.guard import FiniteGuard, NonFiniteLossError
-from voxdiff.step.optim import build_lr_scheduler, build_optimizer, optimizer_impl
+from voxdiff.step.optim import build_lr_scheduler, build_optimizer, optimizer_impl, params_device_type
 from voxdiff.step.precision import Precision, PrecisionContext
 from voxdiff.step.recipe import Recipe
 
@@ -84,12 +86,14 @@ class TrainStep:
             ``system.optim`` leaves it open; default: the device of the model's parameters when the optimizer is
             made (Lightning moves the model to the GPU before ``configure_optimizers``). The preflight passes
             ``cuda`` for its meta tensors, which stand for a GPU.
+        compile: compile the training forward (:class:`~voxdiff.step.compiling.CompiledForward`); None: eager.
 
     Attributes:
         optimizer, scheduler: set by :meth:`configure_optimizer`.
         clip, zero_grad_at: from the recipe; the Lightning system sets ``clip`` from its Trainer.
         guard: the :class:`~voxdiff.step.guard.FiniteGuard` (its ``any_rank`` reduces over processes), or None.
         ema: the :class:`~voxdiff.step.ema.EMA`, or None (``system.ema: false``).
+        compiled: the :class:`~voxdiff.step.compiling.CompiledForward`, or None.
         loss_scaled: a loss scaler (fp16) skips non-finite gradients itself: the gradient-norm guard is off.
     """
 
@@ -103,6 +107,7 @@ class TrainStep:
         process: DiffusionProcess | None = None,
         precision: PrecisionContext | None = None,
         device_type: str | None = None,
+        compile: CompileSettings | None = None,
     ) -> None:
         self.model = model
         self.recipe = recipe
@@ -120,6 +125,7 @@ class TrainStep:
         self.guard = FiniteGuard(recipe.guard) if recipe.guard is not None else None
         self.ema = (EMA(model, recipe.ema.decay, recipe.ema.start_step, recipe.ema.every_n_steps)
                     if recipe.ema is not None else None)
+        self.compiled = CompiledForward(model, compile) if compile is not None else None
         self.optimizer: Any = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.steps_done = 0
@@ -127,8 +133,15 @@ class TrainStep:
     # ------------------------------------------------------------------ set-up
     @property
     def device_type(self) -> str:
-        """The device type the step runs on: as given, else that of the model's parameters now."""
-        return self._device_type or next(self.model.parameters()).device.type
+        """The device type the step runs on: as given, else that of the model's parameters now (``mixed`` when
+        they are not all on one device type)."""
+        return self._device_type or params_device_type(self.model.parameters())
+
+    @property
+    def train_model(self) -> Callable[..., torch.Tensor]:
+        """What the training loss calls: the compiled forward with ``model.compile``, else the model. Validation,
+        sampling and the EMA use :attr:`model`, always eager."""
+        return self.compiled.module if self.compiled is not None else self.model
 
     @property
     def optimizer_impl(self) -> str:
@@ -184,12 +197,25 @@ class TrainStep:
 
         Returns:
             ``(loss, stats)``: a float32 scalar with grad, and detached statistics of the loss function.
+
+        Raises:
+            CompileFailed: compiling the training forward failed (``model.compile``).
         """
         x0, cond = encode_batch(self.encoding, batch, self.mode)  # (B, C_out, d, h, w), (B, C_cond, ...) | None
-        loss, stats = self.loss_fn(self.model, x0, cond)
+        if self.compiled is not None:
+            self.compiled.start()
+        with self.compile_errors():
+            loss, stats = self.loss_fn(self.train_model, x0, cond)
         if self.guard is not None:
             self.guard.record("loss", loss, self.steps_done if step is None else step)
         return loss, stats
+
+    @contextmanager
+    def compile_errors(self) -> Iterator[None]:
+        """Around code that runs compiled graphs (the loss, the backward, whose graph compiles lazily on the first
+        step): a compiler failure becomes :class:`~voxdiff.step.compiling.CompileFailed`."""
+        with self.compiled.errors() if self.compiled is not None else nullcontext():
+            yield
 
     def zero_grad_before_backward(self) -> None:
         """Free the previous step's gradients here if the recipe frees them before backward (else they are gone
@@ -215,11 +241,14 @@ class TrainStep:
             self.guard.record("gradient norm", norm, self.steps_done if step is None else step)
         return norm
 
-    def after_optimizer_step(self, step: int | None = None) -> None:
+    def after_optimizer_step(self, step: int | None = None) -> float | None:
         """The post-step hooks: the EMA update (once per optimizer step); then, if the recipe says so, free the
         gradients now rather than before the next backward (they would live through the next forward: 4 bytes
-        per parameter of the peak); then the guard's check when one is due after global step ``step`` (default:
-        the steps :meth:`run` has done).
+        per parameter of the peak); then the end of the compile warm-up; then the guard's check when one is due
+        after global step ``step`` (default: the steps :meth:`run` has done).
+
+        Returns:
+            The seconds of the compile warm-up when this step ended it, else None.
 
         Raises:
             NonFiniteLossError: a check found a non-finite loss or gradient norm since the start.
@@ -228,9 +257,11 @@ class TrainStep:
             self.ema.update(self.model)
         if self.zero_grad_at == "after_step":
             self.optimizer.zero_grad(set_to_none=True)
+        warmup = self.compiled.finish() if self.compiled is not None else None
         step = self.steps_done if step is None else step
         if self.guard is not None and self.guard.due(step):
             self.guard.check()
+        return warmup
 
     def check_guard(self, detail: str = "") -> None:
         """Check the guard now (one host sync; on every rank): before a checkpoint is written, before validation,
@@ -257,6 +288,7 @@ class TrainStep:
 
         Raises:
             NonFiniteLossError: the guard's check, when due after this step, found a non-finite step.
+            CompileFailed: compiling the training step failed.
         """
         if self.optimizer is None:
             raise RuntimeError("TrainStep.run: call configure_optimizer() first")
@@ -268,7 +300,8 @@ class TrainStep:
         probe.end("forward")
         self.zero_grad_before_backward()
         probe.begin("backward")
-        self.precision.backward(loss)
+        with self.compile_errors():
+            self.precision.backward(loss)
         del loss
         probe.end("backward")
         probe.begin("optimizer")
