@@ -15,11 +15,14 @@ TINY = ["experiment=demo", "data.volume_shape=[16,32,32]", "data.num_subjects=4"
 
 
 @pytest.mark.slow
-def test_two_gloo_processes_keep_identical_replicas(repo, tmp_path):
+@pytest.mark.parametrize("compiled", [[], ["model.compile=true", "model.compile_backend=aot_eager"]],
+                         ids=["eager", "compiled"])
+def test_two_gloo_processes_keep_identical_replicas(repo, tmp_path, compiled):
+    """Also with the training forward compiled (model.compile): DDP's gradient hooks see the compiled backward."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "train.py", *TINY, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
            "trainer.precision=32-true", "trainer.max_steps=4", f"paths.run_dir={run_dir}",
-           "+callbacks.replicas._target_=voxdiff.lightning.distributed.ReplicaConsistency"]
+           "+callbacks.replicas._target_=voxdiff.lightning.distributed.ReplicaConsistency", *compiled]
     env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PATH": "/usr/bin:/bin"}
     result = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -28,6 +31,8 @@ def test_two_gloo_processes_keep_identical_replicas(repo, tmp_path):
     first, second = report["checksums"]
     assert first == second  # all-reduced gradients: bit-identical replicas
     assert first != [0.0, 0.0]
+    if compiled:
+        assert "compiled the training step in" in result.stdout + result.stderr
 
 
 def test_ddp_config_takes_devices_and_nodes_from_slurm(monkeypatch):

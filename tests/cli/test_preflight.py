@@ -12,6 +12,7 @@ from voxdiff.cli.preflight import run
 from voxdiff.config import config_dir
 
 SEED_OOM = "model.attention_levels=[false,true,true,true,true]"  # attention from level 1 at 80×64×64
+MATERIALISED = "model.use_flash_attention=false"  # the seed's attention (the default, auto, is SDPA on a GPU)
 
 
 @pytest.mark.slow
@@ -28,7 +29,8 @@ def test_one_config_in_detail(capsys):
     assert run(["experiment=exp11"]) == 0
     out = capsys.readouterr().out
     assert "step 1   : fwd" in out and "steady   : fwd" in out and "budget 80.0 GiB" in out
-    assert "attention materialised" in out
+    # the step a GPU runs by default: fused AdamW, SDPA attention (model.use_flash_attention=auto)
+    assert "AdamW(fused)" in out and "attention flash" in out
 
 
 def test_invalid_config_exits_nonzero_with_fix(capsys):
@@ -38,14 +40,15 @@ def test_invalid_config_exits_nonzero_with_fix(capsys):
 
 
 def test_seed_config_that_ran_out_of_memory_gets_fixes_that_fit(capsys):
-    assert run(["experiment=exp11", SEED_OOM]) == EXIT_NO_FIT
+    assert run(["experiment=exp11", SEED_OOM, MATERIALISED]) == EXIT_NO_FIT
     out = capsys.readouterr().out
     assert "OUT OF MEMORY" in out
     fixes = [line for line in out.splitlines() if line.strip().startswith(("✓", "✗"))]
     flash = [line for line in fixes if "model.use_flash_attention=true" in line and "checkpointing" not in line]
     assert flash and flash[0].strip().startswith("✓"), out  # memory-efficient attention alone makes it fit
-    # and the fix really fits when checked on its own
+    # and the fix really fits when checked on its own, as does the default (auto: SDPA on the GPU predicted)
     assert run(["experiment=exp11", SEED_OOM, "model.use_flash_attention=true"]) == 0
+    assert run(["experiment=exp11", SEED_OOM]) == 0
 
 
 def test_budget_decides_the_verdict(capsys):
@@ -61,10 +64,13 @@ def test_checkpointing_and_flash_show_as_drops(capsys):
     base = run_preflight(compose("preflight", ["experiment=exp11"]), suggest=False)
     ckpt = run_preflight(compose("preflight", ["experiment=exp11", "model.gradient_checkpointing=layer"]),
                          suggest=False)
-    attn = compose("preflight", ["experiment=exp11", SEED_OOM])
+    attn = compose("preflight", ["experiment=exp11", SEED_OOM, MATERIALISED])
     flash = compose("preflight", ["experiment=exp11", SEED_OOM, "model.use_flash_attention=true"])
     assert ckpt.per_gpu_peak_gib < 0.85 * base.per_gpu_peak_gib
-    assert run_preflight(flash, suggest=False).per_gpu_peak_gib < 0.2 * run_preflight(attn, suggest=False).per_gpu_peak_gib
+    flash_gib = run_preflight(flash, suggest=False).per_gpu_peak_gib
+    assert flash_gib < 0.2 * run_preflight(attn, suggest=False).per_gpu_peak_gib
+    auto = compose("preflight", ["experiment=exp11", SEED_OOM])  # auto is predicted as on: the GPU's default
+    assert run_preflight(auto, suggest=False).per_gpu_peak_gib == flash_gib
 
 
 def test_sweep_mode_writes_csv_and_plot(tmp_path, reference_csv, capsys):

@@ -13,7 +13,7 @@ from voxdiff.preflight.tracker import round_block
 
 def _weight_bytes(cfg) -> int:
     with torch.device("meta"):
-        model = build_model(cfg, build_encoding(cfg))
+        model = build_model(cfg, build_encoding(cfg), device_type="cuda")
     return sum(round_block(p.numel() * 4) for p in model.parameters())
 
 
@@ -27,10 +27,10 @@ def test_ema_false_traces_no_ema_copy(tiny_cfg):
 
 
 def test_trace_runs_clipping_and_the_nonfinite_guard(tiny_cfg, monkeypatch):
-    """Training clips (trainer.gradient_clip_val) and checks the loss and the gradient norm every step; the
-    traced step does the same, twice (step 1 and the steady step)."""
+    """Training clips (trainer.gradient_clip_val) and records the finiteness of the loss and of the gradient norm
+    every step (on the device); the traced step does the same, twice (step 1 and the steady step)."""
     clip_calls, finite_calls = [], []
-    clip, isfinite = torch.nn.utils.clip_grad_norm_, torch.isfinite
+    clip, isfinite = torch.nn.utils.clip_grads_with_norm_, torch.isfinite
 
     def spy_clip(parameters, max_norm, *args, **kwargs):
         clip_calls.append(float(max_norm))
@@ -40,7 +40,7 @@ def test_trace_runs_clipping_and_the_nonfinite_guard(tiny_cfg, monkeypatch):
         finite_calls.append(tuple(x.shape))
         return isfinite(x)
 
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy_clip)
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", spy_clip)
     monkeypatch.setattr(torch, "isfinite", spy_isfinite)
     predict_memory(tiny_cfg("trainer.gradient_clip_val=0.5"))
     assert clip_calls == [0.5, 0.5]

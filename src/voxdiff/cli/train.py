@@ -172,6 +172,7 @@ def run(cfg: DictConfig, ckpt_path: str | None = None, plan: Any = None) -> dict
         instantiate_loggers,
     )
     from voxdiff.run_dir import process_rank
+    from voxdiff.step import accelerator_device
 
     _one_console_log()
     L.seed_everything(int(cfg.seed) + process_rank(), workers=True)  # DDP broadcasts rank 0's initial weights
@@ -183,7 +184,9 @@ def run(cfg: DictConfig, ckpt_path: str | None = None, plan: Any = None) -> dict
 
     datamodule = instantiate_config(cfg.data, _convert_="all")
     datamodule.setup("fit")  # load (and check) the data before the model is built
-    system = instantiate_config(cfg.system)
+    # the diffusion system decides its model's auto switches (SDPA attention, compile) for the run's device
+    on = {"device_type": accelerator_device(cfg.trainer.get("accelerator"))} if is_diffusion(cfg) else {}
+    system = instantiate_config(cfg.system, **on)
     logger = instantiate_loggers(cfg.get("logger"))
     record = {k: plain(cfg[k]) for k in cfg if k != "hydra"}  # the resolved config, for sample.py and resumes
     on_sigterm = SaveOnSigterm()
@@ -198,7 +201,8 @@ def run(cfg: DictConfig, ckpt_path: str | None = None, plan: Any = None) -> dict
     try:
         trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     except NonFiniteLossError as e:
-        last = [c.last_model_path for c in trainer.checkpoint_callbacks if getattr(c, "last_model_path", "")]
+        last = [p for c in trainer.checkpoint_callbacks
+                if (p := getattr(c, "last_model_path", "")) and Path(p).is_file()]  # a failed write leaves the path
         e.args = (f"{e}. The last good checkpoint: {last[0] if last else 'none was written yet'}",)
         raise
     except SIGTERMException as e:

@@ -30,6 +30,9 @@ from voxdiff.preflight.rules import static_problems
 from voxdiff.step import Recipe, batch_shapes, decide_precision, recipe_from_config
 
 DEFAULT_BUDGET_GIB = 80.0
+PREDICTED_DEVICE = "cuda"
+"""The device the preflight predicts a run on: a GPU. It resolves the model's ``auto`` switches for it (SDPA
+attention on: :meth:`voxdiff.models.UNetSpec.for_device`) and picks the optimizer torch runs there (fused AdamW)."""
 
 
 def _get(cfg: DictConfig, key: str, default: Any = None) -> Any:
@@ -73,7 +76,7 @@ class StepPlan:
     Attributes:
         encoding: the encoding (volumes → UNet input).
         shapes: the encoded shapes.
-        spec: the UNet's validated arguments.
+        spec: the UNet's validated arguments, resolved for :data:`PREDICTED_DEVICE`.
         recipe: the step's recipe (``preflight.recipe``, default ``system``).
         batch: shapes of the tensors of one batch as the data module hands them over.
         mode: ``bravo`` or ``seg``.
@@ -101,7 +104,7 @@ def step_plan(cfg: DictConfig) -> StepPlan:
     """
     encoding = build_encoding(cfg)
     s = shapes(cfg, encoding)
-    return StepPlan(encoding, s, model_spec(cfg, encoding), recipe_from_config(cfg),
+    return StepPlan(encoding, s, model_spec(cfg, encoding, PREDICTED_DEVICE), recipe_from_config(cfg),
                     batch_shapes(encoding, s.volume, batch_size(cfg)), str(cfg.mode))
 
 
@@ -162,7 +165,8 @@ def predict_memory(cfg: DictConfig, gpu: str = "H100") -> MemoryReport:
     """
     plan = step_plan(cfg)
     return predict_step_memory(
-        lambda: build_model(cfg, plan.encoding, preserve_rng_state=False), plan.input_shape, plan.recipe,
+        lambda: build_model(cfg, plan.encoding, preserve_rng_state=False, device_type=PREDICTED_DEVICE),
+        plan.input_shape, plan.recipe,
         batch=plan.batch, encoding=plan.encoding, mode=plan.mode, precision=gpu_precision(cfg, gpu_spec(gpu)),
         attention="flash" if plan.spec.use_flash_attention else "materialised", gpu=gpu,
     )
@@ -255,7 +259,8 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     result.shapes = plan.shapes
     result.levels = plan.spec.levels
     with torch.device("meta"):
-        result.params = sum(p.numel() for p in build_model(cfg, plan.encoding).parameters())
+        result.params = sum(p.numel() for p in build_model(cfg, plan.encoding, device_type=PREDICTED_DEVICE)
+                            .parameters())
     result.strategy, result.world_size = world(cfg)
     report = predict_memory(cfg, gpu=gpu)
     result.report = report
