@@ -316,9 +316,10 @@ def submit_exp11(cluster: SlurmCluster, run_root: Path, overrides: str, *sbatch_
 
 
 def job_log(job_id: int) -> str:
-    """The job's output (``slurm/logs/voxdiff-exp11-<id>.out``, both halves of a requeued job), or ''."""
+    """The job's output (``slurm/logs/voxdiff-exp11-<id>.out``, both halves of a requeued job), or ''. A requeue
+    kills the job mid-write, which can cut a progress bar's multi-byte character: undecodable bytes are replaced."""
     path = REPO / "slurm" / "logs" / f"voxdiff-exp11-{job_id}.out"
-    return path.read_text() if path.exists() else ""
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 def exp11_run_dir(run_root: Path, job_id: int) -> Path:

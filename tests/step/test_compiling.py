@@ -2,10 +2,10 @@
 state-dict keys (the Lightning side — EMA, validation, sampling, resume, a compiler failure — is in
 ``tests/lightning/test_diffusion.py``).
 
-Inductor on this CPU compiles C++ kernels with gcc: about 40 s for this tiny UNet on a cold cache on a quiet 2-core
-machine (90 s under load), about 10 s once its FX graph cache holds the kernels. It is used here only, with
-vectorisation off (scalar C++ kernels, which gcc compiles faster); the other compiled tests use the ``aot_eager``
-backend (dynamo and AOTAutograd, no code generation).
+Inductor on this CPU compiles C++ kernels with gcc: this test took 90 s on a cold cache (2 cores, with other jobs
+running), 6-10 s once inductor's FX graph cache holds its kernels. It is used here only, with vectorisation off
+(scalar C++ kernels, which gcc compiles faster); the other compiled tests use the ``aot_eager`` backend (dynamo and
+AOTAutograd, no code generation).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ def test_the_system_recipe_reads_the_run_config(tiny_cfg):
 
 
 def test_the_guard_is_read_every_step_on_the_cpu_and_every_50_on_a_gpu(tiny_cfg, monkeypatch):
+    monkeypatch.setenv("VOXDIFF_TARGET", "cpu")  # resolve the config as on a machine without a GPU
     assert recipe_from_config(tiny_cfg()).guard == GuardSettings(check_every_n_steps=1)
     assert recipe_from_config(tiny_cfg("system.guard.check_every_n_steps=7")).guard == GuardSettings(7)
     monkeypatch.setenv("VOXDIFF_TARGET", "gpu")  # resolve the config as on a GPU machine

@@ -63,7 +63,8 @@ def test_lightning_and_the_bare_step_are_bit_identical(run_cfg, batches):
     model = build_unet_from_spec(model_spec(run_cfg, encoding, "cpu"))
     model.load_state_dict(initial)
     sys_cfg = run_cfg.system
-    recipe = system_recipe(dict(sys_cfg.optim), dict(sys_cfg.ema), dict(run_cfg.diffusion), clip_settings(CLIP))
+    recipe = system_recipe(dict(sys_cfg.optim), dict(sys_cfg.ema), dict(run_cfg.diffusion), clip_settings(CLIP),
+                           dict(sys_cfg.guard))
     assert recipe == recipe_from_config(run_cfg)  # what the preflight traces for this config
     step = TrainStep(model, recipe, encoding=encoding, mode=run_cfg.mode,
                      process=DiffusionProcess(diffusion_settings(dict(run_cfg.diffusion))))
