@@ -178,12 +178,14 @@ def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str) -> dict[str, Any
             return host
 
     clock = _Clock(device)
+    described: list[str] = []
 
     class Marks(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, i) -> None:
             if trainer.global_step == 0:
                 clock.mark("start")
             if trainer.global_step == warmup:
+                described.append(describe_step(module))  # while training (Lightning moves it to the CPU after)
                 clock.mark("steady")
 
         def on_train_batch_end(self, trainer, module, outputs, batch, i) -> None:
@@ -198,7 +200,7 @@ def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str) -> dict[str, Any
                             enable_model_summary=False)
     trainer.fit(system, train_dataloaders=DataLoader(Same(), batch_size=None, pin_memory=False))
     out = clock.result(warmup, steps)
-    out["step"] = describe_step(system)
+    out["step"] = described[0]
     return out
 
 
@@ -249,6 +251,20 @@ def spawn(side: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
+def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
+    """``rows`` as CSV at ``path``, atomically (a temporary file beside it, then a rename)."""
+    columns: list[str] = []
+    for r in rows:
+        columns += [c for c in r if c not in columns]
+    tmp = f"{path}.tmp{os.getpid()}"
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(tmp, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=columns)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -291,6 +307,8 @@ def main() -> None:
                 row["voxdiff_peak_share"] = row["voxdiff_tflops"] / peak
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if args.out:  # after each experiment: a run cut off by a time limit keeps what it finished
+            write_csv(args.out, rows)
     print()
     print(f"{'experiment':20s} {'plain ms':>9s} {'voxdiff ms':>10s} {'speed-up':>8s} {'TFLOP/step':>10s} "
           f"{'TFLOP/s':>8s} {'%peak':>6s} {'plain GiB':>9s} {'vox GiB':>8s} {'pred GiB':>8s} {'warm-up s':>9s}  step")
@@ -310,16 +328,6 @@ def main() -> None:
         print(f"geometric-mean speed-up of voxdiff's default step over the plain eager loop: {geo:.2f}x "
               f"over {len(speedups)} experiment(s){'' if gpu else ' (tiny, CPU)'}")
     if args.out and rows:
-        columns: list[str] = []
-        for r in rows:
-            columns += [c for c in r if c not in columns]
-        tmp = f"{args.out}.tmp{os.getpid()}"
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=columns)
-            w.writeheader()
-            w.writerows(rows)
-        os.replace(tmp, args.out)
         print(f"-> {args.out}")
 
 
