@@ -108,8 +108,9 @@ def step_plan(cfg: DictConfig) -> StepPlan:
 def world(cfg: DictConfig) -> tuple[str, int]:
     """(strategy, number of GPUs) of the trainer config."""
     strategy = _get(cfg, "trainer.strategy") or "auto"
-    if isinstance(strategy, dict):  # a _target_ node, e.g. voxdiff.lightning.distributed.fsdp_strategy
-        strategy = "fsdp" if "fsdp" in str(strategy.get("_target_", "")).lower() else "ddp"
+    if isinstance(strategy, dict):  # a _target_ node, e.g. voxdiff.lightning.distributed.ShardedUNetStrategy
+        target = str(strategy.get("_target_", ""))
+        strategy = "fsdp" if "fsdp" in target.lower() or target.endswith("ShardedUNetStrategy") else "ddp"
     strategy = str(strategy)
     devices = _get(cfg, "trainer.devices", 1)
     nodes = _get(cfg, "trainer.num_nodes", 1) or 1
