@@ -1,6 +1,6 @@
 """The data module: subject splits (demo and NIfTI), batches, and arguments refused up front."""
 
-import multiprocessing
+import threading
 import time
 from pathlib import Path
 
@@ -159,29 +159,28 @@ def test_disk_cache_needs_a_folder(tmp_path):
         VolumeDataModule(SHAPE, root=str(tmp_path / "data"), cache="disk", cache_dir=None)
 
 
-def _setup_as_rank(rank: int, root: str, cache_dir: str, queue) -> None:
-    import os
+def test_disk_cache_is_filled_by_one_rank_and_read_by_the_others(tmp_path, monkeypatch):
+    """data.cache=disk under DDP/FSDP: the node's rank 0 fills the cache, rank 1 (started first) waits for it.
+    The two ranks are threads here, each with its own launch rank."""
+    from voxdiff.data import shared
 
-    os.environ["LOCAL_RANK"] = str(rank)
-    dm = VolumeDataModule(volume_shape=(16, 16, 16), root=root, cache="disk", cache_dir=cache_dir)
-    dm.setup("fit")
-    markers = sorted(p.name for p in dm.train_dataset.cache_dir.glob("filled-*"))
-    queue.put((rank, time.monotonic(), markers, float(dm.train_dataset[0]["image"].sum())))
-
-
-def test_disk_cache_is_filled_by_one_rank_and_read_by_the_others(tmp_path):
-    """data.cache=disk under DDP/FSDP: the node's rank 0 fills the cache, rank 1 (started first) waits for it."""
+    monkeypatch.setattr(shared, "launch_rank", lambda scope="node": int(threading.current_thread().name == "rank1"))
     _write_subjects(tmp_path / "data", 3)
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    waiter = ctx.Process(target=_setup_as_rank, args=(1, str(tmp_path / "data"), str(tmp_path / "cache"), queue))
+    done = {}
+
+    def setup(rank: int) -> None:
+        dm = VolumeDataModule(volume_shape=(16, 16, 16), root=tmp_path / "data", cache="disk",
+                              cache_dir=tmp_path / "cache")
+        dm.setup("fit")
+        done[rank] = (time.monotonic(), sorted(p.name for p in dm.train_dataset.cache_dir.glob("filled-*")),
+                      float(dm.train_dataset[0]["image"].sum()))
+
+    waiter = threading.Thread(target=setup, args=(1,), name="rank1", daemon=True)
     waiter.start()
     time.sleep(1.0)
     assert waiter.is_alive() and not list((tmp_path / "cache").rglob("*.pt"))  # waiting, computing nothing
-    writer = ctx.Process(target=_setup_as_rank, args=(0, str(tmp_path / "data"), str(tmp_path / "cache"), queue))
-    writer.start()
-    for p in (writer, waiter):
-        p.join(120)
-    (r0, t0, m0, x0), (r1, t1, m1, x1) = sorted(queue.get(timeout=5) for _ in range(2))
-    assert (r0, r1) == (0, 1) and t1 >= t0 - 1.0 and m0 == m1 and len(m0) == 1 and x0 == x1
+    setup(0)
+    waiter.join(60)
+    (t0, m0, x0), (t1, m1, x1) = done[0], done[1]
+    assert t1 >= t0 and m0 == m1 and len(m0) == 1 and x0 == x1
     assert len(list((tmp_path / "cache").rglob("*.pt"))) == 3

@@ -4,8 +4,8 @@ FSDP (``trainer=fsdp``) is FSDP2 (``torch.distributed.fsdp.fully_shard``) under 
 ``ModelParallelStrategy``: the same code runs on GPUs (NCCL) and on the CPU (gloo), where Lightning's
 ``FSDPStrategy`` refuses to start ("requires a GPU accelerator").
 :func:`~voxdiff.models.sharding.shard_unet` makes every MONAI resnet block and attention block one FSDP unit and the
-UNet the root unit; each parameter becomes a ``DTensor`` whose dim-0 rows
-are split over the ranks (``Shard(0)``). Gradients and AdamW's moments follow their parameter, and so does the EMA
+UNet the root unit; each parameter becomes a ``DTensor`` whose dim-0 rows are split over the ranks (``Shard(0)``).
+Gradients and AdamW's moments follow their parameter, and so does the EMA
 (:func:`shard_system`): each rank averages its own shard. Full tensors exist only one unit at a time (all-gathered
 for its forward and backward), and when a checkpoint is written: rank 0 gathers weights, AdamW state and EMA into
 host memory (``StateDictOptions(full_state_dict=True, cpu_offload=True)``, torch's distributed-checkpoint API) and

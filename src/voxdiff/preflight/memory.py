@@ -180,7 +180,8 @@ class MemoryReport:
             f"params {self.params / 1e6:.1f} M ({_gib(self.param_bytes):.2f} GiB"
             + (f", EMA {_gib(self.ema_bytes):.2f} GiB" if self.ema_bytes else "")
             + f"), input {self.input_shape}, {self.precision}, {self.optimizer}, step {self.recipe}, "
-            f"attention {self.attention_path}" + ("" if self.parallel == "one GPU" else f"; per rank of {self.parallel}"),
+            f"attention {self.attention_path}"
+            + ("" if self.parallel == "one GPU" else f"; per rank of {self.parallel}"),
             "step 1   : fwd {forward:.2f}  bwd {backward:.2f}  opt {optimizer:.2f} GiB".format(**s1),
             "steady   : fwd {forward:.2f}  bwd {backward:.2f}  opt {optimizer:.2f} GiB".format(**s2),
             f"peak allocated {self.peak_allocated_gib:.2f} GiB, reserved ~{_gib(self.estimated_reserved):.2f} GiB, "
