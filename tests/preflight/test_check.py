@@ -64,7 +64,7 @@ def test_batch_size_is_traced_as_given(tiny_cfg):
 
 def test_the_preflight_imports_no_lightning(repo):
     """The preflight runs on a login node: neither importing it nor predicting a config (the latent one builds a
-    VQ-VAE encoding) imports Lightning."""
+    VQ-VAE encoding; one rank of FSDP and of DDP) imports Lightning."""
     import subprocess
     import sys
 
@@ -75,8 +75,10 @@ def test_the_preflight_imports_no_lightning(repo):
         "assert not gone(), gone()\n"
         "from voxdiff.config import compose\n"
         "from voxdiff.preflight.check import run_preflight\n"
-        "r = run_preflight(compose('preflight', ['experiment=exp9_ldm_8x_bravo', 'model=3L_tiny']), suggest=False)\n"
-        "assert r.ok and r.report is not None, r.problems\n"
+        "for extra in ([], ['trainer=fsdp', 'trainer.devices=4'], ['trainer=ddp', 'trainer.devices=2']):\n"
+        "    r = run_preflight(compose('preflight', ['experiment=exp9_ldm_8x_bravo', 'model=3L_tiny', *extra]),\n"
+        "                      suggest=False)\n"
+        "    assert r.ok and r.report is not None, r.problems\n"
         "assert not gone(), gone()\n"
         "print('light')\n"
     )

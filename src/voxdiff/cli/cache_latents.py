@@ -70,12 +70,19 @@ def validate(cfg: DictConfig):  # noqa: ANN201 - returns (encoding, volume_shape
 
 
 def cache(cfg: DictConfig) -> dict[str, Any]:
-    """Validate, encode, write the cache; returns its index."""
+    """Validate, encode, write the cache; returns its index (``{}`` on the other ranks of a multi-process launch:
+    rank 0 writes the one cache)."""
     from torch.utils.data import ConcatDataset
 
     from voxdiff.data.latents import INDEX_NAME, write_latent_cache
 
+    from voxdiff.data.shared import launch_rank
+
     encoding, shape, device = validate(cfg)
+    if launch_rank("world") != 0:  # launched on several processes (srun -n N): rank 0 writes the one cache; the
+        print(f"[voxdiff] rank {launch_rank('world')}: rank 0 writes the latent cache {cfg.out}",  # launcher's
+              flush=True)  # step ends when rank 0 has written it
+        return {}
     with open_dict(cfg):
         cfg.data.volume_shape = list(shape)
     datamodule = instantiate_config(cfg.data, _convert_="all")

@@ -57,6 +57,11 @@ def validate(cfg: DictConfig) -> None:
     validate_trainer(cfg.trainer)
     if not isinstance(cfg.get("overwrite", False), bool):
         raise ConfigError("overwrite", cfg.get("overwrite"), "must be true or false", "use overwrite=true or false")
+    strategy = plain(cfg.trainer.get("strategy"))
+    if isinstance(strategy, dict) and str(strategy.get("_target_", "")).endswith("ShardedUNetStrategy") \
+            and not is_diffusion(cfg):
+        raise ConfigError("trainer", "fsdp", "FSDP shards the diffusion UNet; the VQ-VAE stage 1 trains with one "
+                          "device or DDP", "use trainer=ddp (or trainer=gpu) for system=vqvae")
     encoding = build_encoding(cfg)
     shapes(cfg, encoding)  # volume divisible by the encoding's factor
     decide_precision(plain(cfg.trainer.get("precision")), accelerator_device(cfg.trainer.get("accelerator")))

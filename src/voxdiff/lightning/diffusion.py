@@ -187,6 +187,14 @@ class DiffusionSystem(L.LightningModule):
         self.encoding.eval()  # a learned encoding is frozen (no batch statistics, no codebook updates)
         return self
 
+    def configure_model(self) -> None:
+        """``trainer=fsdp`` (a device mesh): shard the UNet per resnet/attention block, the EMA with it
+        (:func:`voxdiff.lightning.distributed.shard_system`); other strategies: nothing."""
+        if self.device_mesh is not None:
+            from voxdiff.lightning.distributed import shard_system
+
+            shard_system(self, self.device_mesh)
+
     def on_fit_start(self) -> None:
         self.step.to(self.device)
         self.step.clip = clip_settings(self.trainer.gradient_clip_val, self.trainer.gradient_clip_algorithm)
@@ -353,8 +361,11 @@ class DiffusionSystem(L.LightningModule):
                     break
 
     def write_samples(self, tag: str) -> list[Path]:
-        """Sample from the cached validation masks (EMA weights, DDIM), save NIfTI + montage, log the montage."""
-        if not self.trainer.is_global_zero or not self.sampling.num_masks:
+        """Sample from the cached validation masks (EMA weights, DDIM), save NIfTI + montage, log the montage.
+        Rank 0 writes; under FSDP every rank runs the sharded UNet with it (each forward gathers from all ranks)."""
+        from voxdiff.models.sharding import is_sharded
+
+        if not self.sampling.num_masks or not (self.trainer.is_global_zero or is_sharded(self.model)):
             return []
         self._fill_val_cache()
         if not self._val_cache:
@@ -367,6 +378,8 @@ class DiffusionSystem(L.LightningModule):
         images = None if self._val_cache[0]["image"] is None else torch.cat([c["image"] for c in self._val_cache])
         with self.trainer.precision_plugin.forward_context():
             generated = self.generate(masks, generator=self._generator(1_000_000)).cpu()
+        if not self.trainer.is_global_zero:
+            return []
         pngs = save_samples(out_dir, tag, self.mode, generated, masks, images,
                             [c["affine"] for c in self._val_cache], [c["subject"] for c in self._val_cache])
         self._last_sampled_step = self.global_step
@@ -382,8 +395,10 @@ class DiffusionSystem(L.LightningModule):
         # before anything is written: a non-finite step since the last check stops the run here, and the
         # checkpoint on disk stays the last good one
         self.step.check_guard(" (checked before writing a checkpoint)")
-        if self.ema is not None:
-            checkpoint["ema"] = self.ema.state_dict()
+        if self.ema is not None:  # full tensors (gathered from the shards under FSDP)
+            from voxdiff.lightning.distributed import ema_checkpoint_state
+
+            checkpoint["ema"] = ema_checkpoint_state(self.ema, self.model)
         checkpoint["rng_states"] = gather_rng_states()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

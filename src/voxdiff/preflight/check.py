@@ -8,6 +8,11 @@ says, gradients freed after the optimizer step), the batch the data module hands
 volumes, or latents for a learned encoding), and the precision :func:`voxdiff.step.decide_precision` picks for the
 GPU. The measure mode (:mod:`voxdiff.preflight.measure`) runs the same plan on a GPU. Nothing here needs a GPU;
 :func:`run_preflight` takes ~1 s per configuration on a laptop CPU (more when it suggests fixes).
+
+Under ``trainer=ddp`` / ``trainer=fsdp`` (more than one process) the step is traced as one rank runs it — DDP's
+buckets, FSDP's shards, the all-gathered unit in flight, the sharded AdamW state and EMA
+(:mod:`voxdiff.preflight.distributed`) — and the per-GPU peak is that rank's. The host memory of the data
+module per rank (and node) is reported beside it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from voxdiff.encodings.base import Encoding
 from voxdiff.errors import ConfigError
 from voxdiff.models.unet import UNetSpec
 from voxdiff.preflight.allocator import GPUS, GpuSpec
+from voxdiff.preflight.distributed import DataMemory, Parallel, data_memory, parallel_of
 from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
 from voxdiff.preflight.rules import static_problems
 from voxdiff.step import Recipe, batch_shapes, decide_precision, recipe_from_config
@@ -108,18 +114,6 @@ def step_plan(cfg: DictConfig) -> StepPlan:
                     batch_shapes(encoding, s.volume, batch_size(cfg)), str(cfg.mode))
 
 
-def world(cfg: DictConfig) -> tuple[str, int]:
-    """(strategy, number of GPUs) of the trainer config."""
-    strategy = _get(cfg, "trainer.strategy") or "auto"
-    if isinstance(strategy, dict):  # a _target_ node, e.g. voxdiff.lightning.distributed.fsdp_strategy
-        strategy = "fsdp" if "fsdp" in str(strategy.get("_target_", "")).lower() else "ddp"
-    strategy = str(strategy)
-    devices = _get(cfg, "trainer.devices", 1)
-    nodes = _get(cfg, "trainer.num_nodes", 1) or 1
-    count = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
-    return strategy, max(1, count) * max(1, int(nodes))
-
-
 @dataclass
 class Suggestion:
     """A change that makes a config fit (or not), with its predicted peak."""
@@ -141,12 +135,14 @@ class PreflightResult:
     levels: int = 0
     params: int = 0
     report: MemoryReport | None = None
-    strategy: str = "auto"
+    strategy: str = "single"  # single | ddp | fsdp (voxdiff.preflight.distributed.parallel_of)
     world_size: int = 1
-    per_gpu_peak_gib: float = 0.0  # predicted max_memory_allocated per GPU, strategy included
+    per_gpu_peak_gib: float = 0.0  # predicted max_memory_allocated of one GPU (one rank of DDP/FSDP)
     need_gib: float = 0.0  # per_gpu_peak * (1 + margin) + CUDA context
     budget_gib: float = DEFAULT_BUDGET_GIB
     budget_source: str = "default"
+    parallel: Parallel | None = None  # the strategy the trace is of (one rank of it)
+    data: DataMemory | None = None  # host memory of the data module per rank (data.cache=memory, latents)
     fits: bool = False
     suggestions: list[Suggestion] = field(default_factory=list)
 
@@ -158,7 +154,8 @@ class PreflightResult:
 
 
 def predict_memory(cfg: DictConfig, gpu: str = "H100") -> MemoryReport:
-    """Trace two training steps of ``cfg`` on the meta device; see the module docstring for what is traced.
+    """Trace two training steps of ``cfg`` on the meta device, as one GPU of its strategy runs them (one rank of a
+    DDP or FSDP run: :mod:`voxdiff.preflight.distributed`); see the module docstring for what is traced.
 
     Raises:
         ConfigError: see :func:`step_plan` and :func:`gpu_precision`.
@@ -169,26 +166,16 @@ def predict_memory(cfg: DictConfig, gpu: str = "H100") -> MemoryReport:
         plan.input_shape, plan.recipe,
         batch=plan.batch, encoding=plan.encoding, mode=plan.mode, precision=gpu_precision(cfg, gpu_spec(gpu)),
         attention="flash" if plan.spec.use_flash_attention else "materialised", gpu=gpu,
+        parallel=_parallel(cfg),
     )
 
 
-def per_gpu_peak(report: MemoryReport, strategy: str, world_size: int) -> float:
-    """Predicted allocated peak per GPU (bytes) for a strategy.
+def _parallel(cfg: DictConfig) -> Parallel:
+    return parallel_of({k: _get(cfg, f"trainer.{k}") for k in ("strategy", "devices", "num_nodes")})
 
-    * single GPU / DDP: the traced peak; DDP (world > 1) adds its gradient buckets, one fp32 copy of the
-      parameters (Lightning's DDP keeps ``gradient_as_bucket_view=False``).
-    * FSDP (full shard, analytic on top of the trace): the parameter-sized state — weights, gradients, AdamW's
-      two moments and the EMA copy (if any) — is sharded over the GPUs; the all-gathered weights of the units in
-      flight (about 2 of the larger blocks, approximated as 2/levels of the weights) come on top.
-    """
-    peak = float(report.peak_allocated)
-    if world_size <= 1 or strategy in ("auto", "single_device"):
-        return peak
-    weights = float(report.param_bytes)
-    if strategy.startswith("fsdp"):
-        state = 4.0 * weights + report.ema_bytes
-        return peak - state * (1.0 - 1.0 / world_size) + 2.0 * weights / max(2, world_size)
-    return peak + weights  # DDP buckets: one fp32 copy of the weights
+
+_DATA_KEYS = ("_target_", "volume_shape", "cache", "root", "num_subjects", "image_name", "mask_name", "in_memory",
+              "masks", "latent_dir")
 
 
 def _need(peak_bytes: float, report: MemoryReport, margin: float) -> float:
@@ -261,10 +248,13 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     with torch.device("meta"):
         result.params = sum(p.numel() for p in build_model(cfg, plan.encoding, device_type=PREDICTED_DEVICE)
                             .parameters())
-    result.strategy, result.world_size = world(cfg)
+    parallel = _parallel(cfg)
+    result.parallel, result.strategy, result.world_size = parallel, parallel.strategy, parallel.world_size
+    latents = plan.batch.get("image_z")
+    result.data = data_memory({k: _get(cfg, f"data.{k}") for k in _DATA_KEYS}, tuple(latents[1:]) if latents else None)
     report = predict_memory(cfg, gpu=gpu)
     result.report = report
-    peak = per_gpu_peak(report, result.strategy, result.world_size)
+    peak = report.peak_allocated  # one rank's: the trace is of what one GPU of the strategy holds
     result.per_gpu_peak_gib = peak / GiB
     result.need_gib = _need(peak, report, margin)
     result.fits = result.need_gib <= result.budget_gib
@@ -274,7 +264,7 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
             if static_problems(fixed):
                 continue
             r = predict_memory(fixed, gpu=gpu)
-            p = per_gpu_peak(r, result.strategy, result.world_size)
+            p = r.peak_allocated
             need = _need(p, r, margin)
             result.suggestions.append(Suggestion(
                 change, [f"{k}={_fmt(v)}" for k, v in overrides.items()], p / GiB, need, need <= result.budget_gib))

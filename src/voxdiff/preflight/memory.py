@@ -31,12 +31,14 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from voxdiff.diffusion import DiffusionProcess
 from voxdiff.encodings.base import Encoding
 from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES, GPUS, GpuSpec, simulate_reserved
 from voxdiff.preflight.attention import FlashAttentionEmulator
 from voxdiff.preflight.autocast import CudaAutocastEmulator
+from voxdiff.preflight.distributed import Parallel, fake_world, wrap_for_rank
 from voxdiff.preflight.tracker import StorageTracker, round_block
 from voxdiff.step import OptimSettings, Recipe, TrainStep
 
@@ -122,6 +124,9 @@ class MemoryReport:
         gpu: the GPU model assumed for workspaces and capacity.
         trace_seconds: wall time of the prediction.
         notes: caveats found while tracing.
+        parallel: what the trace is of: ``one GPU``, or one rank of ``ddp×N`` / ``fsdp×N``
+            (:meth:`voxdiff.preflight.distributed.Parallel.describe`); ``param_bytes`` and ``ema_bytes`` are then
+            this rank's (shards under FSDP).
     """
 
     params: int
@@ -144,6 +149,7 @@ class MemoryReport:
     gpu: str
     trace_seconds: float
     notes: tuple[str, ...] = field(default_factory=tuple)
+    parallel: str = "one GPU"
 
     @property
     def peak_allocated_gib(self) -> float:
@@ -174,7 +180,8 @@ class MemoryReport:
             f"params {self.params / 1e6:.1f} M ({_gib(self.param_bytes):.2f} GiB"
             + (f", EMA {_gib(self.ema_bytes):.2f} GiB" if self.ema_bytes else "")
             + f"), input {self.input_shape}, {self.precision}, {self.optimizer}, step {self.recipe}, "
-            f"attention {self.attention_path}",
+            f"attention {self.attention_path}"
+            + ("" if self.parallel == "one GPU" else f"; per rank of {self.parallel}"),
             "step 1   : fwd {forward:.2f}  bwd {backward:.2f}  opt {optimizer:.2f} GiB".format(**s1),
             "steady   : fwd {forward:.2f}  bwd {backward:.2f}  opt {optimizer:.2f} GiB".format(**s2),
             f"peak allocated {self.peak_allocated_gib:.2f} GiB, reserved ~{_gib(self.estimated_reserved):.2f} GiB, "
@@ -281,8 +288,10 @@ def predict_step_memory(
     precision: str = "bf16-mixed",
     attention: AttentionMode = "materialised",
     gpu: str | GpuSpec = "H100",
+    parallel: Parallel | None = None,
 ) -> MemoryReport:
-    """Predict ``torch.cuda.max_memory_allocated()`` of a training step without a GPU.
+    """Predict ``torch.cuda.max_memory_allocated()`` of a training step without a GPU (on one rank of a DDP or
+    FSDP run, given ``parallel``).
 
     Args:
         build_model: builds the model; it is called under ``torch.device("meta")``, so it must create its
@@ -301,6 +310,8 @@ def predict_step_memory(
             where it applies) or ``"materialised"`` (the math path). A model that computes attention itself
             (MONAI with ``use_flash_attention=False``) materialises the scores either way.
         gpu: ``"H100"``, ``"A100"`` or a :class:`~voxdiff.preflight.allocator.GpuSpec` (workspace sizes).
+        parallel: the strategy and world size (:mod:`voxdiff.preflight.distributed`): the step is traced as rank 0
+            of a DDP or FSDP run holds it; default one GPU.
 
     Returns:
         A :class:`MemoryReport`.
@@ -317,29 +328,32 @@ def predict_step_memory(
     t0 = time.perf_counter()
     notes: list[str] = []
 
-    with torch.device("meta"):
-        model = build_model()
-    if any(t.device.type != "meta" for t in [*model.parameters(), *model.buffers()]):
-        notes.append("build_model created tensors off the meta device; they were moved to meta")
-        model = model.to("meta")
-    model.train()
-    if batch is None:
-        batch, default_mode = unet_batch(shape, int(getattr(model, "out_channels", shape[1])))
-        mode = mode or default_mode
-    dtype = _AUTOCAST_DTYPES[precision]
-    autocast = CudaAutocastEmulator(dtype=dtype or torch.bfloat16, device_type="meta", enabled=dtype is not None)
-    # the meta tensors stand for a GPU: the step decides its optimizer implementation for "cuda"
-    step = TrainStep(model, recipe, encoding=encoding, mode=mode or "bravo", process=process,
-                     precision=EmulatedPrecision(autocast), device_type="cuda")
-    params = list(model.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    n_params = sum(p.numel() for p in params)
-    param_bytes = sum(round_block(t.untyped_storage().nbytes()) for t in [*params, *model.buffers()])
-    ema_bytes = sum(round_block(t.untyped_storage().nbytes()) for t in (step.ema.shadow if step.ema else []))
-    impl = step.optimizer_impl
-    step.configure_optimizer(optimizer=_FusedAdamWOnMeta(trainable, recipe.optim) if impl == "fused" else None)
+    parallel = parallel or Parallel()
+    with fake_world(parallel.world_size) if parallel.distributed else contextlib.nullcontext() as mesh:
+        with torch.device("meta"):
+            model = build_model()
+        if any(t.device.type != "meta" for t in [*model.parameters(), *model.buffers()]):
+            notes.append("build_model created tensors off the meta device; they were moved to meta")
+            model = model.to("meta")
+        model.train()
+        if batch is None:
+            batch, default_mode = unet_batch(shape, int(getattr(model, "out_channels", shape[1])))
+            mode = mode or default_mode
+        model = wrap_for_rank(model, parallel, mesh)  # DDP's buckets, FSDP's shards: what this rank holds
+        dtype = _AUTOCAST_DTYPES[precision]
+        autocast = CudaAutocastEmulator(dtype=dtype or torch.bfloat16, device_type="meta", enabled=dtype is not None)
+        # the meta tensors stand for a GPU: the step decides its optimizer implementation for "cuda"
+        step = TrainStep(model, recipe, encoding=encoding, mode=mode or "bravo", process=process,
+                         precision=EmulatedPrecision(autocast), device_type="cuda")
+        params = list(model.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        n_params = sum(p.numel() for p in params)
+        param_bytes = sum(_rank_bytes(t) for t in [*params, *model.buffers()])
+        ema_bytes = sum(_rank_bytes(t) for t in (step.ema.shadow if step.ema else []))
+        impl = step.optimizer_impl
+        step.configure_optimizer(optimizer=_FusedAdamWOnMeta(trainable, recipe.optim) if impl == "fused" else None)
 
-    trace = trace_training_step(step, batch, attention=attention, device_type="meta", steps=2)
+        trace = trace_training_step(step, batch, attention=attention, device_type="meta", steps=2)
     peaks = trace.steps
     attention_path = _describe_attention(attention, trace.flash, trace.autocast, notes)
 
@@ -372,7 +386,14 @@ def predict_step_memory(
         gpu=gpu_spec.name,
         trace_seconds=time.perf_counter() - t0,
         notes=tuple(notes),
+        parallel=parallel.describe(),
     )
+
+
+def _rank_bytes(tensor: Tensor) -> int:
+    """Bytes of ``tensor`` on this rank, as the caching allocator counts them (a DTensor: its local shard)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return round_block(local.untyped_storage().nbytes())
 
 
 @dataclass
@@ -403,6 +424,7 @@ def trace_training_step(
     device_type: str = "meta",
     granularity: int | None = None,
     steps: int = 2,
+    cuda_kernels: bool | None = None,
 ) -> TraceResult:
     """Run ``steps`` calls of :meth:`TrainStep.run` and record live bytes on ``device_type``, per phase.
 
@@ -419,6 +441,8 @@ def trace_training_step(
             The CUDA kernel temporaries of :data:`~voxdiff.preflight.tracker.KERNEL_TEMPORARIES` are added on
             meta only.
         steps: how many steps to trace.
+        cuda_kernels: add the CUDA kernel temporaries (default: on meta only; False traces meta tensors as the
+            CPU allocates, to compare with a CPU run).
 
     Returns:
         A :class:`TraceResult`.
@@ -430,7 +454,7 @@ def trace_training_step(
         device_type=device_type,
         record_events=True,
         granularity=granularity or (512 if on_meta else 1),
-        kernel_temporaries=None if on_meta else {},
+        kernel_temporaries=None if (on_meta if cuda_kernels is None else cuda_kernels) else {},
     )
     autocast = step.precision.autocast
     flash = FlashAttentionEmulator() if attention == "flash" else None

@@ -235,6 +235,8 @@ class TrainStep:
         if self.clip is not None and self.clip.algorithm == "value":
             torch.nn.utils.clip_grad_value_(params, self.clip.value)
         norm = torch.nn.utils.get_total_norm(grads)
+        if hasattr(norm, "full_tensor"):  # a DTensor (FSDP's sharded gradients): the norm over every shard
+            norm = norm.full_tensor()
         if self.clip is not None and self.clip.algorithm == "norm":
             torch.nn.utils.clip_grads_with_norm_(params, self.clip.value, norm)
         if guard:
