@@ -70,7 +70,7 @@ def test_tracker_matches_cpu_allocator(checkpointing: bool, attention_levels: tu
     raw_peak, op_peak = profiler_peaks(prof)
     tracked = trace.steps[0].peak - trace.start_bytes
     assert tracked == pytest.approx(op_peak, rel=0.05)
-    assert tracked <= raw_peak  # the scratch-free reference can only be lower than the allocator's raw peak
+    assert op_peak <= raw_peak  # the scratch-free reference can only be lower than the allocator's raw peak
 
 
 def test_checkpointing_really_recomputes_on_cpu(one_thread) -> None:
