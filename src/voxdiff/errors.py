@@ -6,7 +6,8 @@ that works, so a wrong config is refused before anything launches (STYLE.md, hab
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -59,7 +60,77 @@ def settings_from(cls: type, key: str, values: Mapping[str, Any] | None) -> Any:
     return cls(**values)
 
 
-def require_nonneg_int(key: str, value: Any, example: str) -> None:
-    """Refuse anything but an integer >= 0 (booleans included), with ``key=example`` as the fix."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(key, value, "must be an integer >= 0", f"e.g. {key}={example}")
+# ------------------------------------------------------------------------------------ the validation vocabulary
+# Typed field checks that every settings object uses: each returns the checked value or raises ConfigError naming
+# the key, the value, the problem and a fix (``fix``, else ``e.g. key=<example>``). Booleans are never numbers.
+
+
+def _fix(key: str, fix: str | None, example: Any) -> str:
+    return fix if fix is not None else f"e.g. {key}={show_value(example)}"
+
+
+def _range(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
+    if lo is not None and hi is not None:
+        return f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"{'>' if lo_open else '>='} {lo}"
+    return f"{'<' if hi_open else '<='} {hi}"
+
+
+def integer(key: str, value: Any, *, minimum: int | None = None, maximum: int | None = None, example: Any = None,
+            fix: str | None = None) -> int:
+    """``value`` if it is an integer within ``[minimum, maximum]``; a positive integer is ``minimum=1``."""
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not ok or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bound = "" if minimum is None and maximum is None else " " + _range(minimum, maximum, False, False)
+        what = "a positive integer" if (minimum, maximum) == (1, None) else f"an integer{bound}"
+        raise ConfigError(key, value, f"must be {what}", _fix(key, fix, example if example is not None
+                                                                else max(minimum or 0, 1)))
+    return value
+
+
+def number(key: str, value: Any, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
+           hi_open: bool = False, example: Any = None, fix: str | None = None) -> float:
+    """``value`` as a float if it is a finite number within the bounds (``lo_open``/``hi_open``: the bound
+    excluded)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok:
+        v = float(value)
+        ok = math.isfinite(v) and (lo is None or (v > lo if lo_open else v >= lo)) and (
+            hi is None or (v < hi if hi_open else v <= hi))
+    if not ok:
+        if (lo, lo_open, hi) == (0, True, None):
+            what = "a positive number"
+        else:
+            what = "a number" + ("" if lo is None and hi is None else " " + _range(lo, hi, lo_open, hi_open))
+        raise ConfigError(key, value, f"must be {what}", _fix(key, fix, example))
+    return float(value)
+
+
+def one_of(key: str, value: Any, choices: Iterable[Any], fix: str | None = None) -> Any:
+    """``value`` if it is one of ``choices``."""
+    choices = list(choices)
+    if isinstance(value, bool) and not any(isinstance(c, bool) for c in choices) or value not in choices:
+        raise ConfigError(key, value, f"is not one of {', '.join(show_value(c) for c in choices)}",
+                          fix if fix is not None else f"use one of {', '.join(show_value(c) for c in choices)}")
+    return value
+
+
+def boolean(key: str, value: Any, fix: str | None = None) -> bool:
+    """``value`` if it is ``true`` or ``false`` (not 0/1, not a string)."""
+    if not isinstance(value, bool):
+        raise ConfigError(key, value, "must be true or false", fix if fix is not None else f"e.g. {key}=true")
+    return value
+
+
+def int_list(key: str, value: Any, *, length: int | None = None, minimum: int | None = 1, example: Any = None,
+             fix: str | None = None) -> tuple[int, ...]:
+    """``value`` as a tuple of integers >= ``minimum``, of ``length`` entries when given."""
+    items = list(value) if isinstance(value, (list, tuple)) else None
+    ok = items is not None and (length is None or len(items) == length) and all(
+        isinstance(v, int) and not isinstance(v, bool) and (minimum is None or v >= minimum) for v in items)
+    if not ok:
+        count = f"{length} " if length is not None else ""
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise ConfigError(key, value, f"must be a list of {count}integers{bound}", _fix(key, fix, example))
+    return tuple(items)

@@ -62,7 +62,7 @@ ROWS = [
                                      "trainer.strategy.gradient_as_bucket_view=yes"], CONFIG,
      ["trainer.strategy.gradient_as_bucket_view=yes", "true or false", "Fix:"]),
     ("ddp_bucket_cap_zero", TRAIN, ["trainer=ddp", "trainer.accelerator=cpu", "trainer.strategy.bucket_cap_mb=0"],
-     CONFIG, ["trainer.strategy.bucket_cap_mb=0", "positive number of MiB", "Fix:"]),
+     CONFIG, ["trainer.strategy.bucket_cap_mb=0", "positive number", "Fix:", "MiB"]),
     ("fsdp_vqvae", TRAIN, ["experiment=vqvae_demo", "trainer=fsdp", "trainer.accelerator=cpu"], CONFIG,
      ["trainer=fsdp", "diffusion UNet", "trainer=ddp"]),
     ("stage1_garbage", TRAIN, ["experiment=exp9_demo", "encoding.checkpoint={garbage}",

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from voxdiff.cli.exit_codes import refusals
 from voxdiff.config import config_dir, plain
-from voxdiff.errors import ConfigError
+from voxdiff.errors import ConfigError, integer
 
 
 def eval_dir(ckpt_path: Any, out_dir: Any, log_dir: Any, stamp: str) -> str:
@@ -57,18 +57,16 @@ def validate(cfg: DictConfig) -> None:
     if cfg.n < 2:
         raise ConfigError("n", cfg.n, "diversity and distribution figures need at least 2 samples", "e.g. n=8")
     for key, minimum in (("montages", 0), ("histogram_bins", 2)):
-        value = cfg.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConfigError(key, value, f"must be an integer >= {minimum}", f"e.g. {key}={max(minimum, 4)}")
+        integer(key, cfg.get(key), minimum=minimum, example=max(minimum, 4))
     from voxdiff.evaluation.metrics import MS_SSIM_PRESETS
 
     if cfg.get("ms_ssim") not in MS_SSIM_PRESETS:
         raise ConfigError("ms_ssim", cfg.get("ms_ssim"), "unknown MS-SSIM settings",
                           f"use one of {', '.join(MS_SSIM_PRESETS)} (voxdiff: any axis >= 20; wdm: WDM's, axes >= 112)")
     seed = cfg.get("random_features_seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ConfigError("random_features_seed", seed, "must be an integer >= 0 or null",
-                          "e.g. random_features_seed=0 (null: no random-network features)")
+    if seed is not None:
+        integer("random_features_seed", seed, minimum=0,
+                fix="e.g. random_features_seed=0 (null: no random-network features)")
     stage1 = cfg.get("stage1_ckpt")
     if stage1 is not None and not Path(str(stage1)).is_file():
         raise ConfigError("stage1_ckpt", stage1, "no such checkpoint file",

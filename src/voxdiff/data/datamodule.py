@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from voxdiff.data.nifti import CACHE_MODES, IMAGE_NAME, MASK_NAME, DataError, NiftiDataset, find_subjects
 from voxdiff.data.phantom import PhantomDataset, check_volume_shape, subject_name
-from voxdiff.errors import ConfigError
+from voxdiff.errors import ConfigError, integer, number, one_of
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +58,6 @@ def split_subjects(names: Sequence[str], val_fraction: float, seed: int) -> tupl
     val = sorted(rank[:n_val])
     train = sorted(rank[n_val:])
     return train, val
-
-
-def _int(key: str, value: Any, minimum: int, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(key, value, f"must be an integer >= {minimum}", fix)
-    return int(value)
 
 
 class VolumeDataModule(L.LightningDataModule):
@@ -113,19 +107,15 @@ class VolumeDataModule(L.LightningDataModule):
         self.root: str | None = None if root is None else str(Path(str(root)).expanduser())
         self.image_name = self._name("data.image_name", _plain(image_name))
         self.mask_name = self._name("data.mask_name", _plain(mask_name))
-        self.num_subjects = _int("data.num_subjects", num_subjects, 0, "set data.num_subjects to 2 or more")
-        if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
-            raise ConfigError(
-                "data.val_fraction", val_fraction, "must be a number strictly between 0 and 1",
-                "e.g. data.val_fraction=0.25",
-            )
-        self.val_fraction = float(val_fraction)
-        self.split_seed = _int("data.split_seed", split_seed, -(2**63), "set data.split_seed to an integer")
-        self.batch_size = _int("data.batch_size", batch_size, 1, "set data.batch_size to 1 or more")
-        self.num_workers = _int("data.num_workers", num_workers, 0, "set data.num_workers to 0 (main process) or more")
-        if cache not in CACHE_MODES:
-            raise ConfigError("data.cache", cache, f"must be one of {', '.join(CACHE_MODES)}", "e.g. data.cache=memory")
-        self.cache = str(cache)
+        self.num_subjects = integer("data.num_subjects", num_subjects, minimum=0,
+                                    fix="set data.num_subjects to 2 or more")
+        self.val_fraction = number("data.val_fraction", val_fraction, lo=0, hi=1, lo_open=True, hi_open=True,
+                                   example=0.25)
+        self.split_seed = integer("data.split_seed", split_seed, fix="set data.split_seed to an integer")
+        self.batch_size = integer("data.batch_size", batch_size, minimum=1, fix="set data.batch_size to 1 or more")
+        self.num_workers = integer("data.num_workers", num_workers, minimum=0,
+                                   fix="set data.num_workers to 0 (main process) or more")
+        self.cache = str(one_of("data.cache", cache, CACHE_MODES, fix="e.g. data.cache=memory"))
         cache_dir = _plain(cache_dir)
         self.cache_dir: str | None = None if cache_dir is None else str(Path(str(cache_dir)).expanduser())
         if self.cache == "disk" and self.root is not None and self.cache_dir is None:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from voxdiff.data.datamodule import VolumeDataModule
-from voxdiff.errors import ConfigError
+from voxdiff.errors import ConfigError, integer, number, one_of
 
 TEMPLATES = ("mni152_2009", "colin27")
 #: where Debian's mricron-data installs Colin27
@@ -183,16 +183,11 @@ class MNITemplateDataModule(VolumeDataModule):
     def __init__(self, volume_shape: Any, template: str = "mni152_2009", voxel_mm: float = 3.0,
                  num_subjects: int = 8, seed: int = 0, out_dir: str | os.PathLike[str] = "cache/mni_template",
                  **kwargs: Any) -> None:
-        if template not in TEMPLATES:
-            raise ConfigError("data.template", template, "unknown template", f"use one of {', '.join(TEMPLATES)}")
-        if isinstance(voxel_mm, bool) or not isinstance(voxel_mm, (int, float)) or not 0.5 <= voxel_mm <= 8:
-            raise ConfigError("data.voxel_mm", voxel_mm, "must be a voxel size in mm between 0.5 and 8",
-                              "e.g. data.voxel_mm=3")
-        if isinstance(num_subjects, bool) or not isinstance(num_subjects, int) or num_subjects < 2:
-            raise ConfigError("data.num_subjects", num_subjects, "needs at least 2 subjects (1 train + 1 validation)",
-                              "e.g. data.num_subjects=8")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ConfigError("data.seed", seed, "must be an integer >= 0", "e.g. data.seed=0")
+        one_of("data.template", template, TEMPLATES)
+        number("data.voxel_mm", voxel_mm, lo=0.5, hi=8, example=3)  # mm
+        integer("data.num_subjects", num_subjects, minimum=2, fix="e.g. data.num_subjects=8 (1 train + 1 validation "
+                "at least)")
+        integer("data.seed", seed, minimum=0, example=0)
         self.template, self.voxel_mm, self.seed = template, float(voxel_mm), seed
         root = subject_folder(out_dir, template, float(voxel_mm), num_subjects, seed)
         super().__init__(volume_shape, root=root, num_subjects=num_subjects, **kwargs)

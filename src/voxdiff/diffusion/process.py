@@ -33,7 +33,7 @@ from einops import reduce
 from monai.networks.schedulers import DDIMScheduler, DDPMScheduler
 from torch import nn
 
-from voxdiff.errors import ConfigError
+from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 SCHEDULES = ("linear_beta", "scaled_linear_beta", "sigmoid_beta", "cosine")
@@ -57,22 +57,6 @@ class DiffusionSettings:
         return asdict(self)
 
 
-def _positive_int(key: str, value: Any, example: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(key, value, "must be a positive integer", f"e.g. {key}={example}")
-    return value
-
-
-def _number(key: str, value: Any, lo: float, hi: float, fix: str, lo_open: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if ok:
-        value = float(value)
-        ok = (value > lo if lo_open else value >= lo) and value <= hi
-    if not ok:
-        raise ConfigError(key, value, f"must be a number in {'(' if lo_open else '['}{lo}, {hi}]", fix)
-    return value
-
-
 def diffusion_settings(cfg: Mapping[str, Any] | None = None, **overrides: Any) -> DiffusionSettings:
     """Validate a plain ``diffusion:`` mapping; every failure names the ``diffusion.*`` key, the value and a fix.
 
@@ -86,29 +70,24 @@ def diffusion_settings(cfg: Mapping[str, Any] | None = None, **overrides: Any) -
         raise ConfigError(f"diffusion.{unknown[0]}", values[unknown[0]], "is not a diffusion setting",
                           f"remove it; the settings are {', '.join(sorted(known))}")
     s = DiffusionSettings(**values)
-    t = _positive_int("diffusion.num_train_timesteps", s.num_train_timesteps, "1000")
-    if s.schedule not in SCHEDULES:
-        raise ConfigError("diffusion.schedule", s.schedule, "unknown beta schedule",
-                          f"use one of {', '.join(SCHEDULES)}")
-    _number("diffusion.beta_start", s.beta_start, 0.0, 1.0, "e.g. diffusion.beta_start=0.0015", lo_open=True)
-    _number("diffusion.beta_end", s.beta_end, 0.0, 1.0, "e.g. diffusion.beta_end=0.0195", lo_open=True)
+    t = integer("diffusion.num_train_timesteps", s.num_train_timesteps, minimum=1, example=1000)
+    one_of("diffusion.schedule", s.schedule, SCHEDULES)
+    number("diffusion.beta_start", s.beta_start, lo=0, hi=1, lo_open=True, example=0.0015)
+    number("diffusion.beta_end", s.beta_end, lo=0, hi=1, lo_open=True, example=0.0195)
     if s.schedule != "cosine" and s.beta_end <= s.beta_start:
         raise ConfigError("diffusion.beta_end", s.beta_end, f"must exceed diffusion.beta_start={s.beta_start}",
                           "e.g. beta_start=0.0015, beta_end=0.0195")
-    if s.prediction_type not in PREDICTION_TYPES:
-        raise ConfigError("diffusion.prediction_type", s.prediction_type, "unknown prediction type",
-                          f"use one of {', '.join(PREDICTION_TYPES)}")
+    one_of("diffusion.prediction_type", s.prediction_type, PREDICTION_TYPES)
     if s.min_snr_gamma is not None:
-        _number("diffusion.min_snr_gamma", s.min_snr_gamma, 0.0, float("inf"),
-                "use e.g. diffusion.min_snr_gamma=5.0, or null to turn the weighting off", lo_open=True)
-    steps = _positive_int("diffusion.num_inference_steps", s.num_inference_steps, "50")
+        number("diffusion.min_snr_gamma", s.min_snr_gamma, lo=0, lo_open=True,
+               fix="use e.g. diffusion.min_snr_gamma=5.0, or null to turn the weighting off")
+    steps = integer("diffusion.num_inference_steps", s.num_inference_steps, minimum=1, example=50)
     if steps > t:
         raise ConfigError("diffusion.num_inference_steps", steps,
                           f"DDIM cannot take more steps than the {t} training timesteps",
                           f"use at most {t} (e.g. 50)")
-    _number("diffusion.eta", s.eta, 0.0, 1.0, "use diffusion.eta=0.0 (deterministic DDIM)")
-    if not isinstance(s.clip_sample, bool):
-        raise ConfigError("diffusion.clip_sample", s.clip_sample, "must be true or false", "use true")
+    number("diffusion.eta", s.eta, lo=0, hi=1, fix="use diffusion.eta=0.0 (deterministic DDIM)")
+    boolean("diffusion.clip_sample", s.clip_sample, fix="use true")
     return s
 
 

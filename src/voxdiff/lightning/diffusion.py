@@ -48,7 +48,7 @@ from voxdiff.diffusion import (
     encode_volume,
     encoded_range,
 )
-from voxdiff.errors import ConfigError, require_nonneg_int, settings_from
+from voxdiff.errors import ConfigError, integer, settings_from
 from voxdiff.lightning.callbacks import ProgressBar
 from voxdiff.lightning.optim import lightning_optimizers
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
@@ -96,15 +96,15 @@ def system_settings(
     o = optim_settings(optim)
     e = ema_settings(ema)
     s = settings_from(SamplingSettings, "system.sampling", sampling)
-    require_nonneg_int("system.sampling.every_n_epochs", s.every_n_epochs, "10")
-    require_nonneg_int("system.sampling.num_masks", s.num_masks, "2")
+    integer("system.sampling.every_n_epochs", s.every_n_epochs, minimum=0, example="10")
+    integer("system.sampling.num_masks", s.num_masks, minimum=0, example="2")
     if s.num_inference_steps is not None:
-        require_nonneg_int("system.sampling.num_inference_steps", s.num_inference_steps, "50")
+        integer("system.sampling.num_inference_steps", s.num_inference_steps, minimum=0, example="50")
         if s.num_inference_steps == 0:
             raise ConfigError("system.sampling.num_inference_steps", 0, "must be positive or null",
                               "use null for diffusion.num_inference_steps")
-    require_nonneg_int("system.sampling.seed", s.seed, "0")
-    require_nonneg_int("system.val_timesteps", val_timesteps, "4")
+    integer("system.sampling.seed", s.seed, minimum=0, example="0")
+    integer("system.val_timesteps", val_timesteps, minimum=0, example="4")
     if val_timesteps == 0:
         raise ConfigError("system.val_timesteps", 0, "must be positive", "e.g. system.val_timesteps=4")
     if not isinstance(s.final, bool):

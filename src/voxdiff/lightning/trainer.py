@@ -96,15 +96,13 @@ def validate_trainer(trainer_cfg: Mapping[str, Any]) -> None:
     Raises:
         ConfigError: naming ``trainer.<key>``, the value and a fix.
     """
-    from voxdiff.errors import ConfigError
+    from voxdiff.errors import ConfigError, integer, number, one_of
 
-    def integer(key: str, minimum: int, fix: str, allow: tuple[Any, ...] = ()) -> None:
+    def whole(key: str, minimum: int, fix: str, allow: tuple[Any, ...] = ()) -> None:
         value = trainer_cfg.get(key)
         if value in allow and not isinstance(value, bool):
             return
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConfigError(f"trainer.{key}", value, f"must be an integer >= {minimum}"
-                              + (f" (or {', '.join(map(str, allow))})" if allow else ""), fix)
+        integer(f"trainer.{key}", value, minimum=minimum, fix=fix)
 
     for key, text in (("max_steps", "trainer.max_steps=1000, or -1 for no step limit"),
                       ("max_epochs", "trainer.max_epochs=100, or -1 for no epoch limit")):
@@ -112,22 +110,19 @@ def validate_trainer(trainer_cfg: Mapping[str, Any]) -> None:
         if value == 0 and not isinstance(value, bool):
             raise ConfigError(f"trainer.{key}", 0, "trains nothing (the run would end before its first step "
                               "and exit 0)", f"e.g. {text}")
-        integer(key, 1, f"e.g. {text}", allow=(-1, None) if key == "max_epochs" else (-1,))
+        whole(key, 1, f"e.g. {text}", allow=(-1, None) if key == "max_epochs" else (-1,))
     clip = trainer_cfg.get("gradient_clip_val")
-    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
-                             or clip == float("inf")):
-        raise ConfigError("trainer.gradient_clip_val", clip, "must be a positive number, or null for no clipping "
-                          "(a negative value would flip every gradient)",
-                          "e.g. trainer.gradient_clip_val=1.0, or trainer.gradient_clip_val=null for no clipping")
+    if clip is not None:  # a negative value would flip every gradient
+        number("trainer.gradient_clip_val", clip, lo=0, lo_open=True,
+               fix="e.g. trainer.gradient_clip_val=1.0, or trainer.gradient_clip_val=null for no clipping")
     algorithm = trainer_cfg.get("gradient_clip_algorithm")
-    if algorithm is not None and algorithm not in ("norm", "value"):
-        raise ConfigError("trainer.gradient_clip_algorithm", algorithm, "must be norm or value",
-                          "use trainer.gradient_clip_algorithm=norm")
-    integer("accumulate_grad_batches", 1, "e.g. trainer.accumulate_grad_batches=1 (a positive integer)")
-    integer("log_every_n_steps", 1, "e.g. trainer.log_every_n_steps=10", allow=(None,))
-    integer("check_val_every_n_epoch", 1, "e.g. trainer.check_val_every_n_epoch=1", allow=(None,))
-    integer("num_sanity_val_steps", -1, "e.g. trainer.num_sanity_val_steps=2 (0: none, -1: all)", allow=(None,))
-    integer("num_nodes", 1, "e.g. trainer.num_nodes=1", allow=(None,))
+    if algorithm is not None:
+        one_of("trainer.gradient_clip_algorithm", algorithm, ("norm", "value"))
+    whole("accumulate_grad_batches", 1, "e.g. trainer.accumulate_grad_batches=1 (a positive integer)")
+    whole("log_every_n_steps", 1, "e.g. trainer.log_every_n_steps=10", allow=(None,))
+    whole("check_val_every_n_epoch", 1, "e.g. trainer.check_val_every_n_epoch=1", allow=(None,))
+    whole("num_sanity_val_steps", -1, "e.g. trainer.num_sanity_val_steps=2 (0: none, -1: all)", allow=(None,))
+    whole("num_nodes", 1, "e.g. trainer.num_nodes=1", allow=(None,))
     limit = trainer_cfg.get("limit_val_batches")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit < 0
                               or (isinstance(limit, float) and limit > 1)):
@@ -143,7 +138,7 @@ def validate_trainer(trainer_cfg: Mapping[str, Any]) -> None:
 def _validate_strategy(strategy: Any) -> None:
     """``trainer.strategy``: the settings of voxdiff's DDP and FSDP nodes (``configs/trainer/ddp.yaml``,
     ``fsdp.yaml``) that DDP or Lightning would take without complaint or reject late."""
-    from voxdiff.errors import ConfigError
+    from voxdiff.errors import ConfigError, boolean, number
 
     if not isinstance(strategy, Mapping):
         return
@@ -154,10 +149,10 @@ def _validate_strategy(strategy: Any) -> None:
                           "host memory while it is written); its resume, ckpt_path=auto, sample.py and evaluate.py "
                           "do not read a folder of shards", "remove it (false is the default)")
     view = strategy.get("gradient_as_bucket_view")
-    if view is not None and not isinstance(view, bool):
-        raise ConfigError("trainer.strategy.gradient_as_bucket_view", view, "must be true or false",
-                          "use true (gradients are views into DDP's buckets: one copy less)")
+    if view is not None:
+        boolean("trainer.strategy.gradient_as_bucket_view", view,
+                fix="use true (gradients are views into DDP's buckets: one copy less)")
     cap = strategy.get("bucket_cap_mb")
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
-        raise ConfigError("trainer.strategy.bucket_cap_mb", cap, "must be a positive number of MiB",
-                          "e.g. trainer.strategy.bucket_cap_mb=25 (torch's default)")
+    if cap is not None:
+        number("trainer.strategy.bucket_cap_mb", cap, lo=0, lo_open=True,
+               fix="e.g. trainer.strategy.bucket_cap_mb=25 (MiB, torch's default)")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from voxdiff.errors import ConfigError, require_nonneg_int, settings_from
+from voxdiff.errors import ConfigError, integer, number, settings_from
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,9 @@ def ema_settings(cfg: Mapping[str, Any] | bool | None) -> EMASettings | None:
         raise ConfigError("system.ema", cfg, "must be a mapping of EMA settings or false",
                           "e.g. system.ema.decay=0.9999, or system.ema=false for no EMA")
     e = settings_from(EMASettings, "system.ema", cfg)
-    if isinstance(e.decay, bool) or not isinstance(e.decay, (int, float)) or not 0.0 <= e.decay < 1.0:
-        raise ConfigError("system.ema.decay", e.decay, "must be a number in [0, 1)", "e.g. system.ema.decay=0.9999")
-    require_nonneg_int("system.ema.start_step", e.start_step, "1000")
-    require_nonneg_int("system.ema.every_n_steps", e.every_n_steps, "4")
+    number("system.ema.decay", e.decay, lo=0, hi=1, hi_open=True, example=0.9999)
+    integer("system.ema.start_step", e.start_step, minimum=0, example="1000")
+    integer("system.ema.every_n_steps", e.every_n_steps, minimum=0, example="4")
     if e.every_n_steps == 0:
         raise ConfigError("system.ema.every_n_steps", 0, "must be at least 1", "use 1 (every step) or e.g. 4")
     return e

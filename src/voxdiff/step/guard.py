@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from voxdiff.errors import ConfigError, require_nonneg_int, settings_from
+from voxdiff.errors import ConfigError, integer, settings_from
 
 #: what the record's ``what`` code stands for
 WHAT = ("loss", "gradient norm")
@@ -67,7 +67,7 @@ def guard_settings(cfg: Mapping[str, Any] | None) -> GuardSettings:
         raise ConfigError("system.guard", cfg, "must be a mapping of guard settings",
                           "e.g. system.guard.check_every_n_steps=50")
     g = settings_from(GuardSettings, "system.guard", cfg or {})
-    require_nonneg_int("system.guard.check_every_n_steps", g.check_every_n_steps, "50")
+    integer("system.guard.check_every_n_steps", g.check_every_n_steps, minimum=0, example="50")
     if g.check_every_n_steps == 0:
         raise ConfigError("system.guard.check_every_n_steps", 0, "must be at least 1",
                           "use 1 (every step) or e.g. 50")

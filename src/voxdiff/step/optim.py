@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from voxdiff.errors import ConfigError
+from voxdiff.errors import ConfigError, integer, number
 
 
 @dataclass(frozen=True)
@@ -62,29 +62,21 @@ def optim_settings(cfg: Mapping[str, Any] | None = None) -> OptimSettings:
     if "betas" in values and values["betas"] is not None:
         values["betas"] = tuple(values["betas"])
     s = OptimSettings(**values)
-    if not _is_number(s.lr) or s.lr <= 0:
-        raise _bad("lr", s.lr, "must be a positive number", "e.g. system.optim.lr=1e-4")
+    number("system.optim.lr", s.lr, lo=0, lo_open=True, example=1e-4)
     if len(s.betas) != 2 or not all(_is_number(b) and 0 <= b < 1 for b in s.betas):
         raise _bad("betas", list(s.betas), "must be two numbers in [0, 1)", "e.g. system.optim.betas=[0.9,0.999]")
-    if not _is_number(s.eps) or s.eps <= 0:
-        raise _bad("eps", s.eps, "must be a positive number", "e.g. system.optim.eps=1e-8")
-    if not _is_number(s.weight_decay) or s.weight_decay < 0:
-        raise _bad("weight_decay", s.weight_decay, "must be a number >= 0", "e.g. system.optim.weight_decay=0.0")
+    number("system.optim.eps", s.eps, lo=0, lo_open=True, example=1e-8)
+    number("system.optim.weight_decay", s.weight_decay, lo=0, example=0.0)
     for key in ("foreach", "fused"):
         if getattr(s, key) not in (None, True, False):
             raise _bad(key, getattr(s, key), "must be true, false or null", f"use system.optim.{key}=null")
     if s.foreach and s.fused:
         raise _bad("fused", s.fused, "cannot be combined with system.optim.foreach=true",
                    "set one of them to null")
-    if isinstance(s.warmup_steps, bool) or not isinstance(s.warmup_steps, int) or s.warmup_steps < 0:
-        raise _bad("warmup_steps", s.warmup_steps, "must be an integer >= 0", "e.g. system.optim.warmup_steps=500")
-    if s.decay_steps is not None and (
-        isinstance(s.decay_steps, bool) or not isinstance(s.decay_steps, int) or s.decay_steps < 1
-    ):
-        raise _bad("decay_steps", s.decay_steps, "must be a positive integer or null",
-                   "use null to decay over the whole run")
-    if not _is_number(s.min_lr_ratio) or not 0 <= s.min_lr_ratio <= 1:
-        raise _bad("min_lr_ratio", s.min_lr_ratio, "must be a number in [0, 1]", "e.g. system.optim.min_lr_ratio=0.1")
+    integer("system.optim.warmup_steps", s.warmup_steps, minimum=0, example=500)
+    if s.decay_steps is not None:
+        integer("system.optim.decay_steps", s.decay_steps, minimum=1, fix="use null to decay over the whole run")
+    number("system.optim.min_lr_ratio", s.min_lr_ratio, lo=0, hi=1, example=0.1)
     return s
 
 

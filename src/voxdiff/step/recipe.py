@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from voxdiff.diffusion import DiffusionSettings, diffusion_settings
-from voxdiff.errors import ConfigError
+from voxdiff.errors import ConfigError, number
 from voxdiff.step.ema import EMASettings, ema_settings
 from voxdiff.step.guard import GuardSettings, guard_settings
 from voxdiff.step.optim import OptimSettings, optim_settings
@@ -53,10 +53,9 @@ def clip_settings(value: Any, algorithm: Any = "norm") -> ClipSettings | None:
                           "use norm or value")
     if value is None or value == 0:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError("trainer.gradient_clip_val", value, "must be a positive number or null",
-                          "e.g. trainer.gradient_clip_val=1.0, or null for no clipping")
-    return ClipSettings(float(value), algorithm)
+    value = number("trainer.gradient_clip_val", value, lo=0, lo_open=True,
+                   fix="e.g. trainer.gradient_clip_val=1.0, or null for no clipping")
+    return ClipSettings(value, algorithm)
 
 
 @dataclass(frozen=True)
