@@ -111,7 +111,7 @@ def test_the_memory_of_a_running_slurm_job():
     assert slurm_job_memory({"SLURM_MEM_PER_NODE": "1000"}) == 1000 * 2**20
     assert slurm_job_memory({"SLURM_MEM_PER_GPU": "1000", "SLURM_GPUS_ON_NODE": "4"}) == 4000 * 2**20
     assert slurm_job_memory({"SLURM_MEM_PER_CPU": "10", "SLURM_CPUS_ON_NODE": "8"}) == 80 * 2**20
-    assert slurm_job_memory({}) is None
+    assert slurm_job_memory({}) is None and slurm_job_memory({"SLURM_MEM_PER_NODE": "0"}) is None  # the whole node
 
 
 @pytest.mark.parametrize("text, seconds", [("90", 5400), ("10:30", 630), ("48:00:00", 172800),
@@ -161,3 +161,55 @@ def test_run_time_and_requeues():
     assert run.gpu_hours == pytest.approx(40.0) and run.jobs == 3  # 10 h in jobs of 3 h 55 min
     assert "2 requeue(s)" in run.describe()
     assert RunTime(1.0, 10, 1, None, 300, throughput).jobs is None
+
+
+# ------------------------------------------------------------------------------------------------ run_needs(cfg)
+def _needs(cfg, **kw):
+    from voxdiff.preflight.distributed import data_memory
+    from voxdiff.preflight.resources import run_needs
+
+    data = data_memory({k: cfg.data.get(k) for k in ("_target_", "volume_shape", "cache", "num_subjects")})
+    args = dict(ema=True, data=data, sample_bytes=2 * 4 * 16**3, processes_per_node=1, world_size=1,
+                cost=StepCost(tflop=0.5, ops=1000), gpu="H100", compiled=True, env={})
+    return run_needs(cfg, _meta_model(cfg), **{**args, **kw})
+
+
+def test_run_needs_refuses_a_run_directory_without_room_for_one_checkpoint_write(tiny_cfg, tmp_path):
+    fits = _needs(tiny_cfg(f"paths.run_dir={tmp_path}/run"))
+    assert fits.disk is not None and fits.disk.where == tmp_path and not fits.misfits
+    need = fits.disk.checkpoint
+    tight = _needs(tiny_cfg(f"paths.run_dir={tmp_path}/run", f"+preflight.disk_free_gib={1.5 * need / 2**30}"))
+    assert [e.key for e in tight.misfits] == ["paths.run_dir"] and "side by side" in str(tight.misfits[0])
+    kept = _needs(tiny_cfg(f"paths.run_dir={tmp_path}/run", f"+preflight.disk_free_gib={2.5 * need / 2**30}",
+                           "callbacks.best.save_top_k=3"))
+    assert not kept.misfits and "save_top_k" in kept.warnings[0]
+    none = _needs(tiny_cfg("callbacks.best=null", "callbacks.last=null"))
+    assert none.disk is None
+
+
+def test_run_needs_refuses_a_memory_cache_larger_than_the_host_budget(tiny_cfg):
+    import math
+
+    cfg = tiny_cfg("data.cache=memory", "data.num_subjects=4", "+preflight.host_memory_gib=64")
+    cached = _needs(cfg)  # 4 subjects x (image + mask) x float32
+    assert cached.host is not None and cached.host.cached == 4 * 2 * 4 * math.prod(cfg.data.volume_shape)
+    assert not cached.misfits
+    small = _needs(tiny_cfg("data.cache=memory", "data.num_subjects=4", "+preflight.host_memory_gib=0.0001"))
+    assert [e.key for e in small.misfits] == ["data.cache"]
+    job = _needs(tiny_cfg("data.cache=memory", "data.num_subjects=16"), env={"SLURM_MEM_PER_NODE": "1"})
+    assert job.host.source == "this Slurm job's allocation" and job.misfits
+    assert _needs(tiny_cfg("data.cache=none")).host is None
+
+
+def test_run_needs_predicts_time_and_requeues_from_the_experiments_slurm_limit(tiny_cfg):
+    from voxdiff.preflight.resources import read_site_env
+
+    throughput = STEP_THROUGHPUT[("H100", "compiled")]
+    needs = _needs(tiny_cfg("trainer.max_steps=100000", "+slurm.TIME=01:00:00"))
+    run = needs.time
+    assert run is not None and run.step_s == pytest.approx(throughput.seconds(StepCost(0.5, 1000)))
+    warn = float(read_site_env(Path(__file__).resolve().parents[2] / "slurm" / "site.env")["WARN_SECONDS"])
+    assert run.time_limit_s == 3600 and run.jobs == -(-run.wall_s // (3600 - warn))
+    assert "requeue" in " ".join(needs.lines())
+    unmeasured = _needs(tiny_cfg("trainer.max_steps=10"), gpu="V100")
+    assert unmeasured.time is None and "has not been measured" in unmeasured.time_unknown

@@ -178,9 +178,10 @@ def parse_slurm_memory(text: str) -> int:
 
 
 def slurm_job_memory(env: Mapping[str, str]) -> int | None:
-    """The memory of this node's share of a running Slurm job, from its environment, or None outside one."""
+    """The memory of this node's share of a running Slurm job, from its environment, or None outside one (or for
+    ``--mem=0``, which gives the job all of the node's memory)."""
     if "SLURM_MEM_PER_NODE" in env:
-        return int(env["SLURM_MEM_PER_NODE"]) * 2**20
+        return int(env["SLURM_MEM_PER_NODE"]) * 2**20 or None
     gpus = env.get("SLURM_GPUS_ON_NODE")
     if "SLURM_MEM_PER_GPU" in env and gpus:
         return int(env["SLURM_MEM_PER_GPU"]) * 2**20 * int(gpus)
@@ -328,3 +329,172 @@ class RunTime:
         return (f"time: {self.step_s * 1e3:.0f} ms/step predicted, {self.max_steps} steps = {self.wall_s / 3600:.1f} h"
                 f" wall, {self.gpu_hours:.1f} GPU-hours{limit} (no validation or sampling time;"
                 f" {self.throughput.source})")
+
+
+# ------------------------------------------------------------------------------------------- one run, from a config
+@dataclass(frozen=True)
+class RunNeeds:
+    """Disk, host memory and time of one run, and what of it does not fit (:func:`run_needs`).
+
+    Attributes:
+        disk: the checkpoints against the run directory's file system; None when the run keeps no checkpoint.
+        host: host memory of one node; None when the data module caches nothing.
+        time: the predicted run time; None with ``time_unknown`` saying why.
+        misfits: what does not fit, each naming the key, the value and a fix (the preflight refuses the run).
+        warnings: what may not fit (kept checkpoints).
+    """
+
+    disk: DiskNeed | None
+    host: HostNeed | None
+    time: RunTime | None
+    time_unknown: str = ""
+    misfits: tuple[Any, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.disk is not None:
+            out.append("disk: " + self.disk.describe())
+        if self.host is not None:
+            out.append(self.host.describe())
+        out.append(self.time.describe() if self.time is not None else f"time: {self.time_unknown}")
+        return out
+
+
+def _select(cfg: Any, key: str, default: Any = None) -> Any:
+    from omegaconf import OmegaConf
+
+    from voxdiff.config import plain
+
+    return plain(OmegaConf.select(cfg, key, default=default))
+
+
+def slurm_site(cfg: Any) -> dict[str, str] | None:
+    """The Slurm job of an experiment: ``slurm/site.env`` under the experiment's ``slurm:`` overrides, or None
+    when the experiment has no job (``slurm: null``) or the repository's ``slurm/site.env`` is not here."""
+    from voxdiff.config import config_dir
+
+    resources = _select(cfg, "slurm")
+    site = config_dir().parent / "slurm" / "site.env"
+    if resources is None or not site.is_file():
+        return None
+    return {**read_site_env(site), **{str(k): str(v) for k, v in dict(resources).items()}}
+
+
+def read_site_env(path: Path) -> dict[str, str]:
+    """``KEY=VALUE`` lines of ``slurm/site.env`` (comments and blank lines skipped).
+
+    Raises:
+        ValueError: a line that is not ``KEY=VALUE``, naming the file and the line.
+    """
+    values = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep:
+            raise ValueError(f"{path}:{number}: expected KEY=VALUE, got {line!r}")
+        values[key.strip()] = value.strip()
+    return values
+
+
+def run_needs(cfg: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_bytes: int, processes_per_node: int,
+              world_size: int, cost: StepCost | None, gpu: str, compiled: bool, env: Mapping[str, str]) -> RunNeeds:
+    """Disk, host memory and time of the run ``cfg`` describes.
+
+    Args:
+        cfg: the composed config (``paths.run_dir``, ``callbacks.best/last``, ``data.*``, ``trainer.max_steps``,
+            ``slurm``, ``preflight.disk_free_gib`` / ``preflight.host_memory_gib`` to plan for another machine).
+        model: the UNet on the meta device (its ``state_dict`` is what a checkpoint holds).
+        ema: whether the checkpoint holds the EMA's shadow.
+        data: the data module's cached bytes per rank (:class:`~voxdiff.preflight.distributed.DataMemory`) or None.
+        sample_bytes: bytes of one training sample as the DataLoader hands it over (what workers hold ahead).
+        processes_per_node, world_size: ranks on one node, and in all (each rank is one GPU).
+        cost: the step's FLOPs and operator calls (None: no time prediction).
+        gpu: the GPU type the run is planned for (a key of :data:`STEP_THROUGHPUT`).
+        compiled: whether the training forward is compiled (``model.compile`` on a GPU).
+        env: the process environment (a running Slurm job's memory).
+    """
+    from voxdiff.errors import ConfigError
+
+    misfits: list[ConfigError] = []
+    warnings: list[str] = []
+    gib = 2**30
+
+    # disk: the checkpoints, under the run directory
+    from omegaconf import OmegaConf
+
+    best = OmegaConf.select(cfg, "callbacks.best")  # nodes, unresolved (their dirpath is Hydra's run-time folder)
+    kept = kept_checkpoints(_select(cfg, "callbacks.best.save_top_k", 1) if best is not None else 0,
+                            OmegaConf.select(cfg, "callbacks.last") is not None)
+    disk = None
+    if kept != 0:
+        run_dir = str(_select(cfg, "paths.run_dir", "."))
+        free, where = free_bytes(run_dir)
+        configured = _select(cfg, "preflight.disk_free_gib")
+        if configured is not None:
+            free, where = int(float(configured) * gib), Path(f"{run_dir} (preflight.disk_free_gib)")
+        disk = DiskNeed(checkpoint_nbytes(model.state_dict().values(), model.parameters(), ema=ema), kept, free,
+                        where)
+        if not disk.write_fits:
+            misfits.append(ConfigError(
+                "paths.run_dir", run_dir, f"{size(disk.free)} free under {where}, and writing a checkpoint "
+                f"atomically needs {size(2 * disk.checkpoint)} (the previous {size(disk.checkpoint)} checkpoint and "
+                "the new one side by side)", "point paths.run_dir at a file system with room, or free space there"))
+        elif not disk.kept_fits:
+            warnings.append(f"the kept checkpoints ({'every one' if kept is None else kept} of "
+                            f"{size(disk.checkpoint)}, callbacks.best.save_top_k and callbacks.last) will not all fit "
+                            f"the {size(disk.free)} free under {where}")
+
+    # host memory: the data cache of every rank of a node, and the batches the workers hold ahead
+    host = None
+    per_rank = getattr(data, "per_rank_bytes", None)
+    if per_rank:
+        configured = _select(cfg, "preflight.host_memory_gib")
+        job = slurm_job_memory(env)
+        site = slurm_site(cfg)
+        if configured is not None:
+            budget, source = int(float(configured) * gib), "preflight.host_memory_gib"
+        elif job is not None:
+            budget, source = job, "this Slurm job's allocation"
+        elif site is not None and site.get("MEM_PER_GPU"):
+            budget = parse_slurm_memory(site["MEM_PER_GPU"]) * processes_per_node
+            source = f"Slurm --mem-per-gpu={site['MEM_PER_GPU']} x {processes_per_node} GPU(s) per node"
+        else:
+            from voxdiff.preflight.host import host_memory_bytes
+
+            budget, source = host_memory_bytes(), "this machine"
+        workers = worker_bytes(sample_bytes, int(_select(cfg, "data.batch_size", 1)),
+                               int(_select(cfg, "data.num_workers", 0) or 0), _select(cfg, "data.prefetch_factor"),
+                               processes_per_node)
+        host = HostNeed(per_rank * processes_per_node, workers, budget, source)
+        if not host.fits:
+            misfits.append(ConfigError(
+                "data.cache", _select(cfg, "data.cache", "memory"),
+                f"the data the ranks of one node cache and load ahead take {size(host.total)}, more than the "
+                f"{size(host.budget)} of host memory ({source})",
+                "use data.cache=disk (or none), fewer DataLoader workers, or more memory per node"))
+
+    # time: the step's FLOPs on a GPU whose speed was measured
+    run_time, unknown = None, ""
+    throughput = STEP_THROUGHPUT.get((gpu, "compiled" if compiled else "eager"))
+    max_steps = _select(cfg, "trainer.max_steps", -1)
+    if cost is None:
+        unknown = "not predicted for this step"
+    elif throughput is None:
+        unknown = (f"the step's speed on {gpu} has not been measured (voxdiff.preflight.resources.STEP_THROUGHPUT "
+                   f"has {', '.join(sorted({g for g, _ in STEP_THROUGHPUT}))})")
+    elif not isinstance(max_steps, int) or max_steps <= 0:
+        unknown = f"{throughput.seconds(cost) * 1e3:.0f} ms/step predicted; trainer.max_steps={max_steps} sets no end"
+    else:
+        site = slurm_site(cfg)
+        limit = warn = None
+        if site is not None and site.get("TIME"):
+            try:
+                limit = parse_slurm_time(site["TIME"])
+            except ValueError:
+                limit = None  # UNLIMITED: no requeues to plan
+            warn = float(site.get("WARN_SECONDS") or 0)
+        run_time = RunTime(throughput.seconds(cost), max_steps, world_size, limit, warn or 0.0, throughput)
+    return RunNeeds(disk, host, run_time, unknown, tuple(misfits), tuple(warnings))
