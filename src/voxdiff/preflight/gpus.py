@@ -89,7 +89,7 @@ class GpuSpec:
         return self.capability >= (8, 0)
 
     def describe(self) -> str:
-        """``H100 (H100 80GB SXM/PCIe, sm90, 79.6 GiB)``."""
+        """``H100 (H100 80GB, sm90, 79.6 GiB)``."""
         what = f"{self.description}, " if self.description else ""
         return f"{self.name} ({what}{self.sm}, {self.total_gib:.1f} GiB)"
 
