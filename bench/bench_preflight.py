@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from voxdiff.preflight.allocator import GPUS
-from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB
+from voxdiff.preflight.gpus import DEFAULT_GPU, GPUS
+from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN
 from voxdiff.preflight.sweep import (
     MODEL_FACTORY,
     PRED_COLUMNS,
@@ -41,7 +41,7 @@ from voxdiff.step import SEED
 ROOT = Path(__file__).resolve().parents[1]
 _CANDIDATES = [os.environ.get("VOXDIFF_REFERENCE_CSV", ""), str(ROOT / "reference" / "h100_measured.csv")]
 SOURCE_REPORT = ROOT / "reference" / "measured_vram.csv"
-H100_GIB = GPUS["H100"].total_bytes / GiB  # the budget of the measured GPU
+H100_GIB = GPUS[DEFAULT_GPU].total_gib  # the budget of the reference's GPU (its rows' gpu column names it)
 
 # Attention from level 1 (40x32x32 = 40960 tokens) at the s2d input 80x64x64: the configurations whose runs
 # died out of memory. The exact seed list is not in the reference CSV; these are the s2d families of the table

@@ -4,7 +4,7 @@
     python scripts/render_slurm.py           # write the scripts
     python scripts/render_slurm.py --check   # exit 1 if a committed script differs from what would be rendered
 
-Site values (partition, account, GPUs, memory, time) live in slurm/site.env only. An experiment has a job when its
+Site values (partition, account, GPUs and their gres type, memory, time) live in slurm/site.env only. An experiment has a job when its
 config (configs/experiment/<name>.yaml) sets ``slurm:`` — ``{}`` for the site's resources, or the site.env keys it
 changes, e.g. ``slurm: {MEM_PER_GPU: 128G}``. This script knows no experiment by name.
 """
@@ -60,6 +60,8 @@ def render(experiment: str, site: dict[str, str], resources: dict[str, str]) -> 
         sbatch_site=sbatch_site,
         nodes=values.get("NODES", "1"),
         gpus=values["GPUS_PER_NODE"],
+        gres=f"gpu:{values['GRES_TYPE']}:{values['GPUS_PER_NODE']}" if values.get("GRES_TYPE")
+        else f"gpu:{values['GPUS_PER_NODE']}",
         cpus=values["CPUS_PER_GPU"],
         mem=values["MEM_PER_GPU"],
         time=values["TIME"],

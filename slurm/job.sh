@@ -32,6 +32,11 @@ OVERRIDES=("experiment=$VOXDIFF_EXPERIMENT" "paths.run_dir=$RUN_DIR")
 if (( ${SLURM_NNODES:-1} * ${SLURM_NTASKS_PER_NODE:-1} > 1 )); then
     OVERRIDES+=("trainer=ddp")
 fi
+# the site's GPU type (slurm/site.env): preflight.py and train.py's own verdict predict for it; ++ sets the key in
+# both configs (train.py's has no preflight block)
+if [[ -n "${GPU_TYPE:-}" ]]; then
+    OVERRIDES+=("++preflight.gpu=$GPU_TYPE")
+fi
 # shellcheck disable=SC2206
 OVERRIDES+=(${VOXDIFF_OVERRIDES:-} "$@")
 echo "[voxdiff] job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $(hostname): ${OVERRIDES[*]}"

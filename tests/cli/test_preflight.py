@@ -28,7 +28,7 @@ def test_no_arguments_checks_every_experiment(repo):
 def test_one_config_in_detail(capsys):
     assert run(["experiment=exp11"]) == 0
     out = capsys.readouterr().out
-    assert "step 1   : fwd" in out and "steady   : fwd" in out and "budget 80.0 GiB" in out
+    assert "step 1   : fwd" in out and "steady   : fwd" in out and "budget 79.6 GiB (default GPU H100)" in out
     # the step a GPU runs by default: fused AdamW, SDPA attention (model.use_flash_attention=auto)
     assert "AdamW(fused)" in out and "attention flash" in out
 

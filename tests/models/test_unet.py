@@ -150,3 +150,50 @@ def test_auto_switches_are_decided_by_the_device_the_model_runs_on():
         assert flags(build_unet_from_spec(auto, device_type="cpu")) == {False}
         with pytest.raises(ValueError, match="device"):
             build_unet_from_spec(auto)
+
+
+def test_every_reference_row_round_trips_through_the_spec(h100_csv):
+    """UNetSpec.from_row reads each row of reference/h100_measured.csv; to_row writes the same cells back (the head
+    size per level, in full) and from_row reads those to an equal spec."""
+    import csv
+
+    from voxdiff.models import ROW_COLUMNS, UNetSpec
+
+    rows = list(csv.DictReader(open(h100_csv, newline="")))
+    assert len(rows) == 113
+    for row in rows:
+        spec = UNetSpec.from_row(row)
+        written = spec.to_row()
+        assert UNetSpec.from_row(written) == spec, row["name"]
+        assert written["num_head_channels"] == " ".join([row["num_head_channels"]] * spec.levels)
+        same = [c for c in ROW_COLUMNS if c in row and c != "num_head_channels"]
+        assert {c: written[c] for c in same} == {c: row[c] for c in same}, row["name"]
+
+
+def test_row_format_keeps_what_the_reference_cannot_say():
+    """Per-level head sizes, the block granularity and SDPA attention survive a round trip; an unresolved switch
+    has no row value."""
+    from voxdiff.models import UNetSpec, unet_spec
+
+    spec = unet_spec(16, 8, [32, 64, 128], [False, True, True], [1, 2, 2], [8, 16, 32], 8, True, "block")
+    row = spec.to_row()
+    assert row["num_head_channels"] == "8 16 32" and row["grad_checkpointing"] == "block"
+    assert row["use_flash_attention"] == "1" and UNetSpec.from_row(row) == spec
+    layer = UNetSpec.from_row({**row, "grad_checkpointing": "1"})  # the reference's 1: per resnet/attention block
+    assert layer.gradient_checkpointing == "layer" and layer.to_row()["grad_checkpointing"] == "1"
+    with pytest.raises(ValueError, match="use_flash_attention=auto"):
+        unet_spec(16, 8, [32, 64], [False, True], use_flash_attention="auto").to_row()
+    with pytest.raises(ConfigError, match="norm_num_groups"):
+        UNetSpec.from_row({**row, "channels": "30 64 128"})
+
+
+def test_an_input_the_unet_cannot_take_is_refused():
+    from voxdiff.models import unet_spec
+
+    spec = unet_spec(16, 8, [32, 64, 128], [False, False, True])
+    spec.check_input((1, 16, 8, 12, 16))
+    with pytest.raises(ConfigError, match=r"input_shape=\[1, 16, 8, 10, 16\]: spatial size \(8, 10, 16\) is not "
+                                          r"divisible by 2\*\*\(levels-1\)=4"):
+        spec.check_input((1, 16, 8, 10, 16))
+    with pytest.raises(ConfigError, match="has 8 channels but in_channels=16"):
+        spec.check_input((1, 8, 8, 8, 8))

@@ -33,3 +33,13 @@ def test_a_budget_of_the_users_own_replaces_the_hosts(tiny_demo):
 
 def test_a_stage1_run_is_not_modelled():
     assert training_verdict(compose("train", ["experiment=vqvae_demo"])) is None
+
+
+def test_an_unknown_gpu_type_is_refused_not_skipped(tiny_demo):
+    """train.py +preflight.gpu=<unknown> (a site.env GPU_TYPE with a typo) is a config error naming the key, not a
+    verdict quietly left out."""
+    from voxdiff.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"preflight.gpu=H100-80: is not a GPU type .* H100, H200"):
+        training_verdict(compose("train", [*tiny_demo, "+preflight.gpu=H100-80"]))
+    assert training_verdict(compose("train", [*tiny_demo, "+preflight.gpu=V100"])).fits

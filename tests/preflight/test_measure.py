@@ -34,3 +34,19 @@ def test_measure_runs_the_planned_step(tiny_cfg):
     assert all(float(s["grad_norm"]) > 0 for s in stats) and step.steps_done == 2
     with_ema, _ = measured_step(tiny_cfg("trainer.precision=32-true"), "cpu")
     assert with_ema.ema is not None
+
+
+def test_a_measured_row_is_written_in_the_sweep_format(tiny_cfg):
+    """The measure mode's row holds the UNet as UNetSpec.to_row writes it (every level's head size), so the sweep
+    reads back the UNet that was measured."""
+    from voxdiff.config import model_spec
+    from voxdiff.models import UNetSpec
+    from voxdiff.preflight.measure import reference_row
+    from voxdiff.preflight.sweep import parse_row
+
+    cfg = tiny_cfg("model.num_head_channels=[8,8,16]")
+    row = reference_row(cfg, "tiny", {"fwd_gib": 0.5}, None)
+    assert row["num_head_channels"] == "8 8 16" and row["input_shape"] == "16x8x16x16" and row["fwd_gib"] == "0.500"
+    measured = model_spec(cfg, device_type="cuda")
+    assert UNetSpec.from_row(row).monai_kwargs() == measured.monai_kwargs()
+    assert parse_row(row).input_shape == (1, 16, 8, 16, 16)

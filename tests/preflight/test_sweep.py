@@ -85,6 +85,32 @@ def test_the_step_of_a_row_is_named_never_assumed() -> None:
     assert "needs the run config" in predict_row({**_GOOD, "recipe": "system"})[0]["pred_error"]
 
 
+def test_each_row_is_predicted_for_its_own_gpu(tmp_path: Path) -> None:
+    """A row measured on an A100 40GB gets its 40 GiB budget and the A100's smaller cuBLAS workspaces; rows without
+    a gpu cell take the configured GPU; an unknown GPU is that row's error."""
+    from voxdiff.preflight.gpus import GPUS, GiB
+
+    header = [*_HEADER, "gpu"]
+    tiny = ["tiny", "4x8x8x8", "4", "2", "16 32", "0 1", "1 1", "16", "8", "0", ""]
+    # a row that needs ~41 GiB: fits an 80 GB GPU, not a 40 GB one (its steady peak is ~5 fp32 copies of 7.9 G)
+    big = ["big", "8x8x16x16", "8", "4", "1024 2048", "0 0", "2 2", "64", "32", "0", ""]
+    rows = [[*tiny, "NVIDIA A100-SXM4-40GB"], [*tiny, ""], [*big, "A100-40GB"], [*big, "NVIDIA A100-SXM4-80GB"],
+            [*tiny, "NVIDIA GeForce GTX 480"]]
+    src = tmp_path / "in.csv"
+    with open(src, "w", newline="") as fh:
+        csv.writer(fh).writerows([header, *rows])
+    out = sweep(src, tmp_path / "out.csv", SEED, plot_path=None, gpu="L40S")
+    assert [r["pred_gpu"] for r in out[:4]] == ["A100-40GB", "L40S", "A100-40GB", "A100"]
+    a100_40, l40s = predict_row(dict(zip(header, rows[0])), SEED)[1], predict_row(dict(zip(header, rows[1])), SEED,
+                                                                                    gpu="H100")[1]
+    assert l40s.workspace_bytes - a100_40.workspace_bytes == 2 * (32 * 2**20 - GPUS["A100"].cublas_workspace_bytes)
+    need = predict_row(dict(zip(header, rows[2])), SEED)[1].required_bytes() / GiB
+    assert 40 < need < 79, need  # between the two budgets, so the verdicts below are the budgets' doing
+    assert (out[2]["pred_fits"], out[3]["pred_fits"]) == ("false", "true")
+    assert "gpu=NVIDIA GeForce GTX 480: is not a GPU type" in out[4]["pred_error"]
+    assert sweep(src, tmp_path / "own.csv", SEED, plot_path=None, budget_gib=100.0)[2]["pred_fits"] == "true"
+
+
 def test_a_batch_size_column_is_read_and_checked() -> None:
     one = predict_row({**_GOOD, "batch_size": ""}, SEED)[1]
     two = predict_row({**_GOOD, "batch_size": "2"}, SEED)[1]
@@ -116,7 +142,7 @@ def test_reference_parameter_counts() -> None:
         # MONAI's UNet always has an attention block in its middle block; a run reported without attention
         # anywhere may have counted the UNet without it. Accept only that exact explanation.
         mid = sum(p.numel() for p in model.middle_block.attention.parameters()) / 1e6
-        assert not any(cfg.attention_levels), row["name"]
+        assert not any(cfg.spec.attention_levels), row["name"]
         assert abs(predicted - mid - reported) <= tol, row["name"]
         explained.append(row["name"])
     assert len(explained) <= 1, explained
@@ -126,8 +152,6 @@ def test_reference_parameter_counts() -> None:
 def test_h100_reference_peaks_meet_the_bar(h100_csv: Path, tmp_path: Path) -> None:
     """Every 7th row of reference/h100_measured.csv (16 of 113, all four tables, three that died): the seed
     recipe's predicted peaks per phase against the H100's, and the fit/OOM verdict against what the runs did."""
-    from voxdiff.preflight.allocator import GPUS
-    from voxdiff.preflight.memory import GiB
     from voxdiff.preflight.sweep import compare_phases
 
     rows = list(csv.DictReader(open(h100_csv, newline="")))[::7]
@@ -136,7 +160,8 @@ def test_h100_reference_peaks_meet_the_bar(h100_csv: Path, tmp_path: Path) -> No
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    out = sweep(src, tmp_path / "pred.csv", SEED, plot_path=None, budget_gib=GPUS["H100"].total_bytes / GiB)
+    out = sweep(src, tmp_path / "pred.csv", SEED, plot_path=None)  # each row's budget: its gpu column's H100
+    assert {r["pred_gpu"] for r in out} == {"H100"}
     assert len({r["table"] for r in out}) == 4 and sum(r["oom"] == "1" for r in out) >= 2
     comps, summary, flips = compare_phases(out)
     assert not flips, flips

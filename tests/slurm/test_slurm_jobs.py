@@ -54,6 +54,7 @@ def test_exp11_job_completes_with_checkpoint(cluster, tmp_path):
     log = job_log(job)
     assert info["JobState"] == "COMPLETED", log
     assert "preflight" in log.lower()
+    assert "++preflight.gpu=H100" in log  # site.env's GPU_TYPE, passed to preflight.py and train.py
     last = exp11_run_dir(tmp_path, job) / "checkpoints" / "last.ckpt"
     assert last.is_file(), log
     assert checkpoint_step(last) == 4

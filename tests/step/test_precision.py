@@ -21,8 +21,13 @@ FIXTURE = "tests/fixtures/pre_step_tiny.ckpt"
 @pytest.fixture
 def old_gpu(monkeypatch):
     """A CUDA machine whose GPU has no bf16 (e.g. a V100), as far as torch's queries tell."""
+    from types import SimpleNamespace
+
+    v100 = SimpleNamespace(name="Tesla V100-SXM2-32GB", total_memory=32 * 2**30, major=7, minor=0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: v100)  # the preflight's local GPU
 
 
 def test_trainer_and_preflight_agree_on_a_gpu_without_bf16(tiny_cfg, old_gpu):

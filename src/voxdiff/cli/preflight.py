@@ -88,6 +88,8 @@ def details(r: PreflightResult) -> str:
 
 
 def _sweep(cfg: DictConfig) -> int:
+    from voxdiff.preflight.check import gpu_budget_gib
+    from voxdiff.preflight.gpus import resolve_gpu
     from voxdiff.preflight.sweep import sweep
     from voxdiff.step import recipe_from_config
 
@@ -101,9 +103,9 @@ def _sweep(cfg: DictConfig) -> int:
     recipe = recipe_from_config(cfg) if p.recipe is not None else None
     plot = str(p.plot) if p.plot else str(Path(str(p.out)).with_suffix(".png"))
     t0 = time.perf_counter()
-    rows = sweep(src, str(p.out), recipe, system=recipe_from_config(cfg, "system"),
-                 budget_gib=float(p.gpu_memory_gib or 80.0), safety_margin=float(p.safety_margin), plot_path=plot,
-                 gpu=str(p.gpu))
+    budget = gpu_budget_gib(cfg)[0] if p.gpu_memory_gib is not None else None  # None: each row's GPU's memory
+    rows = sweep(src, str(p.out), recipe, system=recipe_from_config(cfg, "system"), budget_gib=budget,
+                 safety_margin=float(p.safety_margin), plot_path=plot, gpu=resolve_gpu(cfg)[0])
     bad = [r for r in rows if r.get("pred_error")]
     print(f"preflight sweep: {len(rows)} rows from {src} -> {p.out} and {plot} in {time.perf_counter() - t0:.1f} s"
           + (f"; {len(bad)} invalid rows (pred_error)" if bad else ""))

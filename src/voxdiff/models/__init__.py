@@ -8,6 +8,7 @@ from voxdiff.models.checkpointing import (
 )
 from voxdiff.models.unet import (
     MODES,
+    ROW_COLUMNS,
     UNetSpec,
     build_unet,
     build_unet_from_spec,
@@ -19,6 +20,7 @@ from voxdiff.models.unet import (
 __all__ = [
     "GRANULARITIES",
     "MODES",
+    "ROW_COLUMNS",
     "UNetSpec",
     "apply_gradient_checkpointing",
     "build_unet",

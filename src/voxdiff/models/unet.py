@@ -10,7 +10,7 @@ its device, the preflight for the GPU it predicts).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -69,6 +69,37 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def unet_downsampling(levels: int) -> int:
+    """Total spatial down-sampling of a UNet of ``levels`` levels: every input size must divide by it, or the skip
+    connections do not match (:meth:`UNetSpec.check_input`, :mod:`voxdiff.preflight.rules`)."""
+    return 2 ** (levels - 1)
+
+
+def row_ints(text: Any) -> tuple[int, ...]:
+    """``"32 64 128"`` (or comma-separated) of a CSV cell → ``(32, 64, 128)``."""
+    return tuple(int(v) for v in str(text).replace(",", " ").split())
+
+
+def row_flag(text: Any, default: bool = False) -> bool:
+    """A 0/1 (true/false, yes/no) CSV cell; empty or ``none``: ``default``."""
+    s = str(text).strip().lower()
+    if s in ("", "none"):
+        return default
+    if s in ("1", "true", "yes", "t", "y"):
+        return True
+    if s in ("0", "false", "no", "f", "n"):
+        return False
+    raise ValueError(f"cannot read {text!r} as a 0/1 flag")
+
+
+ROW_COLUMNS: tuple[str, ...] = ("in_channels", "out_channels", "channels", "attention_levels", "num_res_blocks",
+                                "num_head_channels", "norm_num_groups", "grad_checkpointing", "use_flash_attention")
+"""The columns of a UNet in a CSV row (:meth:`UNetSpec.from_row`, :meth:`UNetSpec.to_row`), as in
+``reference/h100_measured.csv``; ``grad_checkpointing`` and ``use_flash_attention`` may be absent (0)."""
+
+_CHECKPOINTING_CELLS = {"none": "0", "layer": "1"}  # the reference CSVs' 0/1; "block" is written by name
+
+
 def _per_level(key: str, value: Any, levels: int, kind: type, example: str) -> list:
     value = _plain(value)
     if isinstance(value, (list, tuple)):
@@ -125,7 +156,72 @@ class UNetSpec:
     @property
     def downsampling(self) -> int:
         """Total spatial down-sampling of the UNet: every encoded size must divide by it."""
-        return 2 ** (self.levels - 1)
+        return unet_downsampling(self.levels)
+
+    def check_input(self, input_shape: Sequence[int], key: str = "input_shape") -> None:
+        """Refuse an input ``(B, C_in, D, H, W)`` that this UNet cannot take: ``C_in`` other than ``in_channels``, or
+        a spatial size that does not divide by :attr:`downsampling`.
+
+        Raises:
+            ConfigError: naming ``key``, the shape and the fix.
+        """
+        shape = tuple(input_shape)
+        if shape[1] != self.in_channels:
+            raise ConfigError(key, list(shape), f"has {shape[1]} channels but in_channels={self.in_channels}",
+                              f"give the UNet input's channels ({self.in_channels}) or in_channels={shape[1]}")
+        odd = [s for s in shape[2:] if s % self.downsampling]
+        if odd:
+            raise ConfigError(key, list(shape), f"spatial size {shape[2:]} is not divisible by 2**(levels-1)="
+                              f"{self.downsampling} (the skip connections would not match)",
+                              f"use sizes that are multiples of {self.downsampling}, or fewer levels")
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> UNetSpec:
+        """The spec of one CSV row in the format of ``reference/h100_measured.csv`` (:data:`ROW_COLUMNS`; every other
+        column is ignored): numbers per level space-separated, ``attention_levels`` as 0/1 per level,
+        ``num_head_channels`` one per level or one for all, ``grad_checkpointing`` 0/1 (``layer``) or a granularity
+        name, ``use_flash_attention`` 0/1. Validated by :func:`unet_spec`.
+
+        Raises:
+            ValueError: a cell that is not a number or a flag; ConfigError: arguments that cannot work; KeyError: a
+                required column missing.
+        """
+        heads = row_ints(row["num_head_channels"])
+        checkpointing = str(row.get("grad_checkpointing") or "0").strip().lower()
+        return unet_spec(
+            in_channels=int(row["in_channels"]),
+            out_channels=int(row["out_channels"]),
+            channels=list(row_ints(row["channels"])),
+            attention_levels=[bool(v) for v in row_ints(row["attention_levels"])],
+            num_res_blocks=list(row_ints(row["num_res_blocks"])),
+            num_head_channels=heads[0] if len(heads) == 1 else list(heads),
+            norm_num_groups=int(row["norm_num_groups"]),
+            use_flash_attention=row_flag(row.get("use_flash_attention", "")),
+            gradient_checkpointing=checkpointing if checkpointing in GRANULARITIES
+            else "layer" if row_flag(checkpointing) else "none",
+        )
+
+    def to_row(self) -> dict[str, str]:
+        """The :data:`ROW_COLUMNS` of this spec as CSV cells; :meth:`from_row` reads them back to an equal spec.
+
+        Raises:
+            ValueError: ``use_flash_attention`` still ``auto`` (resolve it with :meth:`for_device` first).
+        """
+        if not isinstance(self.use_flash_attention, bool):
+            raise ValueError("UNetSpec.to_row: use_flash_attention=auto has no row value; resolve it first "
+                             "(spec.for_device('cuda'))")
+        words = lambda values: " ".join(str(int(v)) for v in values)  # noqa: E731
+        return {
+            "in_channels": str(self.in_channels),
+            "out_channels": str(self.out_channels),
+            "channels": words(self.channels),
+            "attention_levels": words(self.attention_levels),
+            "num_res_blocks": words(self.num_res_blocks),
+            "num_head_channels": words(self.num_head_channels),
+            "norm_num_groups": str(self.norm_num_groups),
+            "grad_checkpointing": _CHECKPOINTING_CELLS.get(self.gradient_checkpointing, self.gradient_checkpointing),
+            "use_flash_attention": str(int(self.use_flash_attention)),
+        }
 
     def monai_kwargs(self) -> dict[str, Any]:
         return dict(

@@ -1,4 +1,5 @@
-"""What a trace cannot see: the CUDA caching allocator's segments, workspaces and the CUDA context.
+"""What a trace cannot see: the CUDA caching allocator's segments and the CUDA context (the cuBLAS workspaces of
+each GPU type: :mod:`voxdiff.preflight.gpus`).
 
 All sizes are bytes; GiB means 2**30 bytes.
 
@@ -22,12 +23,9 @@ allocated memory (see :func:`voxdiff.preflight.memory.predict_step_memory`).
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 
 __all__ = [
     "CUDA_CONTEXT_BYTES",
-    "GPUS",
-    "GpuSpec",
     "K_LARGE_BUFFER",
     "K_MIN_LARGE_ALLOC",
     "K_ROUND_LARGE",
@@ -51,34 +49,6 @@ CUDA_CONTEXT_BYTES = GiB // 2
 """CUDA context + kernel images, not counted by the caching allocator. PyTorch's CUDA notes ("Memory
 management") and NVIDIA's lazy-loading docs put it at roughly 300-600 MB on current drivers with
 ``CUDA_MODULE_LOADING=LAZY`` (the default since CUDA 11.7 / torch 2.0); 0.5 GiB is the middle of that range."""
-
-
-@dataclass(frozen=True)
-class GpuSpec:
-    """A GPU model as far as the memory estimate is concerned.
-
-    Attributes:
-        name: display name.
-        total_bytes: device memory the driver reports (``cudaMemGetInfo`` total).
-        cublas_workspace_bytes: cuBLAS workspace per (handle, stream). torch 2.13's ``CublasHandlePool.cpp``
-            defaults to ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (8 x 4 MiB = 32 MiB) on sm90 and to
-            ``:4096:2:16:8`` (2 x 4 MiB + 8 x 16 KiB) elsewhere; the workspace is taken from the caching
-            allocator, so ``max_memory_allocated`` counts it. A training step uses two handles: the main
-            thread's (forward, optimizer) and the autograd engine's device thread (backward).
-        bf16: whether the GPU has bf16 (sm80 and later), which decides ``trainer.precision: null``
-            (:func:`voxdiff.step.decide_precision`).
-    """
-
-    name: str
-    total_bytes: int
-    cublas_workspace_bytes: int
-    bf16: bool = True
-
-
-GPUS: dict[str, GpuSpec] = {
-    "H100": GpuSpec("H100 80GB (sm90)", 81559 * MiB, 8 * 4 * MiB),
-    "A100": GpuSpec("A100 80GB (sm80)", 81920 * MiB, 2 * 4 * MiB + 8 * 16 * 1024),
-}
 
 
 def segment_size(nbytes: int) -> int:

@@ -11,9 +11,10 @@ autograd function that allocates exactly the tensors FlashAttention-2 allocates 
 * backward: dq, dk, dv (input dtype), and two fp32 temporaries: ``softmax_d`` ``(B, H, round128(N))`` and
   ``dq_accum`` ``(B, round128(N), H, round(D, 32 if D <= 128 else 64))``.
 
-Outside those conditions (head_dim > 256, fp32 inputs, an attention mask) the GPU picks another kernel; the
-emulator then leaves the call alone so that the math path is traced, which over-estimates when the
-memory-efficient kernel would run (it, too, keeps no O(N^2) tensor). The report names which path was taken.
+Outside those conditions (a GPU below sm80 such as a V100, head_dim > 256, fp32 inputs, an attention mask) the
+GPU picks another kernel; the emulator then leaves the call alone so that the math path is traced, which
+over-estimates when the memory-efficient kernel would run (it, too, keeps no O(N^2) tensor). The report names
+which path was taken.
 """
 
 from __future__ import annotations
@@ -28,21 +29,25 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["FlashAttentionEmulator", "flash_attention_applies"]
 
 _FLASH_MAX_HEAD_DIM = 256  # FlashAttention-2 supports head dims up to 256 (sdp_utils: check_head_dim_size_flash)
+_FLASH_MIN_CAPABILITY = (8, 0)  # sdp_utils: check_flash_attention_hardware_support (sm80 and later)
 
 
 def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def flash_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any) -> bool:
-    """Whether SDPA would dispatch to FlashAttention-2 on an sm80+ GPU for these inputs.
+def flash_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any,
+                            capability: tuple[int, int] = (9, 0)) -> bool:
+    """Whether SDPA would dispatch to FlashAttention-2 for these inputs on a GPU of compute ``capability``.
 
     Args:
         q: query ``(B, H, N, D)``; k, v: keys and values of matching head dim.
         attn_mask: the ``attn_mask`` argument (flash accepts none).
+        capability: the GPU's ``(major, minor)``; FlashAttention-2 needs sm80 or later (torch's ``sdp_utils``).
     """
     return (
-        attn_mask is None
+        tuple(capability) >= _FLASH_MIN_CAPABILITY
+        and attn_mask is None
         and q.dtype in (torch.float16, torch.bfloat16)
         and q.dtype == k.dtype == v.dtype
         and q.dim() == 4
@@ -85,11 +90,12 @@ class FlashAttentionEmulator(TorchFunctionMode):
 
     Enter it *before* (outside) :class:`~voxdiff.preflight.autocast.CudaAutocastEmulator` so that it sees the
     autocast-cast q, k, v. Counts the calls it replaced (``flash_calls``) and those it left to the math path
-    (``math_calls``).
+    (``math_calls``): all of them on a GPU below sm80 (``capability``), where SDPA takes another kernel.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, capability: tuple[int, int] = (9, 0)) -> None:
         super().__init__()
+        self.capability = tuple(capability)
         self.flash_calls = 0
         self.math_calls = 0
 
@@ -107,7 +113,7 @@ class FlashAttentionEmulator(TorchFunctionMode):
         bound = dict(zip(names, args))
         bound.update({k: v for k, v in kwargs.items() if k in names})
         q, k, v = bound["query"], bound["key"], bound["value"]
-        if flash_attention_applies(q, k, v, bound.get("attn_mask")):
+        if flash_attention_applies(q, k, v, bound.get("attn_mask"), self.capability):
             self.flash_calls += 1
             return _FlashAttentionMemory.apply(q, k, v)
         self.math_calls += 1

@@ -29,13 +29,12 @@ from voxdiff.config import Shapes, batch_size, build_encoding, build_model, mode
 from voxdiff.encodings.base import Encoding
 from voxdiff.errors import ConfigError
 from voxdiff.models.unet import UNetSpec
-from voxdiff.preflight.allocator import GPUS, GpuSpec
 from voxdiff.preflight.distributed import DataMemory, Parallel, data_memory, parallel_of
+from voxdiff.preflight.gpus import DEFAULT_GPU, GPUS, GpuSpec, resolve_gpu
 from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
 from voxdiff.preflight.rules import static_problems
 from voxdiff.step import Recipe, batch_shapes, decide_precision, recipe_from_config
 
-DEFAULT_BUDGET_GIB = 80.0
 PREDICTED_DEVICE = "cuda"
 """The device the preflight predicts a run on: a GPU. It resolves the model's ``auto`` switches for it (SDPA
 attention on: :meth:`voxdiff.models.UNetSpec.for_device`) and picks the optimizer torch runs there (fused AdamW)."""
@@ -46,32 +45,25 @@ def _get(cfg: DictConfig, key: str, default: Any = None) -> Any:
     return plain(value)
 
 
-def gpu_budget_gib(cfg: DictConfig) -> tuple[float, str]:
-    """The memory budget per GPU and where it comes from: ``preflight.gpu_memory_gib``, else the local CUDA GPU's
-    size when one is present, else 80 GiB."""
+def gpu_budget_gib(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None) -> tuple[float, str]:
+    """The memory budget per GPU and where it comes from: ``preflight.gpu_memory_gib``, else the memory of the GPU
+    of :func:`~voxdiff.preflight.gpus.resolve_gpu` (``gpu``, when already resolved)."""
     configured = _get(cfg, "preflight.gpu_memory_gib")
     if configured is not None:
         if isinstance(configured, bool) or not isinstance(configured, (int, float)) or configured <= 0:
             raise ConfigError("preflight.gpu_memory_gib", configured, "must be a positive number of GiB",
                               "e.g. preflight.gpu_memory_gib=80")
         return float(configured), "preflight.gpu_memory_gib"
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        return props.total_memory / GiB, f"local GPU ({props.name})"
-    return DEFAULT_BUDGET_GIB, "default"
+    spec, source = gpu or resolve_gpu(cfg)
+    return spec.total_gib, f"{'default GPU' if source == 'default' else source} {spec.name}"
 
 
-def gpu_spec(name: str) -> GpuSpec:
-    """``preflight.gpu`` as a :class:`~voxdiff.preflight.allocator.GpuSpec`."""
-    if name not in GPUS:
-        raise ConfigError("preflight.gpu", name, "is not a GPU the preflight knows", f"use one of {', '.join(GPUS)}")
-    return GPUS[name]
-
-
-def gpu_precision(cfg: DictConfig, gpu: GpuSpec | None = None) -> str:
+def gpu_precision(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None) -> str:
     """The precision a GPU run of ``cfg`` uses: :func:`voxdiff.step.decide_precision` of ``trainer.precision`` on
-    ``cuda`` — for the local GPU when there is one (as the Trainer decides on it), else for ``gpu``."""
-    bf16 = None if torch.cuda.is_available() or gpu is None else gpu.bf16
+    ``cuda`` for the GPU of :func:`~voxdiff.preflight.gpus.resolve_gpu` (``gpu``, when already resolved): the
+    local GPU is asked as the Trainer asks it, a named or default one answers from its compute capability."""
+    spec, source = gpu or resolve_gpu(cfg)
+    bf16 = None if source == "local GPU" else spec.bf16
     return decide_precision(_get(cfg, "trainer.precision"), "cuda", bf16).name
 
 
@@ -139,8 +131,9 @@ class PreflightResult:
     world_size: int = 1
     per_gpu_peak_gib: float = 0.0  # predicted max_memory_allocated of one GPU (one rank of DDP/FSDP)
     need_gib: float = 0.0  # per_gpu_peak * (1 + margin) + CUDA context
-    budget_gib: float = DEFAULT_BUDGET_GIB
+    budget_gib: float = GPUS[DEFAULT_GPU].total_gib
     budget_source: str = "default"
+    gpu: GpuSpec | None = None  # the GPU predicted for (voxdiff.preflight.gpus.resolve_gpu)
     parallel: Parallel | None = None  # the strategy the trace is of (one rank of it)
     data: DataMemory | None = None  # host memory of the data module per rank (data.cache=memory, latents)
     fits: bool = False
@@ -153,19 +146,22 @@ class PreflightResult:
         return not self.problems and (self.fits or not self.modelled)
 
 
-def predict_memory(cfg: DictConfig, gpu: str = "H100") -> MemoryReport:
+def predict_memory(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None) -> MemoryReport:
     """Trace two training steps of ``cfg`` on the meta device, as one GPU of its strategy runs them (one rank of a
-    DDP or FSDP run: :mod:`voxdiff.preflight.distributed`); see the module docstring for what is traced.
+    DDP or FSDP run: :mod:`voxdiff.preflight.distributed`), for the GPU of
+    :func:`~voxdiff.preflight.gpus.resolve_gpu` (``gpu``, when already resolved); see the module docstring for what
+    is traced.
 
     Raises:
-        ConfigError: see :func:`step_plan` and :func:`gpu_precision`.
+        ConfigError: see :func:`step_plan`, :func:`gpu_precision` and :func:`~voxdiff.preflight.gpus.resolve_gpu`.
     """
+    gpu = gpu or resolve_gpu(cfg)
     plan = step_plan(cfg)
     return predict_step_memory(
         lambda: build_model(cfg, plan.encoding, preserve_rng_state=False, device_type=PREDICTED_DEVICE),
         plan.input_shape, plan.recipe,
-        batch=plan.batch, encoding=plan.encoding, mode=plan.mode, precision=gpu_precision(cfg, gpu_spec(gpu)),
-        attention="flash" if plan.spec.use_flash_attention else "materialised", gpu=gpu,
+        batch=plan.batch, encoding=plan.encoding, mode=plan.mode, precision=gpu_precision(cfg, gpu),
+        attention="flash" if plan.spec.use_flash_attention else "materialised", gpu=gpu[0],
         parallel=_parallel(cfg),
     )
 
@@ -233,12 +229,13 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     """Static checks, then the predicted per-GPU peak, the verdict against the budget, and fixes if it does not fit."""
     result = PreflightResult(name=name or str(_get(cfg, "task_name", "")), problems=static_problems(cfg))
     try:
-        result.budget_gib, result.budget_source = gpu_budget_gib(cfg)
+        gpu = resolve_gpu(cfg)
+        result.gpu = gpu[0]
+        result.budget_gib, result.budget_source = gpu_budget_gib(cfg, gpu)
         margin = float(_get(cfg, "preflight.safety_margin", margin))
-        gpu = str(_get(cfg, "preflight.gpu", "H100"))
         if not result.problems:  # the step's own settings, once the UNet and the shapes are known to work
             plan = step_plan(cfg)
-            gpu_precision(cfg, gpu_spec(gpu))
+            gpu_precision(cfg, gpu)
     except ConfigError as err:
         result.problems.append(err)
     if result.problems:

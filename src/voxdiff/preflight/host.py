@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from voxdiff.config import is_diffusion
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.check import PreflightResult, gpu_precision, run_preflight
+from voxdiff.preflight.gpus import resolve_gpu
 from voxdiff.preflight.memory import GiB
 
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
@@ -51,7 +52,11 @@ def _local_processes(cfg: DictConfig) -> int:
 
 def training_verdict(cfg: DictConfig) -> PreflightResult | None:
     """The preflight's verdict for this run on this machine; None when the step is not modelled (a VQ-VAE stage
-    1, or a precision the preflight does not model)."""
+    1, or a precision the preflight does not model).
+
+    Raises:
+        ConfigError: an unknown ``preflight.gpu`` (:func:`~voxdiff.preflight.gpus.resolve_gpu`).
+    """
     from voxdiff.lightning.trainer import resolve_precision
     from voxdiff.models.unet import resolve_switch
     from voxdiff.step import accelerator_device
@@ -60,10 +65,11 @@ def training_verdict(cfg: DictConfig) -> PreflightResult | None:
         return None
     accelerator = OmegaConf.select(cfg, "trainer.accelerator", default="auto")
     checked = copy.deepcopy(cfg)
+    gpu = resolve_gpu(checked)  # an unknown preflight.gpu is the user's to fix, not a reason to skip the verdict
     try:  # the precision this machine runs (voxdiff.step.decide_precision), then as the preflight predicts it
         OmegaConf.update(checked, "trainer.precision", resolve_precision(OmegaConf.select(cfg, "trainer.precision"),
                                                                           accelerator), force_add=True)
-        gpu_precision(checked)
+        gpu_precision(checked, gpu)
     except ConfigError:
         return None
     on_host = accelerator_device(accelerator) == "cpu" and OmegaConf.select(cfg, "preflight.gpu_memory_gib") is None

@@ -47,10 +47,12 @@ def measured_step(cfg: DictConfig, device_type: str = "cuda") -> tuple[Any, dict
     """
     from voxdiff.config import build_model
     from voxdiff.preflight.check import gpu_precision, step_plan
+    from voxdiff.preflight.gpus import local_gpu
     from voxdiff.step import TrainStep, decide_precision
 
     plan = step_plan(cfg)
-    requested = gpu_precision(cfg) if device_type == "cuda" else cfg.trainer.get("precision")
+    requested = (gpu_precision(cfg, (local_gpu(), "local GPU")) if device_type == "cuda"
+                 else cfg.trainer.get("precision"))
     with torch.device(device_type):
         model = build_model(cfg, plan.encoding, device_type=device_type)
         step = TrainStep(model, plan.recipe, encoding=plan.encoding.to(device_type), mode=plan.mode,
@@ -93,13 +95,7 @@ def reference_row(cfg: DictConfig, name: str, measured: dict[str, Any], report: 
     s = shapes(cfg)
     row: dict[str, Any] = {
         "table": "voxdiff-measure", "name": name, "input_shape": "x".join(map(str, s.unet_input)),
-        "in_channels": spec.in_channels, "out_channels": spec.out_channels,
-        "channels": " ".join(map(str, spec.channels)),
-        "attention_levels": " ".join(str(int(a)) for a in spec.attention_levels),
-        "num_res_blocks": " ".join(map(str, spec.num_res_blocks)),
-        "num_head_channels": spec.num_head_channels[0], "norm_num_groups": spec.norm_num_groups,
-        "grad_checkpointing": int(spec.gradient_checkpointing != "none"),
-        "use_flash_attention": int(spec.use_flash_attention),
+        **spec.to_row(),  # the UNet's columns, read back by UNetSpec.from_row (the sweep)
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "",
     }
     row.update({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in measured.items()})

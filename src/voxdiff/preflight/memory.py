@@ -35,7 +35,8 @@ from torch.distributed.tensor import DTensor
 
 from voxdiff.diffusion import DiffusionProcess
 from voxdiff.encodings.base import Encoding
-from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES, GPUS, GpuSpec, simulate_reserved
+from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES, simulate_reserved
+from voxdiff.preflight.gpus import DEFAULT_GPU, GpuSpec, gpu_type
 from voxdiff.preflight.attention import FlashAttentionEmulator
 from voxdiff.preflight.autocast import CudaAutocastEmulator
 from voxdiff.preflight.distributed import Parallel, fake_world, wrap_for_rank
@@ -287,7 +288,7 @@ def predict_step_memory(
     process: DiffusionProcess | None = None,
     precision: str = "bf16-mixed",
     attention: AttentionMode = "materialised",
-    gpu: str | GpuSpec = "H100",
+    gpu: str | GpuSpec = DEFAULT_GPU,
     parallel: Parallel | None = None,
 ) -> MemoryReport:
     """Predict ``torch.cuda.max_memory_allocated()`` of a training step without a GPU (on one rank of a DDP or
@@ -309,7 +310,8 @@ def predict_step_memory(
         attention: how ``F.scaled_dot_product_attention`` behaves on the GPU: ``"flash"`` (FlashAttention-2
             where it applies) or ``"materialised"`` (the math path). A model that computes attention itself
             (MONAI with ``use_flash_attention=False``) materialises the scores either way.
-        gpu: ``"H100"``, ``"A100"`` or a :class:`~voxdiff.preflight.allocator.GpuSpec` (workspace sizes).
+        gpu: a :class:`~voxdiff.preflight.gpus.GpuSpec` or the name of one (:func:`~voxdiff.preflight.gpus.gpu_type`):
+            its cuBLAS workspaces, and whether SDPA may take FlashAttention-2 there (sm80+).
         parallel: the strategy and world size (:mod:`voxdiff.preflight.distributed`): the step is traced as rank 0
             of a DDP or FSDP run holds it; default one GPU.
 
@@ -324,7 +326,7 @@ def predict_step_memory(
     shape = tuple(int(s) for s in input_shape)
     if len(shape) < 3 or any(s <= 0 for s in shape):
         raise ValueError(f"input_shape={tuple(input_shape)} must be (B, C_in, *spatial) with positive sizes")
-    gpu_spec = GPUS[gpu] if isinstance(gpu, str) else gpu
+    gpu_spec = gpu_type(gpu) if isinstance(gpu, str) else gpu
     t0 = time.perf_counter()
     notes: list[str] = []
 
@@ -353,7 +355,8 @@ def predict_step_memory(
         impl = step.optimizer_impl
         step.configure_optimizer(optimizer=_FusedAdamWOnMeta(trainable, recipe.optim) if impl == "fused" else None)
 
-        trace = trace_training_step(step, batch, attention=attention, device_type="meta", steps=2)
+        trace = trace_training_step(step, batch, attention=attention, device_type="meta", steps=2,
+                                    capability=gpu_spec.capability)
     peaks = trace.steps
     attention_path = _describe_attention(attention, trace.flash, trace.autocast, notes)
 
@@ -383,7 +386,7 @@ def predict_step_memory(
         estimated_reserved=reserved,
         cuda_context_bytes=CUDA_CONTEXT_BYTES,
         estimated_total_gpu=reserved + CUDA_CONTEXT_BYTES,
-        gpu=gpu_spec.name,
+        gpu=gpu_spec.describe(),
         trace_seconds=time.perf_counter() - t0,
         notes=tuple(notes),
         parallel=parallel.describe(),
@@ -425,6 +428,7 @@ def trace_training_step(
     granularity: int | None = None,
     steps: int = 2,
     cuda_kernels: bool | None = None,
+    capability: tuple[int, int] = (9, 0),
 ) -> TraceResult:
     """Run ``steps`` calls of :meth:`TrainStep.run` and record live bytes on ``device_type``, per phase.
 
@@ -443,6 +447,7 @@ def trace_training_step(
         steps: how many steps to trace.
         cuda_kernels: add the CUDA kernel temporaries (default: on meta only; False traces meta tensors as the
             CPU allocates, to compare with a CPU run).
+        capability: the compute capability of the GPU traced for (FlashAttention-2 needs sm80+).
 
     Returns:
         A :class:`TraceResult`.
@@ -457,7 +462,7 @@ def trace_training_step(
         kernel_temporaries=None if (on_meta if cuda_kernels is None else cuda_kernels) else {},
     )
     autocast = step.precision.autocast
-    flash = FlashAttentionEmulator() if attention == "flash" else None
+    flash = FlashAttentionEmulator(capability) if attention == "flash" else None
     probe = _PhasePeaks(tracker)
     with tracker:
         tracker.track_all(step.tensors())
@@ -520,7 +525,8 @@ def _describe_attention(
         parts.append(f"SDPA math path, O(N^2) ({math_calls} calls)")
         if flash is not None:
             notes.append(
-                "some SDPA calls are outside FlashAttention-2's conditions (fp16/bf16, head_dim <= 256, no mask) and "
+                "some SDPA calls are outside FlashAttention-2's conditions (an sm80+ GPU, fp16/bf16, head_dim <= 256, no "
+                "mask) and "
                 "were traced on the math path; on the GPU the memory-efficient kernel may take them (an upper estimate)"
             )
     if softmax:

@@ -21,6 +21,7 @@ from voxdiff.encodings import Encoding
 from voxdiff.encodings.base import AXES
 from voxdiff.errors import ConfigError
 from voxdiff.models import unet_io_channels
+from voxdiff.models.unet import unet_downsampling
 
 
 def _levels(cfg: DictConfig) -> int:
@@ -37,12 +38,12 @@ def check_unet_divisibility(cfg: DictConfig, encoding: Encoding) -> None:
     if levels < 2:
         return  # reported by check_model_arguments
     vol = volume_shape(cfg)
-    need = 2 ** (levels - 1)
+    need = unet_downsampling(levels)
     encoded = [s // encoding.factor for s in vol]
     for axis, size in zip(AXES, encoded):
         if size % need:
             # the deepest UNet every axis allows, and the volume padded so that this depth works
-            fits = [lv for lv in range(2, levels) if all(e % 2 ** (lv - 1) == 0 for e in encoded)]
+            fits = [lv for lv in range(2, levels) if all(e % unet_downsampling(lv) == 0 for e in encoded)]
             step = encoding.factor * need
             padded = [math.ceil(s / step) * step for s in vol]
             cropped = [s // step * step for s in vol]

@@ -3,8 +3,11 @@
 The CSV format is that of ``reference/measured_vram.csv``: one row per configuration with the columns
 ``input_shape`` (``C x D x H x W``, e.g. ``16x80x64x64``), ``in_channels``, ``out_channels``, ``channels``
 (space-separated), ``attention_levels`` (0/1 per level, space-separated), ``num_res_blocks`` (space-separated),
-``num_head_channels``, ``norm_num_groups``, ``grad_checkpointing`` and, optionally, ``use_flash_attention``,
-``batch_size`` and ``recipe``. Every other column is carried through unchanged. :func:`sweep` appends the
+``num_head_channels``, ``norm_num_groups``, ``grad_checkpointing`` (the UNet's columns are read by
+:meth:`voxdiff.models.UNetSpec.from_row`) and, optionally, ``use_flash_attention``, ``batch_size``, ``recipe`` and
+``gpu`` (the GPU the row was measured on, as torch names it: its budget, cuBLAS workspaces and compute capability
+are the row's; rows without one are predicted for the configured GPU). Every other column is carried through
+unchanged. :func:`sweep` appends the
 ``pred_*`` columns of :data:`PRED_COLUMNS` (GiB = 2**30 bytes) and draws parameters vs predicted peak.
 
 The training step traced for a row is named, never assumed: by the row's ``recipe`` column (``seed``: the step
@@ -27,6 +30,8 @@ from typing import Any
 from torch import nn
 
 from voxdiff.errors import ConfigError
+from voxdiff.models.unet import UNetSpec, row_flag
+from voxdiff.preflight.gpus import DEFAULT_GPU, GpuSpec, gpu_type
 from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
 from voxdiff.step import RECIPES, SEED, Recipe
 
@@ -41,6 +46,7 @@ __all__ = [
     "plot_sweep",
     "predict_row",
     "read_sweep_csv",
+    "row_gpu",
     "row_recipe",
     "sweep",
 ]
@@ -58,11 +64,13 @@ PRED_COLUMNS: tuple[str, ...] = (
     "pred_reserved_gib",
     "pred_fits",
     "pred_recipe",
+    "pred_gpu",
     "pred_error",
 )
 """Columns :func:`sweep` appends: parameters (millions); step-1 forward, backward and ``optimizer.step()`` peaks
 and the peak over step 1; the same for a steady-state step; predicted reserved memory; the verdict against the
-budget; the training-step recipe traced; why the row could not be predicted (empty when it could)."""
+budget; the training-step recipe traced; the GPU predicted for (the row's ``gpu`` column, else the configured one);
+why the row could not be predicted (empty when it could)."""
 
 #: the columns every sweep row needs (parse_row); every other column is carried through
 REQUIRED_COLUMNS: tuple[str, ...] = ("input_shape", "in_channels", "out_channels", "channels", "attention_levels",
@@ -85,105 +93,54 @@ column). Steady state: steps 2 and 3, as ``steady_gib`` is their peak."""
 
 @dataclass(frozen=True)
 class UNetRow:
-    """One configuration of MONAI's ``DiffusionModelUNet(spatial_dims=3)`` plus its input.
+    """One sweep row: a MONAI ``DiffusionModelUNet(spatial_dims=3)`` and its input.
 
     Attributes:
+        spec: the UNet (:meth:`voxdiff.models.UNetSpec.from_row`; ``grad_checkpointing=1`` is checkpointing per
+            resnet/attention block, ``model.gradient_checkpointing=layer``).
         input_shape: ``(B, C_in, D, H, W)``.
-        in_channels, out_channels: UNet input and output channels.
-        channels: channels per level, finest first.
-        attention_levels: self-attention per level.
-        num_res_blocks: residual blocks per level.
-        num_head_channels: channels per attention head.
-        norm_num_groups: GroupNorm groups.
-        use_flash_attention: MONAI's flag: call SDPA (flash on the GPU) instead of materialising scores.
-        grad_checkpointing: checkpoint every resnet/attention block (``model.gradient_checkpointing=layer``).
     """
 
+    spec: UNetSpec
     input_shape: tuple[int, ...]
-    in_channels: int
-    out_channels: int
-    channels: tuple[int, ...]
-    attention_levels: tuple[bool, ...]
-    num_res_blocks: tuple[int, ...]
-    num_head_channels: int
-    norm_num_groups: int
-    use_flash_attention: bool = False
-    grad_checkpointing: bool = False
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the field and values when MONAI would fail (or fail late): the UNet's own
-        rules (:func:`voxdiff.models.unet_spec`), then the input's channels and its divisibility by the levels."""
-        from voxdiff.models import unet_spec
-
-        unet_spec(self.in_channels, self.out_channels, list(self.channels), list(self.attention_levels),
-                  list(self.num_res_blocks), self.num_head_channels, self.norm_num_groups, self.use_flash_attention)
-        n = len(self.channels)
-        if self.input_shape[1] != self.in_channels:
-            raise ValueError(f"input_shape has {self.input_shape[1]} channels but in_channels={self.in_channels}")
-        factor = 2 ** (n - 1)
-        odd = [s for s in self.input_shape[2:] if s % factor]
-        if odd:
-            raise ValueError(
-                f"spatial size {self.input_shape[2:]} is not divisible by 2**(levels-1)={factor} "
-                f"(the skip connections would not match)"
-            )
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in str(text).replace(",", " ").split())
-
-
-def _flag(text: Any, default: bool = False) -> bool:
-    s = str(text).strip().lower()
-    if s in ("", "none"):
-        return default
-    if s in ("1", "true", "yes", "t", "y"):
-        return True
-    if s in ("0", "false", "no", "f", "n"):
-        return False
-    raise ValueError(f"cannot read {text!r} as a 0/1 flag")
 
 
 def parse_row(row: Mapping[str, Any]) -> UNetRow:
-    """Read one CSV row into a :class:`UNetRow` (raises ``ValueError``/``KeyError`` on malformed rows)."""
+    """Read and check one CSV row: the UNet's own rules (:meth:`UNetSpec.from_row`), then its input
+    (:meth:`UNetSpec.check_input`). Raises ``ValueError`` (a :class:`ConfigError` is one) or ``KeyError``."""
     cdhw = tuple(int(v) for v in str(row["input_shape"]).lower().split("x"))
     if len(cdhw) != 4:
         raise ValueError(f"input_shape={row['input_shape']!r} must be CxDxHxW")
     batch = int(row.get("batch_size") or 1)  # an absent or empty column: batch 1, as the reference measured
     if batch < 1:
         raise ValueError(f"batch_size={row.get('batch_size')!r} must be 1 or more")
-    return UNetRow(
-        input_shape=(batch, *cdhw),
-        in_channels=int(row["in_channels"]),
-        out_channels=int(row["out_channels"]),
-        channels=_ints(row["channels"]),
-        attention_levels=tuple(bool(v) for v in _ints(row["attention_levels"])),
-        num_res_blocks=_ints(row["num_res_blocks"]),
-        num_head_channels=int(row["num_head_channels"]),
-        norm_num_groups=int(row["norm_num_groups"]),
-        use_flash_attention=_flag(row.get("use_flash_attention", "")),
-        grad_checkpointing=_flag(row.get("grad_checkpointing", "")),
-    )
+    spec = UNetSpec.from_row(row)
+    spec.check_input((batch, *cdhw))
+    return UNetRow(spec, (batch, *cdhw))
 
 
 def build_monai_unet(cfg: UNetRow) -> nn.Module:
     """MONAI ``DiffusionModelUNet(spatial_dims=3, ...)`` for a row, through voxdiff's model factory and its
-    gradient-checkpointing policy (per resnet/attention block for rows with ``grad_checkpointing=1``;
-    ``preserve_rng_state=False`` keeps the trace off the CUDA RNG — these blocks draw no random numbers)."""
-    from voxdiff.models import build_unet
+    gradient-checkpointing policy (``preserve_rng_state=False`` keeps the trace off the CUDA RNG — these blocks
+    draw no random numbers)."""
+    from voxdiff.models import build_unet_from_spec
 
-    return build_unet(
-        in_channels=cfg.in_channels,
-        out_channels=cfg.out_channels,
-        channels=list(cfg.channels),
-        attention_levels=list(cfg.attention_levels),
-        num_res_blocks=list(cfg.num_res_blocks),
-        num_head_channels=cfg.num_head_channels,
-        norm_num_groups=cfg.norm_num_groups,
-        use_flash_attention=cfg.use_flash_attention,
-        gradient_checkpointing="layer" if cfg.grad_checkpointing else "none",
-        preserve_rng_state=False,
-    )
+    return build_unet_from_spec(cfg.spec, preserve_rng_state=False)
+
+
+def row_gpu(row: Mapping[str, Any], gpu: GpuSpec | str | None = None) -> GpuSpec:
+    """The GPU of a row: its ``gpu`` column (a type of :data:`~voxdiff.preflight.gpus.GPUS` or the name torch reports
+    for one, as the reference CSVs record it) when set, else ``gpu``, else the default GPU.
+
+    Raises:
+        ConfigError: a GPU the table does not know.
+    """
+    named = str(row.get("gpu") or "").strip()
+    if named:
+        return gpu_type(named, key="gpu")
+    if isinstance(gpu, GpuSpec):
+        return gpu
+    return gpu_type(gpu or DEFAULT_GPU)
 
 
 MODEL_FACTORY: Callable[[UNetRow], nn.Module] = build_monai_unet
@@ -222,7 +179,8 @@ def predict_row(
     *,
     system: Recipe | None = None,
     build_model: Callable[[UNetRow], nn.Module] | None = None,
-    budget_gib: float = 80.0,
+    budget_gib: float | None = None,
+    gpu: GpuSpec | str | None = None,
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
     **predict_kwargs: Any,
 ) -> tuple[dict[str, str], MemoryReport | None]:
@@ -232,7 +190,8 @@ def predict_row(
         row: the CSV row.
         recipe, system: the training step traced (see :func:`row_recipe`).
         build_model: overrides :data:`MODEL_FACTORY`.
-        budget_gib: device memory budget in GiB.
+        budget_gib: device memory budget in GiB; None: the memory of the row's GPU.
+        gpu: the GPU of a row without a ``gpu`` column (:func:`row_gpu`): its budget, workspaces and capability.
         safety_margin: see :meth:`MemoryReport.fits`.
         **predict_kwargs: forwarded to :func:`~voxdiff.preflight.memory.predict_step_memory`.
 
@@ -242,14 +201,15 @@ def predict_row(
     out = dict.fromkeys(PRED_COLUMNS, "")
     try:
         cfg = parse_row(row)
-        cfg.validate()
+        row_spec = row_gpu(row, gpu)
         factory = build_model or MODEL_FACTORY
 
         def build() -> nn.Module:
             return factory(cfg)
 
         step = row_recipe(row, recipe, system)
-        kwargs = {"attention": "flash" if cfg.use_flash_attention else "materialised", **predict_kwargs}
+        kwargs = {"attention": "flash" if cfg.spec.use_flash_attention else "materialised", "gpu": row_spec,
+                  **predict_kwargs}
         report = predict_step_memory(build, cfg.input_shape, step, **kwargs)
     except Exception as exc:  # one bad row must not stop the sweep
         out["pred_error"] = f"{type(exc).__name__}: {exc}".replace("\n", " ")
@@ -265,7 +225,9 @@ def predict_row(
         pred_steady_opt_gib=f"{report.steady_step.optimizer / GiB:.3f}",
         pred_steady_gib=f"{report.steady_step.peak / GiB:.3f}",
         pred_reserved_gib=f"{report.estimated_reserved / GiB:.3f}",
-        pred_fits=str(report.fits(int(budget_gib * GiB), safety_margin)).lower(),
+        pred_fits=str(report.fits(int((row_spec.total_gib if budget_gib is None else budget_gib) * GiB),
+                                  safety_margin)).lower(),
+        pred_gpu=row_spec.name,
         pred_recipe=report.recipe,
     )
     return out, report
@@ -278,7 +240,8 @@ def sweep(
     *,
     system: Recipe | None = None,
     build_model: Callable[[UNetRow], nn.Module] | None = None,
-    budget_gib: float = 80.0,
+    budget_gib: float | None = None,
+    gpu: GpuSpec | str | None = None,
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
     plot_path: str | Path | None = "",
     **predict_kwargs: Any,
@@ -290,12 +253,13 @@ def sweep(
         out_csv: where to write.
         recipe, system: the training step traced for each row (see :func:`row_recipe`).
         build_model: row -> module, overrides :data:`MODEL_FACTORY`.
-        budget_gib: device memory budget in GiB (an 80 GB A100/H100 by default).
+        budget_gib: device memory budget in GiB; None: each row's GPU's memory (:func:`row_gpu`).
+        gpu: the GPU of rows without a ``gpu`` column (default :data:`~voxdiff.preflight.gpus.DEFAULT_GPU`).
         safety_margin: fraction added to the predicted peak before comparing with the budget.
         plot_path: PNG of parameters vs predicted peak; ``""`` puts it next to ``out_csv`` with suffix
             ``.png``, ``None`` skips the plot.
-        **predict_kwargs: forwarded to :func:`~voxdiff.preflight.memory.predict_step_memory` (precision, gpu,
-            ...); bf16 AMP by default; the batch is the row's ``batch_size`` (1 when absent).
+        **predict_kwargs: forwarded to :func:`~voxdiff.preflight.memory.predict_step_memory` (precision, ...);
+            bf16 AMP by default; the batch is the row's ``batch_size`` (1 when absent).
 
     Returns:
         The output rows.
@@ -311,7 +275,7 @@ def sweep(
                           "preflight.recipe=system (train.py's step for this config)")
     out_rows = []
     for row in rows:
-        pred, _ = predict_row(row, recipe, system=system, build_model=build_model, budget_gib=budget_gib,
+        pred, _ = predict_row(row, recipe, system=system, build_model=build_model, budget_gib=budget_gib, gpu=gpu,
                               safety_margin=safety_margin, **predict_kwargs)
         out_rows.append({**row, **pred})
     out_fields = fields + [c for c in PRED_COLUMNS if c not in fields]
@@ -326,7 +290,8 @@ def sweep(
                           f"{first.get('name') or 'unnamed'}: {first['pred_error']}; every row's error is in "
                           f"{out_csv}, column pred_error)", "fix the rows as the errors say")
     if plot_path is not None:
-        plot_sweep(out_rows, plot_path or Path(out_csv).with_suffix(".png"), budget_gib=budget_gib)
+        plot_sweep(out_rows, plot_path or Path(out_csv).with_suffix(".png"),
+                   budget_gib=row_gpu({}, gpu).total_gib if budget_gib is None else budget_gib)
     return out_rows
 
 
@@ -361,7 +326,7 @@ def _float(text: Any) -> float | None:
         return None
 
 
-def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, budget_gib: float = 80.0) -> Path:
+def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, budget_gib: float | None = None) -> Path:
     """Scatter parameters (M) against the predicted peak (GiB), measured ``total_gib`` where present.
 
     The predicted peak of a row is the larger of ``pred_step1_gib`` and ``pred_steady_gib``; the measured one the
@@ -390,7 +355,8 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, budget_gib: 
     ax.scatter(px, py, marker="o", facecolors="none", edgecolors="C0", label="predicted peak (max of step 1, steady)")
     if mx:
         ax.scatter(mx, my, marker="x", color="C1", label="measured peak")
-    ax.axhline(budget_gib, color="C3", linestyle="--", label=f"budget {budget_gib:g} GiB")
+    if budget_gib is not None:
+        ax.axhline(budget_gib, color="C3", linestyle="--", label=f"budget {budget_gib:g} GiB")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("parameters (M)")
@@ -455,7 +421,7 @@ def compare_phases(
             if values and predicted is not None:
                 comps.append(PhaseComparison(str(r.get("name", "")), str(r.get("table", "")), phase, max(values),
                                              predicted))
-        ran, fits = not _flag(r.get("oom", "")), str(r.get("pred_fits")).lower() == "true"
+        ran, fits = not row_flag(r.get("oom", "")), str(r.get("pred_fits")).lower() == "true"
         if ran != fits:
             flips.append((str(r.get("name", "")), ran, fits))
     summary = {}
