@@ -19,16 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def read_site(path: Path) -> dict[str, str]:
-    values = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, sep, value = line.partition("=")
-        if not sep:
-            raise SystemExit(f"{path}:{number}: expected KEY=VALUE, got {line!r}")
-        values[key.strip()] = value.strip()
-    return values
+    """``slurm/site.env`` as ``{KEY: VALUE}`` (:func:`voxdiff.slurm.read_site_env`); a malformed line ends the script."""
+    sys.path.insert(0, str(ROOT / "src"))  # voxdiff.slurm needs neither torch nor an installed voxdiff
+    from voxdiff.slurm import read_site_env
+
+    try:
+        return read_site_env(path)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
 
 
 def jobs() -> dict[str, dict[str, str]]:

@@ -18,9 +18,6 @@ from voxdiff.preflight.resources import (
     checkpoint_nbytes,
     free_bytes,
     kept_checkpoints,
-    parse_slurm_memory,
-    parse_slurm_time,
-    slurm_job_memory,
     step_cost,
     worker_bytes,
 )
@@ -94,35 +91,6 @@ def test_host_need_adds_the_workers_batches():
     assert inflight == 2 * 4 * 2 * 2 * 100 and worker_bytes(100, 2, 0, 2, 1) == 0
     need = HostNeed(cached=1000, in_flight=inflight, budget=4000, source="test")
     assert need.total == 4200 and not need.fits and "DOES NOT FIT" in need.describe()
-
-
-@pytest.mark.parametrize("text, nbytes", [("64G", 64 * 2**30), ("128000", 128000 * 2**20), ("512M", 512 * 2**20),
-                                          ("1.5T", int(1.5 * 2**40)), ("2048K", 2 * 2**20)])
-def test_slurm_memory_sizes(text, nbytes):
-    assert parse_slurm_memory(text) == nbytes
-
-
-def test_slurm_memory_refuses_a_non_size():
-    with pytest.raises(ValueError, match="64GiB"):
-        parse_slurm_memory("64GiB")
-
-
-def test_the_memory_of_a_running_slurm_job():
-    assert slurm_job_memory({"SLURM_MEM_PER_NODE": "1000"}) == 1000 * 2**20
-    assert slurm_job_memory({"SLURM_MEM_PER_GPU": "1000", "SLURM_GPUS_ON_NODE": "4"}) == 4000 * 2**20
-    assert slurm_job_memory({"SLURM_MEM_PER_CPU": "10", "SLURM_CPUS_ON_NODE": "8"}) == 80 * 2**20
-    assert slurm_job_memory({}) is None and slurm_job_memory({"SLURM_MEM_PER_NODE": "0"}) is None  # the whole node
-
-
-@pytest.mark.parametrize("text, seconds", [("90", 5400), ("10:30", 630), ("48:00:00", 172800),
-                                           ("2-00:00:00", 172800), ("1-12", 129600), ("1-00:30", 88200)])
-def test_slurm_time_limits(text, seconds):
-    assert parse_slurm_time(text) == seconds
-
-
-def test_slurm_time_refuses_unlimited():
-    with pytest.raises(ValueError, match="UNLIMITED"):
-        parse_slurm_time("UNLIMITED")
 
 
 def test_step_cost_counts_the_convolutions_flops(tiny_cfg):
@@ -202,7 +170,7 @@ def test_run_needs_refuses_a_memory_cache_larger_than_the_host_budget(tiny_cfg):
 
 
 def test_run_needs_predicts_time_and_requeues_from_the_experiments_slurm_limit(tiny_cfg):
-    from voxdiff.preflight.resources import read_site_env
+    from voxdiff.slurm import read_site_env
 
     throughput = STEP_THROUGHPUT[("H100", "compiled")]
     needs = _needs(tiny_cfg("trainer.max_steps=100000", "+slurm.TIME=01:00:00"))

@@ -21,7 +21,6 @@ gathers them from a config. Sizes are bytes.
 from __future__ import annotations
 
 import math
-import re
 import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from voxdiff.slurm import parse_slurm_memory, parse_slurm_time, read_site_env, slurm_job_memory
 
 PER_TENSOR_BYTES = 280
 """Zip local and central headers of one tensor record, and its key in the pickled structure (calibrated on a
@@ -162,35 +163,6 @@ def worker_bytes(sample_bytes: int, batch_size: int, num_workers: int, prefetch_
     return ranks_per_node * num_workers * (prefetch_factor or 2) * batch_size * sample_bytes
 
 
-_MEM = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*$", re.IGNORECASE)
-
-
-def parse_slurm_memory(text: str) -> int:
-    """Slurm's memory size (``64G``, ``128000`` MB by default, ``1.5T``) in bytes.
-
-    Raises:
-        ValueError: not a Slurm memory size.
-    """
-    m = _MEM.match(str(text))
-    if not m:
-        raise ValueError(f"{text!r} is not a Slurm memory size (e.g. 64G, 128000M)")
-    return int(float(m.group(1)) * 1024 ** "KMGT".index((m.group(2) or "M").upper()) * 1024)
-
-
-def slurm_job_memory(env: Mapping[str, str]) -> int | None:
-    """The memory of this node's share of a running Slurm job, from its environment, or None outside one (or for
-    ``--mem=0``, which gives the job all of the node's memory)."""
-    if "SLURM_MEM_PER_NODE" in env:
-        return int(env["SLURM_MEM_PER_NODE"]) * 2**20 or None
-    gpus = env.get("SLURM_GPUS_ON_NODE")
-    if "SLURM_MEM_PER_GPU" in env and gpus:
-        return int(env["SLURM_MEM_PER_GPU"]) * 2**20 * int(gpus)
-    cpus = env.get("SLURM_CPUS_ON_NODE")
-    if "SLURM_MEM_PER_CPU" in env and cpus:
-        return int(env["SLURM_MEM_PER_CPU"]) * 2**20 * int(cpus)
-    return None
-
-
 # ------------------------------------------------------------------------------------------------------------ time
 @dataclass(frozen=True)
 class StepCost:
@@ -264,26 +236,6 @@ STEP_THROUGHPUT: dict[tuple[str, str], Throughput] = {
     ("H100", "compiled"): Throughput(448.0, 56.5, f"H100, fused AdamW + flash SDPA + torch.compile; {_GPU_SPEED}"),
 }
 """Per (GPU type, step kind) throughput. A GPU type without an entry gets no time prediction (never a guess)."""
-
-
-def parse_slurm_time(text: str) -> float:
-    """Slurm's time limit (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``) in seconds.
-
-    Raises:
-        ValueError: not a Slurm time (``UNLIMITED`` included: there is then no limit to plan for).
-    """
-    text = str(text).strip()
-    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text)
-    if not m:
-        raise ValueError(f"{text!r} is not a Slurm time limit (e.g. 2-00:00:00, 48:00:00, 90)")
-    days, a, b, c = (int(g) if g is not None else None for g in m.groups())
-    if days is not None:  # D-HH[:MM[:SS]]
-        return float(((days * 24 + a) * 60 + (b or 0)) * 60 + (c or 0))
-    if c is not None:
-        return float((a * 60 + b) * 60 + c)
-    if b is not None:  # MM:SS
-        return float(a * 60 + b)
-    return float(a * 60)  # minutes
 
 
 @dataclass(frozen=True)
@@ -379,24 +331,6 @@ def slurm_site(cfg: Any) -> dict[str, str] | None:
     if resources is None or not site.is_file():
         return None
     return {**read_site_env(site), **{str(k): str(v) for k, v in dict(resources).items()}}
-
-
-def read_site_env(path: Path) -> dict[str, str]:
-    """``KEY=VALUE`` lines of ``slurm/site.env`` (comments and blank lines skipped).
-
-    Raises:
-        ValueError: a line that is not ``KEY=VALUE``, naming the file and the line.
-    """
-    values = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, sep, value = line.partition("=")
-        if not sep:
-            raise ValueError(f"{path}:{number}: expected KEY=VALUE, got {line!r}")
-        values[key.strip()] = value.strip()
-    return values
 
 
 def run_needs(cfg: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_bytes: int, processes_per_node: int,
