@@ -48,13 +48,6 @@ def _unet(**kw) -> DiffusionModelUNet:
 # ------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def one_thread():
-    """Real CPU convolutions on one thread: faster than two contending ones on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
@@ -336,3 +329,22 @@ def test_the_trace_runs_the_step_itself(one_thread) -> None:
     for a, b in zip(traced.tensors(), bare.tensors()):
         assert torch.equal(a, b)
     assert traced.ema.num_updates == bare.ema.num_updates == 2
+
+
+def test_autocast_emulator_honours_the_models_own_disabled_regions() -> None:
+    """MONAI's vector quantiser and the VQ-VAE encoding run in fp32 inside ``torch.autocast(..., enabled=False)``, as
+    CUDA autocast does; the emulator casts nothing there (and ``torch.autocast("meta")`` would raise without it)."""
+    conv = torch.nn.Conv3d(4, 4, 3, padding=1, device="meta")
+    x = torch.randn(1, 4, 4, 4, 4, device="meta")
+    ac = CudaAutocastEmulator()
+    with ac, ac.region():
+        with torch.autocast("cuda", enabled=False):
+            inside = conv(x)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                nested = conv(x)  # an enabled region inside a disabled one casts again
+        with torch.autocast("meta", enabled=False):
+            inside_meta = torch.mm(x.flatten(1), x.flatten(1).t())
+        after = conv(x)
+    assert inside.dtype == torch.float32 and inside_meta.dtype == torch.float32
+    assert nested.dtype == torch.bfloat16 and after.dtype == torch.bfloat16
+    assert torch.autocast is torch.amp.autocast  # restored when the mode exits

@@ -340,11 +340,16 @@ class VQVAELatent(Encoding):
                     f"set encoding.{key}={theirs} (encoding=vqvae_{stage1.spec.factor}x), or use a stage-1 "
                     f"checkpoint trained with {key} {mine}",
                 )
-        spec = VQVAESpec(**{**asdict(stage1.spec), "use_checkpoint": False})  # inference only
-        ae = build_vqvae(spec)
+        ae = build_vqvae(VQVAESpec(**{**asdict(stage1.spec), "use_checkpoint": False}))  # inference only
         ae.load_state_dict(stage1.state)
-        ae.eval().requires_grad_(False)
-        object.__setattr__(self, "_autoencoder", ae)
+        return self.attach(ae, stage1)
+
+    def attach(self, autoencoder: torch.nn.Module, stage1: Stage1Checkpoint) -> VQVAELatent:
+        """Encode and decode with ``autoencoder`` (a MONAI ``VQVAE`` of ``stage1.spec``; frozen and put in eval mode
+        here) and ``stage1``'s latent scale. :meth:`load_weights` attaches a checkpoint's weights; the preflight one
+        built on the meta device (:mod:`voxdiff.preflight.stage1`)."""
+        autoencoder.eval().requires_grad_(False)
+        object.__setattr__(self, "_autoencoder", autoencoder)
         object.__setattr__(self, "_stage1", stage1)
         return self
 

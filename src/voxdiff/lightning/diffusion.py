@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from contextlib import nullcontext, suppress
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,14 +40,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from omegaconf import OmegaConf
 
 from voxdiff.config import build_encoding, model_spec, plain
-from voxdiff.diffusion import (
-    DiffusionProcess,
-    decode_volume,
-    diffusion_settings,
-    encode_batch,
-    encode_volume,
-    encoded_range,
-)
+from voxdiff.diffusion import DiffusionProcess, diffusion_settings, encoded_range
 from voxdiff.errors import ConfigError, integer, settings_from
 from voxdiff.lightning.callbacks import ProgressBar
 from voxdiff.lightning.optim import lightning_optimizers
@@ -256,16 +249,9 @@ class DiffusionSystem(L.LightningModule):
         return g
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
-        x0, cond = encode_batch(self.encoding, batch, self.mode)
         # a fixed generator per batch: comparable across epochs, and the global RNG (data order, training noise)
         # is not touched, so a resumed run draws what an uninterrupted one would
-        n, b = self.val_timesteps, x0.shape[0]
-        timesteps = ((torch.arange(n, device=x0.device) + 0.5) * (self.process.num_train_timesteps / n)).long()
-        generator = self._generator(batch_idx)
-        with self.step.ema_weights():
-            losses = [self.process.loss(self.model, x0, cond, generator=generator, timesteps=t.expand(b))[0]
-                      for t in timesteps]
-        loss = torch.stack(losses).mean()
+        loss, b = self.step.validation_loss(batch, self.val_timesteps, self._generator(batch_idx))
         self.log("val/loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=b, sync_dist=True)
         self._cache_for_sampling(batch)
         return loss
@@ -330,24 +316,9 @@ class DiffusionSystem(L.LightningModule):
         mask = mask.to(self.device, torch.float32)
         if mask.dim() != 5 or mask.shape[1] != 1:
             raise ValueError(f"mask must be (B, 1, D, H, W), got {tuple(mask.shape)}")
-        steps = num_inference_steps or self.sampling.num_inference_steps
-        c_out = self.spec.out_channels
-        if self.mode == "bravo":
-            cond = encode_volume(self.encoding, mask)  # (B, C, d, h, w)
-            spatial = tuple(cond.shape[2:])
-        else:
-            cond = None
-            spatial = self.encoding.encoded_shape((1, *mask.shape[2:]))[1:]
-        was_training = self.model.training
-        self.model.eval()
         self.step.to(self.device)
-        try:
-            with self.step.ema_weights() if use_ema else nullcontext():
-                z = self.process.sample(self.model, (mask.shape[0], c_out, *spatial), cond, steps,
-                                        generator=generator, device=self.device, eta=eta)
-        finally:
-            self.model.train(was_training)
-        return decode_volume(self.encoding, z, "image" if self.mode == "bravo" else "mask")
+        return self.step.generate(mask, self.spec.out_channels, num_inference_steps or self.sampling.num_inference_steps,
+                                  generator=generator, eta=eta, use_ema=use_ema)
 
     def _fill_val_cache(self) -> None:
         """Cache validation masks straight from the data module when no validation has run yet."""

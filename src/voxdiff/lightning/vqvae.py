@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +45,22 @@ from voxdiff.errors import ConfigError
 from voxdiff.lightning.optim import configure_adamw
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
 from voxdiff.step.optim import optim_settings
+from voxdiff.step import PhaseProbe
 
 log = logging.getLogger(__name__)
 
 MODALITIES = ("image", "mask")
 RECONSTRUCTION_LOSSES = ("mse", "l1")
+
+
+@contextmanager
+def _phase(probe: PhaseProbe | None, name: str) -> Iterator[None]:
+    """Tell ``probe`` (if any) where the phase ``name`` begins and ends."""
+    if probe is not None:
+        probe.begin(name)
+    yield
+    if probe is not None:
+        probe.end(name)
 
 
 def _plain(value: Any) -> Any:
@@ -142,14 +154,23 @@ class VQVAESystem(L.LightningModule):
         self._montage: dict[str, Any] | None = None
 
     # ---- the autoencoder ----------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, probe: PhaseProbe | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x (N, 1, D, H, W)`` → (reconstruction ``(N, 1, D, H, W)``, encoder outputs and quantised latents
-        ``(N, latent_channels, D/f, H/f, W/f)`` each, VQ loss (scalar))."""
-        z = self.vqvae.encode(x)
+        ``(N, latent_channels, D/f, H/f, W/f)`` each, VQ loss (scalar)).
+
+        ``probe`` (the preflight's memory probe, :class:`voxdiff.step.PhaseProbe`) is told where the ``encoder``,
+        ``quantizer`` and ``decoder`` phases begin and end."""
+        with _phase(probe, "encoder"):
+            z = self.vqvae.encode(x)
         if self.training and self.hparams.codebook["init_from_data"] and not bool(self.codebook_initialised):
             self._init_codebook(z)
-        q, vq_loss = self.vqvae.quantize(z)
-        return self.vqvae.decode(q), z, q, vq_loss
+        with _phase(probe, "quantizer"):
+            q, vq_loss = self.vqvae.quantize(z)
+        with _phase(probe, "decoder"):
+            recon = self.vqvae.decode(q)
+        return recon, z, q, vq_loss
 
     # ---- the codebook -------------------------------------------------------------------------------------
     def _sample_vectors(self, z: torch.Tensor, n: int) -> torch.Tensor:
@@ -198,17 +219,27 @@ class VQVAESystem(L.LightningModule):
                 raise ValueError(f"batch[{m!r}] must be (B, 1, D, H, W), got {tuple(v.shape)}")
         return rearrange(torch.stack(vols), "m b 1 d h w -> (m b) 1 d h w")
 
-    def _losses(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        recon, z, q, vq_loss = self(x)
-        fn = F.l1_loss if self.hparams.loss["reconstruction"] == "l1" else F.mse_loss
-        recon_loss = fn(recon.float(), x.float())
-        loss = recon_loss + self.hparams.loss["quantization_weight"] * vq_loss.float()
+    def _losses(self, x: torch.Tensor, probe: PhaseProbe | None = None) -> dict[str, torch.Tensor]:
+        recon, z, q, vq_loss = self(x, probe=probe)
+        with _phase(probe, "loss"):
+            fn = F.l1_loss if self.hparams.loss["reconstruction"] == "l1" else F.mse_loss
+            recon_loss = fn(recon.float(), x.float())
+            loss = recon_loss + self.hparams.loss["quantization_weight"] * vq_loss.float()
         return {"loss": loss, "recon_loss": recon_loss, "vq_loss": vq_loss.float(), "recon": recon, "z": z, "q": q}
 
     # ---- training ---------------------------------------------------------------------------------------------
+    def training_losses(self, batch: Mapping[str, Any], probe: PhaseProbe | None = None) -> dict[str, torch.Tensor]:
+        """The forward of a training step: the modalities stacked, autoencoded, the losses. ``training_step`` and the
+        preflight's trace of stage 1 (:mod:`voxdiff.preflight.stage1`) both call it.
+
+        Returns:
+            ``loss`` (with grad), ``recon_loss``, ``vq_loss`` (scalars), ``recon`` ``(M·B, 1, D, H, W)``, ``z`` and
+            ``q`` ``(M·B, latent_channels, d, h, w)``.
+        """
+        return self._losses(self._stack(batch), probe)
+
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
-        x = self._stack(batch)
-        out = self._losses(x)
+        out = self.training_losses(batch)
         bs = batch[self.hparams.modalities[0]].shape[0]
         for key in ("loss", "recon_loss", "vq_loss"):
             self.log(f"train/{key}", out[key], prog_bar=key == "loss", batch_size=bs)

@@ -24,6 +24,10 @@ Limits of the emulation (documented rather than hidden):
   inner call would hit a listed op (``F.interpolate`` -> ``upsample_*``, ``F.softmax``) are mapped by hand in
   :data:`_PYTHON_WRAPPERS`. A composite *builtin* that is not listed but calls a listed op internally would
   run its inner op in the dtype it receives (no such op appears in MONAI's diffusion UNet).
+* ``torch.autocast(...)`` regions that the traced code opens itself — MONAI's vector quantiser and voxdiff's
+  VQ-VAE encoding run in fp32 inside ``torch.autocast(..., enabled=False)`` — are honoured for the ``cuda`` device
+  and the emulated one: while the mode is active, ``torch.autocast`` opens an emulated region (a disabled one
+  casts nothing until it exits); other device types get the real ``torch.autocast``.
 * Autocast's cache of bf16 weight copies lives until the outermost emulated region exits, as in ATen.
   During backward (where only recomputation by ``torch.utils.checkpoint`` issues Python-level calls), the
   cache is off: on the GPU each recomputed segment re-enters autocast as its own outermost region, so its
@@ -150,6 +154,8 @@ class CudaAutocastEmulator(TorchFunctionMode):
         self.enabled = enabled
         self._depth = 0
         self._in_backward = False
+        self._suspended = False  # inside a torch.autocast(enabled=False) region of the traced code
+        self._real_autocast: Any = None
         # id(fp32 leaf) -> (leaf, cast copy); the strong ref to the leaf keeps the id unique, as ATen's weakref does.
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.calls: dict[str, int] = {}  # op name -> calls seen inside regions
@@ -162,6 +168,23 @@ class CudaAutocastEmulator(TorchFunctionMode):
     def backward_region(self) -> _AutocastRegion:
         """Context manager for the backward pass: casts (for checkpoint recomputation) but caches nothing."""
         return _AutocastRegion(self, backward=True)
+
+    def __enter__(self) -> CudaAutocastEmulator:
+        self._real_autocast = torch.autocast
+        torch.autocast = self._torch_autocast  # type: ignore[assignment,misc]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        torch.autocast = self._real_autocast  # type: ignore[misc]
+        return super().__exit__(*exc)
+
+    def _torch_autocast(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
+                        cache_enabled: bool | None = None) -> Any:
+        """``torch.autocast`` while the mode is active: an emulated region for ``cuda`` and the emulated device
+        (disabled: no casts inside it), the real context manager for other devices."""
+        if device_type in ("cuda", self.device_type):
+            return _AutocastRegion(self, backward=None, enabled=enabled)
+        return self._real_autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
 
     def calls_of(self, name: str) -> int:
         """How many calls of the op ``name`` were seen inside regions (counted even when not enabled)."""
@@ -222,7 +245,7 @@ class CudaAutocastEmulator(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = dict(kwargs or {})
-        if self._depth == 0:
+        if self._depth == 0 or self._suspended:
             return func(*args, **kwargs)
         name = _python_wrapper_name(func, args, kwargs) or getattr(func, "__name__", "")
         name = _DUNDER_ALIASES.get(name, name)
@@ -249,21 +272,29 @@ class CudaAutocastEmulator(TorchFunctionMode):
 
 
 class _AutocastRegion:
-    """One (possibly nested) emulated ``torch.autocast`` region."""
+    """One (possibly nested) emulated ``torch.autocast`` region.
 
-    def __init__(self, mode: CudaAutocastEmulator, backward: bool = False):
+    Args:
+        backward: a region of the backward pass (casts, caches nothing); None: as the enclosing region.
+        enabled: False for ``torch.autocast(..., enabled=False)``: no casts until the region exits.
+    """
+
+    def __init__(self, mode: CudaAutocastEmulator, backward: bool | None = False, enabled: bool = True):
         self.mode = mode
         self.backward = backward
-        self._prev_backward = False
+        self.enabled = enabled
+        self._prev: tuple[bool, bool] = (False, False)
 
     def __enter__(self) -> CudaAutocastEmulator:
-        self._prev_backward = self.mode._in_backward
-        self.mode._in_backward = self.backward
+        self._prev = (self.mode._in_backward, self.mode._suspended)
+        if self.backward is not None:
+            self.mode._in_backward = self.backward
+        self.mode._suspended = not self.enabled
         self.mode._depth += 1
         return self.mode
 
     def __exit__(self, *exc: object) -> None:
         self.mode._depth -= 1
-        self.mode._in_backward = self._prev_backward
+        self.mode._in_backward, self.mode._suspended = self._prev
         if self.mode._depth == 0:
             self.mode.clear_cache()

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from voxdiff.diffusion import DiffusionProcess, encode_batch
+from voxdiff.diffusion import DiffusionProcess, decode_volume, encode_batch, encode_volume
 from voxdiff.diffusion.seed import seed_loss
 from voxdiff.encodings.base import Encoding
 from voxdiff.encodings.identity import Identity
@@ -276,6 +276,83 @@ class TrainStep:
         """``with step.ema_weights(): ...`` runs the model with the EMA weights (the raw ones without an EMA)."""
         with self.ema.swapped(self.model) if self.ema is not None else nullcontext(self.model):
             yield self.model
+
+    # ------------------------------------------------------------------ validation and sampling
+    def validation_loss(
+        self, batch: Mapping[str, Any], num_timesteps: int, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """The validation loss of a batch with the EMA weights: the mean of the loss at ``num_timesteps`` fixed,
+        evenly spread timesteps (fixed noise with a fixed ``generator``), so it is comparable from epoch to epoch.
+        Run it without gradients (Lightning's validation loop, the preflight's trace).
+
+        Returns:
+            ``(loss, batch size)``: a float32 scalar and the number of samples in the batch.
+        """
+        process = self._require_process("validation_loss")
+        x0, cond = encode_batch(self.encoding, batch, self.mode)  # (B, C_out, d, h, w), (B, C_cond, ...) | None
+        n, b = num_timesteps, x0.shape[0]
+        timesteps = ((torch.arange(n, device=x0.device) + 0.5) * (process.num_train_timesteps / n)).long()
+        with self.ema_weights():
+            losses = [process.loss(self.model, x0, cond, generator=generator, timesteps=t.expand(b))[0]
+                      for t in timesteps]
+        return torch.stack(losses).mean(), b
+
+    @torch.no_grad()
+    def generate(
+        self,
+        mask: torch.Tensor,
+        out_channels: int,
+        num_inference_steps: int | None = None,
+        generator: torch.Generator | None = None,
+        eta: float | None = None,
+        use_ema: bool = True,
+        probe: PhaseProbe | None = None,
+    ) -> torch.Tensor:
+        """DDIM samples decoded to volumes, with the EMA weights swapped in (by default), on ``mask``'s device.
+
+        Args:
+            mask: ``(B, 1, D, H, W)`` masks in {0, 1}: the condition in bravo mode; in seg mode only its shape is used.
+            out_channels: channels the UNet predicts (those of the image encoding in bravo mode).
+            num_inference_steps: DDIM steps (None: the diffusion's).
+            generator: generator of the initial noise (on ``mask``'s device).
+            eta: DDIM stochasticity (None: the diffusion's).
+            use_ema: sample with the EMA weights (swapped in and restored).
+            probe: told where the ``condition`` (encoding the masks), ``sampling`` (DDIM) and ``decode`` phases
+                begin and end (the preflight's memory probe).
+
+        Returns:
+            ``(B, 1, D, H, W)`` float32: images in [0, 1] (bravo) or masks in {0, 1} (seg).
+        """
+        process = self._require_process("generate")
+        probe = probe or _NoProbe()
+        probe.begin("condition")
+        if self.mode == "bravo":
+            cond = encode_volume(self.encoding, mask)  # (B, C, d, h, w)
+            spatial = tuple(cond.shape[2:])
+        else:
+            cond = None
+            spatial = self.encoding.encoded_shape((1, *mask.shape[2:]))[1:]
+        probe.end("condition")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            probe.begin("sampling")
+            with self.ema_weights() if use_ema else nullcontext():
+                z = process.sample(self.model, (mask.shape[0], out_channels, *spatial), cond, num_inference_steps,
+                                   generator=generator, device=mask.device, eta=eta)
+            probe.end("sampling")
+        finally:
+            self.model.train(was_training)
+        del cond
+        probe.begin("decode")
+        out = decode_volume(self.encoding, z, "image" if self.mode == "bravo" else "mask")
+        probe.end("decode")
+        return out
+
+    def _require_process(self, what: str) -> DiffusionProcess:
+        if self.process is None:
+            raise RuntimeError(f"TrainStep.{what} needs a diffusion process (the seed recipe's loss has none)")
+        return self.process
 
     # ------------------------------------------------------------------ the whole step
     def run(self, batch: Mapping[str, Any], probe: PhaseProbe | None = None) -> dict[str, torch.Tensor]:

@@ -1,0 +1,332 @@
+"""GPU-free prediction of the memory of a diffusion run's validation and sampling, beside its training step.
+
+A run does more than its training step (:mod:`voxdiff.preflight.memory`): every validation epoch the system swaps
+the EMA weights in and computes the validation loss, and it samples from validation masks (DDIM, then decoding
+through the encoding). :func:`predict_phases` traces those on the ``meta`` device with the machinery of the step's
+trace — :class:`~voxdiff.preflight.tracker.StorageTracker`, the CUDA-autocast emulator, the flash-attention
+emulator, the fused-AdamW stand-in — running the code the system runs:
+
+* the config's :class:`~voxdiff.step.TrainStep` (the ``system`` recipe) runs one training step first, so that
+  what lives between steps exists: weights, AdamW state, the EMA (the system frees the gradients right after the
+  optimizer step, so none are resident);
+* **validation**: :meth:`TrainStep.validation_loss` (what ``DiffusionSystem.validation_step`` calls) at
+  ``data.batch_size`` and ``system.val_timesteps`` fixed timesteps, without gradients, in an autocast region, the
+  model in eval mode, with the EMA weights swapped in — the swap holds the raw weights aside, one more fp32 copy of
+  the parameters;
+* **sampling**: :meth:`TrainStep.generate` (what ``DiffusionSystem.generate`` calls from ``write_samples``) for
+  ``system.sampling.num_masks`` masks in one batch: encoding the masks (``condition``), DDIM with the UNet
+  without gradients under the EMA swap (``sampling``; two DDIM steps are traced: each step holds the same), and
+  ``decode`` through the encoding (the S2D/Haar inverse, or the VQ-VAE decoder of a latent run, in fp32).
+
+The run's peak is the largest of training, validation and sampling; :class:`PhasesReport` says which phase sets it.
+Units: bytes; GiB = 2**30 bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from voxdiff.config import build_model, plain
+from voxdiff.diffusion import DiffusionProcess, encoded_range
+from voxdiff.errors import ConfigError, integer
+from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES
+from voxdiff.preflight.attention import FlashAttentionEmulator
+from voxdiff.preflight.autocast import CudaAutocastEmulator
+from voxdiff.preflight.gpus import GpuSpec, resolve_gpu
+from voxdiff.preflight.memory import (
+    EmulatedPrecision,
+    GiB,
+    MemoryReport,
+    _FusedAdamWOnMeta,
+)
+from voxdiff.preflight.tracker import StorageTracker
+from voxdiff.step import TrainStep, recipe_from_config
+
+__all__ = ["PhaseRecorder", "PhaseTrace", "PhasesReport", "predict_phases", "trace_sampling", "trace_validation",
+           "tracker_for"]
+
+#: DDIM steps traced for sampling: every step holds the same tensors, so the peak is reached by the second
+MAX_TRACED_DDIM_STEPS = 2
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": None}
+
+
+def tracker_for(device_type: str, granularity: int | None = None, cuda_kernels: bool | None = None) -> StorageTracker:
+    """A tracker as the step's trace makes it: on ``meta`` (standing for a GPU) the CUDA allocator's 512 B rounding
+    and the CUDA kernels' temporaries; elsewhere (real CPU tensors, checked against the CPU allocator) neither."""
+    on_meta = device_type == "meta"
+    kernels = on_meta if cuda_kernels is None else cuda_kernels
+    return StorageTracker(device_type=device_type, record_events=True, granularity=granularity or (512 if on_meta else 1),
+                          kernel_temporaries=None if kernels else {})
+
+
+class PhaseRecorder:
+    """A :class:`~voxdiff.step.PhaseProbe` that keeps the tracker's peak of every named phase, per step (a phase that
+    occurs twice in a step keeps the larger peak)."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        self.tracker = tracker
+        self.current: dict[str, int] = {}
+        self.steps: list[dict[str, int]] = []
+        self.open: str | None = None
+
+    def begin(self, phase: str) -> None:
+        self.tracker.begin_phase(f"{phase}{len(self.steps) + 1}")
+        self.open = phase
+
+    def end(self, phase: str) -> None:
+        self.current[phase] = max(self.current.get(phase, 0), self.tracker.end_phase().peak)
+        self.open = None
+
+    def switch(self, phase: str) -> None:
+        """End the open phase (if any) and begin ``phase`` (e.g. from an autograd hook in the middle of backward)."""
+        if self.open is not None:
+            self.end(self.open)
+        self.begin(phase)
+
+    def finish_step(self) -> dict[str, int]:
+        """Close the step: its phase peaks are appended to :attr:`steps` and returned."""
+        self.steps.append(self.current)
+        self.current = {}
+        return self.steps[-1]
+
+
+@dataclass
+class PhaseTrace:
+    """Raw result of a traced phase: peaks per named phase and the live bytes at the start (no workspaces).
+
+    Attributes:
+        peaks: phase name -> peak live bytes (``max_memory_allocated`` after a reset at the phase start).
+        start_bytes: live bytes when tracing began (what was resident: weights, optimizer state, EMA, ...).
+        events: the allocation/free sequence for :func:`voxdiff.preflight.allocator.simulate_reserved`.
+    """
+
+    peaks: dict[str, int]
+    start_bytes: int
+    events: list[tuple[int, int, int]]
+
+    @property
+    def peak(self) -> int:
+        return max(self.peaks.values())
+
+
+def _flash(attention: str) -> Any:
+    return FlashAttentionEmulator() if attention == "flash" else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _traced(step: TrainStep, resident: Iterable[torch.Tensor], attention: str, device_type: str,
+            granularity: int | None, cuda_kernels: bool | None) -> Iterator[tuple[PhaseRecorder, PhaseTrace]]:
+    """Track what runs inside (no gradients, the step's autocast emulation, flash attention if asked) from the step's
+    resident tensors on; the :class:`PhaseTrace` yielded is filled in when the block exits."""
+    tracker = tracker_for(device_type, granularity, cuda_kernels)
+    rec = PhaseRecorder(tracker)
+    trace = PhaseTrace({}, 0, [])
+    with tracker:
+        tracker.track_all([*step.tensors(), *resident])
+        trace.start_bytes = tracker.live
+        with _flash(attention), step.precision.autocast, torch.no_grad():
+            yield rec, trace
+    trace.peaks, trace.events = rec.finish_step(), tracker.events
+
+
+def trace_validation(
+    step: TrainStep,
+    batch: Mapping[str, Sequence[int]],
+    val_timesteps: int,
+    *,
+    attention: str = "materialised",
+    device_type: str = "meta",
+    granularity: int | None = None,
+    cuda_kernels: bool | None = None,
+    resident: Iterable[torch.Tensor] = (),
+) -> PhaseTrace:
+    """Trace one validation step: :meth:`TrainStep.validation_loss` of a batch of these shapes (drawn on
+    ``device_type`` inside the trace, as Lightning moves it there), without gradients, the model in eval mode, in an
+    autocast region of the step's :class:`~voxdiff.preflight.memory.EmulatedPrecision`.
+
+    Args:
+        step: the training step after at least one optimizer step (its AdamW state exists).
+        batch: shapes of the validation batch's tensors.
+        val_timesteps: ``system.val_timesteps``.
+        attention: ``"flash"`` to emulate FlashAttention-2 for SDPA calls, else ``"materialised"``.
+        device_type, granularity, cuda_kernels: as :func:`tracker_for`.
+        resident: tensors on the device besides the step's own (e.g. a latent run's VQ-VAE).
+    """
+    was_training = step.model.training
+    with _traced(step, resident, attention, device_type, granularity, cuda_kernels) as (rec, trace):
+        rec.begin("validation")
+        step.model.eval()
+        data = {k: torch.rand(tuple(shape), device=device_type) for k, shape in batch.items()}
+        with step.precision.autocast.region():
+            loss, _ = step.validation_loss(data, val_timesteps)
+        del data, loss
+        step.model.train(was_training)
+        rec.end("validation")
+    return trace
+
+
+def trace_sampling(
+    step: TrainStep,
+    mask_shape: Sequence[int],
+    out_channels: int,
+    num_inference_steps: int,
+    *,
+    attention: str = "materialised",
+    device_type: str = "meta",
+    granularity: int | None = None,
+    cuda_kernels: bool | None = None,
+    resident: Iterable[torch.Tensor] = (),
+) -> PhaseTrace:
+    """Trace sampling as ``DiffusionSystem.write_samples`` runs it: ``(B, 1, D, H, W)`` masks on the device, then
+    :meth:`TrainStep.generate` in an autocast region (phases ``condition``, ``sampling``, ``decode``).
+
+    Args:
+        step: the training step after at least one optimizer step.
+        mask_shape: ``(B, 1, D, H, W)``: B = ``system.sampling.num_masks``.
+        out_channels: the UNet's output channels.
+        num_inference_steps: DDIM steps to trace.
+        attention, device_type, granularity, cuda_kernels, resident: as :func:`trace_validation`.
+    """
+    with _traced(step, resident, attention, device_type, granularity, cuda_kernels) as (rec, trace):
+        mask = torch.rand(tuple(mask_shape), device=device_type).round_()  # {0, 1}, as the cached masks
+        with step.precision.autocast.region():
+            out = step.generate(mask, out_channels, num_inference_steps, probe=rec)
+        del mask, out
+    return trace
+
+
+@dataclass(frozen=True)
+class PhasesReport:
+    """Predicted peak GPU memory (``max_memory_allocated``, cuBLAS workspaces included) of each phase of a run.
+
+    Attributes:
+        training: the training step's peak (:class:`~voxdiff.preflight.memory.MemoryReport`'s ``peak_allocated``).
+        validation: peak of a validation step under the EMA swap.
+        sampling: peak of sampling: the largest of ``parts``.
+        parts: ``condition`` (encoding the masks), ``sampling`` (DDIM), ``decode`` (through the encoding).
+        resident: bytes alive between steps (weights, AdamW state, EMA, a latent run's VQ-VAE).
+        swap_bytes: the raw weights the EMA swap holds aside while validation and sampling run (0 without an EMA).
+        val_batch, val_timesteps: ``data.batch_size`` and ``system.val_timesteps``.
+        sample_batch, inference_steps: ``system.sampling.num_masks`` and the DDIM steps configured (two traced).
+        peak_allocated: the run's peak: the largest of training, validation and sampling.
+        peak_phase: the phase that sets it (``training``, ``validation`` or ``sampling``).
+        training_report: the training step's full report.
+        gpu: the GPU model assumed; cuda_context_bytes: CUDA context (not in the peaks).
+        trace_seconds: wall time of this prediction (training's trace included); notes: caveats.
+    """
+
+    training: int
+    validation: int
+    sampling: int
+    parts: dict[str, int]
+    resident: int
+    swap_bytes: int
+    val_batch: int
+    val_timesteps: int
+    sample_batch: int
+    inference_steps: int
+    peak_allocated: int
+    peak_phase: str
+    training_report: MemoryReport
+    gpu: str
+    cuda_context_bytes: int = CUDA_CONTEXT_BYTES
+    trace_seconds: float = 0.0
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def describe(self) -> str:
+        """One line: every phase's peak in GiB and which one sets the run's peak."""
+        p = {k: v / GiB for k, v in self.parts.items()}
+        return (f"training {self.training / GiB:.2f} GiB | validation {self.validation / GiB:.2f} GiB "
+                f"(B={self.val_batch}, {self.val_timesteps} timesteps, EMA swap +{self.swap_bytes / GiB:.2f}) | "
+                f"sampling {self.sampling / GiB:.2f} GiB (B={self.sample_batch}, {self.inference_steps} DDIM steps: "
+                f"condition {p['condition']:.2f}, DDIM {p['sampling']:.2f}, decode {p['decode']:.2f}) | "
+                f"peak {self.peak_allocated / GiB:.2f} GiB set by {self.peak_phase} on {self.gpu}")
+
+
+def _select(cfg: DictConfig, key: str, default: Any = None) -> Any:
+    return plain(OmegaConf.select(cfg, key, default=default))
+
+
+def predict_phases(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None) -> PhasesReport:
+    """Predict the peaks of training, validation and sampling of the diffusion run ``cfg`` on one GPU, without one.
+
+    Args:
+        cfg: a composed ``train``/``preflight`` config of a diffusion run.
+        gpu: the GPU and where it came from (:func:`~voxdiff.preflight.gpus.resolve_gpu`, the default): cuBLAS workspaces, bf16 support.
+
+    Raises:
+        ConfigError: not a diffusion config, or a setting the step cannot work with (as the preflight's).
+    """
+    from voxdiff.preflight.check import gpu_precision, predict_memory, step_plan
+    from voxdiff.preflight.stage1 import attach_meta_autoencoder, latent_stage1_spec
+
+    if not str(_select(cfg, "system._target_", "")).endswith("DiffusionSystem"):
+        raise ConfigError("system", _select(cfg, "system._target_"), "is not a diffusion run; validation and sampling "
+                          "are a diffusion system's", "use voxdiff.preflight.stage1.predict_stage1 for a stage-1 config")
+    t0 = time.perf_counter()
+    gpu = gpu or resolve_gpu(cfg)
+    spec = gpu[0]
+    training = predict_memory(cfg, gpu=gpu)
+    plan = step_plan(cfg)
+    recipe = recipe_from_config(cfg, "system")  # validation and sampling are the system's, whatever preflight.recipe
+    val_timesteps = _select(cfg, "system.val_timesteps", 4)
+    num_masks = _select(cfg, "system.sampling.num_masks", 2)
+    integer("system.val_timesteps", val_timesteps, minimum=0, example=4)
+    integer("system.sampling.num_masks", num_masks, minimum=0, example=2)
+    steps = _select(cfg, "system.sampling.num_inference_steps") or recipe.diffusion.num_inference_steps
+    notes: list[str] = []
+    parallel = {_select(cfg, "trainer.strategy")} - {None, "auto", "single"}
+    if parallel:
+        notes.append(f"validation and sampling traced as on one GPU (trainer.strategy={parallel.pop()} not modelled)")
+
+    resident: list[torch.Tensor] = []
+    if getattr(plan.encoding, "has_weights", False):  # a latent run: the VQ-VAE is on the GPU once it is used
+        stage1, note = latent_stage1_spec(cfg, plan.encoding.factor)
+        notes.append(note)
+        ae = attach_meta_autoencoder(plan.encoding, stage1).autoencoder
+        resident = [*ae.parameters(), *ae.buffers()]
+    with torch.device("meta"):
+        model = build_model(cfg, plan.encoding, preserve_rng_state=False, device_type="cuda")
+    model.train()
+    dtype = AUTOCAST_DTYPES[gpu_precision(cfg, gpu)]
+    autocast = CudaAutocastEmulator(dtype=dtype or torch.bfloat16, device_type="meta", enabled=dtype is not None)
+    process = DiffusionProcess(recipe.diffusion, clip_range=encoded_range(plan.encoding))  # as the system's
+    step = TrainStep(model, recipe, encoding=plan.encoding, mode=plan.mode, process=process,
+                     precision=EmulatedPrecision(autocast), device_type="cuda")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    step.configure_optimizer(optimizer=_FusedAdamWOnMeta(trainable, recipe.optim)
+                             if step.optimizer_impl == "fused" else None)
+    attention = "flash" if plan.spec.use_flash_attention else "materialised"
+    with _flash(attention), autocast:  # one training step: the AdamW state and the EMA exist from here on
+        step.run({k: torch.randn(s, device="meta") for k, s in plan.batch.items()})
+
+    val_batch = dict(plan.batch)
+    if "image_z" in val_batch and _select(cfg, "data.masks", True):  # latent batches carry the full-size mask
+        val_batch["mask"] = (plan.batch["image_z"][0], 1, *plan.shapes.volume)
+    validation = trace_validation(step, val_batch, val_timesteps, attention=attention, resident=resident)
+    mask_shape = (max(num_masks, 1), 1, *plan.shapes.volume)
+    sample = trace_sampling(step, mask_shape, plan.spec.out_channels, min(steps, MAX_TRACED_DDIM_STEPS),
+                            attention=attention, resident=resident)
+
+    ws = 2 * spec.cublas_workspace_bytes  # both cuBLAS handles exist once training has run a backward
+    parts = {k: v + ws for k, v in sample.peaks.items()}
+    peaks = {"training": training.peak_allocated, "validation": validation.peak + ws, "sampling": max(parts.values())}
+    phase = max(peaks, key=peaks.get)
+    swap = sum(p.numel() * 4 for p in model.parameters() if p.is_floating_point()) if step.ema is not None else 0
+    if not num_masks:
+        notes.append("system.sampling.num_masks=0: no samples are drawn during training (one traced, as sample.py "
+                     "n=1 draws it)")
+    return PhasesReport(
+        training=peaks["training"], validation=peaks["validation"], sampling=peaks["sampling"], parts=parts,
+        resident=validation.start_bytes, swap_bytes=swap, val_batch=plan.batch[next(iter(plan.batch))][0],
+        val_timesteps=val_timesteps, sample_batch=num_masks, inference_steps=steps,
+        peak_allocated=peaks[phase], peak_phase=phase, training_report=training, gpu=spec.name,
+        trace_seconds=time.perf_counter() - t0, notes=tuple(notes),
+    )

@@ -1,0 +1,106 @@
+"""Validation and sampling peaks of a diffusion run: the traced phases against the CPU allocator's real peak (tiny
+models, real CPU tensors, the same code), and their structure on the real configs (meta)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from monai.networks.nets import DiffusionModelUNet
+from torch.profiler import ProfilerActivity, profile
+
+from cpu_allocator import profiler_peaks
+from voxdiff.config import compose
+from voxdiff.diffusion import DiffusionProcess
+from voxdiff.encodings import SpaceToDepth, VQVAELatent
+from voxdiff.encodings.vqvae import Stage1Checkpoint, build_vqvae, vqvae_spec
+from voxdiff.errors import ConfigError
+from voxdiff.preflight.autocast import CudaAutocastEmulator
+from voxdiff.preflight.memory import EmulatedPrecision
+from voxdiff.preflight.phases import predict_phases, trace_sampling, trace_validation
+from voxdiff.step import TrainStep, system_recipe
+
+VOLUME = (16, 32, 32)
+
+
+
+
+def _trained_step(encoding, c_in: int, c_out: int, batch: dict, ema: bool = True) -> TrainStep:
+    """The system's step of a tiny UNet on real CPU tensors, after one optimizer step (AdamW state, EMA exist)."""
+    torch.manual_seed(0)
+    model = DiffusionModelUNet(spatial_dims=3, in_channels=c_in, out_channels=c_out, channels=(8, 16),
+                               attention_levels=(False, True), num_res_blocks=1, num_head_channels=8,
+                               norm_num_groups=4)
+    recipe = system_recipe({"lr": 1e-3}, {"decay": 0.9} if ema else False, {"num_inference_steps": 2})
+    step = TrainStep(model, recipe, encoding=encoding, process=DiffusionProcess(recipe.diffusion, clip_range=1.0),
+                     precision=EmulatedPrecision(CudaAutocastEmulator(device_type="cpu", enabled=False)))
+    step.configure_optimizer()
+    step.run({k: torch.rand(s) for k, s in batch.items()})
+    return step
+
+
+def _profiled(fn):
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        trace = fn()
+    return trace, profiler_peaks(prof)[1]
+
+
+def test_validation_under_the_ema_swap_matches_cpu_allocator(one_thread) -> None:
+    """TrainStep.validation_loss (the system's validation_step) at 4 timesteps with the EMA swapped in: tracked
+    peak = the allocator's within 5 %; the swap's copy of the raw weights is in it."""
+    batch = {"image": (2, 1, *VOLUME), "mask": (2, 1, *VOLUME)}
+    peaks = {}
+    for ema in (True, False):
+        step = _trained_step(SpaceToDepth(2), 16, 8, batch, ema=ema)
+        trace, op_peak = _profiled(lambda: trace_validation(step, batch, 4, device_type="cpu"))
+        peaks[ema] = trace.peak - trace.start_bytes
+        assert peaks[ema] == pytest.approx(op_peak, rel=0.05)
+    weights = sum(p.numel() * 4 for p in step.model.parameters())
+    assert peaks[True] - peaks[False] == pytest.approx(weights, rel=0.05)  # the swap holds the raw weights aside
+
+
+def test_sampling_and_vqvae_decode_match_cpu_allocator(one_thread) -> None:
+    """TrainStep.generate of a latent run (masks encoded by the VQ-VAE, 2 DDIM steps with the EMA weights, the
+    VQ-VAE decoder): each phase's tracked peak = the allocator's within 5 %."""
+    torch.manual_seed(0)
+    spec = vqvae_spec(factor=4, latent_channels=4, channels=[8, 16], num_res_layers=1, num_embeddings=32)
+    encoding = VQVAELatent(4, 4).attach(build_vqvae(spec), Stage1Checkpoint("test", spec, {}, 0.5, "", VOLUME))
+    latent = (2, 4, *(s // 4 for s in VOLUME))
+    step = _trained_step(encoding, 8, 4, {"image_z": latent, "mask_z": latent})
+    trace, op_peak = _profiled(lambda: trace_sampling(step, (2, 1, *VOLUME), 4, 2, device_type="cpu"))
+    assert set(trace.peaks) == {"condition", "sampling", "decode"}
+    assert trace.peak - trace.start_bytes == pytest.approx(op_peak, rel=0.05)
+
+
+@pytest.fixture
+def gpu_run(monkeypatch):
+    """Resolve ``${voxdiff.cpu_or:...}`` as the GPU run will, as ``python preflight.py`` does."""
+    monkeypatch.setenv("VOXDIFF_TARGET", "gpu")
+
+
+def test_exp11_phases_and_the_ema_swap(gpu_run) -> None:
+    """On the real exp11 (meta, seconds): every phase is predicted; without an EMA, validation holds neither the
+    average nor the swap's copy: two fp32 copies of the weights less."""
+    with_ema = predict_phases(compose("preflight", ["experiment=exp11"]))
+    without = predict_phases(compose("preflight", ["experiment=exp11", "system.ema=false"]))
+    assert with_ema.peak_phase in ("training", "validation", "sampling")
+    assert with_ema.peak_allocated == max(with_ema.training, with_ema.validation, with_ema.sampling)
+    assert with_ema.training == with_ema.training_report.peak_allocated
+    weights = with_ema.training_report.param_bytes
+    assert with_ema.swap_bytes == pytest.approx(weights, rel=0.01) and without.swap_bytes == 0
+    assert with_ema.validation - without.validation == pytest.approx(2 * weights, rel=0.02)
+    assert set(with_ema.parts) == {"condition", "sampling", "decode"} and "set by" in with_ema.describe()
+
+
+def test_latent_run_sampling_decodes_through_the_vqvae(gpu_run) -> None:
+    """exp9_ldm_4x_bravo: decoding the samples through the VQ-VAE at full resolution holds more than encoding their
+    masks; sampling 2 masks under the EMA swap sets the run's peak, above the training step."""
+    rep = predict_phases(compose("preflight", ["experiment=exp9_ldm_4x_bravo"]))
+    assert rep.trace_seconds < 30
+    assert any("experiment=vqvae_4x" in n for n in rep.notes)
+    assert rep.parts["decode"] > rep.parts["condition"]
+    assert rep.peak_phase == "sampling" and rep.sampling > rep.training
+
+
+def test_predict_phases_refuses_a_stage1_config() -> None:
+    with pytest.raises(ConfigError, match="system=voxdiff.lightning.vqvae.VQVAESystem"):
+        predict_phases(compose("preflight", ["experiment=vqvae_4x"]))
