@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from monai.networks.nets import DiffusionModelUNet
-from torch._C._profiler import _EventType
+from allocator_events import allocator_events, peak
 from torch.profiler import ProfilerActivity, profile
 
 from voxdiff.preflight import predict_step_memory
@@ -57,58 +57,10 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-# Profiler ops that only allocate on behalf of the op that called them.
-_ALLOCATING_OPS = {
-    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::new_empty_strided",
-    "aten::resize_", "aten::resize_as_",
-}  # fmt: skip
-
-
 def _profiler_peaks(prof: profile) -> tuple[int, int]:
-    """Running peak of the CPU allocator's allocation/free events (bytes above the start of the window).
-
-    Returns ``(peak of all allocations, peak without kernel scratch)``. Kernel scratch is a block freed before
-    the op that requested it returns (e.g. the im2col buffers of ``slow_conv3d``): the tracker follows the
-    storages that ops *return* and does not see scratch by design (on CUDA the known scratch buffers are
-    added by explicit rules).
-    """
-    allocs = []
-
-    def walk(node):
-        if node.tag == _EventType.Allocation:
-            allocs.append(node)
-        for child in node.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    allocs.sort(key=lambda n: n.start_time_ns)
-    raw, kept, open_blocks = [], [], {}
-    for node in allocs:
-        size = node.extra_fields.alloc_size
-        raw.append((node.start_time_ns, size))
-        if size > 0:
-            owner = node.parent
-            while owner is not None and owner.name in _ALLOCATING_OPS:
-                owner = owner.parent
-            open_blocks[node.extra_fields.ptr] = (node, owner)
-            continue
-        hit = open_blocks.pop(node.extra_fields.ptr, None)
-        if hit is None:  # a block from before the window
-            continue
-        alloc, owner = hit
-        if owner is not None and node.start_time_ns <= owner.end_time_ns:
-            continue  # scratch: freed inside the op that allocated it
-        kept += [(alloc.start_time_ns, alloc.extra_fields.alloc_size), (node.start_time_ns, size)]
-    kept += [(a.start_time_ns, a.extra_fields.alloc_size) for a, _ in open_blocks.values()]
-
-    def peak(events):
-        cur = best = 0
-        for _, d in sorted(events, key=lambda e: e[0]):
-            cur += d
-            best = max(best, cur)
-        return best
-
+    """Running peak of the CPU allocator's allocation/free events (bytes above the start of the window), with and
+    without kernel scratch (:func:`allocator_events.allocator_events`)."""
+    raw, kept = allocator_events(prof)
     return peak(raw), peak(kept)
 
 

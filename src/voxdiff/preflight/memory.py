@@ -37,6 +37,7 @@ from voxdiff.encodings.base import Encoding
 from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES, GPUS, GpuSpec, simulate_reserved
 from voxdiff.preflight.attention import FlashAttentionEmulator
 from voxdiff.preflight.autocast import CudaAutocastEmulator
+from voxdiff.preflight.compiled import CompiledModule, CompiledTraceError, compiled_profile
 from voxdiff.preflight.tracker import StorageTracker, round_block
 from voxdiff.step import OptimSettings, Recipe, TrainStep
 
@@ -62,6 +63,7 @@ DEFAULT_SAFETY_MARGIN = 0.10
 configuration vary by up to 15 % between runs; 10 % covers the former and most of the latter."""
 
 _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": None}
+_COMPILE_MODES_MODELLED = (None, "default", "max-autotune-no-cudagraphs")
 _ATTENTION = ("materialised", "flash")
 
 
@@ -122,6 +124,8 @@ class MemoryReport:
         gpu: the GPU model assumed for workspaces and capacity.
         trace_seconds: wall time of the prediction.
         notes: caveats found while tracing.
+        model_step: how the model runs in the predicted step: ``eager``, ``compiled`` (``torch.compile``,
+            inductor) or ``upper bound (eager)`` (compiled was asked, its prediction failed: see ``notes``).
     """
 
     params: int
@@ -144,6 +148,7 @@ class MemoryReport:
     gpu: str
     trace_seconds: float
     notes: tuple[str, ...] = field(default_factory=tuple)
+    model_step: str = "eager"
 
     @property
     def peak_allocated_gib(self) -> float:
@@ -173,8 +178,8 @@ class MemoryReport:
         lines = [
             f"params {self.params / 1e6:.1f} M ({_gib(self.param_bytes):.2f} GiB"
             + (f", EMA {_gib(self.ema_bytes):.2f} GiB" if self.ema_bytes else "")
-            + f"), input {self.input_shape}, {self.precision}, {self.optimizer}, step {self.recipe}, "
-            f"attention {self.attention_path}",
+            + f"), input {self.input_shape}, {self.precision}, {self.optimizer}, step {self.recipe} "
+            f"({self.model_step}), attention {self.attention_path}",
             "step 1   : fwd {forward:.2f}  bwd {backward:.2f}  opt {optimizer:.2f} GiB".format(**s1),
             "steady   : fwd {forward:.2f}  bwd {backward:.2f}  opt {optimizer:.2f} GiB".format(**s2),
             f"peak allocated {self.peak_allocated_gib:.2f} GiB, reserved ~{_gib(self.estimated_reserved):.2f} GiB, "
@@ -281,6 +286,8 @@ def predict_step_memory(
     precision: str = "bf16-mixed",
     attention: AttentionMode = "materialised",
     gpu: str | GpuSpec = "H100",
+    compile: bool = False,
+    compile_mode: str | None = None,
 ) -> MemoryReport:
     """Predict ``torch.cuda.max_memory_allocated()`` of a training step without a GPU.
 
@@ -301,6 +308,12 @@ def predict_step_memory(
             where it applies) or ``"materialised"`` (the math path). A model that computes attention itself
             (MONAI with ``use_flash_attention=False``) materialises the scores either way.
         gpu: ``"H100"``, ``"A100"`` or a :class:`~voxdiff.preflight.allocator.GpuSpec` (workspace sizes).
+        compile: predict the step with ``torch.compile(model)`` (inductor): the model's forward and backward as
+            :mod:`voxdiff.preflight.compiled` plans them, the rest of the step traced as it runs. Where the
+            compiled model cannot be traced, the eager step is predicted instead, an upper bound, and the report
+            says so (``model_step``).
+        compile_mode: ``torch.compile``'s ``mode`` (None: the default); modes with CUDA graphs are predicted as
+            the default mode, with a note.
 
     Returns:
         A :class:`MemoryReport`.
@@ -327,21 +340,42 @@ def predict_step_memory(
         batch, default_mode = unet_batch(shape, int(getattr(model, "out_channels", shape[1])))
         mode = mode or default_mode
     dtype = _AUTOCAST_DTYPES[precision]
-    autocast = CudaAutocastEmulator(dtype=dtype or torch.bfloat16, device_type="meta", enabled=dtype is not None)
-    # the meta tensors stand for a GPU: the step decides its optimizer implementation for "cuda"
-    step = TrainStep(model, recipe, encoding=encoding, mode=mode or "bravo", process=process,
-                     precision=EmulatedPrecision(autocast), device_type="cuda")
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     n_params = sum(p.numel() for p in params)
     param_bytes = sum(round_block(t.untyped_storage().nbytes()) for t in [*params, *model.buffers()])
-    ema_bytes = sum(round_block(t.untyped_storage().nbytes()) for t in (step.ema.shadow if step.ema else []))
-    impl = step.optimizer_impl
-    step.configure_optimizer(optimizer=_FusedAdamWOnMeta(trainable, recipe.optim) if impl == "fused" else None)
 
-    trace = trace_training_step(step, batch, attention=attention, device_type="meta", steps=2)
+    def traced(stepped: nn.Module) -> tuple[TrainStep, TraceResult]:
+        autocast = CudaAutocastEmulator(dtype=dtype or torch.bfloat16, device_type="meta", enabled=dtype is not None)
+        # the meta tensors stand for a GPU: the step decides its optimizer implementation for "cuda"
+        step = TrainStep(stepped, recipe, encoding=encoding, mode=mode or "bravo", process=process,
+                         precision=EmulatedPrecision(autocast), device_type="cuda")
+        optimizer = _FusedAdamWOnMeta(trainable, recipe.optim) if step.optimizer_impl == "fused" else None
+        step.configure_optimizer(optimizer=optimizer)
+        return step, trace_training_step(step, batch, attention=attention, device_type="meta", steps=2)
+
+    model_step, attention_path = "eager", ""
+    if compile:
+        try:
+            inputs = [(shape, torch.float32), ((shape[0],), torch.int64)]  # x (B, C_in, *spatial), timesteps (B,)
+            profile = compiled_profile(model, inputs, dtype)
+            step, trace = traced(CompiledModule(model, profile))
+            model_step, attention_path = "compiled", profile.attention_path(attention)
+        except CompiledTraceError as err:
+            model_step = "upper bound (eager)"
+            notes.append(f"the compiled step could not be predicted ({err}); this is the eager step's prediction, "
+                         "an upper bound of the compiled one")
+            for p in params:
+                p.grad = None
+        if compile_mode not in _COMPILE_MODES_MODELLED:
+            notes.append(f"compile mode {compile_mode!r} is predicted as the default mode (its CUDA graphs' memory "
+                         "pool is not modelled)")
+    if model_step != "compiled":
+        step, trace = traced(model)
+        attention_path = _describe_attention(attention, trace.flash, trace.autocast, notes)
+    impl = step.optimizer_impl
+    ema_bytes = sum(round_block(t.untyped_storage().nbytes()) for t in (step.ema.shadow if step.ema else []))
     peaks = trace.steps
-    attention_path = _describe_attention(attention, trace.flash, trace.autocast, notes)
 
     # cuBLAS workspaces: one for the main thread (forward, optimizer), one for the autograd device thread.
     ws = gpu_spec.cublas_workspace_bytes
@@ -372,6 +406,7 @@ def predict_step_memory(
         gpu=gpu_spec.name,
         trace_seconds=time.perf_counter() - t0,
         notes=tuple(notes),
+        model_step=model_step,
     )
 
 
