@@ -8,7 +8,9 @@ import torch
 
 from voxdiff.config import build_encoding, build_model
 from voxdiff.errors import ConfigError
-from voxdiff.preflight.check import predict_memory, run_preflight
+from omegaconf import OmegaConf
+
+from voxdiff.preflight.check import compile_setting, predict_memory, run_preflight
 from voxdiff.preflight.tracker import round_block
 
 def _weight_bytes(cfg) -> int:
@@ -82,3 +84,31 @@ def test_the_preflight_imports_no_lightning(repo):
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "light" in result.stdout, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("model, want", [
+    ({}, (True, None)),  # the key absent: auto
+    ({"compile": "auto"}, (True, None)),
+    ({"compile": True, "compile_mode": "max-autotune"}, (True, "max-autotune")),
+    ({"compile": "true"}, (True, None)),
+    ({"compile": False}, (False, None)),
+    ({"compile": "false"}, (False, None)),
+])  # fmt: skip
+def test_compile_setting_is_the_step_a_gpu_run_compiles(model, want):
+    assert compile_setting(OmegaConf.create({"model": model})) == want
+
+
+@pytest.mark.parametrize("value", ["yes", 1, "max-autotune"])
+def test_a_compile_setting_that_means_nothing_is_refused(value):
+    with pytest.raises(ConfigError, match="model.compile") as err:
+        compile_setting(OmegaConf.create({"model": {"compile": value}}))
+    assert "model.compile=auto" in str(err.value)
+
+
+def test_the_gpu_run_is_predicted_compiled_unless_told(tiny_cfg):
+    """model.compile=auto: a GPU run compiles, so the prediction is of the compiled step; eager on request."""
+    cfg = tiny_cfg()
+    compiled, eager = predict_memory(cfg), predict_memory(cfg, compile=False)
+    assert (compiled.model_step, eager.model_step) == ("compiled", "eager")
+    assert compiled.steady_step.forward < eager.steady_step.forward
+    assert run_preflight(cfg, suggest=False, compile=False).report.model_step == "eager"

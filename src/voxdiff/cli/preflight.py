@@ -37,9 +37,9 @@ def _check(cfg: DictConfig, name: str, suggest: bool) -> PreflightResult:
 
 def _row(r: PreflightResult) -> list[str]:
     if r.problems:
-        return [r.name, *["-"] * 7, f"{r.budget_gib:.0f}", "INVALID"]
+        return [r.name, *["-"] * 8, f"{r.budget_gib:.0f}", "INVALID"]
     if not r.modelled or r.report is None:
-        return [r.name, *["-"] * 8, "not modelled (stage 1)"]
+        return [r.name, *["-"] * 9, "not modelled (stage 1)"]
     rep = r.report
     return [
         r.name,
@@ -47,6 +47,7 @@ def _row(r: PreflightResult) -> list[str]:
         str(r.levels),
         f"{r.params / 1e6:.1f}M",
         rep.attention,
+        rep.model_step,
         f"{rep.first_step.peak / GiB:.1f}",
         f"{rep.steady_step.peak / GiB:.1f}",
         f"{r.need_gib:.1f}" + (f" ({r.strategy}×{r.world_size})" if r.world_size > 1 else ""),
@@ -55,7 +56,7 @@ def _row(r: PreflightResult) -> list[str]:
     ]
 
 
-HEADER = ["experiment", "UNet input", "levels", "params", "attention", "step 1 GiB", "steady GiB",
+HEADER = ["experiment", "UNet input", "levels", "params", "attention", "model", "step 1 GiB", "steady GiB",
           "need GiB", "budget", "verdict"]
 
 
@@ -77,8 +78,10 @@ def details(r: PreflightResult) -> str:
                    f"CUDA context; budget {r.budget_gib:.1f} GiB ({r.budget_source}): "
                    + ("fits" if r.fits else "DOES NOT FIT"))
     if r.suggestions:
-        out.append("  changes that fit (predicted per-GPU peak / need):" if any(s.fits for s in r.suggestions)
-                   else "  no single change fits; predicted effect of each:")
+        out.append(("  changes that fit (predicted per-GPU peak / need" if any(s.fits for s in r.suggestions)
+                    else "  no single change fits; predicted effect of each (per-GPU peak / need")
+                   + (f"; {r.suggestions_step} step, an upper bound of the compiled one)"
+                      if r.suggestions_step == "eager" and r.report.model_step == "compiled" else ")") + ":")
         for s in r.suggestions:
             mark = "✓" if s.fits else "✗"
             out.append(f"    {mark} {s.change}: {' '.join(s.overrides)}  ->  {s.peak_gib:.1f} / {s.need_gib:.1f} GiB")

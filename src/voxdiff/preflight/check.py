@@ -148,23 +148,51 @@ class PreflightResult:
     suggestions: list[Suggestion] = field(default_factory=list)
 
     modelled: bool = True  # False for systems whose step the preflight does not trace (VQ-VAE stage 1)
+    suggestions_step: str = ""  # how the fixes' steps were predicted (``eager``)
 
     @property
     def ok(self) -> bool:
         return not self.problems and (self.fits or not self.modelled)
 
 
-def predict_memory(cfg: DictConfig, gpu: str = "H100") -> MemoryReport:
-    """Trace two training steps of ``cfg`` on the meta device; see the module docstring for what is traced.
+COMPILE_CHOICES = ("auto", "true", "false")
+
+
+def compile_setting(cfg: DictConfig) -> tuple[bool, str | None]:
+    """Whether the GPU run of ``cfg`` compiles its model, and in which ``torch.compile`` mode: ``model.compile``
+    ``auto`` (the default; on for CUDA runs, the run the preflight predicts) or ``true`` compile, ``false`` does
+    not; ``model.compile_mode`` (default null: torch's default mode).
 
     Raises:
-        ConfigError: see :func:`step_plan` and :func:`gpu_precision`.
+        ConfigError: a ``model.compile`` that is not auto, true or false.
+    """
+    value = _get(cfg, "model.compile", "auto")
+    text = str(value).lower() if isinstance(value, (bool, str)) else repr(value)
+    if text not in COMPILE_CHOICES:
+        raise ConfigError("model.compile", value, "is not a compile setting",
+                          "use model.compile=auto (compiled on a GPU), true or false")
+    mode = _get(cfg, "model.compile_mode")
+    return text != "false", None if mode is None else str(mode)
+
+
+def predict_memory(cfg: DictConfig, gpu: str = "H100", compile: bool | None = None) -> MemoryReport:
+    """Trace two training steps of ``cfg`` on the meta device; see the module docstring for what is traced.
+
+    Args:
+        cfg: the run config.
+        gpu: the GPU predicted (``preflight.gpu``).
+        compile: predict the compiled step (True) or the eager one (False); default: :func:`compile_setting`.
+
+    Raises:
+        ConfigError: see :func:`step_plan`, :func:`gpu_precision` and :func:`compile_setting`.
     """
     plan = step_plan(cfg)
+    compiled, mode = compile_setting(cfg)
     return predict_step_memory(
         lambda: build_model(cfg, plan.encoding, preserve_rng_state=False), plan.input_shape, plan.recipe,
         batch=plan.batch, encoding=plan.encoding, mode=plan.mode, precision=gpu_precision(cfg, gpu_spec(gpu)),
         attention="flash" if plan.spec.use_flash_attention else "materialised", gpu=gpu,
+        compile=compiled if compile is None else compile, compile_mode=mode,
     )
 
 
@@ -238,8 +266,10 @@ def candidate_fixes(cfg: DictConfig) -> list[tuple[str, dict[str, Any]]]:
 
 
 def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
-                  margin: float = DEFAULT_SAFETY_MARGIN) -> PreflightResult:
-    """Static checks, then the predicted per-GPU peak, the verdict against the budget, and fixes if it does not fit."""
+                  margin: float = DEFAULT_SAFETY_MARGIN, compile: bool | None = None) -> PreflightResult:
+    """Static checks, then the predicted per-GPU peak, the verdict against the budget, and fixes if it does not fit.
+
+    ``compile`` overrides :func:`compile_setting` (the host verdict of a CPU run, whose ``auto`` is eager)."""
     result = PreflightResult(name=name or str(_get(cfg, "task_name", "")), problems=static_problems(cfg))
     try:
         result.budget_gib, result.budget_source = gpu_budget_gib(cfg)
@@ -248,6 +278,7 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
         if not result.problems:  # the step's own settings, once the UNet and the shapes are known to work
             plan = step_plan(cfg)
             gpu_precision(cfg, gpu_spec(gpu))
+            compile_setting(cfg)
     except ConfigError as err:
         result.problems.append(err)
     if result.problems:
@@ -257,18 +288,21 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     with torch.device("meta"):
         result.params = sum(p.numel() for p in build_model(cfg, plan.encoding).parameters())
     result.strategy, result.world_size = world(cfg)
-    report = predict_memory(cfg, gpu=gpu)
+    report = predict_memory(cfg, gpu=gpu, compile=compile)
     result.report = report
     peak = per_gpu_peak(report, result.strategy, result.world_size)
     result.per_gpu_peak_gib = peak / GiB
     result.need_gib = _need(peak, report, margin)
     result.fits = result.need_gib <= result.budget_gib
     if suggest and not result.fits:
+        # each fix is traced eagerly: seconds instead of a compiled trace each; eager is the compiled step's upper
+        # bound, so a fix said to fit does
+        result.suggestions_step = "eager"
         for change, overrides in candidate_fixes(cfg):
             fixed = _with(cfg, overrides)
             if static_problems(fixed):
                 continue
-            r = predict_memory(fixed, gpu=gpu)
+            r = predict_memory(fixed, gpu=gpu, compile=False)
             p = per_gpu_peak(r, result.strategy, result.world_size)
             need = _need(p, r, margin)
             result.suggestions.append(Suggestion(

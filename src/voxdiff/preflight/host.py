@@ -64,11 +64,14 @@ def training_verdict(cfg: DictConfig) -> PreflightResult | None:
         gpu_precision(checked)
     except ConfigError:
         return None
-    on_host = accelerator_device(accelerator) == "cpu" and OmegaConf.select(cfg, "preflight.gpu_memory_gib") is None
+    on_cpu = accelerator_device(accelerator) == "cpu"
+    on_host = on_cpu and OmegaConf.select(cfg, "preflight.gpu_memory_gib") is None
+    # model.compile=auto compiles CUDA runs only: a CPU run's step is eager
+    compiled = False if on_cpu and str(OmegaConf.select(cfg, "model.compile", default="auto")) == "auto" else None
     if on_host:  # a CPU run, and no budget of the user's own (+preflight.gpu_memory_gib=N)
         processes = _local_processes(cfg)
         OmegaConf.update(checked, "preflight.gpu_memory_gib", host_memory_bytes() / processes / GiB, force_add=True)
-    result = run_preflight(checked, name=str(cfg.get("task_name", "")), suggest=True)
+    result = run_preflight(checked, name=str(cfg.get("task_name", "")), suggest=True, compile=compiled)
     if on_host:
         result.budget_source = "host memory" + (f" shared by {processes} processes" if processes > 1 else "")
     return result
