@@ -384,20 +384,22 @@ def plan_graph(
     # ---- decide, in order, what is a buffer; a fused node's reads are the buffers its chain reads
     root: dict[fx.Node, str | None] = {}  # node -> buffer it lives in (None: fused, recomputed by its readers)
     reads: dict[fx.Node, frozenset[str]] = {}
-    ops: dict[fx.Node, int] = {}
+    ops: dict[fx.Node, frozenset[fx.Node]] = {}
     heavy: dict[fx.Node, bool] = {}
 
-    def reads_through(n: fx.Node) -> tuple[frozenset[str], int, bool]:
+    def reads_through(n: fx.Node) -> tuple[frozenset[str], frozenset[fx.Node], bool]:
+        """The buffers ``n``'s kernel body reads, the ops in it (``n`` and the fused producers it inlines, each
+        once) and whether one of them is heavy."""
         buffers: set[str] = set()
-        count, has_heavy = 1, _op_name(n) in _HEAVY_CPU_OPS
+        body, has_heavy = {n}, _op_name(n) in _HEAVY_CPU_OPS
         for a in n.all_input_nodes:
-            if root.get(a) is None and a in reads:  # fused producer: its reads become ours
+            if root.get(a) is None and a in reads:  # fused producer: its reads and ops become ours
                 buffers |= reads[a]
-                count += ops[a]
+                body |= ops[a]
                 has_heavy |= heavy[a]
             elif root.get(a) is not None:
                 buffers.add(root[a])  # type: ignore[arg-type]
-        return frozenset(buffers), count, has_heavy
+        return frozenset(buffers), frozenset(body), has_heavy
 
     for n in nodes:
         k = kind[n]
@@ -415,7 +417,8 @@ def plan_graph(
             if root[n] is None:  # a view of a fused result is fused too
                 reads[n], ops[n], heavy[n] = reads_through(n)
             continue
-        r, c, h = reads_through(n)
+        r, body, h = reads_through(n)
+        c = len(body)
         if k in ("extern", "other", "reduction", "scatter", "item"):
             root[n] = n.name
         else:  # pointwise
@@ -429,9 +432,9 @@ def plan_graph(
             )  # fmt: skip
             root[n] = (concat_into[n].name if n in concat_into else n.name) if realise else None
         if root[n] is None:
-            reads[n], ops[n], heavy[n] = r, c, h
+            reads[n], ops[n], heavy[n] = r, body, h
         else:
-            reads[n], ops[n], heavy[n] = r, 1, False
+            reads[n], ops[n], heavy[n] = r, frozenset({n}), False
             reads[n] = r  # the kernel's own reads
     # multi-output containers: their items are the buffers; the container itself allocates nothing
     containers = {n for n in nodes if isinstance(n.meta.get("val"), (tuple, list)) and kind[n] != "output"}
