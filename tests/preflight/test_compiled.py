@@ -187,8 +187,10 @@ def test_profiles_are_read_back_from_the_cache(monkeypatch) -> None:
 def test_a_setting_that_repr_does_not_show_is_another_profile() -> None:
     """MONAI's attention flag is an attribute, not in the module's repr: flash and materialised attention must not
     share a cached profile."""
-    shape = (1, 2, 16, 16, 16)
-    mat = predict_step_memory(lambda: _unet(use_flash_attention=False), shape, FUSED_AFTER_STEP, compile=True)
-    fla = predict_step_memory(_unet, shape, FUSED_AFTER_STEP, attention="flash", compile=True)
+    shape = (1, 2, 8, 8, 8)
+    small = dict(channels=(8, 8), num_head_channels=8, norm_num_groups=4)
+    mat = predict_step_memory(lambda: _unet(use_flash_attention=False, **small), shape, FUSED_AFTER_STEP,
+                              compile=True)
+    fla = predict_step_memory(lambda: _unet(**small), shape, FUSED_AFTER_STEP, attention="flash", compile=True)
     assert "materialised" in mat.attention_path and "flash" in fla.attention_path
     assert fla.steady_step.peak < mat.steady_step.peak

@@ -21,11 +21,14 @@ tensors die at their last use (AOTAutograd hands them over and clears its own re
 allocations on the meta device, so the storage tracker sees the compiled model's buffers between the eager parts
 of the step (noise, loss, optimizer, EMA) exactly where they happen.
 
-Limits (documented, not hidden): inductor's scheduler can still fuse two kernels and drop a buffer that only
-they share, and reorders kernels to lower the peak (``reorder_for_peak_memory``); the graph order and the
-lowering-time decisions are used here. The CUDA graphs of ``mode="reduce-overhead"`` are not modelled.
-Gradient checkpointing inside a compiled model is not traced here (:class:`CompiledTraceError`): the caller falls
-back to the eager prediction, an upper bound.
+Limits (documented, not hidden): the graph order and inductor's lowering-time decisions are used here. Inductor's
+scheduler then fuses kernels (dropping a buffer only they share) and reorders them (``reorder_for_peak_memory``;
+on the CPU it moves the extraction of convolution weight gradients to the end of the backward, so that each
+``convolution_backward`` keeps its input gradient alive until then): neither is modelled, and the backward is
+where the prediction misses (measured on an H100: ``docs/preflight_error_table.md``). The CUDA graphs of
+``mode="reduce-overhead"`` and the channels-last copies of layout optimisation (which inductor turns off for these
+UNets) are not modelled. Gradient checkpointing inside a compiled model is not traced here
+(:class:`CompiledTraceError`): the caller falls back to the eager prediction, an upper bound.
 """
 
 from __future__ import annotations
@@ -53,8 +56,8 @@ __all__ = [
     "CompiledProfile",
     "CompiledTraceError",
     "GraphPlan",
-    "cache_dir",
     "InductorRules",
+    "cache_dir",
     "compiled_profile",
     "plan_graph",
     "trace_compiled",
@@ -331,9 +334,13 @@ def plan_graph(
       than ``acc_reads_threshold`` buffers. Otherwise it is fused into every kernel that reads it, which then
       reads the buffers it reads.
 
-    Views alias their base. A pointwise kernel whose output has the size of an input buffer that dies there
-    writes into it (``inplace_buffers``), and a scatter works in place on its first input. FlashAttention-2's
-    backward adds its fp32 temporaries on the GPU (:func:`~voxdiff.preflight.attention.flash_backward_temporary_bytes`).
+    Views alias their base. A concatenation's pointwise inputs are written into its output (inductor's
+    ``ConcatKernel``), which then exists from the first of them on, unless an extern kernel reads that input
+    (:attr:`InductorRules.convolution_fixes_layout`). A pointwise kernel whose output has the size of a buffer it
+    made earlier that dies there writes into it (``inplace_buffers``; inputs of the graph are not reused), and a
+    scatter works in place on its first input. The outputs of a multi-output kernel appear together, before its
+    inputs are freed. FlashAttention-2's backward adds its fp32 temporaries on the GPU
+    (:func:`~voxdiff.preflight.attention.flash_backward_temporary_bytes`).
 
     Args:
         gm: a forward or backward graph of :func:`trace_compiled` (nodes carry ``meta["val"]``).
