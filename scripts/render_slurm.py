@@ -4,8 +4,9 @@
     python scripts/render_slurm.py           # write the scripts
     python scripts/render_slurm.py --check   # exit 1 if a committed script differs from what would be rendered
 
-Site values (partition, account, GPUs, memory, time) live in slurm/site.env only; per-experiment resources that
-differ from the site defaults are in RESOURCES below.
+Site values (partition, account, GPUs, memory, time) live in slurm/site.env only. An experiment has a job when its
+config (configs/experiment/<name>.yaml) sets ``slurm:`` — ``{}`` for the site's resources, or the site.env keys it
+changes, e.g. ``slurm: {MEM_PER_GPU: 128G}``. This script knows no experiment by name.
 """
 
 from __future__ import annotations
@@ -15,15 +16,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: experiments that get a job script, and what they need beyond the site defaults
-RESOURCES: dict[str, dict[str, str]] = {
-    "exp9_ldm_4x_bravo": {"CPUS_PER_GPU": "16", "MEM_PER_GPU": "128G"},
-    "exp9_ldm_8x_bravo": {"CPUS_PER_GPU": "16", "MEM_PER_GPU": "128G"},
-    "exp11": {},
-    "exp11_1": {},
-    "exp12": {},
-    "exp12_1": {},
-}
 
 
 def read_site(path: Path) -> dict[str, str]:
@@ -39,8 +31,27 @@ def read_site(path: Path) -> dict[str, str]:
     return values
 
 
-def render(experiment: str, site: dict[str, str]) -> str:
-    values = {**site, **RESOURCES[experiment]}
+def jobs() -> dict[str, dict[str, str]]:
+    """``{experiment: its slurm resources}`` for every experiment config that sets ``slurm:`` to a mapping."""
+    import yaml
+
+    out = {}
+    for path in sorted((ROOT / "configs" / "experiment").glob("*.yaml")):
+        resources = (yaml.safe_load(path.read_text()) or {}).get("slurm")
+        if resources is None:
+            continue
+        if not isinstance(resources, dict):
+            raise SystemExit(f"{path.relative_to(ROOT)}: slurm: must be a mapping of slurm/site.env keys, or {{}}")
+        out[path.stem] = {str(k): str(v) for k, v in resources.items()}
+    return out
+
+
+def render(experiment: str, site: dict[str, str], resources: dict[str, str]) -> str:
+    unknown = sorted(set(resources) - set(site))
+    if unknown:
+        raise SystemExit(f"configs/experiment/{experiment}.yaml: slurm.{unknown[0]} is not a key of slurm/site.env "
+                         f"(the keys: {', '.join(site)})")
+    values = {**site, **resources}
     optional = [("partition", "PARTITION"), ("account", "ACCOUNT"), ("qos", "QOS"), ("constraint", "CONSTRAINT")]
     sbatch_site = "".join(f"#SBATCH --{flag}={values[key]}\n" for flag, key in optional if values.get(key))
     template = (ROOT / "slurm" / "template.slurm").read_text()
@@ -62,11 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     site = read_site(ROOT / "slurm" / "site.env")
     stale = []
-    for experiment in RESOURCES:
-        if not (ROOT / "configs" / "experiment" / f"{experiment}.yaml").is_file():
-            raise SystemExit(f"scripts/render_slurm.py: no configs/experiment/{experiment}.yaml")
+    for experiment, resources in jobs().items():
         path = ROOT / "slurm" / f"{experiment}.slurm"
-        text = render(experiment, site)
+        text = render(experiment, site, resources)
         if args.check:
             if not path.is_file() or path.read_text() != text:
                 stale.append(str(path.relative_to(ROOT)))

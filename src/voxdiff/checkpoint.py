@@ -92,7 +92,8 @@ def checkpoint_kind(checkpoint: Mapping[str, Any]) -> str:
     return "unknown"
 
 
-def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path") -> tuple[Any, dict[str, Any]]:
+def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path",
+                   device_type: str | None = None) -> tuple[Any, dict[str, Any]]:
     """The Lightning system of a checkpoint, rebuilt from its plain hyper-parameters, with its weights (and, for a
     diffusion system, its EMA weights), on the CPU in eval mode; and the checkpoint itself.
 
@@ -101,6 +102,8 @@ def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path"
 
     Args:
         kind: ``"diffusion"`` or ``"vqvae"``: the kind of checkpoint the caller needs (see :data:`KINDS`).
+        device_type: the device the system will run on, for a system that decides settings by it (the diffusion
+            system's ``auto`` switches, e.g. SDPA attention on a GPU); None: the system's default.
 
     Raises:
         ConfigError: the file is unreadable, of another kind, or its stored config or weights are refused.
@@ -117,7 +120,10 @@ def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path"
     if found != kind:
         raise ConfigError(key, str(path), f"is {KINDS[found]}; this command needs {KINDS[kind]}", fix)
     hparams = checkpoint["hyper_parameters"]
-    args = {k: hparams[k] for k in inspect.signature(cls.__init__).parameters if k in hparams}
+    accepted = inspect.signature(cls.__init__).parameters
+    args = {k: hparams[k] for k in accepted if k in hparams}
+    if device_type is not None and "device_type" in accepted:
+        args["device_type"] = device_type
     try:
         system = cls(**args)
     except ConfigError as err:  # e.g. a stored encoding whose _target_ is not a voxdiff encoding

@@ -218,8 +218,9 @@ def _nested_target(value: Any, path: str, top: bool = False) -> str | None:
 
 def build_encoding(cfg: DictConfig) -> Encoding:
     """Build ``cfg.encoding`` (an :class:`~voxdiff.encodings.Encoding`; only voxdiff's own encoding classes)."""
+    names = ", ".join(sorted(p.stem for p in (config_dir() / "encoding").glob("*.yaml")))
     cls, kwargs = voxdiff_class(cfg.encoding, "encoding", Encoding, ("voxdiff.encodings",),
-                                "use encoding=s2d, haar, identity, vqvae_4x or vqvae_8x")
+                                f"use one of configs/encoding/*.yaml: encoding={names.replace(', ', '|')}")
     return cls(**kwargs)
 
 
@@ -242,8 +243,10 @@ def shapes(cfg: DictConfig, encoding: Encoding | None = None) -> Shapes:
     return Shapes(vol, image, (c_in, *image[1:]), (c_out, *image[1:]))
 
 
-def model_spec(cfg: DictConfig, encoding: Encoding | None = None) -> UNetSpec:
-    """Validated UNet arguments of ``cfg.model``, with in/out channels from the encoding and the mode."""
+def model_spec(cfg: DictConfig, encoding: Encoding | None = None, device_type: str | None = None) -> UNetSpec:
+    """Validated UNet arguments of ``cfg.model``, with in/out channels from the encoding and the mode; with
+    ``device_type`` (``cuda``, ``cpu``: where the model will run) its ``auto`` switches resolved
+    (:meth:`UNetSpec.for_device`), else left as configured."""
     encoding = encoding if encoding is not None else build_encoding(cfg)
     c_in, c_out = unet_io_channels(encoding, cfg.mode)
     args = {k: v for k, v in plain(cfg.model).items() if k not in _MODEL_META_KEYS}
@@ -253,9 +256,12 @@ def model_spec(cfg: DictConfig, encoding: Encoding | None = None) -> UNetSpec:
         raise ConfigError(f"model.{key}", args[key], "is not an argument of the UNet",
                           f"remove it; the UNet takes {', '.join(f for f in UNetSpec.__dataclass_fields__)}")
     args.update(in_channels=c_in, out_channels=c_out)
-    return unet_spec(**args)
+    spec = unet_spec(**args)
+    return spec if device_type is None else spec.for_device(device_type)
 
 
-def build_model(cfg: DictConfig, encoding: Encoding | None = None, preserve_rng_state: bool = True):
-    """Build the UNet of ``cfg`` (call under ``torch.device("meta")`` to build it at no cost)."""
-    return build_unet_from_spec(model_spec(cfg, encoding), preserve_rng_state=preserve_rng_state)
+def build_model(cfg: DictConfig, encoding: Encoding | None = None, preserve_rng_state: bool = True, *,
+                device_type: str):
+    """Build the UNet of ``cfg`` for a run on ``device_type`` (call under ``torch.device("meta")`` to build it at no
+    cost; the preflight passes ``cuda``: its meta tensors stand for a GPU)."""
+    return build_unet_from_spec(model_spec(cfg, encoding, device_type), preserve_rng_state=preserve_rng_state)

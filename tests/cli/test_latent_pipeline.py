@@ -66,6 +66,14 @@ def test_cache_command_writes_the_index(pipeline_4x):
     assert index["scale_factor"] == pytest.approx(float(ckpt_data["state_dict"]["latent_scale"]))
 
 
+def test_cache_command_on_several_processes_writes_once(pipeline_4x, tmp_path, monkeypatch):
+    """srun -n N python cache_latents.py: rank 0 writes the one cache; the other ranks write nothing."""
+    ckpt, _, _ = pipeline_4x
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    assert cache(compose("cache_latents", [f"stage1_ckpt={ckpt}", f"out={tmp_path / 'latents'}", *DATA[1:]])) == {}
+    assert not (tmp_path / "latents").exists()
+
+
 def test_exp9_4x_fast_dev_run_on_the_cache(pipeline_4x, tmp_path):
     ckpt, latent_dir, _ = pipeline_4x
     report = train(compose("train", exp9_overrides(4, ckpt, latent_dir, tmp_path)))

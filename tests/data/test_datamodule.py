@@ -1,5 +1,7 @@
 """The data module: subject splits (demo and NIfTI), batches, and arguments refused up front."""
 
+import threading
+import time
 from pathlib import Path
 
 import nibabel as nib
@@ -155,3 +157,30 @@ def test_disk_cache_needs_a_folder(tmp_path):
     _write_subjects(tmp_path / "data", 2)
     with pytest.raises(ConfigError, match="data.cache_dir"):
         VolumeDataModule(SHAPE, root=str(tmp_path / "data"), cache="disk", cache_dir=None)
+
+
+def test_disk_cache_is_filled_by_one_rank_and_read_by_the_others(tmp_path, monkeypatch):
+    """data.cache=disk under DDP/FSDP: the node's rank 0 fills the cache, rank 1 (started first) waits for it.
+    The two ranks are threads here, each with its own launch rank."""
+    from voxdiff.data import shared
+
+    monkeypatch.setattr(shared, "launch_rank", lambda scope="node": int(threading.current_thread().name == "rank1"))
+    _write_subjects(tmp_path / "data", 3)
+    done = {}
+
+    def setup(rank: int) -> None:
+        dm = VolumeDataModule(volume_shape=(16, 16, 16), root=tmp_path / "data", cache="disk",
+                              cache_dir=tmp_path / "cache")
+        dm.setup("fit")
+        done[rank] = (time.monotonic(), sorted(p.name for p in dm.train_dataset.cache_dir.glob("filled-*")),
+                      float(dm.train_dataset[0]["image"].sum()))
+
+    waiter = threading.Thread(target=setup, args=(1,), name="rank1", daemon=True)
+    waiter.start()
+    time.sleep(1.0)
+    assert waiter.is_alive() and not list((tmp_path / "cache").rglob("*.pt"))  # waiting, computing nothing
+    setup(0)
+    waiter.join(60)
+    (t0, m0, x0), (t1, m1, x1) = done[0], done[1]
+    assert t1 >= t0 and m0 == m1 and len(m0) == 1 and x0 == x1
+    assert len(list((tmp_path / "cache").rglob("*.pt"))) == 3

@@ -1,4 +1,5 @@
-"""Small parts: the steps-per-second callback, precision resolution, the logger and callback factories."""
+"""Small parts: the steps-per-second callback and the progress bar, precision resolution, the logger and callback
+factories."""
 
 from types import SimpleNamespace
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from voxdiff.lightning import StepsPerSecond, resolve_precision
-from voxdiff.lightning.callbacks import PoisonBatch
+from voxdiff.lightning.callbacks import PoisonBatch, ProgressBar
 from voxdiff.lightning.trainer import instantiate_callbacks, instantiate_loggers
 
 
@@ -15,7 +16,8 @@ def test_steps_per_second_leaves_validation_out(monkeypatch):
     monkeypatch.setattr("voxdiff.lightning.callbacks.time.perf_counter", lambda: clock["t"])
     logged = []
     module = SimpleNamespace(log=lambda name, value, **kw: logged.append((name, value, kw.get("prog_bar"))))
-    trainer = SimpleNamespace(global_step=0)
+    bar = ProgressBar()
+    trainer = SimpleNamespace(global_step=0, progress_bar_callback=bar)
     cb = StepsPerSecond(window=4)
     for step in range(1, 10):
         clock["t"] += 0.5  # 2 steps per second of training
@@ -25,8 +27,10 @@ def test_steps_per_second_leaves_validation_out(monkeypatch):
             cb.on_validation_end(trainer, module)
         trainer.global_step = step
         cb.on_train_batch_end(trainer, module, None, None, step)
-    assert logged and all(name == "train/steps_per_s" and prog for name, _, prog in logged)
-    assert logged[-1][1] == pytest.approx(2.0)
+    assert len(logged) == 2 and all(name == "train/steps_per_s" and not prog for name, _, prog in logged)  # per window
+    assert float(logged[-1][1]) == pytest.approx(2.0)
+    assert logged[-1][1].device.type == "cpu"  # a CPU tensor: never a copy to the GPU
+    assert bar.values == {"steps_per_s": pytest.approx(2.0)}  # on the bar as a host number
     with pytest.raises(ValueError):
         StepsPerSecond(window=0)
 

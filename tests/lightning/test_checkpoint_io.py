@@ -1,6 +1,7 @@
 """Atomic checkpoint writes: a failure mid-write leaves the previous file intact and no temporary behind."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -51,3 +52,48 @@ def test_replace_is_the_only_way_the_target_changes(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", spy)
     atomic_torch_save({"step": 2}, path)
     assert replaced == [path] and torch.load(path, weights_only=True)["step"] == 2
+
+
+@pytest.fixture()
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs (this machine's tests run as root, as the Slurm tests do)."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_checkpoint_too_large_for_the_disk_is_refused_before_writing(small_disk):
+    from voxdiff.lightning.checkpoint_io import CheckpointWriteError
+
+    path = small_disk / "last.ckpt"
+    atomic_torch_save({"step": 1, "w": torch.ones(64 * 1024)}, path)  # 256 KiB: fits
+    old = path.read_bytes()
+    with pytest.raises(CheckpointWriteError) as info:
+        atomic_torch_save({"step": 2, "w": torch.zeros(1024 * 1024)}, path)  # 4 MiB: cannot
+    assert re.search(rf"no space left on {small_disk}: the checkpoint needs 4\.2 MB, 1\.[78] MB free, to write "
+                     r"last\.ckpt .* The previous checkpoint is intact", str(info.value)), str(info.value)
+    assert path.read_bytes() == old and os.listdir(small_disk) == ["last.ckpt"]
+
+
+def test_a_disk_that_fills_up_during_the_write_is_reported_not_enforce_fail(small_disk, monkeypatch):
+    """The up-front check passes (the disk 'looks' empty) but the real write hits ENOSPC half-way: the message
+    names the folder and the free space, not PyTorch's zip-writer internals; nothing is left behind."""
+    import shutil
+
+    from voxdiff.lightning.checkpoint_io import CheckpointWriteError
+
+    path = small_disk / "last.ckpt"
+    atomic_torch_save({"step": 1, "w": torch.ones(64 * 1024)}, path)
+    old = path.read_bytes()
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=10**12) if p == small_disk else real(p))
+    with pytest.raises(CheckpointWriteError, match=rf"no space left on {small_disk}: the checkpoint needs 4\.2 MB, "
+                                                   r"[\d.]+ [kMG]?B free"):  # as disk_usage says
+        atomic_torch_save({"step": 2, "w": torch.zeros(1024 * 1024)}, path)
+    assert path.read_bytes() == old and os.listdir(small_disk) == ["last.ckpt"]

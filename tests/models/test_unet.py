@@ -71,7 +71,11 @@ BASE = dict(in_channels=16, out_channels=8, channels=[32, 64, 128], attention_le
          "attention_levels[1]=false"),
         (dict(num_head_channels=[32, 32]), "model.num_head_channels", "one entry per level"),
         (dict(gradient_checkpointing="all"), "model.gradient_checkpointing", "none, block, layer"),
-        (dict(use_flash_attention="yes"), "model.use_flash_attention", "false"),
+        (dict(use_flash_attention="yes"), "model.use_flash_attention", "use model.use_flash_attention=auto"),
+        (dict(compile="yes"), "model.compile", "use model.compile=auto"),
+        (dict(compile_mode="fastest"), "model.compile_mode", "max-autotune"),
+        (dict(compile_mode="max-autotune", compile_backend="aot_eager"), "model.compile_mode", "compile_mode=null"),
+        (dict(compile_backend="tensorrt-ish"), "model.compile_backend", "inductor"),
         (dict(in_channels=0), "model.in_channels", "follows from the encoding"),
     ],
 )
@@ -122,3 +126,27 @@ def test_sdpa_attention_matches_the_materialised_path(dtype, tol):
     assert (outs[0] - outs[1]).abs().max() <= tol * scale
     assert (grads[0] - grads[1]).abs().max() <= tol * grads[0].abs().max()
     assert not torch.equal(outs[0], torch.zeros_like(outs[0]))
+
+
+def test_auto_switches_are_decided_by_the_device_the_model_runs_on():
+    """``use_flash_attention`` and ``compile``: ``auto`` is on for a CUDA run and off on the CPU; true and false
+    stay what they say; a model is not built while a switch is still ``auto``."""
+    from monai.networks.blocks.selfattention import SABlock
+
+    from voxdiff.models import unet_spec
+    from voxdiff.models.unet import build_unet_from_spec
+
+    def flags(model):
+        return {m.use_flash_attention for m in model.modules() if isinstance(m, SABlock)}
+
+    kw = {**BASE, "in_channels": 2, "out_channels": 2}
+    auto = unet_spec(**kw, use_flash_attention="auto", compile="auto")
+    assert (auto.for_device("cuda").use_flash_attention, auto.for_device("cuda").compile) == (True, True)
+    assert (auto.for_device("cpu").use_flash_attention, auto.for_device("cpu").compile) == (False, False)
+    forced = unet_spec(**kw, use_flash_attention=True, compile=False, compile_mode="max-autotune")
+    assert forced.for_device("cpu").use_flash_attention is True and forced.for_device("cuda").compile is False
+    with torch.device("meta"):
+        assert flags(build_unet_from_spec(auto, device_type="cuda")) == {True}
+        assert flags(build_unet_from_spec(auto, device_type="cpu")) == {False}
+        with pytest.raises(ValueError, match="device"):
+            build_unet_from_spec(auto)

@@ -14,7 +14,7 @@ from monai.networks.nets.diffusion_model_unet import DiffusionUNetResnetBlock
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from allocator_events import phase_peaks
+from cpu_allocator import phase_peaks
 from voxdiff.models import apply_gradient_checkpointing
 from voxdiff.preflight import compiled
 from voxdiff.preflight.compiled import CompiledTraceError, compiled_profile
@@ -194,3 +194,24 @@ def test_a_setting_that_repr_does_not_show_is_another_profile() -> None:
     fla = predict_step_memory(lambda: _unet(**small), shape, FUSED_AFTER_STEP, attention="flash", compile=True)
     assert "materialised" in mat.attention_path and "flash" in fla.attention_path
     assert fla.steady_step.peak < mat.steady_step.peak
+
+
+def test_a_ddp_rank_is_traced_compiled_an_fsdp_rank_eager_and_said_so() -> None:
+    """DDP wraps the compiled model as it wraps the eager one: its buckets come on top of the compiled step.
+    FSDP's compiled units run between its hooks, graphs the plan does not cover: the eager rank, an upper bound."""
+    from voxdiff.preflight.distributed import Parallel
+
+    shape = (1, 2, 16, 16, 16)
+
+    def rank(compile: bool, parallel: Parallel | None = None):
+        return predict_step_memory(_unet, shape, FUSED_AFTER_STEP, attention="flash", compile=compile,
+                                   parallel=parallel)
+
+    one, one_eager = rank(True), rank(False)
+    ddp, ddp_eager = rank(True, Parallel("ddp", 2)), rank(False, Parallel("ddp", 2))
+    assert (ddp.model_step, ddp_eager.model_step) == ("compiled", "eager") and ddp.parallel.startswith("ddp×2")
+    assert ddp.peak_allocated - one.peak_allocated == ddp_eager.peak_allocated - one_eager.peak_allocated > 0
+    assert ddp.peak_allocated < ddp_eager.peak_allocated
+    fsdp, fsdp_eager = rank(True, Parallel("fsdp", 2)), rank(False, Parallel("fsdp", 2))
+    assert fsdp.model_step == "upper bound (eager)" and any("FSDP" in n for n in fsdp.notes)
+    assert (fsdp.first_step, fsdp.steady_step) == (fsdp_eager.first_step, fsdp_eager.steady_step)

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from monai.networks.nets import DiffusionModelUNet
-from allocator_events import allocator_events, peak
 from torch.profiler import ProfilerActivity, profile
 
+from cpu_allocator import profiler_peaks
 from voxdiff.preflight import predict_step_memory
 from voxdiff.preflight.allocator import K_LARGE_BUFFER, K_SMALL_BUFFER, MiB, simulate_reserved
 from voxdiff.preflight.autocast import (
@@ -57,13 +57,6 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def _profiler_peaks(prof: profile) -> tuple[int, int]:
-    """Running peak of the CPU allocator's allocation/free events (bytes above the start of the window), with and
-    without kernel scratch (:func:`allocator_events.allocator_events`)."""
-    raw, kept = allocator_events(prof)
-    return peak(raw), peak(kept)
-
-
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("attention_levels", [(0, 0, 1), (0, 1, 1)], ids=["attn-L2", "attn-L12"])
 def test_tracker_matches_cpu_allocator(checkpointing: bool, attention_levels: tuple[int, ...], one_thread) -> None:
@@ -74,10 +67,10 @@ def test_tracker_matches_cpu_allocator(checkpointing: bool, attention_levels: tu
     step = _cpu_seed_step(model)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trace = trace_training_step(step, unet_batch((1, 2, 32, 32, 32), 1)[0], device_type="cpu", steps=1)
-    raw_peak, op_peak = _profiler_peaks(prof)
+    raw_peak, op_peak = profiler_peaks(prof)
     tracked = trace.steps[0].peak - trace.start_bytes
     assert tracked == pytest.approx(op_peak, rel=0.05)
-    assert tracked <= raw_peak  # the scratch-free reference can only be lower than the allocator's raw peak
+    assert op_peak <= raw_peak  # the scratch-free reference can only be lower than the allocator's raw peak
 
 
 def test_checkpointing_really_recomputes_on_cpu(one_thread) -> None:

@@ -269,6 +269,17 @@ KillWait=5
             fields[key] = value
         return fields
 
+    def release_requeued(self, job_id: int) -> None:
+        """Start a requeued, pending job now instead of after Slurm's hold (BeginTime, ~2 minutes), as an admin would.
+
+        The hold is there for a reason this must respect: the requeue revoked the job's credential on the node at a
+        time of whole seconds, and slurmd refuses a new credential created in that same second ("Killing
+        non-startable batch job: Job credential revoked", and the job ends FAILED). The revocation happened before
+        the job became pending, so once the clock is in a later second than now, a release is safe."""
+        assert self.job(job_id)["JobState"] == "PENDING", self.job(job_id)
+        time.sleep(max(0.0, int(time.time()) + 1.05 - time.time()))
+        self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+
     def wait_for_file(self, job_id: int, path: Path, timeout: float = 300.0, log=lambda: "") -> None:
         """Wait until the job creates ``path`` (e.g. HoldAtStep's ``.held`` file); fail at once if the job ended."""
         deadline = time.monotonic() + timeout
@@ -316,9 +327,10 @@ def submit_exp11(cluster: SlurmCluster, run_root: Path, overrides: str, *sbatch_
 
 
 def job_log(job_id: int) -> str:
-    """The job's output (``slurm/logs/voxdiff-exp11-<id>.out``, both halves of a requeued job), or ''."""
+    """The job's output (``slurm/logs/voxdiff-exp11-<id>.out``, both halves of a requeued job), or ''. A requeue
+    kills the job mid-write, which can cut a progress bar's multi-byte character: undecodable bytes are replaced."""
     path = REPO / "slurm" / "logs" / f"voxdiff-exp11-{job_id}.out"
-    return path.read_text() if path.exists() else ""
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 def exp11_run_dir(run_root: Path, job_id: int) -> Path:

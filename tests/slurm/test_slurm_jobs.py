@@ -87,7 +87,7 @@ def test_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
     assert checkpoint_step(last) == hold + 1  # saved at the signal
     assert _logged_steps(run_dir) == list(range(hold + 1)), job_log(job)  # the first half's metrics are on disk
     release.touch()  # the resumed run passes step 8 without holding
-    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    cluster.release_requeued(job)
     info = cluster.wait(job, timeout=600)
     log = job_log(job)
     assert info["JobState"] == "COMPLETED", log

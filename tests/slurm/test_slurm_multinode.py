@@ -55,7 +55,7 @@ def test_two_node_job_requeued_mid_run_resumes_on_both_nodes(cluster, tmp_path):
     cluster.run("scontrol", "requeue", str(job))
     cluster.wait(job, {"PENDING"}, timeout=90, poll=0.2)
     release.touch()
-    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    cluster.release_requeued(job)
     info = cluster.wait(job, timeout=600)
     log = job_log(job)
     assert info["JobState"] == "COMPLETED", log

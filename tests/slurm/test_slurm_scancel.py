@@ -79,7 +79,7 @@ def test_a_sigterm_that_does_not_end_the_job_requeues_it_and_it_resumes(cluster,
     saved = re.findall(r"stopped by SIGTERM after step (\d+)", job_log(job))
     assert saved and f"Slurm job {job} requeued" in job_log(job), job_log(job)
     # Slurm holds a requeued job for ~2 minutes (BeginTime); release it, as an admin would
-    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    cluster.release_requeued(job)
     info = cluster.wait(job, timeout=600)
     log = job_log(job)
     assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) == 1, log

@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 from voxdiff.errors import ConfigError
-from voxdiff.step import WarmupCosine, build_lr_scheduler, build_optimizer, optim_settings, optimizer_impl
+from voxdiff.step import (
+    WarmupCosine,
+    build_lr_scheduler,
+    build_optimizer,
+    optim_settings,
+    optimizer_impl,
+    params_device_type,
+)
 
 
 def _model():
@@ -74,11 +81,38 @@ def test_lr_scheduler_steps_per_call_and_round_trips():
 
 @pytest.mark.parametrize(
     "cfg, device, impl",
-    [({}, "cuda", "foreach"), ({}, "cpu", "single"), ({"foreach": True}, "cpu", "foreach"),
-     ({"foreach": False}, "cuda", "single"), ({"fused": True}, "cuda", "fused"), ({"fused": True}, "cpu", "fused")],
+    [({}, "cuda", "fused"), ({}, "cpu", "single"), ({}, "mixed", "single"), ({"foreach": True}, "cpu", "foreach"),
+     ({"foreach": False}, "cuda", "single"), ({"fused": True}, "cuda", "fused"), ({"fused": True}, "cpu", "fused"),
+     ({"fused": False}, "cuda", "foreach"), ({"fused": False}, "cpu", "single"),
+     ({"foreach": True}, "cuda", "foreach")],
 )
-def test_implementation_follows_the_settings_then_torchs_default_for_the_device(cfg, device, impl):
+def test_implementation_follows_the_settings_then_fused_where_every_parameter_is_on_a_gpu(cfg, device, impl):
+    """``system.optim.fused: null`` (and ``foreach: null``) means fused AdamW wherever every parameter is on a CUDA
+    device; ``fused=false`` alone leaves torch's default (foreach on CUDA)."""
     assert optimizer_impl(optim_settings(cfg), device) == impl
+
+
+def test_parameters_on_several_devices_are_not_fused():
+    on_cpu, on_meta = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2, device="meta"))
+    assert params_device_type([on_cpu, on_cpu]) == "cpu" and params_device_type([on_cpu, on_meta]) == "mixed"
+    opt = build_optimizer([on_cpu, on_meta], {})
+    assert not opt.defaults["fused"] and not opt.defaults["foreach"]  # "mixed": a loop over parameters
+
+
+def test_fused_adamw_steps_on_the_cpu_like_the_loop():
+    """The fused kernel (the GPU default) is also torch's on the CPU: same update as the loop, to float rounding."""
+    torch.manual_seed(0)
+    models = [_model(), _model()]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [build_optimizer(m.parameters(), {"lr": 1e-2}, impl) for m, impl in zip(models, ("fused", "single"))]
+    assert opts[0].defaults["fused"]
+    for _ in range(3):
+        for m, opt in zip(models, opts):
+            m(torch.ones(1, 2, 3, 3, 3)).square().sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("impl", ["foreach", "single", None])

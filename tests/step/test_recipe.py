@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from voxdiff.errors import ConfigError
-from voxdiff.step import SEED, ClipSettings, EMASettings, clip_settings, recipe_from_config
+from voxdiff.step import SEED, ClipSettings, EMASettings, GuardSettings, clip_settings, recipe_from_config
 
 
 def test_the_system_recipe_reads_the_run_config(tiny_cfg):
@@ -16,6 +16,17 @@ def test_the_system_recipe_reads_the_run_config(tiny_cfg):
     assert r.diffusion.prediction_type == "sample"  # experiment=demo's diffusion settings
     assert recipe_from_config(tiny_cfg("system.ema=false", "trainer.gradient_clip_val=null")).ema is None
     assert recipe_from_config(tiny_cfg("trainer.gradient_clip_val=0")).clip is None
+
+
+def test_the_guard_is_read_every_step_on_the_cpu_and_every_50_on_a_gpu(tiny_cfg, monkeypatch):
+    monkeypatch.setenv("VOXDIFF_TARGET", "cpu")  # resolve the config as on a machine without a GPU
+    assert recipe_from_config(tiny_cfg()).guard == GuardSettings(check_every_n_steps=1)
+    assert recipe_from_config(tiny_cfg("system.guard.check_every_n_steps=7")).guard == GuardSettings(7)
+    monkeypatch.setenv("VOXDIFF_TARGET", "gpu")  # resolve the config as on a GPU machine
+    assert recipe_from_config(tiny_cfg()).guard == GuardSettings(check_every_n_steps=50)
+    with pytest.raises(ConfigError) as e:
+        recipe_from_config(tiny_cfg("system.guard.check_every_n_steps=0"))
+    assert e.value.key == "system.guard.check_every_n_steps"
 
 
 def test_a_recipe_is_chosen_by_name(tiny_cfg):

@@ -60,10 +60,11 @@ def test_lightning_and_the_bare_step_are_bit_identical(run_cfg, batches):
 
     # the bare step, built without Lightning from the same config
     encoding = build_encoding(run_cfg)
-    model = build_unet_from_spec(model_spec(run_cfg, encoding))
+    model = build_unet_from_spec(model_spec(run_cfg, encoding, "cpu"))
     model.load_state_dict(initial)
     sys_cfg = run_cfg.system
-    recipe = system_recipe(dict(sys_cfg.optim), dict(sys_cfg.ema), dict(run_cfg.diffusion), clip_settings(CLIP))
+    recipe = system_recipe(dict(sys_cfg.optim), dict(sys_cfg.ema), dict(run_cfg.diffusion), clip_settings(CLIP),
+                           dict(sys_cfg.guard))
     assert recipe == recipe_from_config(run_cfg)  # what the preflight traces for this config
     step = TrainStep(model, recipe, encoding=encoding, mode=run_cfg.mode,
                      process=DiffusionProcess(diffusion_settings(dict(run_cfg.diffusion))))
@@ -119,13 +120,13 @@ def test_gradient_order_of_the_recipes():
 
 def test_the_optimizer_implementation_follows_the_device_the_model_is_on_when_it_is_made():
     """Lightning builds the system (and its step) on the CPU and moves it to the GPU before configure_optimizers:
-    the implementation is decided then, for where the parameters are (foreach on CUDA, single elsewhere)."""
+    the implementation is decided then, for where the parameters are (fused on CUDA, single elsewhere)."""
     step = _tiny_step(system_recipe({}, False, {}))
     assert step.device_type == "cpu" and step.optimizer_impl == "single"
     step.model.to("meta")
     assert step.device_type == "meta"
     told = TrainStep(step.model, system_recipe({}, False, {}), device_type="cuda")  # the preflight's meta = a GPU
-    assert told.device_type == "cuda" and told.optimizer_impl == "foreach"
+    assert told.device_type == "cuda" and told.optimizer_impl == "fused"
 
 
 def test_clipping_by_value_and_by_norm():
@@ -141,21 +142,30 @@ def test_clipping_by_value_and_by_norm():
             assert float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) == pytest.approx(1e-4, rel=1e-3)
 
 
-def test_a_nonfinite_loss_or_gradient_norm_stops_before_the_optimizer_step():
-    step = _tiny_step(system_recipe({}, {}, {}))
+def test_the_guard_records_the_first_bad_step_on_the_device_and_stops_at_its_check():
+    """``check_every_n_steps=3``: a NaN loss at step 1 is recorded, not read; the check after step 2 stops the run
+    naming step 1 (step 2, trained from NaN weights, is not finite either: the first bad step is the one named)."""
+    step = _tiny_step(system_recipe({}, {}, {}, guard={"check_every_n_steps": 3}))
     step.configure_optimizer()
-    before = [p.detach().clone() for p in step.model.parameters()]
     bad = _batch()
     bad["image_z"][0, 0, 0, 0, 0] = math.nan
-    with pytest.raises(NonFiniteLossError, match="loss is nan at global step 0"):
-        step.run(bad)
-    # a finite loss whose gradient is not: one parameter's gradient turned to inf
-    step.optimizer.zero_grad(set_to_none=True)
-    step.model.conv_in.conv.weight.register_hook(lambda g: g + math.inf)
+    step.run(_batch())
+    step.run(bad)  # recorded on the device; no check is due after step 1
+    assert not all(torch.isfinite(p).all() for p in step.model.parameters())  # the update went through
+    with pytest.raises(NonFiniteLossError, match="loss is nan at global step 1") as err:
+        step.run(_batch())
+    assert err.value.step == 1 and err.value.what == "loss"
+    with pytest.raises(NonFiniteLossError, match="at global step 1"):
+        step.check_guard()  # and it stays recorded for the checks before a checkpoint
+
+
+def test_a_nonfinite_gradient_norm_is_caught_with_every_step_checked():
+    step = _tiny_step(system_recipe({}, {}, {}))  # check_every_n_steps=1 (the CPU default): right after the step
+    step.configure_optimizer()
+    step.model.conv_in.conv.weight.register_hook(lambda g: g + math.inf)  # a finite loss, an inf gradient
     with pytest.raises(NonFiniteLossError, match="gradient norm is inf at global step 0"):
         step.run(_batch())
-    assert step.ema.num_updates == 0 and step.steps_done == 0  # nothing reached the EMA
-    assert all(torch.equal(a, b) for a, b in zip(before, step.model.parameters()))
+    assert step.steps_done == 1
 
 
 def test_run_needs_an_optimizer():

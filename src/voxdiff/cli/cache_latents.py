@@ -70,12 +70,19 @@ def validate(cfg: DictConfig):  # noqa: ANN201 - returns (encoding, volume_shape
 
 
 def cache(cfg: DictConfig) -> dict[str, Any]:
-    """Validate, encode, write the cache; returns its index."""
+    """Validate, encode, write the cache; returns its index (``{}`` on the other ranks of a multi-process launch:
+    rank 0 writes the one cache)."""
     from torch.utils.data import ConcatDataset
 
     from voxdiff.data.latents import INDEX_NAME, write_latent_cache
 
+    from voxdiff.data.shared import launch_rank
+
     encoding, shape, device = validate(cfg)
+    if launch_rank("world") != 0:  # launched on several processes (srun -n N): rank 0 writes the one cache; the
+        print(f"[voxdiff] rank {launch_rank('world')}: rank 0 writes the latent cache {cfg.out}",  # launcher's
+              flush=True)  # step ends when rank 0 has written it
+        return {}
     with open_dict(cfg):
         cfg.data.volume_shape = list(shape)
     datamodule = instantiate_config(cfg.data, _convert_="all")
@@ -92,10 +99,28 @@ def cache(cfg: DictConfig) -> dict[str, Any]:
     out = Path(str(cfg.out)).resolve()
     print(f"[voxdiff] latent cache: {out / INDEX_NAME}: {len(index['subjects'])} subjects, latents "
           f"{index['latent_shape']} per modality, {index['seconds']} s", flush=True)
-    print(f"[voxdiff] next: python train.py experiment=exp9_ldm_{encoding.factor}x_bravo "
+    experiments = "|".join(latent_experiments(type(encoding), encoding.factor)) or "<a latent experiment>"
+    print(f"[voxdiff] next: python train.py experiment={experiments} "
           f"encoding.checkpoint={Path(str(cfg.stage1_ckpt)).resolve()} data.latent_dir={out} "
           f"data.volume_shape=[{','.join(map(str, shape))}]", flush=True)
     return index
+
+
+def latent_experiments(encoding_class: type, factor: int) -> list[str]:
+    """The diffusion experiments (``configs/experiment/*.yaml``) whose encoding is ``encoding_class`` with this
+    ``factor``: those that train on this cache."""
+    from voxdiff.config import compose, is_diffusion, voxdiff_class
+    from voxdiff.encodings import Encoding
+
+    out = []
+    for path in sorted((config_dir() / "experiment").glob("*.yaml")):
+        cfg = compose("train", [f"experiment={path.stem}"])
+        if not is_diffusion(cfg):
+            continue
+        cls, kwargs = voxdiff_class(cfg.encoding, "encoding", Encoding, ("voxdiff.encodings",), "")
+        if cls is encoding_class and kwargs.get("factor") == factor:
+            out.append(path.stem)
+    return out
 
 
 @hydra.main(config_path=str(config_dir()), config_name="cache_latents", version_base="1.3")

@@ -37,10 +37,12 @@ TABLE: tuple[ExitCode, ...] = (
              "a bug or a broken environment: report it with the command line and the traceback"),
     ExitCode(EXIT_CONFIG, "EXIT_CONFIG",
              "refused before anything ran: a config value, an argument or an input file (checkpoint, CSV, "
-             "latent-cache index) cannot work, or the run directory is in use or holds another run",
+             "latent-cache index) cannot work, or the run directory is in use or holds another run; also "
+             "torch.compile failing on the first training step (model.compile)",
              "change what the one-line message names (key=value: problem. Fix: ...)"),
     ExitCode(EXIT_NONFINITE, "EXIT_NONFINITE",
-             "training stopped on a NaN/inf loss or gradient norm, before the optimizer step",
+             "training stopped on a NaN/inf loss or gradient norm, at most system.guard.check_every_n_steps "
+             "steps after it and before any checkpoint was written after it",
              "resume from the last good checkpoint the message names, with a lower system.optim.lr, "
              "trainer.precision=32-true or a smaller trainer.gradient_clip_val"),
     ExitCode(EXIT_NO_FIT, "EXIT_NO_FIT",

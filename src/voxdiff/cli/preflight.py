@@ -73,10 +73,12 @@ def details(r: PreflightResult) -> str:
         out.append(f"  ✗ {p}")
     if r.report is not None:
         out.append("  " + r.report.summary().replace("\n", "\n  "))
-        out.append(f"  per GPU: peak {r.per_gpu_peak_gib:.2f} GiB ({r.strategy}, {r.world_size} GPU"
-                   f"{'s' if r.world_size > 1 else ''}); needs {r.need_gib:.1f} GiB with the safety margin and "
-                   f"CUDA context; budget {r.budget_gib:.1f} GiB ({r.budget_source}): "
+        where = r.parallel.describe() if r.parallel is not None else "one GPU"
+        out.append(f"  per GPU: peak {r.per_gpu_peak_gib:.2f} GiB ({where}); needs {r.need_gib:.1f} GiB with the "
+                   f"safety margin and CUDA context; budget {r.budget_gib:.1f} GiB ({r.budget_source}): "
                    + ("fits" if r.fits else "DOES NOT FIT"))
+        if r.data is not None and r.parallel is not None:
+            out.append(f"  data in host memory: {r.data.describe(r.parallel)}")
     if r.suggestions:
         out.append(("  changes that fit (predicted per-GPU peak / need" if any(s.fits for s in r.suggestions)
                     else "  no single change fits; predicted effect of each (per-GPU peak / need")

@@ -54,11 +54,14 @@ def validate(cfg: DictConfig) -> None:
 
 
 def _load(ckpt_path: str, device: Any):
-    """The diffusion system of a checkpoint, rebuilt from its plain hyper-parameters, with its (EMA) weights."""
+    """The diffusion system of a checkpoint, rebuilt from its plain hyper-parameters, with its (EMA) weights, for
+    ``device`` (which decides ``model.use_flash_attention=auto``)."""
+    import torch
+
     from voxdiff.checkpoint import rebuild_system
     from voxdiff.lightning.callbacks import CONFIG_KEY
 
-    system, checkpoint = rebuild_system(ckpt_path, "diffusion", _CKPT_FIX)
+    system, checkpoint = rebuild_system(ckpt_path, "diffusion", _CKPT_FIX, device_type=torch.device(device).type)
     return system.to(device), checkpoint.get(CONFIG_KEY, {})
 
 

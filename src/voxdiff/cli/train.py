@@ -57,9 +57,13 @@ def validate(cfg: DictConfig) -> None:
     validate_trainer(cfg.trainer)
     if not isinstance(cfg.get("overwrite", False), bool):
         raise ConfigError("overwrite", cfg.get("overwrite"), "must be true or false", "use overwrite=true or false")
+    strategy = plain(cfg.trainer.get("strategy"))
+    if isinstance(strategy, dict) and str(strategy.get("_target_", "")).endswith("ShardedUNetStrategy") \
+            and not is_diffusion(cfg):
+        raise ConfigError("trainer", "fsdp", "FSDP shards the diffusion UNet; the VQ-VAE stage 1 trains with one "
+                          "device or DDP", "use trainer=ddp (or trainer=gpu) for system=vqvae")
     encoding = build_encoding(cfg)
     shapes(cfg, encoding)  # volume divisible by the encoding's factor
-    model_spec(cfg, encoding)  # the UNet's arguments
     decide_precision(plain(cfg.trainer.get("precision")), accelerator_device(cfg.trainer.get("accelerator")))
     stage1 = getattr(encoding, "checkpoint", None)
     if stage1 is not None:  # a latent run: its stage-1 weights must be readable now, not after data loading
@@ -71,6 +75,7 @@ def validate(cfg: DictConfig) -> None:
         from voxdiff.preflight.rules import validate as static_rules
         from voxdiff.step import recipe_from_config
 
+        model_spec(cfg, encoding)  # the UNet's arguments
         static_rules(cfg)  # the preflight's static rules: divisibility by the UNet's levels, in/out channels, ...
         recipe_from_config(cfg, "system")  # the training step: diffusion, system.optim/.ema, trainer clipping
         system_settings(plain(cfg.system.get("optim")), plain(cfg.system.get("ema")),
@@ -172,6 +177,7 @@ def run(cfg: DictConfig, ckpt_path: str | None = None, plan: Any = None) -> dict
         instantiate_loggers,
     )
     from voxdiff.run_dir import process_rank
+    from voxdiff.step import accelerator_device
 
     _one_console_log()
     L.seed_everything(int(cfg.seed) + process_rank(), workers=True)  # DDP broadcasts rank 0's initial weights
@@ -183,7 +189,9 @@ def run(cfg: DictConfig, ckpt_path: str | None = None, plan: Any = None) -> dict
 
     datamodule = instantiate_config(cfg.data, _convert_="all")
     datamodule.setup("fit")  # load (and check) the data before the model is built
-    system = instantiate_config(cfg.system)
+    # the diffusion system decides its model's auto switches (SDPA attention, compile) for the run's device
+    on = {"device_type": accelerator_device(cfg.trainer.get("accelerator"))} if is_diffusion(cfg) else {}
+    system = instantiate_config(cfg.system, **on)
     logger = instantiate_loggers(cfg.get("logger"))
     record = {k: plain(cfg[k]) for k in cfg if k != "hydra"}  # the resolved config, for sample.py and resumes
     on_sigterm = SaveOnSigterm()
@@ -198,7 +206,8 @@ def run(cfg: DictConfig, ckpt_path: str | None = None, plan: Any = None) -> dict
     try:
         trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     except NonFiniteLossError as e:
-        last = [c.last_model_path for c in trainer.checkpoint_callbacks if getattr(c, "last_model_path", "")]
+        last = [p for c in trainer.checkpoint_callbacks
+                if (p := getattr(c, "last_model_path", "")) and Path(p).is_file()]  # a failed write leaves the path
         e.args = (f"{e}. The last good checkpoint: {last[0] if last else 'none was written yet'}",)
         raise
     except SIGTERMException as e:

@@ -181,8 +181,33 @@ class VolumeDataModule(L.LightningDataModule):
             kwargs: dict[str, Any] = {"cache": self.cache, "cache_dir": self.cache_dir, "validate": False}
             self.train_dataset = NiftiDataset([self._records[i] for i in self._train_idx], self.volume_shape, **kwargs)
             self.val_dataset = NiftiDataset([self._records[i] for i in self._val_idx], self.volume_shape, **kwargs)
-            if self.cache != "memory":  # memory: every subject was loaded (and checked) above
+            if self.cache == "disk":  # the node's rank 0 fills the cache; the others wait, then read it
+                self._fill_disk_cache()
+            elif self.cache != "memory":  # memory: every subject was loaded (and checked) above
                 self._load_every_subject()
+
+    def _fill_disk_cache(self) -> None:
+        """``data.cache=disk``: rank 0 of the node loads every subject (which writes the cache) and then a marker
+        naming these subjects' files (path, size, time); the other ranks wait for the marker, then load them from
+        the cache."""
+        import json
+
+        from voxdiff.data.nifti import _stamp
+        from voxdiff.data.shared import launch_rank, one_writes
+        from voxdiff.lightning.checkpoint_io import atomic_write
+
+        records = [r for ds in (self.train_dataset, self.val_dataset) for r in ds.records]
+        files = sorted((r["subject"], *[(str(r[k]), _stamp(str(r[k]))) for k in ("image", "mask")]) for r in records)
+        key = hashlib.sha1(json.dumps(files).encode()).hexdigest()[:12]
+        marker = self.train_dataset.cache_dir / f"filled-{key}"
+
+        def fill() -> None:
+            self._load_every_subject()
+            atomic_write(marker, lambda f: f.write(b"filled\n"))
+
+        one_writes(fill, marker.is_file, f"the disk cache {self.train_dataset.cache_dir}")
+        if launch_rank("node") != 0:
+            self._load_every_subject()  # from the cache now (each rank checks what it will train on)
 
     def _load_every_subject(self) -> None:
         """Load each subject once now (``cache=none|disk``), so that a NaN voxel or a blank image stops the run

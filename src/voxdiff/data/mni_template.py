@@ -128,23 +128,42 @@ def make_subject(template: str, voxel_mm: float, seed: int) -> tuple[np.ndarray,
     return np.clip(image, 0, 1.5).astype(np.float32), mask.astype(np.float32), wm_s, affine
 
 
+def _settings(template: str, voxel_mm: float, num_subjects: int, seed: int) -> dict[str, Any]:
+    return {"template": template, "voxel_mm": float(voxel_mm), "num_subjects": int(num_subjects), "seed": int(seed),
+            "recipe": _RECIPE_VERSION}
+
+
+def subject_root(out_dir: str | os.PathLike[str], template: str, voxel_mm: float, num_subjects: int,
+                 seed: int) -> Path:
+    """The folder of the subject folders of these settings (keyed by all of them)."""
+    key = hashlib.sha1(json.dumps(_settings(template, voxel_mm, num_subjects, seed), sort_keys=True).encode())
+    return Path(out_dir).expanduser() / f"{template}-{voxel_mm:g}mm-n{num_subjects}-{key.hexdigest()[:10]}"
+
+
 def subject_folder(out_dir: str | os.PathLike[str], template: str, voxel_mm: float, num_subjects: int,
                    seed: int) -> Path:
-    """Write the subjects (once; existing complete ones are kept) and return the folder of subject folders."""
+    """Write the subjects (once; existing complete ones are kept) and return the folder of subject folders.
+
+    In a multi-process run the node's rank 0 writes them and the other ranks wait for ``settings.json``, written
+    last (:func:`voxdiff.data.shared.one_writes`); every file is written atomically."""
+    from voxdiff.data.shared import one_writes
+    from voxdiff.lightning.checkpoint_io import atomic_write
     from voxdiff.viz import save_nifti
 
-    settings = {"template": template, "voxel_mm": float(voxel_mm), "num_subjects": int(num_subjects),
-                "seed": int(seed), "recipe": _RECIPE_VERSION}
-    key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
-    root = Path(out_dir).expanduser() / f"{template}-{voxel_mm:g}mm-n{num_subjects}-{key}"
-    for i in range(num_subjects):
-        folder = root / f"{template}-{i:04d}"
-        if (folder / "bravo.nii.gz").is_file() and (folder / "seg.nii.gz").is_file():
-            continue
-        image, mask, _, affine = make_subject(template, float(voxel_mm), int(seed) * 100_003 + i)
-        save_nifti(folder / "seg.nii.gz", mask, affine)
-        save_nifti(folder / "bravo.nii.gz", image, affine)  # last: its presence marks a complete subject
-    (root / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
+    settings = _settings(template, voxel_mm, num_subjects, seed)
+    root = subject_root(out_dir, template, voxel_mm, num_subjects, seed)
+
+    def write() -> None:
+        for i in range(num_subjects):
+            folder = root / f"{template}-{i:04d}"
+            if (folder / "bravo.nii.gz").is_file() and (folder / "seg.nii.gz").is_file():
+                continue
+            image, mask, _, affine = make_subject(template, float(voxel_mm), int(seed) * 100_003 + i)
+            save_nifti(folder / "seg.nii.gz", mask, affine)
+            save_nifti(folder / "bravo.nii.gz", image, affine)  # last: its presence marks a complete subject
+        atomic_write(root / "settings.json", lambda f: f.write((json.dumps(settings, indent=2) + "\n").encode()))
+
+    one_writes(write, (root / "settings.json").is_file, f"the {num_subjects} template subjects in {root}")
     return root
 
 

@@ -32,6 +32,11 @@ class Encoding(nn.Module, ABC):
     #: whether the encoding has learned weights that must be loaded before use
     has_weights: bool = False
 
+    @property
+    def label(self) -> str:
+        """How an error message names what the UNet sees ("the S2D encoding", "the 8× latent")."""
+        return f"the {type(self).__name__} encoding"
+
     @abstractmethod
     def encoded_channels(self, in_channels: int) -> int:
         """Channel count of the encoding of a volume with ``in_channels`` channels."""

@@ -32,6 +32,7 @@ class HaarWavelet(Encoding):
 
     factor = 2
     lossless = True
+    label = "the Haar encoding"
 
     def encoded_channels(self, in_channels: int) -> int:
         return in_channels * 8

@@ -12,6 +12,7 @@ class Identity(Encoding):
 
     factor = 1
     lossless = True
+    label = "the volume"
 
     def encoded_channels(self, in_channels: int) -> int:
         return in_channels

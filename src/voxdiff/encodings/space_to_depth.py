@@ -21,6 +21,7 @@ class SpaceToDepth(Encoding):
     """
 
     lossless = True
+    label = "the S2D encoding"
 
     def __init__(self, factor: int = 2) -> None:
         super().__init__()

@@ -279,6 +279,10 @@ class VQVAELatent(Encoding):
     lossless = False
     has_weights = True
 
+    @property
+    def label(self) -> str:
+        return f"the {self.factor}× latent"
+
     def __init__(self, factor: int = 4, latent_channels: int = 4, checkpoint: str | None = None) -> None:
         super().__init__()
         for key, value in (("encoding.factor", factor), ("encoding.latent_channels", latent_channels)):

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from voxdiff.lightning.callbacks import ConfigInCheckpoint, HoldAtStep, LastCheckpoint, PoisonBatch, StepsPerSecond
+from voxdiff.lightning.callbacks import (
+    ConfigInCheckpoint,
+    HoldAtStep,
+    LastCheckpoint,
+    PoisonBatch,
+    ProgressBar,
+    StepsPerSecond,
+)
 from voxdiff.lightning.checkpoint_io import AtomicCheckpointIO, atomic_torch_save
 from voxdiff.lightning.diffusion import DiffusionSystem, NonFiniteLossError, system_settings
 from voxdiff.lightning.trainer import build_trainer, resolve_precision
@@ -20,6 +27,7 @@ __all__ = [
     "LastCheckpoint",
     "NonFiniteLossError",
     "PoisonBatch",
+    "ProgressBar",
     "StepsPerSecond",
     "VQVAESystem",
     "atomic_torch_save",

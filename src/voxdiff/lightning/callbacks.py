@@ -1,5 +1,5 @@
-"""Small Lightning callbacks: throughput on the progress bar, an always-current ``last.ckpt``, the run's config in
-every checkpoint, and fault injectors for tests (a NaN batch, a hold at a step).
+"""Small Lightning callbacks: a progress bar that never waits for the GPU, throughput on it, an always-current
+``last.ckpt``, the run's config in every checkpoint, and fault injectors for tests (a NaN batch, a hold at a step).
 """
 
 from __future__ import annotations
@@ -13,17 +13,43 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
 #: key of the run's resolved config in a checkpoint (read by ``sample.py``)
 CONFIG_KEY = "voxdiff_config"
+
+
+class ProgressBar(TQDMProgressBar):
+    """Lightning's TQDM bar, plus values given as host numbers (:meth:`show`): the training loss, steps per second,
+    the compile time.
+
+    Lightning turns every ``self.log(..., prog_bar=True)`` value into a number after every batch; for a GPU tensor
+    that waits for the GPU to finish its queued work, every step. The training step therefore logs its tensors to
+    the logger only (read at logging steps) and hands the bar a number at its logging steps.
+    """
+
+    def __init__(self, refresh_rate: int = 1, leave: bool = False) -> None:
+        super().__init__(refresh_rate=refresh_rate, leave=leave)
+        self.values: dict[str, float] = {}
+
+    @staticmethod
+    def show(trainer: L.Trainer, key: str, value: float) -> None:
+        """Put ``key: value`` (a host number) on the bar of ``trainer``, if it has a :class:`ProgressBar`."""
+        bar = trainer.progress_bar_callback
+        if isinstance(bar, ProgressBar):
+            bar.values[key] = float(value)
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        return {**super().get_metrics(trainer, pl_module), **self.values}
 
 
 class StepsPerSecond(L.Callback):
     """Log ``train/steps_per_s`` (optimizer steps per second of training time) on the progress bar and the logger.
 
     Measured over windows of ``window`` steps so that the number is stable; time spent in validation (and in the
-    sampling it triggers) is left out, and so is the first step (compilation, data cache warm-up).
+    sampling it triggers) is left out, and so is the first step (compilation, data cache warm-up). Logged once per
+    window as a CPU tensor (a Python number would be copied to the GPU, which waits for its queued work), and
+    shown on a :class:`ProgressBar`.
 
     Args:
         window: steps per measurement.
@@ -48,9 +74,8 @@ class StepsPerSecond(L.Callback):
         elif step - self._step0 >= self.window:
             self._value = (step - self._step0) / max(now - self._t0 - self._paused, 1e-9)
             self._t0, self._step0, self._paused = now, step, 0.0
-        if self._value is not None:
-            pl_module.log("train/steps_per_s", self._value, prog_bar=True, on_step=True, on_epoch=False,
-                          batch_size=1)
+            pl_module.log("train/steps_per_s", torch.tensor(self._value), on_step=True, on_epoch=False, batch_size=1)
+            ProgressBar.show(trainer, "steps_per_s", self._value)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._val_start = time.perf_counter()

@@ -7,11 +7,18 @@ encoding, diffusion and mode configs arrive as config nodes, are turned into pla
 The training step itself is :class:`voxdiff.step.TrainStep` (no Lightning in it), the same object the preflight
 traces and the measure mode runs; the hooks below only hand it over to Lightning's loop::
 
-    training_step               → step.loss (encode_batch → DiffusionProcess.loss → finite?)
+    training_step               → step.loss (encode_batch → DiffusionProcess.loss, compiled with model.compile →
+                                  guard record)
     optimizer_zero_grad         → step.zero_grad_before_backward (nothing: the system frees them after the step)
-    configure_gradient_clipping → step.clip_and_check (trainer.gradient_clip_val; gradient norm finite?)
-    optimizer_step              → Lightning's AdamW step, then step.after_optimizer_step (EMA, free gradients)
-    configure_optimizers        → step.configure_optimizer (AdamW, warm-up/cosine)
+    backward                    → loss.backward() (compiler failures named: step.compile_errors)
+    configure_gradient_clipping → step.clip_and_check (trainer.gradient_clip_val; gradient norm → guard record)
+    optimizer_step              → Lightning's AdamW step, then step.after_optimizer_step (EMA, free gradients, end
+                                  of the compile warm-up, the guard's check every system.guard.check_every_n_steps)
+    on_save_checkpoint          → step.check_guard first: no checkpoint is written after a non-finite step
+    configure_optimizers        → step.configure_optimizer (AdamW: fused on a GPU; warm-up/cosine)
+
+No hook makes the host wait for the GPU in a steady-state step: the guard's record stays on the device, the loss
+and the gradient norm are logged as device tensors (Lightning reads them at its logging steps only).
 
 Lightning brings the autocast (``trainer.precision``, decided by :func:`voxdiff.step.decide_precision`) and the
 backward. Checkpoints carry, besides Lightning's weights, optimizer, LR scheduler and loop state: the EMA weights
@@ -22,13 +29,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
 from omegaconf import OmegaConf
 
 from voxdiff.config import build_encoding, model_spec, plain
@@ -41,15 +49,18 @@ from voxdiff.diffusion import (
     encoded_range,
 )
 from voxdiff.errors import ConfigError, require_nonneg_int, settings_from
+from voxdiff.lightning.callbacks import ProgressBar
 from voxdiff.lightning.optim import lightning_optimizers
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
 from voxdiff.models.unet import build_unet_from_spec
 from voxdiff.step import (
     EMA,
+    CompileSettings,
     EMASettings,
     NonFiniteLossError,
     OptimSettings,
     TrainStep,
+    accelerator_device,
     clip_settings,
     ema_settings,
     optim_settings,
@@ -115,8 +126,13 @@ class DiffusionSystem(L.LightningModule):
         sampling: :class:`SamplingSettings`.
         val_timesteps: the validation loss of a batch is the mean over this many fixed, evenly spread timesteps
             (with fixed noise), so it is comparable from epoch to epoch.
+        guard: ``system.guard`` (:class:`voxdiff.step.GuardSettings`): how often the non-finite guard is read.
+        device_type: the device the system will run on (``cuda``, ``cpu``; default: ``cuda`` when one is
+            present), which decides ``model.use_flash_attention=auto`` and ``model.compile=auto``. Not a
+            hyper-parameter: the same checkpoint samples on another device.
 
-    Config containers are converted to plain Python here; all of the above is saved as hyper-parameters.
+    Config containers are converted to plain Python here; all of the above but ``device_type`` is saved as
+    hyper-parameters.
     """
 
     def __init__(
@@ -129,14 +145,16 @@ class DiffusionSystem(L.LightningModule):
         ema: Mapping[str, Any] | bool | None = None,
         sampling: Mapping[str, Any] | None = None,
         val_timesteps: int = 4,
+        guard: Mapping[str, Any] | None = None,
+        device_type: str | None = None,
     ) -> None:
         super().__init__()
-        model, encoding, diffusion, optim, ema, sampling = (
-            plain(x) for x in (model, encoding, diffusion, optim, ema, sampling)
+        model, encoding, diffusion, optim, ema, sampling, guard = (
+            plain(x) for x in (model, encoding, diffusion, optim, ema, sampling, guard)
         )
         self.save_hyperparameters(
             {"model": model, "encoding": encoding, "diffusion": diffusion, "mode": mode, "optim": optim,
-             "ema": ema, "sampling": sampling, "val_timesteps": val_timesteps}
+             "ema": ema, "sampling": sampling, "val_timesteps": val_timesteps, "guard": guard}
         )
         _, _, self.sampling = system_settings(optim, ema, sampling, val_timesteps)
         self.val_timesteps = val_timesteps
@@ -144,12 +162,16 @@ class DiffusionSystem(L.LightningModule):
         cfg = OmegaConf.create({"model": model, "encoding": encoding, "mode": mode})
         self.encoding = build_encoding(cfg)
         self.encoding.requires_grad_(False)
-        self.spec = model_spec(cfg, self.encoding)  # validated UNet arguments, in/out channels
+        self.device_type = device_type or accelerator_device("auto")
+        # validated UNet arguments, in/out channels, the auto switches decided for this device
+        self.spec = model_spec(cfg, self.encoding, self.device_type)
         self.model = build_unet_from_spec(self.spec)
         self.process = DiffusionProcess(diffusion_settings(diffusion), clip_range=encoded_range(self.encoding))
-        # the training step (a plain object: its model is self.model, so the checkpoint keys stay model.*)
-        self.step = TrainStep(self.model, system_recipe(optim, ema, diffusion), encoding=self.encoding, mode=mode,
-                              process=self.process)
+        compiled = (CompileSettings(self.spec.compile_mode, self.spec.compile_backend, model.get("compile", True))
+                    if self.spec.compile else None)
+        # the training step (a plain object, and so is its compiled forward: the checkpoint keys stay model.*)
+        self.step = TrainStep(self.model, system_recipe(optim, ema, diffusion, guard=guard), encoding=self.encoding,
+                              mode=mode, process=self.process, compile=compiled)
         self._val_cache: list[dict[str, Any]] = []
         self._last_sampled_step: int | None = None
         self._pending_rng_states: list[dict[str, Any]] | None = None
@@ -165,35 +187,64 @@ class DiffusionSystem(L.LightningModule):
         self.encoding.eval()  # a learned encoding is frozen (no batch statistics, no codebook updates)
         return self
 
+    def configure_model(self) -> None:
+        """``trainer=fsdp`` (a device mesh): shard the UNet per resnet/attention block, the EMA with it
+        (:func:`voxdiff.lightning.distributed.shard_system`); other strategies: nothing."""
+        if self.device_mesh is not None:
+            from voxdiff.lightning.distributed import shard_system
+
+            shard_system(self, self.device_mesh)
+
     def on_fit_start(self) -> None:
         self.step.to(self.device)
         self.step.clip = clip_settings(self.trainer.gradient_clip_val, self.trainer.gradient_clip_algorithm)
         # fp16 with a GradScaler: inf gradients are expected and skipped by the scaler, not a reason to stop
         self.step.loss_scaled = getattr(self.trainer.precision_plugin, "scaler", None) is not None
-        # a non-finite value on any rank stops all ranks
-        self.step.any_rank = lambda bad: self.trainer.strategy.reduce_boolean_decision(bad, all=False)
+        if self.step.guard is not None:  # a non-finite value on any rank stops all ranks
+            self.step.guard.any_rank = lambda bad: self.trainer.strategy.reduce_boolean_decision(bad, all=False)
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
-        loss, stats = self.step.loss(batch, self.global_step, f" (epoch {self.current_epoch}, batch {batch_idx})")
+        if self.step.compiled is not None and self.step.compiled.seconds is None:
+            self._progress_note(f"compiling the training step ({self.step.compiled.settings.describe()})")
+        loss, stats = self.step.loss(batch, self.global_step)
         b = stats["timesteps"].shape[0]
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=b)
+        # device tensors for the logger, which reads them at its logging steps only
+        self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, batch_size=b)
         if self.process.settings.min_snr_gamma is not None:
             self.log("train/mse", stats["mse"], on_step=True, on_epoch=False, batch_size=b)
+        if self.global_step == 0 or (self.global_step + 1) % self.trainer.log_every_n_steps == 0:
+            ProgressBar.show(self.trainer, "loss", loss.item())  # the bar's number: one sync, at logging steps only
         return loss
+
+    def _progress_note(self, text: str) -> None:
+        """Show ``text`` after the training progress bar (TQDM), e.g. during the compile warm-up."""
+        bar = self.trainer.progress_bar_callback
+        if isinstance(bar, TQDMProgressBar):
+            with suppress(TypeError):  # Lightning raises it when there is no bar (yet)
+                bar.train_progress_bar.set_postfix_str(text)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         self.step.zero_grad_before_backward()
 
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        with self.step.compile_errors():  # the compiled backward graph is built here, on the first step
+            super().backward(loss, *args, **kwargs)
+
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
-        """Clip as the Trainer says (``step.clip``, set at fit start) and stop on a non-finite gradient norm."""
+        """Clip as the Trainer says (``step.clip``, set at fit start); the guard records a non-finite norm."""
         norm = self.step.clip_and_check(self.global_step)
         if norm is not None:
-            self.log("train/grad_norm", norm, on_step=True, on_epoch=False, batch_size=1)
+            self.log("train/grad_norm", norm.detach(), on_step=True, on_epoch=False, batch_size=1)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        step = self.global_step  # before Lightning counts this optimizer step
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        self.step.after_optimizer_step()
+        warmup = self.step.after_optimizer_step(step)
+        if warmup is not None:  # the compile warm-up, once: to the loggers at this step, and on the bar
+            for logger in self.loggers:
+                logger.log_metrics({"train/compile_s": warmup}, step=self.global_step)
+            ProgressBar.show(self.trainer, "compile_s", round(warmup, 1))
 
     def configure_optimizers(self) -> dict[str, Any]:
         return lightning_optimizers(*self.step.configure_optimizer(self.trainer.estimated_stepping_batches))
@@ -235,6 +286,10 @@ class DiffusionSystem(L.LightningModule):
                 "subject": str(subjects[i]),
             })
 
+    def on_validation_start(self) -> None:
+        if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:
+            self.step.check_guard(" (checked before validation)")  # never sample from non-finite weights
+
     def on_validation_epoch_start(self) -> None:
         self._val_cache = []
 
@@ -245,6 +300,7 @@ class DiffusionSystem(L.LightningModule):
         self.write_samples(f"epoch{self.current_epoch:04d}_step{self.global_step:07d}")
 
     def on_train_end(self) -> None:
+        self.step.check_guard(" (checked at the end of training)")
         if self.sampling.final and self._last_sampled_step != self.global_step and self.global_step > 0:
             self.write_samples(f"final_step{self.global_step:07d}")
 
@@ -305,8 +361,11 @@ class DiffusionSystem(L.LightningModule):
                     break
 
     def write_samples(self, tag: str) -> list[Path]:
-        """Sample from the cached validation masks (EMA weights, DDIM), save NIfTI + montage, log the montage."""
-        if not self.trainer.is_global_zero or not self.sampling.num_masks:
+        """Sample from the cached validation masks (EMA weights, DDIM), save NIfTI + montage, log the montage.
+        Rank 0 writes; under FSDP every rank runs the sharded UNet with it (each forward gathers from all ranks)."""
+        from voxdiff.models.sharding import is_sharded
+
+        if not self.sampling.num_masks or not (self.trainer.is_global_zero or is_sharded(self.model)):
             return []
         self._fill_val_cache()
         if not self._val_cache:
@@ -319,6 +378,8 @@ class DiffusionSystem(L.LightningModule):
         images = None if self._val_cache[0]["image"] is None else torch.cat([c["image"] for c in self._val_cache])
         with self.trainer.precision_plugin.forward_context():
             generated = self.generate(masks, generator=self._generator(1_000_000)).cpu()
+        if not self.trainer.is_global_zero:
+            return []
         pngs = save_samples(out_dir, tag, self.mode, generated, masks, images,
                             [c["affine"] for c in self._val_cache], [c["subject"] for c in self._val_cache])
         self._last_sampled_step = self.global_step
@@ -331,8 +392,13 @@ class DiffusionSystem(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.ema is not None:
-            checkpoint["ema"] = self.ema.state_dict()
+        # before anything is written: a non-finite step since the last check stops the run here, and the
+        # checkpoint on disk stays the last good one
+        self.step.check_guard(" (checked before writing a checkpoint)")
+        if self.ema is not None:  # full tensors (gathered from the shards under FSDP)
+            from voxdiff.lightning.distributed import ema_checkpoint_state
+
+            checkpoint["ema"] = ema_checkpoint_state(self.ema, self.model)
         checkpoint["rng_states"] = gather_rng_states()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

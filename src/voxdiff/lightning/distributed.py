@@ -1,4 +1,17 @@
-"""Multi-GPU pieces: a replica-consistency check for DDP and the FSDP strategy for MONAI's UNet.
+"""Multi-GPU pieces: DDP's replica-consistency check, and FSDP for MONAI's UNet (sharding, EMA, strategy).
+
+FSDP (``trainer=fsdp``) is FSDP2 (``torch.distributed.fsdp.fully_shard``) under Lightning's
+``ModelParallelStrategy``: the same code runs on GPUs (NCCL) and on the CPU (gloo), where Lightning's
+``FSDPStrategy`` refuses to start ("requires a GPU accelerator").
+:func:`~voxdiff.models.sharding.shard_unet` makes every MONAI resnet block and attention block one FSDP unit and the
+UNet the root unit; each parameter becomes a ``DTensor`` whose dim-0 rows are split over the ranks (``Shard(0)``).
+Gradients and AdamW's moments follow their parameter, and so does the EMA
+(:func:`shard_system`): each rank averages its own shard. Full tensors exist only one unit at a time (all-gathered
+for its forward and backward), and when a checkpoint is written: rank 0 gathers weights, AdamW state and EMA into
+host memory (``StateDictOptions(full_state_dict=True, cpu_offload=True)``, torch's distributed-checkpoint API) and
+writes one ordinary checkpoint file, which resumes under FSDP, DDP or one device and which ``sample.py`` reads on
+one process. Its cost: about 16 bytes per parameter of host memory on rank 0's node while it is written (weights 4,
+AdamW 8, EMA 4: 40 GiB for 2.66 B parameters).
 
 Batch size and learning rate under DDP: ``data.batch_size`` is per process (per GPU); the effective batch is
 ``batch_size × devices × num_nodes × trainer.accumulate_grad_batches``. ``system.optim.lr`` is used as given (no
@@ -10,9 +23,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from voxdiff.models.sharding import is_sharded, shard_unet
 
 
 def parameter_checksum(module: torch.nn.Module) -> torch.Tensor:
@@ -55,17 +73,112 @@ class ReplicaConsistency(L.Callback):
                                    f"({values} vs {sums[0]}): the processes desynchronised")
 
 
-def fsdp_strategy(**kwargs) -> L.pytorch.strategies.FSDPStrategy:
-    """Lightning's FSDP strategy, sharding MONAI's UNet per resnet and attention block (full shard).
 
-    Parameters, gradients and AdamW's state are split over the GPUs; each block's weights are gathered just in
-    time for its forward and backward. Use it when those states crowd out one GPU (``trainer=fsdp``); the preflight
-    accounts for the sharding (``voxdiff.preflight.check.per_gpu_peak``).
+# ------------------------------------------------------------------------------------------------------------- FSDP
+def shard_system(system: Any, mesh: Any) -> None:
+    """Shard a :class:`~voxdiff.lightning.diffusion.DiffusionSystem`'s UNet over ``mesh`` and its EMA with it
+    (``configure_model`` under ``trainer=fsdp``; a second call does nothing).
+
+    Rank 0's initial weights go to every rank's shards (``set_model_state_dict(broadcast_from_rank0=True)``; the
+    ranks are seeded differently), then the EMA is made anew over the sharded parameters, so that it holds shards
+    of the same layout (the EMA the system was built with holds full copies and is dropped).
     """
-    from lightning.pytorch.strategies import FSDPStrategy
-    from monai.networks.blocks.spatialattention import SpatialAttentionBlock
-    from monai.networks.nets.diffusion_model_unet import DiffusionUNetResnetBlock
+    import dataclasses
 
-    kwargs.setdefault("sharding_strategy", "FULL_SHARD")
-    kwargs.setdefault("auto_wrap_policy", {DiffusionUNetResnetBlock, SpatialAttentionBlock})
-    return FSDPStrategy(**kwargs)
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from voxdiff.step.ema import EMA
+
+    model = system.model
+    if is_sharded(model):
+        return
+    mesh = mesh["data_parallel"] if mesh.ndim > 1 else mesh
+    weights = model.state_dict() if dist.get_rank() == 0 else {}
+    shard_unet(model, mesh)
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    step = system.step
+    if step.ema is not None:
+        step.ema = EMA(model, **dataclasses.asdict(step.recipe.ema))
+
+
+def ema_checkpoint_state(ema: Any, model: torch.nn.Module) -> dict[str, Any]:
+    """``ema.state_dict()`` with full tensors: as it is on one process; under FSDP the shards are gathered to
+    rank 0's host memory by torch's ``get_model_state_dict`` (the EMA swapped into the model meanwhile), and the
+    other ranks return an empty ``shadow`` (only rank 0 writes the checkpoint). Call it on every rank."""
+    if not is_sharded(model):
+        return ema.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    with ema.swapped(model):
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # one rank on the CPU: the "gathered" tensors are the parameters themselves, which the swap restores
+        params = dict(model.named_parameters())
+        full = {n: t.clone() if t.data_ptr() == params[n].to_local().data_ptr() else t for n, t in full.items()
+                if n in params}
+    state = {k: v for k, v in ema.state_dict().items() if k != "shadow"}
+    state["shadow"] = {n: full[n] for n in ema.names} if full else {}
+    return state
+
+
+class SharedSamplerSeed:
+    """Strategy mixin: every rank's ``DistributedSampler`` shuffles with the run's seed.
+
+    ``train.py`` seeds each rank differently (``seed + rank``: the ranks draw different diffusion noise), and
+    Lightning seeds the ``DistributedSampler`` with that per-rank seed (``PL_GLOBAL_SEED``): the ranks would
+    shuffle differently, and an epoch would not split the data set over them (a subject twice, another never).
+
+    Args:
+        sampler_seed: the seed of the data order, the same on every rank (``${seed}`` in the trainer configs).
+    """
+
+    def __init__(self, *args: Any, sampler_seed: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sampler_seed = int(sampler_seed)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {**super().distributed_sampler_kwargs, "seed": self.sampler_seed}  # type: ignore[misc]
+
+
+class DDPStrategy(SharedSamplerSeed, _LightningDDPStrategy):
+    """The strategy of ``trainer=ddp`` (``configs/trainer/ddp.yaml``): Lightning's ``DDPStrategy`` (its arguments,
+    e.g. ``gradient_as_bucket_view``, ``bucket_cap_mb``, go to ``DistributedDataParallel``) with
+    :class:`SharedSamplerSeed`."""
+
+
+class ShardedUNetStrategy(SharedSamplerSeed, ModelParallelStrategy):
+    """The strategy of ``trainer=fsdp`` (``configs/trainer/fsdp.yaml``): Lightning's ``ModelParallelStrategy``
+    with one data-parallel dimension over every process of every node, i.e. FSDP over the whole world (Lightning's
+    default shards within a node and replicates across nodes through a second, tensor-parallel dimension that
+    voxdiff does not use), writing one checkpoint file (``save_distributed_checkpoint=False``; a folder of shards
+    is refused by :func:`voxdiff.lightning.trainer.validate_trainer`: voxdiff's resume, ``ckpt_path=auto``,
+    ``sample.py`` and ``evaluate.py`` read one file, as data only, and the shards' metadata is a pickle), with
+    :class:`SharedSamplerSeed`. The sharding itself happens in ``DiffusionSystem.configure_model``
+    (:func:`shard_system`). Other arguments are Lightning's."""
+
+    def __init__(self, save_distributed_checkpoint: bool = False, **kwargs: Any) -> None:
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto" and self._tensor_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes
+            self._tensor_parallel_size = 1
+        super().setup_environment()
+
+
+class SeedEachSample(L.Callback):
+    """Reseed the global RNG before each training batch from the optimizer step and the batch's subjects.
+
+    A subject then draws the same diffusion noise and timestep at the same step however the effective batch is
+    split over processes and micro-batches (one subject per micro-batch): a run on N processes and one process
+    with ``trainer.accumulate_grad_batches=N`` see the same samples, which makes their weights comparable (the
+    tests compare FSDP with one process this way). For experiments on reproducibility, not for training.
+    """
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        import zlib
+
+        subjects = ",".join(map(str, batch.get("subject", [batch_idx])))
+        torch.manual_seed(zlib.crc32(f"{trainer.global_step}:{subjects}".encode()))

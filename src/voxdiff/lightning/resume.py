@@ -6,10 +6,10 @@ anything is built and
 * refuses a checkpoint of the other system (a VQ-VAE stage 1 given to a diffusion run, or the reverse), saying
   what it is and what to pass instead;
 * refuses *architectural* differences, naming every differing key: what defines the weights and what they
-  predict — ``model.*`` (but ``gradient_checkpointing`` and ``use_flash_attention``, which change memory, not
-  weights), ``encoding.*`` (but ``checkpoint``), ``mode``, ``diffusion.`` ``num_train_timesteps``, ``schedule``,
-  ``beta_start``, ``beta_end``, ``prediction_type``; for a stage 1 ``system.vqvae.*`` but ``use_checkpoint``,
-  ``commitment_cost`` and ``decay``;
+  predict — ``model.*`` (but ``gradient_checkpointing``, ``use_flash_attention`` and ``compile*``, which change
+  memory and speed, not weights), ``encoding.*`` (but ``checkpoint``), ``mode``, ``diffusion.``
+  ``num_train_timesteps``, ``schedule``, ``beta_start``, ``beta_end``, ``prediction_type``; for a stage 1
+  ``system.vqvae.*`` but ``use_checkpoint``, ``commitment_cost`` and ``decay``;
 * lists every other setting that changed since the checkpoint. They are all applied: most are read from the
   current config when the run is built; the optimizer's (``system.optim.*``, which Lightning would restore from the
   checkpoint with its state) are applied by :class:`FollowCurrentOptimizer`. One is not: ``seed`` (the RNG
@@ -32,7 +32,8 @@ from voxdiff.config import is_diffusion, model_spec, plain
 from voxdiff.errors import ConfigError, show_value
 
 #: UNet arguments that change memory and speed, not the weights
-RUNTIME_MODEL_KEYS = ("use_flash_attention", "gradient_checkpointing", "in_channels", "out_channels")
+RUNTIME_MODEL_KEYS = ("use_flash_attention", "gradient_checkpointing", "compile", "compile_mode", "compile_backend",
+                      "in_channels", "out_channels")
 #: diffusion settings that define what the UNet predicts
 PROCESS_KEYS = ("num_train_timesteps", "schedule", "beta_start", "beta_end", "prediction_type")
 #: VQ-VAE settings that do not change its weights' shapes

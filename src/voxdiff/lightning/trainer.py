@@ -133,7 +133,31 @@ def validate_trainer(trainer_cfg: Mapping[str, Any]) -> None:
                               or (isinstance(limit, float) and limit > 1)):
         raise ConfigError("trainer.limit_val_batches", limit, "must be a fraction in [0, 1] or a number of batches",
                           "e.g. trainer.limit_val_batches=1.0")
+    _validate_strategy(trainer_cfg.get("strategy"))
     precision = trainer_cfg.get("precision")
     if precision is not None and str(precision) not in PRECISIONS:
         raise ConfigError("trainer.precision", precision, "is not a precision Lightning knows",
                           "use null (bf16-mixed on a GPU, 32-true on the CPU), bf16-mixed or 32-true")
+
+
+def _validate_strategy(strategy: Any) -> None:
+    """``trainer.strategy``: the settings of voxdiff's DDP and FSDP nodes (``configs/trainer/ddp.yaml``,
+    ``fsdp.yaml``) that DDP or Lightning would take without complaint or reject late."""
+    from voxdiff.errors import ConfigError
+
+    if not isinstance(strategy, Mapping):
+        return
+    target = str(strategy.get("_target_", ""))
+    if target.endswith("ShardedUNetStrategy") and strategy.get("save_distributed_checkpoint"):
+        raise ConfigError("trainer.strategy.save_distributed_checkpoint", strategy["save_distributed_checkpoint"],
+                          "voxdiff writes one checkpoint file, gathered on rank 0 (about 16 bytes per parameter of "
+                          "host memory while it is written); its resume, ckpt_path=auto, sample.py and evaluate.py "
+                          "do not read a folder of shards", "remove it (false is the default)")
+    view = strategy.get("gradient_as_bucket_view")
+    if view is not None and not isinstance(view, bool):
+        raise ConfigError("trainer.strategy.gradient_as_bucket_view", view, "must be true or false",
+                          "use true (gradients are views into DDP's buckets: one copy less)")
+    cap = strategy.get("bucket_cap_mb")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+        raise ConfigError("trainer.strategy.bucket_cap_mb", cap, "must be a positive number of MiB",
+                          "e.g. trainer.strategy.bucket_cap_mb=25 (torch's default)")

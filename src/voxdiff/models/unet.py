@@ -1,9 +1,17 @@
-"""Build MONAI's 3D ``DiffusionModelUNet`` from a plain config, validated up front."""
+"""Build MONAI's 3D ``DiffusionModelUNet`` from a plain config, validated up front.
+
+Two switches of the config decide how the model runs rather than what it computes, and both take ``auto``:
+``use_flash_attention`` (SDPA instead of MONAI's materialised attention scores) and ``compile``
+(``torch.compile`` of the training forward, :class:`voxdiff.step.TrainStep`). ``auto`` means on for a run on a
+CUDA GPU and off on the CPU; :func:`resolve_switch` is the one place that decides it, through
+:meth:`UNetSpec.for_device`, for the device a model is built for (the Lightning system for its run, the sampler for
+its device, the preflight for the GPU it predicts).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from monai.networks.nets import DiffusionModelUNet
@@ -13,6 +21,40 @@ from voxdiff.errors import ConfigError
 from voxdiff.models.checkpointing import GRANULARITIES, apply_gradient_checkpointing
 
 MODES = ("bravo", "seg")
+AUTO = "auto"  # a run-time switch (model.use_flash_attention, model.compile) that the device decides
+
+
+def check_switch(key: str, value: Any) -> bool | str:
+    """``value`` of a run-time switch (``model.use_flash_attention``, ``model.compile``) if it is true, false or
+    ``auto``.
+
+    Raises:
+        ConfigError: naming the key, the value and the fix.
+    """
+    if isinstance(value, bool) or value == AUTO:
+        return value
+    raise ConfigError(key, value, "must be true, false or auto", f"use {key}=auto (on for a CUDA run, off on the CPU)")
+
+
+def resolve_switch(key: str, value: bool | str, device_type: str) -> bool:
+    """A run-time switch of the model config for a run on ``device_type``: ``auto`` is on for ``cuda`` and off
+    elsewhere; ``true``/``false`` as given. The only place ``auto`` is decided."""
+    value = check_switch(key, value)
+    return value if isinstance(value, bool) else device_type == "cuda"
+
+
+def compile_modes() -> tuple[str, ...]:
+    """The modes ``torch.compile`` takes with inductor (``default``, ``reduce-overhead``, ``max-autotune``, ...)."""
+    import torch._inductor  # 2 s: imported only to check a mode that is set
+
+    return tuple(torch._inductor.list_mode_options())
+
+
+def compile_backends() -> tuple[str, ...]:
+    """The backends ``torch.compile`` takes (``inductor``, and debugging ones such as ``aot_eager``)."""
+    import torch._dynamo
+
+    return tuple(torch._dynamo.list_backends(exclude_tags=()))
 
 
 def _plain(value: Any) -> Any:
@@ -58,8 +100,23 @@ class UNetSpec:
     num_res_blocks: tuple[int, ...]
     num_head_channels: tuple[int, ...]
     norm_num_groups: int
-    use_flash_attention: bool = False
+    use_flash_attention: bool | str = False  # true, false or auto (resolved by for_device)
     gradient_checkpointing: str = "none"
+    compile: bool | str = False  # torch.compile the training forward: true, false or auto
+    compile_mode: str | None = None  # torch.compile(mode=...); None: torch's default mode
+    compile_backend: str = "inductor"  # torch.compile(backend=...); aot_eager tells a dynamo/autograd failure apart
+
+    def for_device(self, device_type: str) -> UNetSpec:
+        """This spec for a model that runs on ``device_type`` (``cuda``, ``cpu``): ``auto`` switches resolved by
+        :func:`resolve_switch`."""
+        return replace(self, use_flash_attention=resolve_switch("model.use_flash_attention", self.use_flash_attention,
+                                                                device_type),
+                       compile=resolve_switch("model.compile", self.compile, device_type))
+
+    @property
+    def resolved(self) -> bool:
+        """Whether no switch is left at ``auto``."""
+        return isinstance(self.use_flash_attention, bool) and isinstance(self.compile, bool)
 
     @property
     def levels(self) -> int:
@@ -92,8 +149,11 @@ def unet_spec(
     num_res_blocks: int | Sequence[int] = 2,
     num_head_channels: int | Sequence[int] = 32,
     norm_num_groups: int = 32,
-    use_flash_attention: bool = False,
+    use_flash_attention: bool | str = False,
     gradient_checkpointing: str = "none",
+    compile: bool | str = False,
+    compile_mode: str | None = None,
+    compile_backend: str = "inductor",
 ) -> UNetSpec:
     """Validate the model config; every failure names the key, the value and a fix.
 
@@ -143,8 +203,18 @@ def unet_spec(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"model.{key}", value, "must be a positive integer",
                               "leave it unset: it follows from the encoding and the mode")
-    if not isinstance(use_flash_attention, bool):
-        raise ConfigError("model.use_flash_attention", use_flash_attention, "must be true or false", "use false")
+    check_switch("model.use_flash_attention", use_flash_attention)
+    check_switch("model.compile", compile)
+    if compile_backend != "inductor" and compile_backend not in compile_backends():
+        raise ConfigError("model.compile_backend", compile_backend, "is not a torch.compile backend",
+                          f"use inductor (the default), or one of {', '.join(compile_backends())}")
+    if compile_mode is not None:
+        if compile_backend != "inductor":
+            raise ConfigError("model.compile_mode", compile_mode, f"is an inductor mode, and model.compile_backend is "
+                              f"{compile_backend}", "set model.compile_mode=null, or model.compile_backend=inductor")
+        if compile_mode not in compile_modes():
+            raise ConfigError("model.compile_mode", compile_mode, "is not a torch.compile mode",
+                              f"use null (torch's default) or one of {', '.join(compile_modes())}")
     if gradient_checkpointing not in GRANULARITIES:
         raise ConfigError("model.gradient_checkpointing", gradient_checkpointing, "unknown granularity",
                           f"use one of {', '.join(GRANULARITIES)}")
@@ -158,6 +228,9 @@ def unet_spec(
         norm_num_groups=norm_num_groups,
         use_flash_attention=use_flash_attention,
         gradient_checkpointing=gradient_checkpointing,
+        compile=compile,
+        compile_mode=compile_mode,
+        compile_backend=compile_backend,
     )
 
 
@@ -169,9 +242,13 @@ def build_unet(
     num_res_blocks: int | Sequence[int] = 2,
     num_head_channels: int | Sequence[int] = 32,
     norm_num_groups: int = 32,
-    use_flash_attention: bool = False,
+    use_flash_attention: bool | str = False,
     gradient_checkpointing: str = "none",
     preserve_rng_state: bool = True,
+    device_type: str | None = None,
+    compile: bool | str = False,
+    compile_mode: str | None = None,
+    compile_backend: str = "inductor",
 ) -> DiffusionModelUNet:
     """Build ``DiffusionModelUNet(spatial_dims=3, ...)`` and apply the gradient-checkpointing policy.
 
@@ -187,17 +264,32 @@ def build_unet(
         num_head_channels: channels per attention head (an int, or one per level).
         norm_num_groups: GroupNorm groups; divides every level's channels.
         use_flash_attention: use ``F.scaled_dot_product_attention`` (memory-efficient / flash on GPUs) instead
-            of MONAI's materialised attention.
+            of MONAI's materialised attention; ``auto``: on for ``device_type`` cuda.
         gradient_checkpointing: ``none``, ``block`` or ``layer`` (see :mod:`voxdiff.models.checkpointing`).
         preserve_rng_state: passed to ``torch.utils.checkpoint``.
+        device_type: the device the model will run on, which resolves ``auto`` (:meth:`UNetSpec.for_device`).
+        compile, compile_mode, compile_backend: validated here; the training step compiles its forward
+            (:class:`voxdiff.step.TrainStep`), the model itself is never compiled.
     """
     spec = unet_spec(in_channels, out_channels, channels, attention_levels, num_res_blocks, num_head_channels,
-                     norm_num_groups, use_flash_attention, gradient_checkpointing)
-    return build_unet_from_spec(spec, preserve_rng_state=preserve_rng_state)
+                     norm_num_groups, use_flash_attention, gradient_checkpointing, compile, compile_mode,
+                     compile_backend)
+    return build_unet_from_spec(spec, preserve_rng_state=preserve_rng_state, device_type=device_type)
 
 
-def build_unet_from_spec(spec: UNetSpec, preserve_rng_state: bool = True) -> DiffusionModelUNet:
-    """Build the UNet of a validated :class:`UNetSpec` (see :func:`build_unet`)."""
+def build_unet_from_spec(spec: UNetSpec, preserve_rng_state: bool = True,
+                         device_type: str | None = None) -> DiffusionModelUNet:
+    """Build the UNet of a validated :class:`UNetSpec` (see :func:`build_unet`), for ``device_type`` when the spec
+    has ``auto`` switches (else as resolved already).
+
+    Raises:
+        ValueError: an ``auto`` switch and no ``device_type`` to resolve it for.
+    """
+    if device_type is not None:
+        spec = spec.for_device(device_type)
+    if not isinstance(spec.use_flash_attention, bool):
+        raise ValueError("build_unet_from_spec: model.use_flash_attention=auto needs the device the model runs on "
+                         "(device_type=..., or spec.for_device(...))")
     model = DiffusionModelUNet(**spec.monai_kwargs())
     apply_gradient_checkpointing(model, spec.gradient_checkpointing, preserve_rng_state=preserve_rng_state)
     return model

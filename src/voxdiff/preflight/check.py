@@ -8,6 +8,11 @@ says, gradients freed after the optimizer step), the batch the data module hands
 volumes, or latents for a learned encoding), and the precision :func:`voxdiff.step.decide_precision` picks for the
 GPU. The measure mode (:mod:`voxdiff.preflight.measure`) runs the same plan on a GPU. Nothing here needs a GPU;
 :func:`run_preflight` takes ~1 s per configuration on a laptop CPU (more when it suggests fixes).
+
+Under ``trainer=ddp`` / ``trainer=fsdp`` (more than one process) the step is traced as one rank runs it — DDP's
+buckets, FSDP's shards, the all-gathered unit in flight, the sharded AdamW state and EMA
+(:mod:`voxdiff.preflight.distributed`) — and the per-GPU peak is that rank's. The host memory of the data
+module per rank (and node) is reported beside it.
 """
 
 from __future__ import annotations
@@ -25,11 +30,15 @@ from voxdiff.encodings.base import Encoding
 from voxdiff.errors import ConfigError
 from voxdiff.models.unet import UNetSpec
 from voxdiff.preflight.allocator import GPUS, GpuSpec
+from voxdiff.preflight.distributed import DataMemory, Parallel, data_memory, parallel_of
 from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
 from voxdiff.preflight.rules import static_problems
 from voxdiff.step import Recipe, batch_shapes, decide_precision, recipe_from_config
 
 DEFAULT_BUDGET_GIB = 80.0
+PREDICTED_DEVICE = "cuda"
+"""The device the preflight predicts a run on: a GPU. It resolves the model's ``auto`` switches for it (SDPA
+attention on: :meth:`voxdiff.models.UNetSpec.for_device`) and picks the optimizer torch runs there (fused AdamW)."""
 
 
 def _get(cfg: DictConfig, key: str, default: Any = None) -> Any:
@@ -73,7 +82,7 @@ class StepPlan:
     Attributes:
         encoding: the encoding (volumes → UNet input).
         shapes: the encoded shapes.
-        spec: the UNet's validated arguments.
+        spec: the UNet's validated arguments, resolved for :data:`PREDICTED_DEVICE`.
         recipe: the step's recipe (``preflight.recipe``, default ``system``).
         batch: shapes of the tensors of one batch as the data module hands them over.
         mode: ``bravo`` or ``seg``.
@@ -101,20 +110,8 @@ def step_plan(cfg: DictConfig) -> StepPlan:
     """
     encoding = build_encoding(cfg)
     s = shapes(cfg, encoding)
-    return StepPlan(encoding, s, model_spec(cfg, encoding), recipe_from_config(cfg),
+    return StepPlan(encoding, s, model_spec(cfg, encoding, PREDICTED_DEVICE), recipe_from_config(cfg),
                     batch_shapes(encoding, s.volume, batch_size(cfg)), str(cfg.mode))
-
-
-def world(cfg: DictConfig) -> tuple[str, int]:
-    """(strategy, number of GPUs) of the trainer config."""
-    strategy = _get(cfg, "trainer.strategy") or "auto"
-    if isinstance(strategy, dict):  # a _target_ node, e.g. voxdiff.lightning.distributed.fsdp_strategy
-        strategy = "fsdp" if "fsdp" in str(strategy.get("_target_", "")).lower() else "ddp"
-    strategy = str(strategy)
-    devices = _get(cfg, "trainer.devices", 1)
-    nodes = _get(cfg, "trainer.num_nodes", 1) or 1
-    count = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
-    return strategy, max(1, count) * max(1, int(nodes))
 
 
 @dataclass
@@ -138,12 +135,14 @@ class PreflightResult:
     levels: int = 0
     params: int = 0
     report: MemoryReport | None = None
-    strategy: str = "auto"
+    strategy: str = "single"  # single | ddp | fsdp (voxdiff.preflight.distributed.parallel_of)
     world_size: int = 1
-    per_gpu_peak_gib: float = 0.0  # predicted max_memory_allocated per GPU, strategy included
+    per_gpu_peak_gib: float = 0.0  # predicted max_memory_allocated of one GPU (one rank of DDP/FSDP)
     need_gib: float = 0.0  # per_gpu_peak * (1 + margin) + CUDA context
     budget_gib: float = DEFAULT_BUDGET_GIB
     budget_source: str = "default"
+    parallel: Parallel | None = None  # the strategy the trace is of (one rank of it)
+    data: DataMemory | None = None  # host memory of the data module per rank (data.cache=memory, latents)
     fits: bool = False
     suggestions: list[Suggestion] = field(default_factory=list)
 
@@ -155,64 +154,38 @@ class PreflightResult:
         return not self.problems and (self.fits or not self.modelled)
 
 
-COMPILE_CHOICES = ("auto", "true", "false")
-
-
-def compile_setting(cfg: DictConfig) -> tuple[bool, str | None]:
-    """Whether the GPU run of ``cfg`` compiles its model, and in which ``torch.compile`` mode: ``model.compile``
-    ``auto`` (the default; on for CUDA runs, the run the preflight predicts) or ``true`` compile, ``false`` does
-    not; ``model.compile_mode`` (default null: torch's default mode).
-
-    Raises:
-        ConfigError: a ``model.compile`` that is not auto, true or false.
-    """
-    value = _get(cfg, "model.compile", "auto")
-    text = str(value).lower() if isinstance(value, (bool, str)) else repr(value)
-    if text not in COMPILE_CHOICES:
-        raise ConfigError("model.compile", value, "is not a compile setting",
-                          "use model.compile=auto (compiled on a GPU), true or false")
-    mode = _get(cfg, "model.compile_mode")
-    return text != "false", None if mode is None else str(mode)
-
-
 def predict_memory(cfg: DictConfig, gpu: str = "H100", compile: bool | None = None) -> MemoryReport:
-    """Trace two training steps of ``cfg`` on the meta device; see the module docstring for what is traced.
+    """Trace two training steps of ``cfg`` on the meta device, as one GPU of its strategy runs them (one rank of a
+    DDP or FSDP run: :mod:`voxdiff.preflight.distributed`); see the module docstring for what is traced.
 
     Args:
         cfg: the run config.
         gpu: the GPU predicted (``preflight.gpu``).
-        compile: predict the compiled step (True) or the eager one (False); default: :func:`compile_setting`.
+        compile: predict the compiled step (True) or the eager one (False); default: ``model.compile`` as a GPU
+            run resolves it (``auto`` and ``true`` compile; :meth:`voxdiff.models.UNetSpec.for_device`), in
+            ``model.compile_mode``. A backend other than inductor (``aot_eager``) is predicted as the eager step.
 
     Raises:
-        ConfigError: see :func:`step_plan`, :func:`gpu_precision` and :func:`compile_setting`.
+        ConfigError: see :func:`step_plan` and :func:`gpu_precision`.
     """
     plan = step_plan(cfg)
-    compiled, mode = compile_setting(cfg)
+    spec = plan.spec
+    compiled = (spec.compile and spec.compile_backend == "inductor") if compile is None else compile
     return predict_step_memory(
-        lambda: build_model(cfg, plan.encoding, preserve_rng_state=False), plan.input_shape, plan.recipe,
+        lambda: build_model(cfg, plan.encoding, preserve_rng_state=False, device_type=PREDICTED_DEVICE),
+        plan.input_shape, plan.recipe,
         batch=plan.batch, encoding=plan.encoding, mode=plan.mode, precision=gpu_precision(cfg, gpu_spec(gpu)),
         attention="flash" if plan.spec.use_flash_attention else "materialised", gpu=gpu,
-        compile=compiled if compile is None else compile, compile_mode=mode,
+        parallel=_parallel(cfg), compile=bool(compiled), compile_mode=spec.compile_mode,
     )
 
 
-def per_gpu_peak(report: MemoryReport, strategy: str, world_size: int) -> float:
-    """Predicted allocated peak per GPU (bytes) for a strategy.
+def _parallel(cfg: DictConfig) -> Parallel:
+    return parallel_of({k: _get(cfg, f"trainer.{k}") for k in ("strategy", "devices", "num_nodes")})
 
-    * single GPU / DDP: the traced peak; DDP (world > 1) adds its gradient buckets, one fp32 copy of the
-      parameters (Lightning's DDP keeps ``gradient_as_bucket_view=False``).
-    * FSDP (full shard, analytic on top of the trace): the parameter-sized state — weights, gradients, AdamW's
-      two moments and the EMA copy (if any) — is sharded over the GPUs; the all-gathered weights of the units in
-      flight (about 2 of the larger blocks, approximated as 2/levels of the weights) come on top.
-    """
-    peak = float(report.peak_allocated)
-    if world_size <= 1 or strategy in ("auto", "single_device"):
-        return peak
-    weights = float(report.param_bytes)
-    if strategy.startswith("fsdp"):
-        state = 4.0 * weights + report.ema_bytes
-        return peak - state * (1.0 - 1.0 / world_size) + 2.0 * weights / max(2, world_size)
-    return peak + weights  # DDP buckets: one fp32 copy of the weights
+
+_DATA_KEYS = ("_target_", "volume_shape", "cache", "root", "num_subjects", "image_name", "mask_name", "in_memory",
+              "masks", "latent_dir")
 
 
 def _need(peak_bytes: float, report: MemoryReport, margin: float) -> float:
@@ -266,10 +239,11 @@ def candidate_fixes(cfg: DictConfig) -> list[tuple[str, dict[str, Any]]]:
 
 
 def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
-                  margin: float = DEFAULT_SAFETY_MARGIN, compile: bool | None = None) -> PreflightResult:
+                  margin: float = DEFAULT_SAFETY_MARGIN) -> PreflightResult:
     """Static checks, then the predicted per-GPU peak, the verdict against the budget, and fixes if it does not fit.
 
-    ``compile`` overrides :func:`compile_setting` (the host verdict of a CPU run, whose ``auto`` is eager)."""
+    The step predicted is the one the GPU run runs: compiled or eager as ``model.compile`` says
+    (:func:`predict_memory`); the fixes are predicted eagerly (an upper bound of their compiled step)."""
     result = PreflightResult(name=name or str(_get(cfg, "task_name", "")), problems=static_problems(cfg))
     try:
         result.budget_gib, result.budget_source = gpu_budget_gib(cfg)
@@ -278,7 +252,6 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
         if not result.problems:  # the step's own settings, once the UNet and the shapes are known to work
             plan = step_plan(cfg)
             gpu_precision(cfg, gpu_spec(gpu))
-            compile_setting(cfg)
     except ConfigError as err:
         result.problems.append(err)
     if result.problems:
@@ -286,11 +259,15 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     result.shapes = plan.shapes
     result.levels = plan.spec.levels
     with torch.device("meta"):
-        result.params = sum(p.numel() for p in build_model(cfg, plan.encoding).parameters())
-    result.strategy, result.world_size = world(cfg)
-    report = predict_memory(cfg, gpu=gpu, compile=compile)
+        result.params = sum(p.numel() for p in build_model(cfg, plan.encoding, device_type=PREDICTED_DEVICE)
+                            .parameters())
+    parallel = _parallel(cfg)
+    result.parallel, result.strategy, result.world_size = parallel, parallel.strategy, parallel.world_size
+    latents = plan.batch.get("image_z")
+    result.data = data_memory({k: _get(cfg, f"data.{k}") for k in _DATA_KEYS}, tuple(latents[1:]) if latents else None)
+    report = predict_memory(cfg, gpu=gpu)
     result.report = report
-    peak = per_gpu_peak(report, result.strategy, result.world_size)
+    peak = report.peak_allocated  # one rank's: the trace is of what one GPU of the strategy holds
     result.per_gpu_peak_gib = peak / GiB
     result.need_gib = _need(peak, report, margin)
     result.fits = result.need_gib <= result.budget_gib
@@ -303,7 +280,7 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
             if static_problems(fixed):
                 continue
             r = predict_memory(fixed, gpu=gpu, compile=False)
-            p = per_gpu_peak(r, result.strategy, result.world_size)
+            p = r.peak_allocated
             need = _need(p, r, margin)
             result.suggestions.append(Suggestion(
                 change, [f"{k}={_fmt(v)}" for k, v in overrides.items()], p / GiB, need, need <= result.budget_gib))

@@ -2,8 +2,9 @@
 
 ``train.py`` calls :func:`training_verdict`: the same traced step as ``preflight.py`` (:func:`run_preflight`),
 against the local GPU's memory for a GPU run and against the host's memory for a CPU run — the traced peak of a
-CPU step (fp32, the precision a CPU run uses) is the bytes its tensors hold; the CUDA context and the allocator's
-rounding that the prediction adds make it a slight over-estimate there. A model far too large for the machine
+CPU step (fp32, the precision a CPU run uses, and the attention it computes: ``model.use_flash_attention=auto`` is
+off there) is the bytes its tensors hold; the CUDA context and the allocator's rounding that the prediction adds
+make it a slight over-estimate there. A model far too large for the machine
 (29 billion parameters on a 24 GiB host) is refused in about a second with the preflight's fixes, instead of
 failing in the allocator after a minute of building. A budget of the user's own, ``+preflight.gpu_memory_gib=N``
 (and ``+preflight.safety_margin=M``), replaces the machine's: the prediction's error is up to 34% on the measured
@@ -66,12 +67,22 @@ def training_verdict(cfg: DictConfig) -> PreflightResult | None:
         return None
     on_cpu = accelerator_device(accelerator) == "cpu"
     on_host = on_cpu and OmegaConf.select(cfg, "preflight.gpu_memory_gib") is None
-    # model.compile=auto compiles CUDA runs only: a CPU run's step is eager
-    compiled = False if on_cpu and str(OmegaConf.select(cfg, "model.compile", default="auto")) == "auto" else None
+    if on_cpu:  # model.compile=auto compiles CUDA runs only: a CPU run's step is eager
+        _resolve_on_cpu(checked, "model.compile")
     if on_host:  # a CPU run, and no budget of the user's own (+preflight.gpu_memory_gib=N)
         processes = _local_processes(cfg)
         OmegaConf.update(checked, "preflight.gpu_memory_gib", host_memory_bytes() / processes / GiB, force_add=True)
-    result = run_preflight(checked, name=str(cfg.get("task_name", "")), suggest=True, compile=compiled)
+        # the attention a CPU run computes: model.use_flash_attention=auto is off there
+        _resolve_on_cpu(checked, "model.use_flash_attention")
+    result = run_preflight(checked, name=str(cfg.get("task_name", "")), suggest=True)
     if on_host:
         result.budget_source = "host memory" + (f" shared by {processes} processes" if processes > 1 else "")
     return result
+
+
+def _resolve_on_cpu(cfg: DictConfig, key: str) -> None:
+    """Set the run-time switch ``key`` (``model.compile``, ``model.use_flash_attention``) of ``cfg`` to what a CPU
+    run makes of it (``auto`` is off there)."""
+    from voxdiff.models.unet import resolve_switch
+
+    OmegaConf.update(cfg, key, resolve_switch(key, OmegaConf.select(cfg, key, default=False), "cpu"), force_add=True)

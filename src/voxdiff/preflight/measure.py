@@ -52,7 +52,7 @@ def measured_step(cfg: DictConfig, device_type: str = "cuda") -> tuple[Any, dict
     plan = step_plan(cfg)
     requested = gpu_precision(cfg) if device_type == "cuda" else cfg.trainer.get("precision")
     with torch.device(device_type):
-        model = build_model(cfg, plan.encoding)
+        model = build_model(cfg, plan.encoding, device_type=device_type)
         step = TrainStep(model, plan.recipe, encoding=plan.encoding.to(device_type), mode=plan.mode,
                          precision=decide_precision(requested, device_type).context(), device_type=device_type)
     step.configure_optimizer()
@@ -89,7 +89,7 @@ def measure_steps(cfg: DictConfig, steps: int = 3) -> dict[str, Any]:
 
 def reference_row(cfg: DictConfig, name: str, measured: dict[str, Any], report: MemoryReport | None) -> dict[str, Any]:
     """A row in the format of ``reference/measured_vram.csv`` (plus the prediction's columns)."""
-    spec = model_spec(cfg)
+    spec = model_spec(cfg, device_type="cuda")
     s = shapes(cfg)
     row: dict[str, Any] = {
         "table": "voxdiff-measure", "name": name, "input_shape": "x".join(map(str, s.unet_input)),

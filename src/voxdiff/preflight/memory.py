@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from voxdiff.diffusion import DiffusionProcess
 from voxdiff.encodings.base import Encoding
@@ -38,6 +39,7 @@ from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES, GPUS, GpuSpec, simul
 from voxdiff.preflight.attention import FlashAttentionEmulator
 from voxdiff.preflight.autocast import CudaAutocastEmulator
 from voxdiff.preflight.compiled import CompiledModule, CompiledTraceError, compiled_profile
+from voxdiff.preflight.distributed import Parallel, fake_world, wrap_for_rank
 from voxdiff.preflight.tracker import StorageTracker, round_block
 from voxdiff.step import OptimSettings, Recipe, TrainStep
 
@@ -126,6 +128,9 @@ class MemoryReport:
         notes: caveats found while tracing.
         model_step: how the model runs in the predicted step: ``eager``, ``compiled`` (``torch.compile``,
             inductor) or ``upper bound (eager)`` (compiled was asked, its prediction failed: see ``notes``).
+        parallel: what the trace is of: ``one GPU``, or one rank of ``ddp×N`` / ``fsdp×N``
+            (:meth:`voxdiff.preflight.distributed.Parallel.describe`); ``param_bytes`` and ``ema_bytes`` are then
+            this rank's (shards under FSDP).
     """
 
     params: int
@@ -149,6 +154,7 @@ class MemoryReport:
     trace_seconds: float
     notes: tuple[str, ...] = field(default_factory=tuple)
     model_step: str = "eager"
+    parallel: str = "one GPU"
 
     @property
     def peak_allocated_gib(self) -> float:
@@ -179,7 +185,8 @@ class MemoryReport:
             f"params {self.params / 1e6:.1f} M ({_gib(self.param_bytes):.2f} GiB"
             + (f", EMA {_gib(self.ema_bytes):.2f} GiB" if self.ema_bytes else "")
             + f"), input {self.input_shape}, {self.precision}, {self.optimizer}, step {self.recipe} "
-            f"({self.model_step}), attention {self.attention_path}",
+            f"({self.model_step}), attention {self.attention_path}"
+            + ("" if self.parallel == "one GPU" else f"; per rank of {self.parallel}"),
             "step 1   : fwd {forward:.2f}  bwd {backward:.2f}  opt {optimizer:.2f} GiB".format(**s1),
             "steady   : fwd {forward:.2f}  bwd {backward:.2f}  opt {optimizer:.2f} GiB".format(**s2),
             f"peak allocated {self.peak_allocated_gib:.2f} GiB, reserved ~{_gib(self.estimated_reserved):.2f} GiB, "
@@ -288,8 +295,10 @@ def predict_step_memory(
     gpu: str | GpuSpec = "H100",
     compile: bool = False,
     compile_mode: str | None = None,
+    parallel: Parallel | None = None,
 ) -> MemoryReport:
-    """Predict ``torch.cuda.max_memory_allocated()`` of a training step without a GPU.
+    """Predict ``torch.cuda.max_memory_allocated()`` of a training step without a GPU (on one rank of a DDP or
+    FSDP run, given ``parallel``).
 
     Args:
         build_model: builds the model; it is called under ``torch.device("meta")``, so it must create its
@@ -311,9 +320,12 @@ def predict_step_memory(
         compile: predict the step with ``torch.compile(model)`` (inductor): the model's forward and backward as
             :mod:`voxdiff.preflight.compiled` plans them, the rest of the step traced as it runs. Where the
             compiled model cannot be traced, the eager step is predicted instead, an upper bound, and the report
-            says so (``model_step``).
+            says so (``model_step``); so is FSDP's compiled step (its
+            per-unit graphs between FSDP's hooks are not traced).
         compile_mode: ``torch.compile``'s ``mode`` (None: the default); modes with CUDA graphs are predicted as
             the default mode, with a note.
+        parallel: the strategy and world size (:mod:`voxdiff.preflight.distributed`): the step is traced as rank 0
+            of a DDP or FSDP run holds it; default one GPU.
 
     Returns:
         A :class:`MemoryReport`.
@@ -330,51 +342,63 @@ def predict_step_memory(
     t0 = time.perf_counter()
     notes: list[str] = []
 
-    with torch.device("meta"):
-        model = build_model()
-    if any(t.device.type != "meta" for t in [*model.parameters(), *model.buffers()]):
-        notes.append("build_model created tensors off the meta device; they were moved to meta")
-        model = model.to("meta")
-    model.train()
-    if batch is None:
-        batch, default_mode = unet_batch(shape, int(getattr(model, "out_channels", shape[1])))
-        mode = mode or default_mode
+    parallel = parallel or Parallel()
     dtype = _AUTOCAST_DTYPES[precision]
-    params = list(model.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    n_params = sum(p.numel() for p in params)
-    param_bytes = sum(round_block(t.untyped_storage().nbytes()) for t in [*params, *model.buffers()])
 
-    def traced(stepped: nn.Module) -> tuple[TrainStep, TraceResult]:
+    def built() -> nn.Module:
+        with torch.device("meta"):
+            model = build_model()
+        if any(t.device.type != "meta" for t in [*model.parameters(), *model.buffers()]):
+            note = "build_model created tensors off the meta device; they were moved to meta"
+            notes.extend([] if note in notes else [note])
+            model = model.to("meta")
+        return model.train()
+
+    def traced(stepped: nn.Module) -> tuple[nn.Module, TrainStep, TraceResult]:
+        stepped = wrap_for_rank(stepped, parallel, mesh)  # DDP's buckets, FSDP's shards: what this rank holds
         autocast = CudaAutocastEmulator(dtype=dtype or torch.bfloat16, device_type="meta", enabled=dtype is not None)
         # the meta tensors stand for a GPU: the step decides its optimizer implementation for "cuda"
         step = TrainStep(stepped, recipe, encoding=encoding, mode=mode or "bravo", process=process,
                          precision=EmulatedPrecision(autocast), device_type="cuda")
+        trainable = [p for p in stepped.parameters() if p.requires_grad]
         optimizer = _FusedAdamWOnMeta(trainable, recipe.optim) if step.optimizer_impl == "fused" else None
         step.configure_optimizer(optimizer=optimizer)
-        return step, trace_training_step(step, batch, attention=attention, device_type="meta", steps=2)
+        return stepped, step, trace_training_step(step, batch, attention=attention, device_type="meta", steps=2)
 
-    model_step, attention_path = "eager", ""
-    if compile:
-        try:
-            inputs = [(shape, torch.float32), ((shape[0],), torch.int64)]  # x (B, C_in, *spatial), timesteps (B,)
-            profile = compiled_profile(model, inputs, dtype)
-            step, trace = traced(CompiledModule(model, profile))
-            model_step, attention_path = "compiled", profile.attention_path(attention)
-        except CompiledTraceError as err:
-            model_step = "upper bound (eager)"
-            notes.append(f"the compiled step could not be predicted ({err}); this is the eager step's prediction, "
-                         "an upper bound of the compiled one")
-            for p in params:
-                p.grad = None
-        if compile_mode not in _COMPILE_MODES_MODELLED:
-            notes.append(f"compile mode {compile_mode!r} is predicted as the default mode (its CUDA graphs' memory "
-                         "pool is not modelled)")
-    if model_step != "compiled":
-        step, trace = traced(model)
-        attention_path = _describe_attention(attention, trace.flash, trace.autocast, notes)
-    impl = step.optimizer_impl
-    ema_bytes = sum(round_block(t.untyped_storage().nbytes()) for t in (step.ema.shadow if step.ema else []))
+    with fake_world(parallel.world_size) if parallel.distributed else contextlib.nullcontext() as mesh:
+        model = built()
+        if batch is None:
+            batch, default_mode = unet_batch(shape, int(getattr(model, "out_channels", shape[1])))
+            mode = mode or default_mode
+        model_step, attention_path, traced_step = "eager", "", None
+        if compile:
+            try:
+                if parallel.strategy == "fsdp":
+                    raise CompiledTraceError("a compiled FSDP step is not traced: torch.compile runs the units "
+                                             "between FSDP's hooks, graphs the preflight does not plan")
+                inputs = [(shape, torch.float32), ((shape[0],), torch.int64)]  # x (B, C_in, *spatial), t (B,)
+                profile = compiled_profile(model, inputs, dtype)
+                traced_step = traced(CompiledModule(model, profile))  # DDP wraps the stand-in as it would the model
+                model_step, attention_path = "compiled", profile.attention_path(attention)
+            except CompiledTraceError as err:
+                model_step = "upper bound (eager)"
+                notes.append(f"the compiled step could not be predicted ({err}); this is the eager step's "
+                             "prediction, an upper bound of the compiled one")
+                model = built()  # a fresh model: the failed trace may have wrapped or stepped this one
+            if compile_mode not in _COMPILE_MODES_MODELLED:
+                notes.append(f"compile mode {compile_mode!r} is predicted as the default mode (its CUDA graphs' "
+                             "memory pool is not modelled)")
+        if traced_step is None:
+            traced_step = traced(model)
+        stepped, step, trace = traced_step
+        if model_step != "compiled":
+            attention_path = _describe_attention(attention, trace.flash, trace.autocast, notes)
+        params = list(stepped.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        n_params = sum(p.numel() for p in params)
+        param_bytes = sum(_rank_bytes(t) for t in [*params, *stepped.buffers()])
+        ema_bytes = sum(_rank_bytes(t) for t in (step.ema.shadow if step.ema else []))
+        impl = step.optimizer_impl
     peaks = trace.steps
 
     # cuBLAS workspaces: one for the main thread (forward, optimizer), one for the autograd device thread.
@@ -407,7 +431,14 @@ def predict_step_memory(
         trace_seconds=time.perf_counter() - t0,
         notes=tuple(notes),
         model_step=model_step,
+        parallel=parallel.describe(),
     )
+
+
+def _rank_bytes(tensor: Tensor) -> int:
+    """Bytes of ``tensor`` on this rank, as the caching allocator counts them (a DTensor: its local shard)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return round_block(local.untyped_storage().nbytes())
 
 
 @dataclass
@@ -438,6 +469,7 @@ def trace_training_step(
     device_type: str = "meta",
     granularity: int | None = None,
     steps: int = 2,
+    cuda_kernels: bool | None = None,
 ) -> TraceResult:
     """Run ``steps`` calls of :meth:`TrainStep.run` and record live bytes on ``device_type``, per phase.
 
@@ -454,6 +486,8 @@ def trace_training_step(
             The CUDA kernel temporaries of :data:`~voxdiff.preflight.tracker.KERNEL_TEMPORARIES` are added on
             meta only.
         steps: how many steps to trace.
+        cuda_kernels: add the CUDA kernel temporaries (default: on meta only; False traces meta tensors as the
+            CPU allocates, to compare with a CPU run).
 
     Returns:
         A :class:`TraceResult`.
@@ -465,7 +499,7 @@ def trace_training_step(
         device_type=device_type,
         record_events=True,
         granularity=granularity or (512 if on_meta else 1),
-        kernel_temporaries=None if on_meta else {},
+        kernel_temporaries=None if (on_meta if cuda_kernels is None else cuda_kernels) else {},
     )
     autocast = step.precision.autocast
     flash = FlashAttentionEmulator() if attention == "flash" else None

@@ -17,23 +17,10 @@ from collections.abc import Callable
 from omegaconf import DictConfig
 
 from voxdiff.config import build_encoding, model_spec, plain, volume_shape
-from voxdiff.encodings import Encoding, HaarWavelet, Identity, SpaceToDepth, VQVAELatent
+from voxdiff.encodings import Encoding
 from voxdiff.encodings.base import AXES
 from voxdiff.errors import ConfigError
 from voxdiff.models import unet_io_channels
-
-
-def describe(encoding: Encoding) -> str:
-    """How a message names what the UNet sees: 'the 8× latent', 'the S2D encoding', ..."""
-    if isinstance(encoding, VQVAELatent):
-        return f"the {encoding.factor}× latent"
-    if isinstance(encoding, SpaceToDepth):
-        return "the S2D encoding"
-    if isinstance(encoding, HaarWavelet):
-        return "the Haar encoding"
-    if isinstance(encoding, Identity):
-        return "the volume"
-    return f"the {type(encoding).__name__} encoding"
 
 
 def _levels(cfg: DictConfig) -> int:
@@ -69,7 +56,7 @@ def check_unet_divisibility(cfg: DictConfig, encoding: Encoding) -> None:
             shape = "×".join(map(str, encoded))
             raise ConfigError(
                 "data.volume_shape", list(vol),
-                f"{axis} {size} of {describe(encoding)} ({shape}) is not divisible by {need}, which a {levels}-level "
+                f"{axis} {size} of {encoding.label} ({shape}) is not divisible by {need}, which a {levels}-level "
                 f"UNet needs",
                 ", or ".join(options),
             )
@@ -88,7 +75,7 @@ def check_io_channels(cfg: DictConfig, encoding: Encoding) -> None:
                     else "the image encoding" if cfg.mode == "bravo" else "the mask encoding")
             raise ConfigError(
                 f"model.{key}", got,
-                f"mode={cfg.mode} with {describe(encoding)} has {want} channels ({what})",
+                f"mode={cfg.mode} with {encoding.label} has {want} channels ({what})",
                 f"remove model.{key} (it follows from the encoding and the mode) or set it to {want}",
             )
 

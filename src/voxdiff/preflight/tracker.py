@@ -5,6 +5,9 @@
 as an allocation of ``round_up(nbytes, 512)`` bytes (the CUDA caching allocator's ``kMinBlockSize``) and
 subtracts it again when a weakref callback reports that the storage died. This is what
 ``torch.cuda.memory_allocated()`` counts, so the running maximum is the trace's ``max_memory_allocated()``.
+A tensor subclass (FSDP's and the sharded EMA's DTensors) is counted by the storages it wraps (a rank's shard), and
+``UntypedStorage.resize_`` — how FSDP allocates and frees a unit's gathered weights, outside any ATen op — is
+followed while the tracker is active.
 
 A trace cannot see memory that a CUDA kernel allocates inside its own implementation. The rules in
 :data:`KERNEL_TEMPORARIES` add those that the CUDA sources of torch 2.13 make explicit; each is held only while
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["BLOCK_BYTES", "KERNEL_TEMPORARIES", "MEMOIZED_META_OPS", "PhaseStats", "StorageTracker", "round_block"]
@@ -135,35 +138,69 @@ class StorageTracker(TorchDispatchMode):
                 self._refs[sid] = entry
             return
         self.live -= entry[1]
-        if self._log is not None:
+        if self._log is not None and entry[1]:  # 0: resized to nothing already (FSDP's free_storage)
             self._log.append((-1, entry[2], entry[1]))
 
     def track(self, tensor: torch.Tensor) -> None:
-        """Count ``tensor``'s storage as allocated (no-op if already counted or not on the device)."""
+        """Count ``tensor``'s storage as allocated (no-op if already counted or not on the device). A tensor
+        subclass that wraps others (a DTensor: its local shard) is counted by its inner tensors."""
         if tensor.device.type != self.device_type:
             return
+        if is_traceable_wrapper_subclass(tensor):
+            for name in tensor.__tensor_flatten__()[0]:
+                inner = getattr(tensor, name)
+                if isinstance(inner, torch.Tensor):
+                    self.track(inner)
+            return
         st = tensor.untyped_storage()
-        sid = id(st)
-        nbytes = round_block(st.nbytes(), self.granularity)
+        self._count(st, round_block(st.nbytes(), self.granularity), shrink=False)
+
+    def resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Account for ``storage.resize_(nbytes)``, which no ATen op reports: FSDP allocates and frees the
+        all-gathered parameters of a unit this way (``alloc_storage`` / ``free_storage``)."""
+        self._count(storage, round_block(nbytes, self.granularity), shrink=True)
+
+    def _count(self, storage: torch.UntypedStorage, nbytes: int, shrink: bool) -> None:
+        """Count ``storage`` at ``nbytes``: a new allocation, or a known one that grew in place (an ``out=`` op,
+        a resize) or, with ``shrink``, became smaller (a resize; 0 frees it until it grows again)."""
+        sid = id(storage)
         entry = self._refs.get(sid)
-        if entry is not None and entry[0]() is st:
-            if nbytes > entry[1]:  # resized in place (e.g. an out= op grew it)
-                self.live += nbytes - entry[1]
-                self._refs[sid] = (entry[0], nbytes, entry[2])
-                if self._log is not None:
-                    self._log += [(-1, entry[2], entry[1]), (1, entry[2], nbytes)]
-                self._bump_peak(self.live)
-            return
-        if nbytes == 0:
-            return
-        key = self._next_key
-        self._next_key += 1
-        ref = weakref.ref(st, lambda r, sid=sid: self._on_free(sid, r))
-        self._refs[sid] = (ref, nbytes, key)
-        self.live += nbytes
-        if self._log is not None:
-            self._log.append((1, key, nbytes))
+        if entry is None or entry[0]() is not storage:
+            if not nbytes:
+                return
+            key = self._next_key
+            self._next_key += 1
+            self._refs[sid] = (weakref.ref(storage, lambda r, sid=sid: self._on_free(sid, r)), nbytes, key)
+            self.live += nbytes
+            if self._log is not None:
+                self._log.append((1, key, nbytes))
+        else:
+            ref, old, key = entry
+            if nbytes == old or (nbytes < old and not shrink):
+                return
+            self.live += nbytes - old
+            self._refs[sid] = (ref, nbytes, key)
+            if self._log is not None:
+                self._log += ([(-1, key, old)] if old else []) + ([(1, key, nbytes)] if nbytes else [])
         self._bump_peak(self.live)
+
+    def __enter__(self) -> StorageTracker:
+        original = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage: torch.UntypedStorage, nbytes: int) -> Any:
+            out = original(storage, nbytes)
+            if storage.device.type == tracker.device_type:
+                tracker.resized(storage, int(nbytes))
+            return out
+
+        self._original_resize = original
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
+        return super().__exit__(*exc)
 
     def track_all(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors that exist before tracing starts (parameters, buffers, inputs)."""

@@ -8,10 +8,15 @@
 * :mod:`~voxdiff.step.optim`: AdamW from ``system.optim`` and its implementation (foreach / fused / single), the
   warm-up/cosine schedule;
 * :mod:`~voxdiff.step.ema`: the EMA of the weights;
+* :mod:`~voxdiff.step.guard`: the non-finite guard, recorded on the device and checked every N steps and before
+  every checkpoint;
+* :mod:`~voxdiff.step.compiling`: ``torch.compile`` of the training forward (``model.compile``);
 * :mod:`~voxdiff.step.precision`: :func:`decide_precision`, the one decision of ``trainer.precision`` on a device.
 """
 
+from voxdiff.step.compiling import CompiledForward, CompileFailed, CompileSettings
 from voxdiff.step.ema import EMA, EMASettings, ema_settings
+from voxdiff.step.guard import FiniteGuard, GuardSettings, NonFiniteLossError, guard_settings
 from voxdiff.step.optim import (
     OptimSettings,
     WarmupCosine,
@@ -19,6 +24,7 @@ from voxdiff.step.optim import (
     build_optimizer,
     optim_settings,
     optimizer_impl,
+    params_device_type,
 )
 from voxdiff.step.precision import Precision, accelerator_device, decide_precision
 from voxdiff.step.recipe import (
@@ -30,14 +36,19 @@ from voxdiff.step.recipe import (
     recipe_from_config,
     system_recipe,
 )
-from voxdiff.step.train_step import NonFiniteLossError, PhaseProbe, TrainStep, batch_shapes
+from voxdiff.step.train_step import PhaseProbe, TrainStep, batch_shapes
 
 __all__ = [
     "EMA",
     "RECIPES",
     "SEED",
     "ClipSettings",
+    "CompileFailed",
+    "CompileSettings",
+    "CompiledForward",
     "EMASettings",
+    "FiniteGuard",
+    "GuardSettings",
     "NonFiniteLossError",
     "OptimSettings",
     "PhaseProbe",
@@ -52,8 +63,10 @@ __all__ = [
     "clip_settings",
     "decide_precision",
     "ema_settings",
+    "guard_settings",
     "optim_settings",
     "optimizer_impl",
+    "params_device_type",
     "recipe_from_config",
     "system_recipe",
 ]

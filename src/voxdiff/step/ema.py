@@ -101,10 +101,11 @@ class EMA:
         if not params:
             return
         self.to(params[0].device)
+        shadow, params = _local(self.shadow), _local(params)  # FSDP: each rank averages its own shards
         if self.num_updates <= self.start_step:
-            torch._foreach_copy_(self.shadow, params)
+            torch._foreach_copy_(shadow, params)
         else:
-            torch._foreach_lerp_(self.shadow, params, 1.0 - self.decay ** self.every_n_steps)
+            torch._foreach_lerp_(shadow, params, 1.0 - self.decay ** self.every_n_steps)
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:
@@ -135,11 +136,29 @@ class EMA:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the average and the update count (decay and start step stay those of the current config)."""
+        """Restore the average and the update count (decay and start step stay those of the current config).
+        Full tensors are split into shards where the average is sharded (FSDP: every rank takes its own)."""
         shadow = state["shadow"]
         missing = [n for n in self.names if n not in shadow]
         if missing:
             raise KeyError(f"the EMA state lacks {len(missing)} parameters, e.g. {missing[0]!r}")
-        device = self.shadow[0].device if self.shadow else torch.device("cpu")
-        self.shadow = [shadow[n].detach().float().to(device).clone() for n in self.names]
+        self.shadow = [_like(shadow[n].detach().float(), old) for n, old in zip(self.names, self.shadow)]
         self.num_updates = int(state["num_updates"])
+
+
+def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The local shards of DTensors (views: in-place ops on them update the DTensor), other tensors as they are."""
+    from torch.distributed.tensor import DTensor
+
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+def _like(full: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out as ``current``: on its device, and split as it is if it is a DTensor (each rank keeps its
+    own shard of its own copy of ``full``; no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(current, DTensor):
+        return distribute_tensor(full.to(current.device), current.device_mesh, current.placements,
+                                 src_data_rank=None)
+    return full.to(current.device).clone()

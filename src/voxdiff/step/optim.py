@@ -27,8 +27,8 @@ class OptimSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1.0e-8
     weight_decay: float = 0.0  # decoupled (AdamW); applied to weights with ndim >= 2 only
-    foreach: bool | None = None  # None: torch's default
-    fused: bool | None = None  # None: torch's default (fused=True needs all parameters on a GPU)
+    foreach: bool | None = None  # None: foreach where torch picks it (a GPU), unless fused
+    fused: bool | None = None  # None: fused wherever every parameter is on a CUDA GPU (true: needs that)
     warmup_steps: int = 0  # linear warm-up from 0 to lr over this many optimizer steps
     decay_steps: int | None = None  # cosine decay ends here (None: at the end of the run)
     min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio, then stays there
@@ -92,17 +92,27 @@ OPTIMIZER_IMPLS = ("foreach", "fused", "single")
 
 
 def optimizer_impl(settings: OptimSettings, device_type: str) -> str:
-    """The AdamW implementation a run uses on ``device_type`` (``cuda`` or ``cpu``).
+    """The AdamW implementation a run uses with its parameters on ``device_type`` (``cuda``, ``cpu``, or
+    ``mixed`` when they are not all on one device type: :func:`params_device_type`).
 
-    ``fused=true`` → ``fused`` (one in-place kernel); ``foreach=true`` → ``foreach`` (multi-tensor kernels, with a
-    parameter-sized temporary in ``step()``); ``foreach=false`` → ``single`` (a loop over parameters). Neither
-    set: torch's own default for the device, ``foreach`` on CUDA and ``single`` elsewhere.
+    ``fused=true`` → ``fused`` (one in-place kernel per parameter group, no temporaries); ``foreach=true`` →
+    ``foreach`` (multi-tensor kernels, with a parameter-sized temporary in ``step()``); ``foreach=false`` →
+    ``single`` (a loop over parameters). Neither set: ``fused`` wherever every parameter is on a CUDA GPU, else
+    ``single``. ``fused=false`` alone: torch's default, ``foreach`` on CUDA and ``single`` elsewhere.
     """
     if settings.fused:
         return "fused"
     if settings.foreach is not None:
         return "foreach" if settings.foreach else "single"
-    return "foreach" if device_type == "cuda" else "single"
+    if device_type != "cuda":
+        return "single"
+    return "foreach" if settings.fused is False else "fused"
+
+
+def params_device_type(params: Iterable[torch.Tensor]) -> str:
+    """The device type of ``params`` (``cuda``, ``cpu``, ``meta``), or ``mixed`` when they are on several."""
+    types = {p.device.type for p in params}
+    return types.pop() if len(types) == 1 else "mixed"
 
 
 def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
@@ -136,7 +146,7 @@ def build_optimizer(
     """
     s = optim_cfg if isinstance(optim_cfg, OptimSettings) else optim_settings(optim_cfg)
     groups = param_groups(params, s.weight_decay)
-    impl = impl or optimizer_impl(s, groups[0]["params"][0].device.type)
+    impl = impl or optimizer_impl(s, params_device_type(p for g in groups for p in g["params"]))
     if impl not in OPTIMIZER_IMPLS:
         raise ValueError(f"impl={impl!r}: use one of {', '.join(OPTIMIZER_IMPLS)}")
     return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, foreach=impl == "foreach",

@@ -5,7 +5,7 @@ optimizer settings, the gradient order, clipping, the non-finite guard and the E
 
 * ``system`` — the step ``train.py`` runs, read from a run config by :func:`system_recipe`: the configured
   diffusion loss, ``system.optim``, gradients freed right after the optimizer step, ``trainer.gradient_clip_val``,
-  the guard on the loss and the gradient norm, ``system.ema``;
+  the guard on the loss and the gradient norm (``system.guard``), ``system.ema``;
 * ``seed`` — :data:`SEED`, the step the reference measurements (``reference/h100_measured.csv``) ran: the seed's
   loss (:func:`voxdiff.diffusion.seed.seed_loss`), foreach AdamW, gradients freed after the forward and before
   backward (Lightning's automatic order), no EMA, no clipping, no guard.
@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from voxdiff.diffusion import DiffusionSettings, diffusion_settings
 from voxdiff.errors import ConfigError
 from voxdiff.step.ema import EMASettings, ema_settings
+from voxdiff.step.guard import GuardSettings, guard_settings
 from voxdiff.step.optim import OptimSettings, optim_settings
 
 ZERO_GRAD_AT = ("before_backward", "after_step")
@@ -69,7 +70,8 @@ class Recipe:
             Lightning's automatic optimisation does) or ``after_step`` (right after ``optimizer.step()``, so they
             are not alive through the next forward).
         clip: gradient clipping, or None.
-        guard: stop on a non-finite loss or gradient norm before the optimizer step (one host sync each).
+        guard: record a non-finite loss or gradient norm on the device and stop on it, checked every
+            ``check_every_n_steps`` and before every checkpoint (:mod:`voxdiff.step.guard`); None: no guard.
         ema: EMA of the weights updated after every optimizer step, or None.
         diffusion: the settings of :meth:`voxdiff.diffusion.DiffusionProcess.loss`; None: the seed's loss.
     """
@@ -78,7 +80,7 @@ class Recipe:
     optim: OptimSettings
     zero_grad_at: str
     clip: ClipSettings | None
-    guard: bool
+    guard: GuardSettings | None
     ema: EMASettings | None
     diffusion: DiffusionSettings | None
 
@@ -96,7 +98,7 @@ SEED = Recipe(
     optim=OptimSettings(lr=1e-4, weight_decay=0.0, foreach=True),
     zero_grad_at="before_backward",
     clip=None,
-    guard=False,
+    guard=None,
     ema=None,
     diffusion=None,
 )
@@ -108,15 +110,16 @@ def system_recipe(
     ema: Mapping[str, Any] | bool | None,
     diffusion: Mapping[str, Any] | None,
     clip: ClipSettings | None = None,
+    guard: Mapping[str, Any] | None = None,
 ) -> Recipe:
-    """The step of the diffusion system from plain ``system.optim``, ``system.ema``, ``diffusion`` mappings and the
-    trainer's clipping (validated here; raises ConfigError)."""
+    """The step of the diffusion system from plain ``system.optim``, ``system.ema``, ``diffusion``, ``system.guard``
+    mappings and the trainer's clipping (validated here; raises ConfigError)."""
     return Recipe(
         name="system",
         optim=optim_settings(optim),
         zero_grad_at="after_step",  # Lightning would keep them through the next forward: 4 B per parameter
         clip=clip,
-        guard=True,
+        guard=guard_settings(guard),
         ema=ema_settings(ema),
         diffusion=diffusion_settings(diffusion or {}),
     )
@@ -141,4 +144,5 @@ def recipe_from_config(cfg: DictConfig, name: str | None = None) -> Recipe:
                           "use system (the step train.py runs for this config) or seed (the step of the reference "
                           "measurements)")
     clip = clip_settings(_select(cfg, "trainer.gradient_clip_val"), _select(cfg, "trainer.gradient_clip_algorithm"))
-    return system_recipe(_select(cfg, "system.optim"), _select(cfg, "system.ema"), _select(cfg, "diffusion"), clip)
+    return system_recipe(_select(cfg, "system.optim"), _select(cfg, "system.ema"), _select(cfg, "diffusion"), clip,
+                         _select(cfg, "system.guard"))

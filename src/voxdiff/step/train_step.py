@@ -5,9 +5,10 @@ non-finite guard, the EMA and the precision context, as a :class:`~voxdiff.step.
 Three drivers run it:
 
 * the Lightning system (``voxdiff.lightning.diffusion``) calls its parts from its hooks — ``training_step`` →
-  :meth:`TrainStep.loss`, ``optimizer_zero_grad`` → :meth:`TrainStep.zero_grad_before_backward`,
-  ``configure_gradient_clipping`` → :meth:`TrainStep.clip_and_check`, ``optimizer_step`` →
-  :meth:`TrainStep.after_optimizer_step` — while Lightning does the autocast, the backward and ``step()``;
+  :meth:`TrainStep.loss`, ``optimizer_zero_grad`` → :meth:`TrainStep.zero_grad_before_backward`, ``backward`` →
+  :meth:`TrainStep.compile_errors`, ``configure_gradient_clipping`` → :meth:`TrainStep.clip_and_check`,
+  ``optimizer_step`` → :meth:`TrainStep.after_optimizer_step` — while Lightning does the autocast, the backward
+  and ``step()``;
 * the preflight traces :meth:`TrainStep.run` on meta tensors, with its CUDA-autocast emulator as the precision
   context (``voxdiff.preflight.memory``);
 * ``preflight.measure=true`` runs :meth:`TrainStep.run` on a GPU (``voxdiff.preflight.measure``).
@@ -15,15 +16,19 @@ Three drivers run it:
 One step (:meth:`TrainStep.run`), in Lightning's order::
 
     forward   batch ──encode_batch──▶ x0 (B, C_out, d, h, w), cond (B, C_cond, d, h, w) | None
-              ──loss (under the precision context)──▶ fp32 loss ──finite?
+              ──loss (under the precision context; the model compiled with model.compile)──▶ fp32 loss ──▶ guard
     [zero_grad]                                          (recipe.zero_grad_at == "before_backward")
     backward  loss.backward()
-    optimizer [unscale] ──clip, grad norm finite?──▶ optimizer.step() ──▶ EMA update ──▶ [zero_grad]  ("after_step")
+    optimizer [unscale] ──clip, grad norm──▶ guard ──▶ optimizer.step() ──▶ EMA update ──▶ [zero_grad] ("after_step")
+              ──▶ every system.guard.check_every_n_steps: check the guard (one host sync)
+
+No step makes the host wait for the device otherwise: the guard records a non-finite loss or gradient norm on
+the device (:mod:`voxdiff.step.guard`), clipping and the EMA are device kernels, and the statistics returned are
+tensors.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Any, Protocol
@@ -35,32 +40,17 @@ from voxdiff.diffusion import DiffusionProcess, encode_batch
 from voxdiff.diffusion.seed import seed_loss
 from voxdiff.encodings.base import Encoding
 from voxdiff.encodings.identity import Identity
+from voxdiff.step.compiling import CompiledForward, CompileSettings
 from voxdiff.step.ema import EMA
-from voxdiff.step.optim import build_lr_scheduler, build_optimizer, optimizer_impl
+from voxdiff.step.guard import FiniteGuard, NonFiniteLossError
+from voxdiff.step.optim import build_lr_scheduler, build_optimizer, optimizer_impl, params_device_type
 from voxdiff.step.precision import Precision, PrecisionContext
 from voxdiff.step.recipe import Recipe
 
+__all__ = ["NonFiniteLossError", "PhaseProbe", "TrainStep", "batch_shapes"]
+
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``loss_fn(model, x0, cond) -> (loss, stats)``: :meth:`DiffusionProcess.loss` or the seed's loss."""
-
-
-class NonFiniteLossError(RuntimeError):
-    """Training produced a NaN or infinite loss (or gradient norm); raised before the optimizer step.
-
-    Attributes:
-        step: the global step (optimizer steps completed) whose batch failed.
-        what: ``loss`` or ``gradient norm``.
-        value: the offending value.
-    """
-
-    def __init__(self, step: int, what: str, value: float, detail: str = "") -> None:
-        self.step, self.what, self.value = step, what, value
-        super().__init__(
-            f"the training {what} is {value} at global step {step}{detail}. Training stopped before the optimizer "
-            "step: no NaN reached the weights, the EMA or any checkpoint. Resume from the last good checkpoint "
-            "(ckpt_path=...) with a lower system.optim.lr, trainer.precision=32-true or a smaller "
-            "trainer.gradient_clip_val"
-        )
 
 
 class PhaseProbe(Protocol):
@@ -96,12 +86,14 @@ class TrainStep:
             ``system.optim`` leaves it open; default: the device of the model's parameters when the optimizer is
             made (Lightning moves the model to the GPU before ``configure_optimizers``). The preflight passes
             ``cuda`` for its meta tensors, which stand for a GPU.
+        compile: compile the training forward (:class:`~voxdiff.step.compiling.CompiledForward`); None: eager.
 
     Attributes:
         optimizer, scheduler: set by :meth:`configure_optimizer`.
-        clip, guard, zero_grad_at: from the recipe; the Lightning system sets ``clip`` from its Trainer.
+        clip, zero_grad_at: from the recipe; the Lightning system sets ``clip`` from its Trainer.
+        guard: the :class:`~voxdiff.step.guard.FiniteGuard` (its ``any_rank`` reduces over processes), or None.
         ema: the :class:`~voxdiff.step.ema.EMA`, or None (``system.ema: false``).
-        any_rank: ``bad -> bool`` reduces a non-finite verdict over processes (DDP: any rank stops all).
+        compiled: the :class:`~voxdiff.step.compiling.CompiledForward`, or None.
         loss_scaled: a loss scaler (fp16) skips non-finite gradients itself: the gradient-norm guard is off.
     """
 
@@ -115,6 +107,7 @@ class TrainStep:
         process: DiffusionProcess | None = None,
         precision: PrecisionContext | None = None,
         device_type: str | None = None,
+        compile: CompileSettings | None = None,
     ) -> None:
         self.model = model
         self.recipe = recipe
@@ -129,10 +122,10 @@ class TrainStep:
         self.loss_scaled = self.precision.scales_loss
         self.zero_grad_at = recipe.zero_grad_at
         self.clip = recipe.clip
-        self.guard = recipe.guard
+        self.guard = FiniteGuard(recipe.guard) if recipe.guard is not None else None
         self.ema = (EMA(model, recipe.ema.decay, recipe.ema.start_step, recipe.ema.every_n_steps)
                     if recipe.ema is not None else None)
-        self.any_rank: Callable[[bool], bool] = lambda bad: bad
+        self.compiled = CompiledForward(model, compile) if compile is not None else None
         self.optimizer: Any = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.steps_done = 0
@@ -140,8 +133,15 @@ class TrainStep:
     # ------------------------------------------------------------------ set-up
     @property
     def device_type(self) -> str:
-        """The device type the step runs on: as given, else that of the model's parameters now."""
-        return self._device_type or next(self.model.parameters()).device.type
+        """The device type the step runs on: as given, else that of the model's parameters now (``mixed`` when
+        they are not all on one device type)."""
+        return self._device_type or params_device_type(self.model.parameters())
+
+    @property
+    def train_model(self) -> Callable[..., torch.Tensor]:
+        """What the training loss calls: the compiled forward with ``model.compile``, else the model. Validation,
+        sampling and the EMA use :attr:`model`, always eager."""
+        return self.compiled.module if self.compiled is not None else self.model
 
     @property
     def optimizer_impl(self) -> str:
@@ -187,32 +187,35 @@ class TrainStep:
         return out
 
     # ------------------------------------------------------------------ the parts
-    def check_finite(self, value: torch.Tensor, what: str, step: int, detail: str = "") -> None:
-        """Raise :class:`NonFiniteLossError` if ``value`` is NaN/inf on any rank (one host sync). On meta tensors
-        there is no value to check: the check's own tensors are traced and nothing is raised."""
-        finite = torch.isfinite(value).all()
-        if finite.device.type == "meta":
-            return
-        if self.any_rank(not bool(finite)):
-            raise NonFiniteLossError(step, what, float(value.detach().float().cpu()), detail)
-
-    def loss(self, batch: Mapping[str, Any], step: int | None = None,
-             detail: str = "") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss of a data batch (run it under the precision context: :meth:`run`, or Lightning's).
+    def loss(self, batch: Mapping[str, Any], step: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of a data batch (run it under the precision context: :meth:`run`, or Lightning's); the guard
+        records it if it is not finite (no host sync).
 
         Args:
             batch: ``image``/``mask`` volumes ``(B, 1, D, H, W)`` or their encodings ``image_z``/``mask_z``.
-            step: the global step, for the guard's message (default: the steps :meth:`run` has done).
-            detail: more context for the guard's message.
+            step: the global step, for the guard's record (default: the steps :meth:`run` has done).
 
         Returns:
             ``(loss, stats)``: a float32 scalar with grad, and detached statistics of the loss function.
+
+        Raises:
+            CompileFailed: compiling the training forward failed (``model.compile``).
         """
         x0, cond = encode_batch(self.encoding, batch, self.mode)  # (B, C_out, d, h, w), (B, C_cond, ...) | None
-        loss, stats = self.loss_fn(self.model, x0, cond)
-        if self.guard:
-            self.check_finite(loss, "loss", self.steps_done if step is None else step, detail)
+        if self.compiled is not None:
+            self.compiled.start()
+        with self.compile_errors():
+            loss, stats = self.loss_fn(self.train_model, x0, cond)
+        if self.guard is not None:
+            self.guard.record("loss", loss, self.steps_done if step is None else step)
         return loss, stats
+
+    @contextmanager
+    def compile_errors(self) -> Iterator[None]:
+        """Around code that runs compiled graphs (the loss, the backward, whose graph compiles lazily on the first
+        step): a compiler failure becomes :class:`~voxdiff.step.compiling.CompileFailed`."""
+        with self.compiled.errors() if self.compiled is not None else nullcontext():
+            yield
 
     def zero_grad_before_backward(self) -> None:
         """Free the previous step's gradients here if the recipe frees them before backward (else they are gone
@@ -221,28 +224,52 @@ class TrainStep:
             self.optimizer.zero_grad(set_to_none=True)
 
     def clip_and_check(self, step: int | None = None) -> torch.Tensor | None:
-        """Clip the gradients as ``clip`` says and stop on a non-finite total norm (the guard), before the
-        optimizer step. Returns the norm before clipping, or None when neither clipping nor the guard needs it."""
-        guard = self.guard and not self.loss_scaled
+        """Clip the gradients as ``clip`` says and record a non-finite total norm in the guard, before the
+        optimizer step, without a host sync. Returns the norm before clipping (a device scalar), or None when
+        neither clipping nor the guard needs it."""
+        guard = self.guard is not None and not self.loss_scaled
         if self.clip is None and not guard:
             return None
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
         if self.clip is not None and self.clip.algorithm == "value":
             torch.nn.utils.clip_grad_value_(params, self.clip.value)
-        max_norm = self.clip.value if self.clip is not None and self.clip.algorithm == "norm" else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = torch.nn.utils.get_total_norm(grads)
+        if hasattr(norm, "full_tensor"):  # a DTensor (FSDP's sharded gradients): the norm over every shard
+            norm = norm.full_tensor()
+        if self.clip is not None and self.clip.algorithm == "norm":
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip.value, norm)
         if guard:
-            self.check_finite(norm, "gradient norm", self.steps_done if step is None else step)
+            self.guard.record("gradient norm", norm, self.steps_done if step is None else step)
         return norm
 
-    def after_optimizer_step(self) -> None:
-        """The post-step hooks: the EMA update (once per optimizer step), then, if the recipe says so, free the
+    def after_optimizer_step(self, step: int | None = None) -> float | None:
+        """The post-step hooks: the EMA update (once per optimizer step); then, if the recipe says so, free the
         gradients now rather than before the next backward (they would live through the next forward: 4 bytes
-        per parameter of the peak)."""
+        per parameter of the peak); then the end of the compile warm-up; then the guard's check when one is due
+        after global step ``step`` (default: the steps :meth:`run` has done).
+
+        Returns:
+            The seconds of the compile warm-up when this step ended it, else None.
+
+        Raises:
+            NonFiniteLossError: a check found a non-finite loss or gradient norm since the start.
+        """
         if self.ema is not None:
             self.ema.update(self.model)
         if self.zero_grad_at == "after_step":
             self.optimizer.zero_grad(set_to_none=True)
+        warmup = self.compiled.finish() if self.compiled is not None else None
+        step = self.steps_done if step is None else step
+        if self.guard is not None and self.guard.due(step):
+            self.guard.check()
+        return warmup
+
+    def check_guard(self, detail: str = "") -> None:
+        """Check the guard now (one host sync; on every rank): before a checkpoint is written, before validation,
+        at the end of training. Raises :class:`NonFiniteLossError` if any step so far was not finite."""
+        if self.guard is not None:
+            self.guard.check(detail)
 
     @contextmanager
     def ema_weights(self) -> Iterator[nn.Module]:
@@ -260,6 +287,10 @@ class TrainStep:
 
         Returns:
             The loss function's statistics, plus ``grad_norm`` (the norm before clipping) when it was computed.
+
+        Raises:
+            NonFiniteLossError: the guard's check, when due after this step, found a non-finite step.
+            CompileFailed: compiling the training step failed.
         """
         if self.optimizer is None:
             raise RuntimeError("TrainStep.run: call configure_optimizer() first")
@@ -271,18 +302,19 @@ class TrainStep:
         probe.end("forward")
         self.zero_grad_before_backward()
         probe.begin("backward")
-        self.precision.backward(loss)
+        with self.compile_errors():
+            self.precision.backward(loss)
         del loss
         probe.end("backward")
         probe.begin("optimizer")
         self.precision.unscale(self.optimizer)
         norm = self.clip_and_check(step)
         self.precision.step(self.optimizer)
-        self.after_optimizer_step()
-        probe.end("optimizer")
         if self.scheduler is not None:
             self.scheduler.step()
         self.steps_done += 1
+        self.after_optimizer_step(step)
+        probe.end("optimizer")
         return stats if norm is None else {**stats, "grad_norm": norm.detach()}
 
 

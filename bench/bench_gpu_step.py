@@ -1,0 +1,335 @@
+"""voxdiff's default training step against a plain eager MONAI loop, on the GPU of this machine (or tiny on a CPU).
+
+    python bench/bench_gpu_step.py [--experiments exp11,exp11_1,exp9_ldm_4x_bravo,exp9_ldm_8x_bravo]
+                                   [--steps 20] [--warmup 5] [--out bench_gpu_step.csv] [override ...]
+
+For each experiment, two sides train the UNet of that experiment on the same random batch (held in pinned host
+memory and copied to the device every step, as a data loader's batch is), each in its own process, one after the
+other:
+
+* **plain**: the eager MONAI loop a user would write — ``DiffusionModelUNet`` with materialised attention, AdamW
+  (foreach), bf16 autocast, DDPM noise at a random timestep, fp32 eps-MSE, ``zero_grad(set_to_none=True)`` after the
+  step; nothing else.
+* **voxdiff**: ``trainer.fit`` of the experiment's Lightning system, built as ``train.py`` builds it (the config's
+  defaults on this device: optimizer, attention, ``model.compile``, EMA, clipping, the non-finite guard, callbacks
+  and CSV logging), validation off.
+
+Each side's time per step is the wall time of steps ``warmup+1 .. warmup+steps`` divided by ``steps``
+(synchronised once at each end, not per step), its peak ``torch.cuda.max_memory_allocated()`` over those steps,
+its warm-up the wall time of the first ``warmup`` steps minus theirs at the steady rate (the compile, when
+compiled). The preflight's prediction of the voxdiff step is printed beside its measured peak. TFLOP/s counts one
+forward+backward (``torch.utils.flop_counter``) per step; the share is against the GPU's dense bf16 peak.
+
+On a machine without a CUDA GPU it runs each experiment with a tiny model and volume (``--tiny`` is implied) on the
+CPU, end to end, and says so: those figures say nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+GiB = 1024**3
+EXPERIMENTS = "exp11,exp11_1,exp9_ldm_4x_bravo,exp9_ldm_8x_bravo"
+#: overrides that shrink an experiment to a CPU-sized run (same encoding and mode, tiny UNet and volume)
+TINY = ["model=demo_3lvl", "data.volume_shape=[32,32,32]", "data.batch_size=1"]
+#: dense bf16 tensor-core peak, TFLOP/s (vendor data sheets, SXM parts)
+DENSE_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+
+
+def dense_peak(name: str) -> float | None:
+    return next((v for k, v in DENSE_BF16_TFLOPS.items() if k in name), None)
+
+
+def config(name: str, overrides: list[str], out: str, device: str) -> Any:
+    from voxdiff.config import compose
+
+    extra = TINY if device == "cpu" else []
+    return compose("train", [f"experiment={name}", *extra, *overrides, f"paths.output_dir={out}",
+                             f"trainer.accelerator={'gpu' if device == 'cuda' else 'cpu'}", "trainer.devices=1",
+                             "logger=csv"])
+
+
+def host_batch(cfg: Any) -> dict[str, Any]:
+    """The batch the data module would hand over, random, in pinned host memory where a GPU is present."""
+    import torch
+
+    from voxdiff.config import build_encoding, shapes
+    from voxdiff.config import batch_size
+    from voxdiff.step.train_step import batch_shapes
+
+    encoding = build_encoding(cfg)
+    spec = batch_shapes(encoding, shapes(cfg, encoding).volume, batch_size(cfg))
+    g = torch.Generator().manual_seed(0)
+    batch = {k: torch.rand(v, generator=g) for k, v in spec.items()}
+    return {k: v.pin_memory() for k, v in batch.items()} if torch.cuda.is_available() else batch
+
+
+class _Clock:
+    """Wall time of a stretch of steps, synchronised only at its two ends; the peak memory in between."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.marks: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            if name == "steady":
+                torch.cuda.reset_peak_memory_stats()
+        self.marks[name] = time.perf_counter()
+
+    def result(self, warmup: int, steps: int) -> dict[str, float]:
+        import torch
+
+        per_step = (self.marks["end"] - self.marks["steady"]) / steps
+        out = {"ms_per_step": per_step * 1e3,
+               "warmup_s": max(0.0, self.marks["steady"] - self.marks["start"] - warmup * per_step)}
+        if self.device == "cuda":
+            out["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
+        return out
+
+
+def run_plain(cfg: Any, warmup: int, steps: int, device: str) -> dict[str, Any]:
+    """The plain eager MONAI loop (see the module docstring)."""
+    import torch
+    import torch.nn.functional as F
+    from monai.networks.nets import DiffusionModelUNet
+    from monai.networks.schedulers import DDPMScheduler
+
+    from voxdiff.config import build_encoding, model_spec
+    from voxdiff.diffusion import encode_batch
+
+    torch.manual_seed(0)
+    encoding = build_encoding(cfg).to(device)
+    spec = model_spec(cfg, encoding)
+    model = DiffusionModelUNet(
+        spatial_dims=3, in_channels=spec.in_channels, out_channels=spec.out_channels, channels=list(spec.channels),
+        attention_levels=list(spec.attention_levels), num_res_blocks=list(spec.num_res_blocks),
+        num_head_channels=list(spec.num_head_channels), norm_num_groups=spec.norm_num_groups,
+        use_flash_attention=False,
+    ).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    scheduler = DDPMScheduler(num_train_timesteps=1000)
+    host = host_batch(cfg)
+    mode = str(cfg.mode)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+
+    def one_step() -> torch.Tensor:
+        batch = {k: v.to(device, non_blocking=True) for k, v in host.items()}
+        x0, cond = encode_batch(encoding, batch, mode)
+        noise = torch.randn_like(x0)
+        t = torch.randint(0, scheduler.num_train_timesteps, (x0.shape[0],), device=device)
+        xt = scheduler.add_noise(x0, noise, t)
+        with torch.autocast(device, dtype=dtype, enabled=device == "cuda"):
+            pred = model(xt if cond is None else torch.cat([xt, cond], 1), timesteps=t)
+        loss = F.mse_loss(pred.float(), noise)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    clock = _Clock(device)
+    clock.mark("start")
+    for i in range(warmup + steps):
+        if i == warmup:
+            clock.mark("steady")
+        one_step()
+    clock.mark("end")
+    out = clock.result(warmup, steps)
+    out["tflop_per_step"] = _flops(lambda: one_step(), device)
+    return out
+
+
+def _flops(step: Any, device: str) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        step()
+    return counter.get_total_flops() / 1e12
+
+
+def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str) -> dict[str, Any]:
+    """``trainer.fit`` of the experiment's system as ``train.py`` builds it (validation off)."""
+    import lightning as L
+    from hydra.utils import instantiate
+    from torch.utils.data import DataLoader, Dataset
+
+    from voxdiff.lightning.trainer import build_trainer, instantiate_callbacks, instantiate_loggers
+
+    host = host_batch(cfg)
+
+    class Same(Dataset):
+        def __len__(self) -> int:
+            return warmup + steps
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return host
+
+    clock = _Clock(device)
+    described: list[str] = []
+
+    class Marks(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, i) -> None:
+            if trainer.global_step == 0:
+                clock.mark("start")
+            if trainer.global_step == warmup:
+                described.append(describe_step(module))  # while training (Lightning moves it to the CPU after)
+                clock.mark("steady")
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, i) -> None:
+            if trainer.global_step == warmup + steps:  # before the end-of-fit checkpoint is written
+                clock.mark("end")
+
+    L.seed_everything(int(cfg.seed))
+    system = instantiate(cfg.system)
+    callbacks = [*instantiate_callbacks(cfg.callbacks), Marks()]
+    trainer = build_trainer(cfg.trainer, callbacks=callbacks, logger=instantiate_loggers(cfg.logger),
+                            max_steps=warmup + steps, max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0,
+                            enable_model_summary=False)
+    trainer.fit(system, train_dataloaders=DataLoader(Same(), batch_size=None, pin_memory=False))
+    out = clock.result(warmup, steps)
+    out["step"] = described[0]
+    return out
+
+
+def describe_step(system: Any) -> str:
+    """What the voxdiff step ran with: optimizer implementation, attention path, compile."""
+    step = getattr(system, "step", None)
+    parts = []
+    if step is not None and getattr(step, "optimizer", None) is not None:
+        parts.append(f"AdamW({step.optimizer_impl})")
+    flash = {getattr(m, "use_flash_attention", None) for m in system.model.modules()} - {None}
+    parts.append("sdpa" if flash == {True} else "materialised" if flash == {False} else "attention mixed/none")
+    compiled = getattr(system, "compiled", None) or getattr(step, "compiled", None)
+    parts.append(f"compile={'on' if compiled else 'off'}")
+    return ", ".join(parts)
+
+
+def predicted_gib(cfg: Any) -> dict[str, Any]:
+    """The preflight's prediction of the voxdiff step's peak (steady and first step), GiB."""
+    from voxdiff.preflight.check import predict_memory
+
+    report = predict_memory(cfg)
+    return {"pred_peak_gib": report.peak_allocated / GiB, "pred_note": "; ".join(report.notes)[:200]}
+
+
+def worker(side: str, name: str, overrides: list[str], warmup: int, steps: int) -> dict[str, Any]:
+    import torch
+
+    from voxdiff.lightning.trainer import configure_cpu_threads
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    configure_cpu_threads()
+    with tempfile.TemporaryDirectory() as out:
+        cfg = config(name, overrides, out, device)
+        if side == "plain":
+            return run_plain(cfg, warmup, steps, device)
+        result = run_voxdiff(cfg, warmup, steps, device)
+        result.update(predicted_gib(cfg))
+        return result
+
+
+def spawn(side: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
+    job = json.dumps({"side": side, "name": name, "overrides": args.overrides, "warmup": args.warmup,
+                      "steps": args.steps})
+    proc = subprocess.run([sys.executable, __file__, "--worker", job], stdout=subprocess.PIPE, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        return {"error": f"{side} exited {proc.returncode}"}
+    return json.loads(lines[-1])
+
+
+def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
+    """``rows`` as CSV at ``path``, atomically (a temporary file beside it, then a rename)."""
+    columns: list[str] = []
+    for r in rows:
+        columns += [c for c in r if c not in columns]
+    tmp = f"{path}.tmp{os.getpid()}"
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(tmp, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=columns)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--experiments", default=EXPERIMENTS)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--out", help="write the table as CSV here")
+    p.add_argument("overrides", nargs="*", help="train.py overrides for both sides (e.g. data.batch_size=2)")
+    args = p.parse_args()
+    if args.worker:
+        job = json.loads(args.worker)
+        print(json.dumps(worker(job["side"], job["name"], job["overrides"], job["warmup"], job["steps"])),
+              flush=True)
+        return
+
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    peak = dense_peak(gpu) if gpu else None
+    if not gpu:
+        args.steps, args.warmup = min(args.steps, 5), min(args.warmup, 2)
+        print(f"bench_gpu_step: NO CUDA GPU here: each experiment runs TINY on the CPU ({' '.join(TINY)}), "
+              f"{args.steps} steps after {args.warmup}; these figures say nothing about a GPU.", flush=True)
+    else:
+        print(f"bench_gpu_step: {gpu} (dense bf16 peak {peak} TFLOP/s), torch {torch.__version__}; "
+              f"{args.steps} steps after {args.warmup} warm-up", flush=True)
+    rows = []
+    for name in [n for n in args.experiments.split(",") if n]:
+        plain = spawn("plain", name, args)
+        vox = spawn("voxdiff", name, args)
+        row: dict[str, Any] = {"experiment": name, "device": gpu or "cpu (tiny)"}
+        row.update({f"plain_{k}": v for k, v in plain.items()})
+        row.update({f"voxdiff_{k}": v for k, v in vox.items()})
+        if "ms_per_step" in plain and "ms_per_step" in vox:
+            row["speedup"] = plain["ms_per_step"] / vox["ms_per_step"]
+            flop = plain.get("tflop_per_step", 0.0)
+            row["voxdiff_tflops"] = flop / (vox["ms_per_step"] / 1e3)
+            row["plain_tflops"] = flop / (plain["ms_per_step"] / 1e3)
+            if peak:
+                row["voxdiff_peak_share"] = row["voxdiff_tflops"] / peak
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.out:  # after each experiment: a run cut off by a time limit keeps what it finished
+            write_csv(args.out, rows)
+    print()
+    print(f"{'experiment':20s} {'plain ms':>9s} {'voxdiff ms':>10s} {'speed-up':>8s} {'TFLOP/step':>10s} "
+          f"{'TFLOP/s':>8s} {'%peak':>6s} {'plain GiB':>9s} {'vox GiB':>8s} {'pred GiB':>8s} {'warm-up s':>9s}  step")
+    for r in rows:
+        def f(key: str, fmt: str) -> str:
+            v = r.get(key)
+            return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+        print(f"{r['experiment']:20s} {f('plain_ms_per_step', '9.1f')} {f('voxdiff_ms_per_step', '10.1f')} "
+              f"{f('speedup', '8.2f')} {f('plain_tflop_per_step', '10.2f')} {f('voxdiff_tflops', '8.1f')} "
+              f"{(format(100 * r['voxdiff_peak_share'], '6.1f') if 'voxdiff_peak_share' in r else '     -')} "
+              f"{f('plain_peak_gib', '9.2f')} {f('voxdiff_peak_gib', '8.2f')} {f('voxdiff_pred_peak_gib', '8.2f')} "
+              f"{f('voxdiff_warmup_s', '9.1f')}  {r.get('voxdiff_step', r.get('voxdiff_error', ''))}")
+    speedups = [r["speedup"] for r in rows if "speedup" in r]
+    if speedups:
+        geo = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
+        print(f"geometric-mean speed-up of voxdiff's default step over the plain eager loop: {geo:.2f}x "
+              f"over {len(speedups)} experiment(s){'' if gpu else ' (tiny, CPU)'}")
+    if args.out and rows:
+        print(f"-> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""What one rank of a DDP or FSDP run holds: the training step traced as rank 0 of N runs it, without N processes.
+
+The preflight traces the real thing rather than dividing totals: :func:`fake_world` stands in for N ranks with
+torch's *fake* process group (one process; every collective returns at once, moves no data, and its output
+tensors are those the caller allocated, as on a GPU), and :func:`wrap_for_rank` wraps the meta-device UNet as
+``train.py`` does on each GPU:
+
+* ``ddp``: torch's ``DistributedDataParallel`` with the configured ``gradient_as_bucket_view`` and
+  ``bucket_cap_mb`` (``configs/trainer/ddp.yaml``) — its reducer allocates the gradient buckets; with
+  ``gradient_as_bucket_view=true`` the gradients are views into them, else a second copy;
+* ``fsdp``: :func:`voxdiff.models.sharding.shard_unet`, the function ``DiffusionSystem.configure_model``
+  calls — FSDP2 shards every parameter over the ranks (dim-0 rows, padded to equal shards), gathers a unit's
+  weights into its all-gather buffers for its forward and again for its backward, reduce-scatters its
+  gradients, and the optimizer's moments and the EMA are made from the shards.
+
+The traced step is then the same :class:`~voxdiff.step.TrainStep` as for one GPU, and the storage tracker counts
+what this rank allocates: its shards, the unit in flight, the buckets. FSDP2 runs on meta tensors here through
+three substitutions, made only inside :func:`fake_world`: its device is ``meta`` (not the mesh's), ``meta`` gets
+the CPU's stream and event stubs (no streams: frees are immediate, as on the CPU), and its check that no parameter
+is on meta is skipped. ``tests/preflight/test_distributed_memory.py`` checks the result against the CPU allocator
+in real two-process gloo runs of DDP and FSDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+STRATEGIES = ("single", "ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How a run is spread over GPUs, as far as one rank's memory is concerned.
+
+    Attributes:
+        strategy: ``single`` (one process, or a strategy the preflight does not model), ``ddp`` or ``fsdp``.
+        world_size: processes (GPUs) over all nodes.
+        processes_per_node: processes on one node (host memory per node).
+        gradient_as_bucket_view: DDP's gradients are views into its all-reduce buckets.
+        bucket_cap_mb: DDP's bucket size in MiB.
+    """
+
+    strategy: str = "single"
+    world_size: int = 1
+    processes_per_node: int = 1
+    gradient_as_bucket_view: bool = True
+    bucket_cap_mb: float = 25.0
+
+    @property
+    def distributed(self) -> bool:
+        """More than one process, with a strategy whose ranks the preflight traces."""
+        return self.strategy != "single" and self.world_size > 1
+
+    def describe(self) -> str:
+        """``one GPU``, ``fsdp×4`` or ``ddp×2 (gradient_as_bucket_view=..., bucket_cap_mb=...)``."""
+        if self.strategy == "ddp":
+            return (f"ddp×{self.world_size} (gradient_as_bucket_view={str(self.gradient_as_bucket_view).lower()}, "
+                    f"bucket_cap_mb={self.bucket_cap_mb:g})")
+        return f"{self.strategy}×{self.world_size}" if self.distributed else "one GPU"
+
+
+def parallel_of(trainer: Mapping[str, Any]) -> Parallel:
+    """The :class:`Parallel` of a plain ``trainer:`` config (``trainer=ddp`` / ``trainer=fsdp``; a strategy name
+    ``ddp*`` or ``auto`` counts as DDP with torch's defaults, ``fsdp*`` as FSDP; others, e.g. ``deepspeed``, are
+    traced as one GPU)."""
+    strategy = trainer.get("strategy") or "auto"
+    options: dict[str, Any] = {}
+    if isinstance(strategy, Mapping):
+        target = str(strategy.get("_target_", ""))
+        options = dict(strategy)
+        name = "fsdp" if target.endswith(("ShardedUNetStrategy", "ModelParallelStrategy", "FSDPStrategy")) \
+            else "ddp" if target.endswith("DDPStrategy") else "single"
+    else:  # a name; "auto" with more than one device is Lightning's DDP
+        text = str(strategy).lower()
+        name = "fsdp" if text.startswith("fsdp") else "ddp" if text.startswith(("ddp", "auto")) else "single"
+        options = {"gradient_as_bucket_view": False}  # Lightning's DDP: DistributedDataParallel's own default
+    devices = trainer.get("devices", 1)
+    per_node = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
+    per_node = max(1, per_node)
+    world = per_node * max(1, int(trainer.get("num_nodes") or 1))
+    return Parallel(name if world > 1 else "single", world, per_node,
+                    bool(options.get("gradient_as_bucket_view", True)), float(options.get("bucket_cap_mb", 25.0)))
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[Any]:
+    """Be rank 0 of ``world_size`` ranks in this one process, for a trace on meta tensors; yields a 1-D
+    ``DeviceMesh`` on ``meta`` over them. See the module docstring for what is substituted while inside.
+
+    Raises:
+        RuntimeError: a process group is initialised already (a real run): the trace would replace it.
+    """
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives as collectives
+    import torch.distributed.fsdp._fully_shard._fsdp_init as fsdp_init
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+    import torch.distributed.fsdp._fully_shard._fsdp_state as fsdp_state
+    import torch.distributed.fsdp._fully_shard._fully_shard as fully_shard
+    import torch.nn.parallel.distributed as ddp
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_world: a process group is initialised already; trace before the run starts")
+
+    original_handle = device_mesh._get_device_handle
+
+    def device_handle(device_type: str = "cuda") -> Any:
+        return torch.cpu if device_type == "meta" else original_handle(device_type)
+
+    patches = [(fully_shard, "_get_device_from_mesh", lambda mesh: torch.device("meta")),
+               (ddp, "_verify_param_shape_across_processes", lambda *args, **kwargs: None),
+               (ddp, "_sync_module_states", lambda *args, **kwargs: None),
+               (param_group.FSDPParamGroup, "_validate_no_meta_params", lambda self: None),
+               *[(m, "_get_device_handle", device_handle)
+                 for m in (device_mesh, collectives, fsdp_init, param_group, fsdp_state)]]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        with _MetaRoundTrip():
+            yield device_mesh.init_device_mesh("meta", (world_size,))
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+        dist.destroy_process_group()
+
+
+class _MetaRoundTrip(TorchDispatchMode):
+    """Give back the CPU data of a small tensor that went to ``meta`` and returns to the CPU.
+
+    DDP sends its bucket assignment from rank 0 to the others by copying (``copy_``) a small CPU tensor of indices
+    to the parameters' device, broadcasting it and copying it back (when it rebuilds its buckets in the order the
+    gradients came, before the second forward). On meta the copy back has no data; the fake broadcast changed
+    nothing, so the data is the CPU tensor that went in.
+    """
+
+    _LIMIT = 1 << 20  # elements: the indices of a UNet's parameters, never activations
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sources: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}  # id(meta) -> (ref, CPU data)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.copy_.default:
+            dst, src = args[0], args[1]
+            if dst.device.type == "cpu" and src.device.type == "meta":
+                ref, data = self._sources.get(id(src), (None, None))
+                if ref is not None and ref() is src:
+                    return dst.copy_(data)
+            if dst.device.type == "meta" and src.device.type == "cpu" and src.numel() <= self._LIMIT:
+                self._sources = {k: v for k, v in self._sources.items() if v[0]() is not None}
+                self._sources[id(dst)] = (weakref.ref(dst), src.clone())
+        return func(*args, **kwargs)
+
+
+def wrap_for_rank(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
+    """``model`` as one rank runs it under ``parallel`` (inside :func:`fake_world`, or a real process group):
+    DDP-wrapped, sharded (FSDP, in place), or as it is."""
+    if parallel.strategy == "ddp":
+        import torch.distributed as dist
+
+        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=parallel.gradient_as_bucket_view,
+                                                  bucket_cap_mb=parallel.bucket_cap_mb)
+        if dist.get_backend() == "fake":  # its all-reduce has no result: stand in for the built-in hook, which
+            ddp.register_comm_hook(None, _bucket_as_reduced)  # reduces the bucket in place (no allocation)
+        return ddp
+    if parallel.strategy == "fsdp":
+        from voxdiff.models.sharding import shard_unet
+
+        return shard_unet(model, mesh)
+    return model
+
+
+def _bucket_as_reduced(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations: none
+    """A DDP communication hook for the fake process group: the bucket, as the built-in all-reduce returns it."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+@dataclass(frozen=True)
+class DataMemory:
+    """Host memory that a rank's data module holds (``data.cache=memory``, a latent cache ``in_memory``): every
+    rank loads the whole data set, train and validation subjects alike.
+
+    Attributes:
+        per_subject_bytes: bytes one cached subject takes.
+        subjects: how many are cached, or None when the data folder cannot be read here.
+        what: what one subject holds.
+    """
+
+    per_subject_bytes: int
+    subjects: int | None
+    what: str
+
+    @property
+    def per_rank_bytes(self) -> int | None:
+        """Bytes one rank holds, or None when the subjects cannot be counted here."""
+        return None if self.subjects is None else self.per_subject_bytes * self.subjects
+
+    def describe(self, parallel: Parallel) -> str:
+        """One line: per rank and per node (the ranks on one node), or per subject when they cannot be counted."""
+        each = f"{_size(self.per_subject_bytes)} per subject ({self.what})"
+        if self.per_rank_bytes is None:
+            return f"{each}; every rank caches every subject (the data folder is not readable here to count them)"
+        node = self.per_rank_bytes * parallel.processes_per_node
+        return (f"{_size(self.per_rank_bytes)} of host memory per rank: {self.subjects} subjects × {each}"
+                + (f"; {_size(node)} per node ({parallel.processes_per_node} ranks, each caches every subject)"
+                   if parallel.processes_per_node > 1 else ""))
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def data_memory(data: Mapping[str, Any], latent_shape: tuple[int, ...] | None = None) -> DataMemory | None:
+    """What a rank's data module keeps in host memory, from the plain ``data:`` config; None when it keeps
+    nothing (``data.cache=none|disk``, a latent cache with ``in_memory: false``).
+
+    Args:
+        data: the ``data:`` config.
+        latent_shape: ``(C, d, h, w)`` of one modality's latents (a latent cache).
+    """
+    import math
+
+    target = str(data.get("_target_", ""))
+    voxels = math.prod(int(v) for v in data.get("volume_shape") or (0,))
+    if target.endswith("LatentDataModule"):
+        if not data.get("in_memory", True) or latent_shape is None:
+            return None
+        per = 2 * 4 * math.prod(latent_shape) + (voxels + 7) // 8 * bool(data.get("masks", True)) + 16 * 8
+        return DataMemory(per, _latent_subjects(data.get("latent_dir")),
+                          "image and mask latents, float32; the bit-packed mask; the affine")
+    if data.get("cache", "none") != "memory":
+        return None
+    per = 2 * 4 * voxels  # image and mask, (1, D, H, W) float32 each (the MONAI pipeline's output)
+    return DataMemory(per, _volume_subjects(data), "image and mask, float32")
+
+
+def _volume_subjects(data: Mapping[str, Any]) -> int | None:
+    root = data.get("root")
+    if root is None:  # the phantom, or subjects made from a template
+        return int(data.get("num_subjects") or 0) or None
+    from voxdiff.data.nifti import find_subjects
+
+    from voxdiff.data.nifti import DataError
+
+    try:
+        return len(find_subjects(root, data.get("image_name") or "bravo.nii.gz",
+                                 data.get("mask_name") or "seg.nii.gz", validate=False))
+    except (DataError, OSError):  # not readable from here (another machine's path): per subject only
+        return None
+
+
+def _latent_subjects(latent_dir: Any) -> int | None:
+    import json
+    from pathlib import Path
+
+    try:
+        return len(json.loads((Path(str(latent_dir)) / "index.json").read_text())["subjects"])
+    except (OSError, ValueError, KeyError, TypeError):  # no cache (yet) here
+        return None

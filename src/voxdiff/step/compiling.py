@@ -1,0 +1,125 @@
+"""``torch.compile`` of the training forward (``model.compile``): compiled once, never a silent fallback.
+
+Only the forward of the training loss runs compiled: :class:`CompiledForward` holds ``torch.compile(model)``, a
+separate object that shares the model's parameters, while the model itself stays the eager module. So
+
+* checkpoints keep the model's own keys (``model.*``, never ``_orig_mod.``): the compiled wrapper is not a
+  sub-module of anything that is saved;
+* validation, sampling and the EMA swap call the eager module and never trigger a recompilation (the EMA copies
+  weights in place: the compiled graph reads the same parameters);
+* the batch shape is fixed (``dynamic=False``): nothing is marked dynamic; a smaller last batch compiles a second
+  graph once.
+
+The first training step compiles (minutes on a GPU): it is a phase of its own, logged before
+("compiling the training step ...") and after ("... compiled in X s"). A failure of dynamo, AOTAutograd or the
+backend, in the forward or in the (lazily compiled) backward, becomes a :class:`CompileFailed` — a
+:class:`~voxdiff.errors.ConfigError` that names ``model.compile=false`` — instead of a traceback or a silent eager
+fallback (``torch._dynamo.config.suppress_errors`` stays off).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from voxdiff.errors import ConfigError, show_value
+
+log = logging.getLogger(__name__)
+
+#: modules whose exceptions are failures of compiling, not of the model
+_COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "torch._functorch", "torch._subclasses", "triton")
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    """How the training forward is compiled (``model.compile_mode``, ``model.compile_backend``).
+
+    Attributes:
+        mode: ``torch.compile(mode=...)``; None: torch's default.
+        backend: ``torch.compile(backend=...)``: ``inductor``, or ``aot_eager`` to tell a dynamo/autograd problem
+            from an inductor one.
+        configured: ``model.compile`` as configured (``true``, or ``auto`` resolved on a GPU), for messages.
+    """
+
+    mode: str | None = None
+    backend: str = "inductor"
+    configured: bool | str = True
+
+    def describe(self) -> str:
+        return (f"model.compile={show_value(self.configured)}, mode {self.mode or 'default'}, "
+                f"backend {self.backend}")
+
+
+class CompileFailed(ConfigError):
+    """``torch.compile`` of the training forward failed; the run stops and says how to run without it."""
+
+    def __init__(self, settings: CompileSettings, error: BaseException) -> None:
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        log.error("torch.compile of the training step failed (%s)", settings.describe(), exc_info=error)
+        super().__init__(
+            "model.compile", settings.configured,
+            f"torch.compile of the training step failed ({settings.describe()}): {type(error).__name__}: {first} "
+            "(the compiler's full error is in the log)",
+            "set model.compile=false to train the same step eagerly (slower, same results)")
+
+
+def is_compile_error(error: BaseException) -> bool:
+    """Whether ``error`` comes from the compiler stack (dynamo, AOTAutograd, inductor, Triton)."""
+    return any(type(error).__module__.startswith(m) for m in _COMPILER_MODULES)
+
+
+class CompiledForward:
+    """``torch.compile(model)`` for the training forward, with its warm-up timed and its failures named.
+
+    Args:
+        model: the eager module; it stays what it is (its ``state_dict`` keys do not change).
+        settings: mode and backend.
+
+    Attributes:
+        module: the compiled callable (shares ``model``'s parameters and buffers).
+        seconds: the wall time of the warm-up (the first step: compiling forward and backward, and running it),
+            once it has finished; None before.
+    """
+
+    def __init__(self, model: nn.Module, settings: CompileSettings) -> None:
+        self.settings = settings
+        kwargs = {"mode": settings.mode} if settings.mode is not None else {}
+        self.module = torch.compile(model, backend=settings.backend, dynamic=False, **kwargs)
+        self.seconds: float | None = None
+        self._started: float | None = None
+
+    @property
+    def warming_up(self) -> bool:
+        """Whether the first step has started and not finished yet."""
+        return self._started is not None and self.seconds is None
+
+    @contextmanager
+    def errors(self) -> Iterator[None]:
+        """Run compiled code: the compiler's exceptions become :class:`CompileFailed`."""
+        try:
+            yield
+        except Exception as err:
+            if is_compile_error(err):
+                raise CompileFailed(self.settings, err) from err
+            raise
+
+    def start(self) -> None:
+        """Called before each training forward: the first call opens the warm-up phase."""
+        if self._started is None:
+            self._started = time.perf_counter()
+            log.info("compiling the training step (%s): the first step takes longer", self.settings.describe())
+
+    def finish(self) -> float | None:
+        """Called after each optimizer step: the first call closes the warm-up phase and returns its seconds."""
+        if not self.warming_up:
+            return None
+        self.seconds = time.perf_counter() - self._started  # type: ignore[operator]
+        log.info("compiled the training step in %.1f s (the first step included; %s)", self.seconds,
+                 self.settings.describe())
+        return self.seconds

@@ -1,0 +1,150 @@
+"""``voxdiff.lightning.distributed``: the DDP/FSDP strategies the trainer configs build, the data order they share,
+and the FSDP sharding of the diffusion system with its EMA (one gloo process here; two in tests/cli/test_fsdp.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
+from lightning.pytorch.trainer.states import RunningStage
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+from voxdiff.config import compose
+from voxdiff.lightning.distributed import DDPStrategy, SharedSamplerSeed, ShardedUNetStrategy, ema_checkpoint_state
+from voxdiff.models.sharding import fsdp_unit_types, is_sharded
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+def test_trainer_configs_take_devices_and_nodes_from_slurm(name, monkeypatch):
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    cfg = compose("train", ["experiment=exp11", f"trainer={name}"])
+    assert cfg.trainer.devices == 4 and cfg.trainer.num_nodes == 2 and cfg.trainer.accelerator == "gpu"
+    assert cfg.trainer.precision is None  # bf16-mixed on a bf16 GPU, as decided per device
+
+
+def test_the_ddp_config_builds_ddp_with_its_memory_options():
+    cfg = compose("train", ["experiment=exp11", "trainer=ddp", "trainer.strategy.bucket_cap_mb=50", "seed=7"])
+    strategy = instantiate(cfg.trainer.strategy)
+    assert isinstance(strategy, DDPStrategy)
+    assert strategy._ddp_kwargs == {"gradient_as_bucket_view": True, "bucket_cap_mb": 50}  # to DistributedDataParallel
+    assert strategy.sampler_seed == 7
+
+
+def test_the_fsdp_config_builds_the_sharded_unet_strategy():
+    strategy = instantiate(compose("train", ["experiment=exp11", "trainer=fsdp"]).trainer.strategy)
+    assert isinstance(strategy, ShardedUNetStrategy)
+    assert strategy._save_distributed_checkpoint is False  # one checkpoint file
+    assert strategy.sampler_seed == 42
+
+
+class _Ranked:
+    """Stands for a strategy of two ranks (what Lightning asks it for the sampler)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        return {"num_replicas": 2, "rank": self.rank}
+
+
+class _Shared(SharedSamplerSeed, _Ranked):
+    pass
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["per-rank seed", "shared seed"])
+def test_ranks_split_each_epoch_only_with_a_shared_sampler_seed(shared, monkeypatch):
+    """train.py seeds the ranks differently (seed + rank) and Lightning seeds the DistributedSampler from that:
+    without SharedSamplerSeed the ranks shuffle differently and an epoch misses subjects, repeating others."""
+    loader = DataLoader(list(range(10)), shuffle=True)
+    partitions = []
+    for epoch in range(6):
+        seen = []
+        for rank in (0, 1):
+            monkeypatch.setenv("PL_GLOBAL_SEED", str(42 + rank))
+            strategy = _Shared(rank, sampler_seed=42) if shared else _Ranked(rank)
+            sampler = _get_distributed_sampler(loader, shuffle=True, overfit_batches=0, mode=RunningStage.TRAINING,
+                                               **strategy.distributed_sampler_kwargs)
+            sampler.set_epoch(epoch)
+            seen += list(sampler)
+        partitions.append(sorted(seen) == list(range(10)))
+    assert all(partitions) if shared else not all(partitions)
+
+
+# ----------------------------------------------------------------------------------------------------- sharding
+@pytest.fixture
+def gloo_world(tmp_path):
+    """A process group of this one process (gloo) and its 1-D mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _system(tiny_cfg, *overrides):
+    return instantiate(tiny_cfg("system.ema.decay=0.5", *overrides, config_name="train").system)
+
+
+def test_configure_model_shards_the_unet_and_its_ema(tiny_cfg, gloo_world):
+    system = _system(tiny_cfg)
+    full = {k: v.clone() for k, v in system.model.state_dict().items()}
+    system._device_mesh = gloo_world
+    system.configure_model()
+    system.configure_model()  # a second call (validate after fit) does nothing
+    units = [m for m in system.model.modules() if isinstance(m, fsdp_unit_types())]
+    assert units and all(type(m).__name__.startswith("FSDP") for m in [*units, system.model])
+    params = dict(system.model.named_parameters())
+    assert is_sharded(system.model) and len(system.ema.shadow) == len(params)
+    for name, shadow in zip(system.ema.names, system.ema.shadow):
+        assert isinstance(shadow, DTensor) and shadow.placements == params[name].placements
+        torch.testing.assert_close(shadow.full_tensor(), full[name])  # the average starts at the weights
+
+
+@pytest.mark.parametrize("start_step", [0, 1], ids=["average", "copy"])
+def test_the_sharded_ema_averages_each_shard(tiny_cfg, gloo_world, start_step):
+    """EMA.update on DTensor shards: the copy of the first updates and the average (the copy raised in
+    ``_foreach_copy_``, which DTensor does not implement, before the update worked on local shards)."""
+    system = _system(tiny_cfg, f"system.ema.start_step={start_step}")
+    system._device_mesh = gloo_world
+    system.configure_model()
+    before = [s.full_tensor().clone() for s in system.ema.shadow]
+    with torch.no_grad():
+        for p in system.model.parameters():
+            p.add_(1.0)
+    system.ema.update(system.model)
+    params = dict(system.model.named_parameters())
+    for name, old, shadow in zip(system.ema.names, before, system.ema.shadow):
+        new = params[name].full_tensor()
+        expected = new if start_step else 0.5 * old + 0.5 * new
+        torch.testing.assert_close(shadow.full_tensor(), expected)
+
+
+def test_the_ema_is_saved_whole_and_loaded_into_shards(tiny_cfg, gloo_world):
+    system = _system(tiny_cfg)
+    system._device_mesh = gloo_world
+    system.configure_model()
+    with torch.no_grad():
+        for s in system.ema.shadow:
+            s.to_local().mul_(3.0)
+    weights = {k: v.full_tensor().clone() for k, v in system.model.state_dict().items()}
+    state = ema_checkpoint_state(system.ema, system.model)  # swaps the EMA in to gather it, and back
+    for name, shadow in zip(system.ema.names, system.ema.shadow):
+        saved = state["shadow"][name]
+        assert not isinstance(saved, DTensor) and saved.device.type == "cpu"
+        torch.testing.assert_close(saved, shadow.full_tensor())
+    torch.testing.assert_close({k: v.full_tensor() for k, v in system.model.state_dict().items()}, weights)
+    other = _system(tiny_cfg)
+    other._device_mesh = gloo_world
+    other.configure_model()
+    other.ema.load_state_dict(state)
+    for mine, theirs in zip(other.ema.shadow, system.ema.shadow):
+        assert isinstance(mine, DTensor) and mine.placements == theirs.placements
+        torch.testing.assert_close(mine.full_tensor(), theirs.full_tensor())

@@ -1,0 +1,139 @@
+"""Per-rank memory of DDP and FSDP (``voxdiff.preflight.distributed``): the step traced on meta tensors as rank 0
+of a fake world, against the CPU allocator of each rank of real two-process gloo runs; and what the preflight
+reports for them."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from monai.networks.nets import DiffusionModelUNet
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from cpu_allocator import profiler_peaks
+from voxdiff.preflight.autocast import CudaAutocastEmulator
+from voxdiff.preflight.check import run_preflight
+from voxdiff.config import compose
+from voxdiff.preflight.distributed import Parallel, data_memory, fake_world, parallel_of, wrap_for_rank
+from voxdiff.preflight.memory import GiB, EmulatedPrecision, trace_training_step, unet_batch
+from voxdiff.step import TrainStep, system_recipe
+
+#: the system's step (EMA, clipping, the guard, gradients freed after the step), foreach AdamW as on a GPU
+RECIPE = system_recipe({"lr": 1e-4, "foreach": True}, {"decay": 0.9}, {})
+#: a UNet whose weights, not its activations, make most of a rank's peak (8³ input): sharding shows
+INPUT = (1, 2, 8, 8, 8)
+CASES = {"ddp": Parallel("ddp", 2), "fsdp": Parallel("fsdp", 2)}
+
+
+def _unet() -> DiffusionModelUNet:
+    return DiffusionModelUNet(spatial_dims=3, in_channels=2, out_channels=1, channels=(16, 32, 32),
+                              attention_levels=(False, False, True), num_res_blocks=1, num_head_channels=16,
+                              norm_num_groups=8)
+
+
+def _trace(parallel: Parallel, device: str, mesh) -> int:
+    """Build, wrap and trace two steps on ``device``; the tracked peak in bytes (the step's tensors included)."""
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = _unet()
+    model = wrap_for_rank(model, parallel, mesh)
+    step = TrainStep(model, RECIPE, mode="bravo", device_type="cuda" if device == "meta" else None,
+                     precision=EmulatedPrecision(CudaAutocastEmulator(device_type=device, enabled=False)))
+    step.configure_optimizer()
+    if device != "meta":  # gloo keeps the last work item of each worker thread (DDP's broadcast of the initial
+        for _ in range(4):  # weights): flush them, as the first steps of a real run do
+            torch.distributed.barrier()
+    with record_function("voxdiff.steps"):
+        trace = trace_training_step(step, unet_batch(INPUT, 1)[0], device_type=device, granularity=1, steps=2,
+                                    cuda_kernels=False)
+    return max(s.peak for s in trace.steps)
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    """One gloo process: per case, the CPU allocator's peak (profiler) and the tracker's, written to JSON."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    result = {}
+    for name, parallel in CASES.items():
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            tracked = _trace(parallel, "cpu", mesh)
+        raw, allocator = profiler_peaks(prof, "voxdiff.steps")
+        result[name] = {"allocator": allocator, "raw": raw, "tracked": tracked}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ranks")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_rank, args=(port, str(out)), nprocs=2, start_method="fork")  # no re-import: fast
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_traced_rank_matches_each_ranks_cpu_allocator(measured, name) -> None:
+    with fake_world(2) as mesh:
+        predicted = _trace(CASES[name], "meta", mesh)
+    for rank in measured:
+        m = rank[name]
+        assert m["tracked"] == pytest.approx(m["allocator"], rel=0.05)  # the tracker, in the real process
+        assert predicted == pytest.approx(m["allocator"], rel=0.05)  # the fake world's rank 0, on meta
+
+
+def test_an_fsdp_rank_holds_less_than_a_ddp_rank(measured) -> None:
+    assert measured[0]["fsdp"]["allocator"] < 0.8 * measured[0]["ddp"]["allocator"]  # its shards
+
+
+# ------------------------------------------------------------------------------------------ what the preflight says
+def test_the_fsdp_figure_of_the_2_7b_model_holds_each_ranks_ema_shard() -> None:
+    """exp9_ldm_8x_bravo (2.66 B parameters) under FSDP on 4 GPUs: the EMA adds its shard (a quarter of 9.9 GiB) to
+    each rank's peak. The analytic figure this replaced divided the EMA by 4 while every rank held all of it."""
+    fsdp = ["experiment=exp9_ldm_8x_bravo", "trainer=fsdp", "trainer.devices=4"]
+    with_ema = run_preflight(compose("preflight", fsdp), suggest=False)
+    without = run_preflight(compose("preflight", [*fsdp, "system.ema=false"]), suggest=False)
+    shard = with_ema.report.ema_bytes
+    assert shard == pytest.approx(2_662.8e6 * 4 / 4, rel=0.01)  # fp32, a quarter of the parameters
+    assert (with_ema.per_gpu_peak_gib - without.per_gpu_peak_gib) * GiB == pytest.approx(shard, rel=0.02)
+    assert with_ema.report.parallel == "fsdp×4" and "per rank of fsdp×4" in with_ema.report.summary()
+
+
+@pytest.mark.parametrize("view", [True, False])
+def test_ddp_buckets_are_traced_as_configured(tiny_cfg, view) -> None:
+    """gradient_as_bucket_view=false keeps the buckets as a second fp32 copy of the weights besides the
+    gradients: about 4 bytes per parameter more at the optimizer step than with views."""
+    one = run_preflight(tiny_cfg(), suggest=False).report
+    ddp = run_preflight(tiny_cfg("trainer=ddp", "trainer.devices=2",
+                                 f"trainer.strategy.gradient_as_bucket_view={str(view).lower()}"), suggest=False)
+    extra = ddp.report.steady_step.optimizer - one.steady_step.optimizer
+    assert extra == pytest.approx(0 if view else one.param_bytes, abs=0.05 * one.param_bytes)
+    assert ddp.report.steady_step.forward - one.steady_step.forward == pytest.approx(one.param_bytes, rel=0.05)
+
+
+def test_the_data_cache_is_reported_per_rank_and_node() -> None:
+    trainer = parallel_of({"strategy": {"_target_": "voxdiff.lightning.distributed.DDPStrategy"}, "devices": 4,
+                           "num_nodes": 2})
+    assert (trainer.strategy, trainer.world_size, trainer.processes_per_node) == ("ddp", 8, 4)
+    data = {"_target_": "voxdiff.data.VolumeDataModule", "volume_shape": [48, 64, 64], "root": None,
+            "num_subjects": 8, "cache": "memory"}
+    memory = data_memory(data)
+    assert memory.per_rank_bytes == 8 * 2 * 4 * 48 * 64 * 64  # image and mask, float32, every subject
+    assert "12.0 MiB of host memory per rank: 8 subjects × 1.5 MiB" in memory.describe(trainer)
+    assert "48.0 MiB per node (4 ranks" in memory.describe(trainer)
+    assert data_memory({**data, "cache": "disk"}) is None
+    latents = {"_target_": "voxdiff.data.latents.LatentDataModule", "volume_shape": [160, 256, 256],
+               "latent_dir": None, "in_memory": True}
+    memory = data_memory(latents, latent_shape=(4, 20, 32, 32))
+    assert memory.per_subject_bytes == 2 * 4 * 4 * 20 * 32 * 32 + 160 * 256 * 256 // 8 + 128
+    assert memory.subjects is None and "not readable here" in memory.describe(trainer)
