@@ -1,0 +1,119 @@
+"""Fit the preflight's time model to measured step times and print its error (CPU only, ~1 min).
+
+    python bench/fit_step_time.py                    # fit on reference/h100_step_times.csv, check on h100_measured.csv
+    python bench/fit_step_time.py --fit A.csv --check B.csv
+
+The model (:mod:`voxdiff.preflight.resources`): ``seconds = tflop / tflops + ops * op_us / 1e6``, with the FLOPs
+and the operator calls of one forward+backward counted on the meta device. For each step kind in the fit CSV
+(``plain eager``: foreach AdamW, materialised attention; ``eager``: fused AdamW + flash SDPA; ``compiled``: the same
+under ``torch.compile``) it prints the two constants fitted by least squares on the relative error, the error on
+each row, and the leave-one-out error (each row predicted by constants fitted without it). Then it predicts every
+row of the check CSV that has a ``step_s`` with the constants of that row's kind, and prints the error's median and
+spread. The rows are in the format of ``reference/h100_measured.csv`` (optional columns ``optimizer_impl``,
+``use_flash_attention``, ``compile``). Paste the ``eager``/``compiled`` constants into ``STEP_THROUGHPUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def kind(row: dict[str, str]) -> str:
+    if row.get("compile", "0") == "1":
+        return "compiled"
+    if row.get("use_flash_attention", "0") == "1" and row.get("optimizer_impl") == "fused":
+        return "eager"
+    if row.get("use_flash_attention", "0") != "1" and row.get("optimizer_impl", "foreach") == "foreach":
+        return "plain eager"
+    return "other"
+
+
+def cost(row: dict[str, str]):
+    import torch
+
+    from voxdiff.preflight.memory import unet_batch
+    from voxdiff.preflight.resources import step_cost
+    from voxdiff.preflight.sweep import MODEL_FACTORY, parse_row
+
+    cfg = parse_row(row)
+    with torch.device("meta"):
+        model = MODEL_FACTORY(cfg)
+    batch, mode = unet_batch(cfg.input_shape, cfg.out_channels)
+    return step_cost(model, batch, mode)
+
+
+def fit(points: list[tuple[float, int, float]]) -> tuple[float, float]:
+    """``(tflops, op_us)`` minimising the squared relative error over ``(tflop, ops, seconds)``."""
+    import numpy as np
+
+    a = np.array([[f / t, n / t] for f, n, t in points])
+    (x_f, x_n), *_ = np.linalg.lstsq(a, np.ones(len(points)), rcond=None)
+    return 1.0 / x_f, x_n * 1e6
+
+
+def predict(tflops: float, op_us: float, f: float, n: int) -> float:
+    return f / tflops + n * op_us / 1e6
+
+
+def _pct(values: list[float]) -> str:
+    s = sorted(values)
+    return (f"median {statistics.median(s):+.1%}, |median| {statistics.median(abs(v) for v in s):.1%}, "
+            f"10th..90th pct {s[len(s) // 10]:+.1%}..{s[(9 * len(s)) // 10]:+.1%}, max |err| {max(map(abs, s)):.1%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fit", default=str(ROOT / "reference" / "h100_step_times.csv"))
+    parser.add_argument("--check", default=str(ROOT.parent / "shared" / "reference" / "h100_measured.csv"))
+    args = parser.parse_args()
+
+    from voxdiff.preflight.resources import STEP_THROUGHPUT
+
+    fitted: dict[str, tuple[float, float]] = {}
+    rows = [r for r in csv.DictReader(open(args.fit)) if r.get("step_s")]
+    by_kind: dict[str, list[tuple[dict, float, int, float]]] = {}
+    for r in rows:
+        c = cost(r)
+        by_kind.setdefault(kind(r), []).append((r, c.tflop, c.ops, float(r["step_s"])))
+    print(f"fit: {args.fit} ({len(rows)} rows)")
+    for k, pts in by_kind.items():
+        if k == "other" or len(pts) < 3:
+            continue
+        tflops, op_us = fit([p[1:] for p in pts])
+        fitted[k] = (tflops, op_us)
+        print(f"\n{k}: tflops={tflops:.1f} op_us={op_us:.1f}")
+        for i, (r, f, n, t) in enumerate(pts):
+            loo = fit([p[1:] for j, p in enumerate(pts) if j != i])
+            print(f"  {r['name']:20s} {r['input_shape']:14s} {f:7.2f} TFLOP {n:5d} ops  measured {t * 1e3:6.1f} ms"
+                  f"  fit {predict(tflops, op_us, f, n) / t - 1:+6.1%}  leave-one-out "
+                  f"{predict(*loo, f, n) / t - 1:+6.1%}")
+    for k in ("eager", "compiled"):
+        table = STEP_THROUGHPUT.get(("H100", k))
+        if table is not None and k in fitted:
+            print(f"STEP_THROUGHPUT[('H100', '{k}')]: tflops={table.tflops} op_us={table.op_us} "
+                  f"(fitted now: {fitted[k][0]:.1f}, {fitted[k][1]:.1f})")
+
+    check = Path(args.check)
+    if not check.is_file():
+        print(f"\nno check CSV at {check}")
+        return
+    errors: dict[str, list[float]] = {}
+    for r in csv.DictReader(open(check)):
+        k = kind(r)
+        if not r.get("step_s") or r.get("oom") == "1" or k not in fitted:
+            continue
+        c = cost(r)
+        errors.setdefault(k, []).append(predict(*fitted[k], c.tflop, c.ops) / float(r["step_s"]) - 1)
+    for k, errs in errors.items():
+        print(f"\ncheck: {check.name}, {len(errs)} '{k}' rows with step_s: predicted/measured - 1: {_pct(errs)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,330 @@
+"""What a run needs beside GPU memory: disk for its checkpoints and latent cache, host memory for its data, and time.
+
+Pure functions of plain values (sizes, counts, the model built on the meta device); :mod:`voxdiff.preflight.check`
+gathers them from a config. Sizes are bytes.
+
+* **Disk.** :func:`checkpoint_nbytes` is the size of one checkpoint file from the state that will be saved: the
+  module's ``state_dict`` (float32 weights and buffers), the EMA's float32 shadow of every floating parameter, and
+  AdamW's two moments and step counter per parameter; each tensor a 64-byte-aligned zip record with
+  :data:`PER_TENSOR_BYTES` of zip headers and pickled keys, plus :data:`FIXED_BYTES` of loops, callbacks, RNG states
+  and the config. Against a real checkpoint of a CPU run it is within 1% (``tests/preflight/test_resources.py``).
+  An atomic write keeps the old file until the new one is complete, so writing needs two checkpoints of room.
+* **Host memory.** The data a rank caches (:class:`voxdiff.preflight.distributed.DataMemory`) times the ranks of
+  one node, plus the batches DataLoader workers hold in flight, against the node's memory, Slurm's allocation, or
+  ``preflight.host_memory_gib``.
+* **Time.** :func:`step_cost` counts the FLOPs (``torch.utils.flop_counter``) and the operator calls of one
+  forward+backward on the meta device; :data:`STEP_THROUGHPUT` turns them into seconds on a GPU whose efficiency
+  was measured, as ``tflop / tflops + ops * op_us``; ``bench/fit_step_time.py`` fits the two constants from
+  measured step times and prints the error.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PER_TENSOR_BYTES = 280
+"""Zip local and central headers of one tensor record, and its key in the pickled structure (calibrated on a
+voxdiff checkpoint: 1443 tensors, 4.98 MB file, 4.56 MB of aligned data, 21 kB of the rest)."""
+FIXED_BYTES = 24 * 1024
+"""Everything in a checkpoint that is not a tensor record: loops, callbacks, the config, the RNG states."""
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
+
+
+def checkpoint_nbytes(state: Iterable[torch.Tensor], params: Iterable[torch.Tensor], *, ema: bool,
+                      adam_moments: int = 2) -> int:
+    """The bytes of one training checkpoint (meta tensors are fine: only shapes and dtypes are read).
+
+    Args:
+        state: the tensors of the system's ``state_dict`` (weights and buffers, as stored).
+        params: the trainable parameters (AdamW's state and the EMA's shadow are per parameter, float32).
+        ema: whether the EMA's shadow is saved.
+        adam_moments: AdamW's ``exp_avg`` and ``exp_avg_sq``; each parameter also has a 0-d ``step`` tensor.
+    """
+    tensors = [_aligned(t.numel() * t.element_size()) for t in state]
+    for p in params:
+        moment = _aligned(p.numel() * p.element_size())
+        tensors += [moment] * adam_moments + [_aligned(4)]
+        if ema and p.is_floating_point():
+            tensors.append(_aligned(p.numel() * 4))
+    return sum(tensors) + PER_TENSOR_BYTES * len(tensors) + FIXED_BYTES
+
+
+def free_bytes(path: str | Path) -> tuple[int, Path]:
+    """Free bytes on the file system that will hold ``path`` (its nearest existing ancestor), and that ancestor."""
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    return shutil.disk_usage(where).free, where
+
+
+def size(nbytes: float) -> str:
+    """Bytes in the unit a user reads off ``df -h``-like figures (decimal GB/MB/kB)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+@dataclass(frozen=True)
+class DiskNeed:
+    """The disk a run's checkpoints take.
+
+    Attributes:
+        checkpoint: bytes of one checkpoint file.
+        kept: how many checkpoint files the run keeps at once (``save_top_k`` best ones and ``last.ckpt``);
+            None when ``save_top_k=-1`` keeps every one.
+        free: free bytes where the run directory will be.
+        where: the existing folder that was measured.
+        latent_cache: bytes of the latent cache the run reads, when it has to be written first (else None).
+    """
+
+    checkpoint: int
+    kept: int | None
+    free: int
+    where: Path
+    latent_cache: int | None = None
+
+    @property
+    def write_fits(self) -> bool:
+        """One atomic write fits: the previous checkpoint and the new one side by side."""
+        return self.free >= 2 * self.checkpoint
+
+    @property
+    def kept_fits(self) -> bool:
+        """Every kept checkpoint fits, with room for the one being written."""
+        return self.kept is not None and self.free >= (self.kept + 1) * self.checkpoint
+
+    def describe(self) -> str:
+        kept = ("save_top_k=-1 keeps every checkpoint" if self.kept is None
+                else f"{self.kept} kept ({size(self.kept * self.checkpoint)}) + 1 being written")
+        verdict = ("fits" if self.kept_fits else "WARNING: the kept checkpoints will not all fit" if self.write_fits
+                   else "DOES NOT FIT: not even one atomic checkpoint write")
+        cache = f"; latent cache {size(self.latent_cache)}" if self.latent_cache else ""
+        return (f"checkpoint {size(self.checkpoint)} each, {kept}; {size(self.free)} free under {self.where}{cache}: "
+                f"{verdict}")
+
+
+def kept_checkpoints(save_top_k: int | None, last: bool) -> int | None:
+    """Checkpoint files kept at once: the ``save_top_k`` best (None for -1, every one) and ``last.ckpt``."""
+    if save_top_k is not None and save_top_k < 0:
+        return None
+    return max(0, save_top_k or 0) + int(last)
+
+
+# ------------------------------------------------------------------------------------------------------ host memory
+@dataclass(frozen=True)
+class HostNeed:
+    """Host memory of one node: the data the ranks cache and what their DataLoader workers hold in flight.
+
+    Attributes:
+        cached: bytes the ranks of one node cache (every rank caches every subject).
+        in_flight: bytes of the batches the workers of one node prepare ahead (``num_workers × prefetch_factor``
+            batches per rank; the cache itself is shared with forked workers, copy-on-write).
+        budget: bytes the node has for the job.
+        source: where the budget comes from.
+    """
+
+    cached: int
+    in_flight: int
+    budget: int
+    source: str
+
+    @property
+    def total(self) -> int:
+        return self.cached + self.in_flight
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.budget
+
+    def describe(self) -> str:
+        return (f"host memory per node: data cache {size(self.cached)} + workers' batches {size(self.in_flight)} = "
+                f"{size(self.total)} of {size(self.budget)} ({self.source}): "
+                + ("fits" if self.fits else "DOES NOT FIT"))
+
+
+def worker_bytes(sample_bytes: int, batch_size: int, num_workers: int, prefetch_factor: int | None,
+                 ranks_per_node: int) -> int:
+    """Bytes of the batches DataLoader workers hold ahead on one node (none when loading in the main process)."""
+    if num_workers <= 0:
+        return 0
+    return ranks_per_node * num_workers * (prefetch_factor or 2) * batch_size * sample_bytes
+
+
+_MEM = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*$", re.IGNORECASE)
+
+
+def parse_slurm_memory(text: str) -> int:
+    """Slurm's memory size (``64G``, ``128000`` MB by default, ``1.5T``) in bytes.
+
+    Raises:
+        ValueError: not a Slurm memory size.
+    """
+    m = _MEM.match(str(text))
+    if not m:
+        raise ValueError(f"{text!r} is not a Slurm memory size (e.g. 64G, 128000M)")
+    return int(float(m.group(1)) * 1024 ** "KMGT".index((m.group(2) or "M").upper()) * 1024)
+
+
+def slurm_job_memory(env: Mapping[str, str]) -> int | None:
+    """The memory of this node's share of a running Slurm job, from its environment, or None outside one."""
+    if "SLURM_MEM_PER_NODE" in env:
+        return int(env["SLURM_MEM_PER_NODE"]) * 2**20
+    gpus = env.get("SLURM_GPUS_ON_NODE")
+    if "SLURM_MEM_PER_GPU" in env and gpus:
+        return int(env["SLURM_MEM_PER_GPU"]) * 2**20 * int(gpus)
+    cpus = env.get("SLURM_CPUS_ON_NODE")
+    if "SLURM_MEM_PER_CPU" in env and cpus:
+        return int(env["SLURM_MEM_PER_CPU"]) * 2**20 * int(cpus)
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------------ time
+@dataclass(frozen=True)
+class StepCost:
+    """FLOPs and operator calls of one forward+backward, counted on the meta device."""
+
+    tflop: float
+    ops: int
+
+
+class _OpCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operators that launch work (views and metadata changes are free)."""
+
+    FREE = ("aten::view", "aten::_unsafe_view", "aten::t", "aten::detach", "aten::expand", "aten::permute",
+            "aten::transpose", "aten::unsqueeze", "aten::squeeze", "aten::reshape", "aten::as_strided",
+            "aten::alias", "aten::slice", "aten::select", "aten::split", "aten::chunk", "aten::unbind")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name not in self.FREE:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def step_cost(model: torch.nn.Module, batch: Mapping[str, tuple[int, ...]], mode: str,
+              encoding: Any = None) -> StepCost:
+    """FLOPs and operator calls of one training forward+backward of ``model`` (built on meta) for a batch of these
+    shapes (:func:`voxdiff.step.batch_shapes`), encoded by ``encoding``, as :class:`voxdiff.step.TrainStep`
+    computes the loss."""
+    from dataclasses import replace
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from voxdiff.step import SEED, TrainStep, decide_precision
+
+    step = TrainStep(model, replace(SEED, zero_grad_at="after_step"), encoding=encoding, mode=mode,
+                     precision=decide_precision("32-true", "cpu").context(), device_type="cpu")
+    tensors = {k: torch.empty(v, device="meta") for k, v in batch.items()}
+    counter, flops = _OpCount(), FlopCounterMode(display=False)
+    with flops, counter:
+        loss, _ = step.loss(tensors)
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return StepCost(flops.get_total_flops() / 1e12, counter.ops)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """How fast a GPU runs a UNet step: ``seconds = tflop / tflops + ops * op_us / 1e6``.
+
+    Attributes:
+        tflops: effective TFLOP/s on the FLOPs of the step.
+        op_us: microseconds per operator call (launch and host overhead, memory-bound kernels).
+        source: the measurements the two were fitted to.
+    """
+
+    tflops: float
+    op_us: float
+    source: str
+
+    def seconds(self, cost: StepCost) -> float:
+        return cost.tflop / self.tflops + cost.ops * self.op_us / 1e6
+
+
+_GPU_SPEED = "../shared/notes/gpu-speed.md: exp11, exp11_1, exp9 4x, exp9 8x shapes, median of 10 steps"
+STEP_THROUGHPUT: dict[tuple[str, str], Throughput] = {
+    # fitted by bench/fit_step_time.py (least squares on relative error); the README states the errors
+    ("H100", "eager"): Throughput(383.0, 76.8, f"H100, fused AdamW + flash SDPA, eager; {_GPU_SPEED}"),
+    ("H100", "compiled"): Throughput(448.0, 56.5, f"H100, fused AdamW + flash SDPA + torch.compile; {_GPU_SPEED}"),
+}
+"""Per (GPU type, step kind) throughput. A GPU type without an entry gets no time prediction (never a guess)."""
+
+
+def parse_slurm_time(text: str) -> float:
+    """Slurm's time limit (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``) in seconds.
+
+    Raises:
+        ValueError: not a Slurm time (``UNLIMITED`` included: there is then no limit to plan for).
+    """
+    text = str(text).strip()
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text)
+    if not m:
+        raise ValueError(f"{text!r} is not a Slurm time limit (e.g. 2-00:00:00, 48:00:00, 90)")
+    days, a, b, c = (int(g) if g is not None else None for g in m.groups())
+    if days is not None:  # D-HH[:MM[:SS]]
+        return float(((days * 24 + a) * 60 + (b or 0)) * 60 + (c or 0))
+    if c is not None:
+        return float((a * 60 + b) * 60 + c)
+    if b is not None:  # MM:SS
+        return float(a * 60 + b)
+    return float(a * 60)  # minutes
+
+
+@dataclass(frozen=True)
+class RunTime:
+    """How long ``max_steps`` take, and how many Slurm jobs that is.
+
+    Attributes:
+        step_s: predicted seconds per optimizer step.
+        max_steps: ``trainer.max_steps``.
+        gpus: GPUs of the run (all of them are busy for the whole run).
+        time_limit_s: the Slurm job's time limit, if known.
+        warn_s: seconds before the limit at which the job saves and requeues itself (``WARN_SECONDS``).
+        throughput: what ``step_s`` was computed with.
+    """
+
+    step_s: float
+    max_steps: int
+    gpus: int
+    time_limit_s: float | None
+    warn_s: float
+    throughput: Throughput
+
+    @property
+    def wall_s(self) -> float:
+        return self.step_s * self.max_steps
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.wall_s * self.gpus / 3600
+
+    @property
+    def jobs(self) -> int | None:
+        """Slurm jobs the run takes (the first and its requeues), or None without a time limit."""
+        if self.time_limit_s is None:
+            return None
+        usable = self.time_limit_s - self.warn_s
+        return max(1, math.ceil(self.wall_s / usable)) if usable > 0 else None
+
+    def describe(self) -> str:
+        jobs = self.jobs
+        limit = (f"; with a {self.time_limit_s / 3600:.1f} h Slurm limit: {jobs} job(s), {jobs - 1} requeue(s)"
+                 if jobs is not None else "")
+        return (f"time: {self.step_s * 1e3:.0f} ms/step predicted, {self.max_steps} steps = {self.wall_s / 3600:.1f} h"
+                f" wall, {self.gpu_hours:.1f} GPU-hours{limit} (no validation or sampling time;"
+                f" {self.throughput.source})")

@@ -1,0 +1,163 @@
+"""The run's other resources (voxdiff.preflight.resources): checkpoint bytes against real files, free space, host
+memory of the data, Slurm's sizes and times, the step's FLOPs and the time they predict."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from voxdiff.preflight.resources import (
+    STEP_THROUGHPUT,
+    DiskNeed,
+    HostNeed,
+    RunTime,
+    StepCost,
+    checkpoint_nbytes,
+    free_bytes,
+    kept_checkpoints,
+    parse_slurm_memory,
+    parse_slurm_time,
+    slurm_job_memory,
+    step_cost,
+    worker_bytes,
+)
+
+
+def _meta_model(cfg):
+    from voxdiff.config import build_encoding, build_model
+
+    with torch.device("meta"):
+        return build_model(cfg, build_encoding(cfg), device_type="cpu")
+
+
+def test_checkpoint_bytes_match_a_real_checkpoint_of_train_py(diffusion_ckpt, tiny_demo):
+    """The prediction from the config (a meta model) against the file train.py wrote: within 1%."""
+    from voxdiff.config import compose
+
+    cfg = compose("train", tiny_demo)
+    model = _meta_model(cfg)
+    predicted = checkpoint_nbytes(model.state_dict().values(), model.parameters(), ema=bool(cfg.system.ema))
+    actual = diffusion_ckpt.stat().st_size
+    assert abs(predicted / actual - 1) < 0.01, (predicted, actual)
+    # and the parts: without the EMA's shadow the prediction drops by a float32 copy of the weights
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    without = checkpoint_nbytes(model.state_dict().values(), model.parameters(), ema=False)
+    assert weights <= predicted - without <= weights + 700 * len(list(model.parameters()))
+
+
+def test_checkpoint_bytes_of_a_larger_model_written_by_torch_save(tmp_path):
+    """A bigger UNet, its state laid out as Lightning saves it (state_dict, AdamW's state, the EMA's shadow)."""
+    from monai.networks.nets import DiffusionModelUNet
+
+    torch.manual_seed(0)
+    model = DiffusionModelUNet(spatial_dims=3, in_channels=2, out_channels=1, channels=(16, 32, 32),
+                               attention_levels=(False, False, True), num_res_blocks=2, num_head_channels=8,
+                               norm_num_groups=8)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(1, 2, 8, 8, 8), torch.tensor([3])).sum().backward()
+    opt.step()
+    state = {"epoch": 0, "global_step": 1, "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+             "optimizer_states": [opt.state_dict()], "lr_schedulers": [], "callbacks": {}, "loops": {},
+             "ema": {"decay": 0.999, "num_updates": 1,
+                     "shadow": {n: p.detach().clone() for n, p in model.named_parameters()}}}
+    torch.save(state, tmp_path / "x.ckpt")
+    predicted = checkpoint_nbytes(model.state_dict().values(), model.parameters(), ema=True)
+    actual = os.path.getsize(tmp_path / "x.ckpt")
+    assert abs(predicted / actual - 1) < 0.01, (predicted, actual)
+
+
+def test_free_bytes_measure_the_nearest_existing_folder(tmp_path):
+    free, where = free_bytes(tmp_path / "not" / "yet" / "run")
+    assert where == tmp_path and free == os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+
+
+@pytest.mark.parametrize("free, write_fits, kept_fits", [(10_000, True, True), (3_500, True, False),
+                                                         (1_500, False, False)])
+def test_disk_verdicts(tmp_path, free, write_fits, kept_fits):
+    need = DiskNeed(checkpoint=1_000, kept=kept_checkpoints(save_top_k=2, last=True), free=free, where=tmp_path)
+    assert need.kept == 3 and (need.write_fits, need.kept_fits) == (write_fits, kept_fits)
+    assert ("DOES NOT FIT" in need.describe()) == (not write_fits)
+    assert ("WARNING" in need.describe()) == (write_fits and not kept_fits)
+
+
+def test_save_top_k_minus_one_keeps_every_checkpoint():
+    assert kept_checkpoints(-1, True) is None
+    assert kept_checkpoints(0, True) == 1 and kept_checkpoints(1, False) == 1
+    assert not DiskNeed(1, None, 10**12, Path("/")).kept_fits  # unbounded: never "fits"
+
+
+def test_host_need_adds_the_workers_batches():
+    inflight = worker_bytes(sample_bytes=100, batch_size=2, num_workers=4, prefetch_factor=None, ranks_per_node=2)
+    assert inflight == 2 * 4 * 2 * 2 * 100 and worker_bytes(100, 2, 0, 2, 1) == 0
+    need = HostNeed(cached=1000, in_flight=inflight, budget=4000, source="test")
+    assert need.total == 4200 and not need.fits and "DOES NOT FIT" in need.describe()
+
+
+@pytest.mark.parametrize("text, nbytes", [("64G", 64 * 2**30), ("128000", 128000 * 2**20), ("512M", 512 * 2**20),
+                                          ("1.5T", int(1.5 * 2**40)), ("2048K", 2 * 2**20)])
+def test_slurm_memory_sizes(text, nbytes):
+    assert parse_slurm_memory(text) == nbytes
+
+
+def test_slurm_memory_refuses_a_non_size():
+    with pytest.raises(ValueError, match="64GiB"):
+        parse_slurm_memory("64GiB")
+
+
+def test_the_memory_of_a_running_slurm_job():
+    assert slurm_job_memory({"SLURM_MEM_PER_NODE": "1000"}) == 1000 * 2**20
+    assert slurm_job_memory({"SLURM_MEM_PER_GPU": "1000", "SLURM_GPUS_ON_NODE": "4"}) == 4000 * 2**20
+    assert slurm_job_memory({"SLURM_MEM_PER_CPU": "10", "SLURM_CPUS_ON_NODE": "8"}) == 80 * 2**20
+    assert slurm_job_memory({}) is None
+
+
+@pytest.mark.parametrize("text, seconds", [("90", 5400), ("10:30", 630), ("48:00:00", 172800),
+                                           ("2-00:00:00", 172800), ("1-12", 129600), ("1-00:30", 88200)])
+def test_slurm_time_limits(text, seconds):
+    assert parse_slurm_time(text) == seconds
+
+
+def test_slurm_time_refuses_unlimited():
+    with pytest.raises(ValueError, match="UNLIMITED"):
+        parse_slurm_time("UNLIMITED")
+
+
+def test_step_cost_counts_the_convolutions_flops(tiny_cfg):
+    """FLOPs on meta equal FlopCounterMode's count of the same step on real CPU tensors, and grow about 8x with the
+    volume (every layer is convolutional in space)."""
+    from dataclasses import replace
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from voxdiff.config import build_encoding, build_model, shapes
+    from voxdiff.step import SEED, TrainStep, batch_shapes, decide_precision
+
+    cfg = tiny_cfg("model.attention_levels=[false,false,false]")
+    encoding = build_encoding(cfg)
+    batch = batch_shapes(encoding, shapes(cfg, encoding).volume, 1)
+    cost = step_cost(_meta_model(cfg), batch, str(cfg.mode), encoding)
+    torch.manual_seed(0)
+    real = build_model(cfg, encoding, device_type="cpu")
+    step = TrainStep(real, replace(SEED, zero_grad_at="after_step"), encoding=encoding, mode=str(cfg.mode),
+                     precision=decide_precision("32-true", "cpu").context(), device_type="cpu")
+    with FlopCounterMode(display=False) as counter:
+        loss, _ = step.loss({k: torch.rand(v) for k, v in batch.items()})
+        loss.backward()
+    assert cost.tflop * 1e12 == counter.get_total_flops() and cost.ops > 100
+    bigger = {k: (*v[:2], *(2 * s for s in v[2:])) for k, v in batch.items()}
+    cost2 = step_cost(_meta_model(cfg), bigger, str(cfg.mode), encoding)
+    assert cost2.tflop / cost.tflop == pytest.approx(8, rel=0.02) and cost2.ops == cost.ops
+
+
+def test_run_time_and_requeues():
+    throughput = STEP_THROUGHPUT[("H100", "compiled")]
+    cost = StepCost(tflop=throughput.tflops, ops=0)  # one second of FLOPs
+    run = RunTime(throughput.seconds(cost), max_steps=36_000, gpus=4, time_limit_s=4 * 3600, warn_s=300,
+                  throughput=throughput)
+    assert run.step_s == pytest.approx(1.0) and run.wall_s == pytest.approx(36_000)
+    assert run.gpu_hours == pytest.approx(40.0) and run.jobs == 3  # 10 h in jobs of 3 h 55 min
+    assert "2 requeue(s)" in run.describe()
+    assert RunTime(1.0, 10, 1, None, 300, throughput).jobs is None
