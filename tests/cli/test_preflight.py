@@ -24,14 +24,18 @@ def test_no_arguments_checks_every_experiment(repo):
         assert path.stem in result.stdout
     assert "exp11              16×80×64×64" in result.stdout
     assert "configurations valid and fit" in result.stdout
+    # seconds per experiment: a compiled run's step is traced eagerly in the table, and said so
+    assert "upper bound (eager)" in result.stdout and "experiment=NAME predicts the compiled step" in result.stdout
 
 
 def test_one_config_in_detail(capsys):
     assert run(["experiment=exp11"]) == 0
     out = capsys.readouterr().out
     assert "step 1   : fwd" in out and "steady   : fwd" in out and "budget 80.0 GiB" in out
-    # the step a GPU runs by default: fused AdamW, SDPA attention (model.use_flash_attention=auto)
+    # the step a GPU runs by default: fused AdamW, SDPA attention (model.use_flash_attention=auto), the model
+    # compiled (model.compile=auto): one configuration is predicted compiled
     assert "AdamW(fused)" in out and "attention flash" in out
+    assert "step system (compiled)" in out and "upper bound" not in out
 
 
 def test_invalid_config_exits_nonzero_with_fix(capsys):
@@ -41,15 +45,16 @@ def test_invalid_config_exits_nonzero_with_fix(capsys):
 
 
 def test_seed_config_that_ran_out_of_memory_gets_fixes_that_fit(capsys):
-    assert run(["experiment=exp11", SEED_OOM, MATERIALISED]) == EXIT_NO_FIT
+    # the eager step (EAGER): the fixes are traced eagerly, and the eager step is the compiled one's upper bound
+    assert run(["experiment=exp11", SEED_OOM, MATERIALISED, EAGER]) == EXIT_NO_FIT
     out = capsys.readouterr().out
     assert "OUT OF MEMORY" in out
     fixes = [line for line in out.splitlines() if line.strip().startswith(("✓", "✗"))]
     flash = [line for line in fixes if "model.use_flash_attention=true" in line and "checkpointing" not in line]
     assert flash and flash[0].strip().startswith("✓"), out  # memory-efficient attention alone makes it fit
     # and the fix really fits when checked on its own, as does the default (auto: SDPA on the GPU predicted)
-    assert run(["experiment=exp11", SEED_OOM, "model.use_flash_attention=true"]) == 0
-    assert run(["experiment=exp11", SEED_OOM]) == 0
+    assert run(["experiment=exp11", SEED_OOM, "model.use_flash_attention=true", EAGER]) == 0
+    assert run(["experiment=exp11", SEED_OOM, EAGER]) == 0
 
 
 def test_budget_decides_the_verdict(capsys):

@@ -1,7 +1,7 @@
 """``python preflight.py``: check configs for validity and GPU-memory fit before anything launches; no GPU needed.
 
-    python preflight.py                                   every configs/experiment/*.yaml, as a table
-    python preflight.py experiment=exp11 model.channels=[...]      one configuration, in detail
+    python preflight.py                                   every configs/experiment/*.yaml, as a table (eager)
+    python preflight.py experiment=exp11 model.channels=[...]      one configuration, in detail (compiled)
     python preflight.py preflight.sweep=IN.csv preflight.recipe=seed preflight.out=OUT.csv   every row of a CSV
     python preflight.py experiment=exp11 preflight.measure=true     (CUDA GPU) measured peaks beside the prediction
 
@@ -29,10 +29,12 @@ def _experiment_given(overrides: list[str]) -> bool:
     return any(o.lstrip("+~").split("=")[0] == "experiment" for o in overrides)
 
 
-def _check(cfg: DictConfig, name: str, suggest: bool) -> PreflightResult:
+def _check(cfg: DictConfig, name: str, single: bool) -> PreflightResult:
+    """One configuration: in detail (fixes, the compiled step traced compiled) when it is the only one; in the table
+    over every experiment, seconds each: no fixes, a compiled run's step traced eagerly (an upper bound)."""
     if not is_diffusion(cfg):
         return PreflightResult(name=name, problems=[], modelled=False)  # VQ-VAE stage 1: its step is not traced
-    return run_preflight(cfg, name=name, suggest=suggest)
+    return run_preflight(cfg, name=name, suggest=bool(cfg.preflight.suggest) and single, compile=single)
 
 
 def _row(r: PreflightResult) -> list[str]:
@@ -148,13 +150,16 @@ def _run(overrides: list[str]) -> int:
     single = len(configs) == 1
     results = []
     for name, cfg in configs:
-        results.append(_check(cfg, name, suggest=bool(cfg.preflight.suggest) and single))
+        results.append(_check(cfg, name, single))
     print(_table([_row(r) for r in results]))
     for r in results:
         if single or not r.ok:
             print(f"\n{r.name}:\n{details(r)}")
     if single and base.preflight.measure:
         _measure(base, results[0])
+    if any(r.report is not None and r.report.model_step == "upper bound (eager)" for r in results) and not single:
+        print("\nmodel 'upper bound (eager)': the run compiles its model; the table traces it eagerly (seconds, an "
+              "upper bound); python preflight.py experiment=NAME predicts the compiled step")
     failed = [r.name for r in results if not r.ok]
     print(f"\npreflight: {len(results) - len(failed)}/{len(results)} configurations valid and fit"
           + (f"; refused: {', '.join(failed)}" if failed else ""))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -161,23 +161,29 @@ def predict_memory(cfg: DictConfig, gpu: str = "H100", compile: bool | None = No
     Args:
         cfg: the run config.
         gpu: the GPU predicted (``preflight.gpu``).
-        compile: predict the compiled step (True) or the eager one (False); default: ``model.compile`` as a GPU
-            run resolves it (``auto`` and ``true`` compile; :meth:`voxdiff.models.UNetSpec.for_device`), in
-            ``model.compile_mode``. A backend other than inductor (``aot_eager``) is predicted as the eager step.
+        compile: whether to trace a compiled run's step compiled (default) or eagerly (False: seconds instead of
+            a compiled trace; the report's ``model_step`` is then ``upper bound (eager)``). Whether the run compiles
+            is ``model.compile`` as a GPU run resolves it (``auto`` and ``true`` compile:
+            :meth:`voxdiff.models.UNetSpec.for_device`), in ``model.compile_mode``; a backend other than inductor
+            (``aot_eager``) is predicted as the eager step.
 
     Raises:
         ConfigError: see :func:`step_plan` and :func:`gpu_precision`.
     """
     plan = step_plan(cfg)
     spec = plan.spec
-    compiled = (spec.compile and spec.compile_backend == "inductor") if compile is None else compile
-    return predict_step_memory(
+    compiles = spec.compile and spec.compile_backend == "inductor"
+    report = predict_step_memory(
         lambda: build_model(cfg, plan.encoding, preserve_rng_state=False, device_type=PREDICTED_DEVICE),
         plan.input_shape, plan.recipe,
         batch=plan.batch, encoding=plan.encoding, mode=plan.mode, precision=gpu_precision(cfg, gpu_spec(gpu)),
         attention="flash" if plan.spec.use_flash_attention else "materialised", gpu=gpu,
-        parallel=_parallel(cfg), compile=bool(compiled), compile_mode=spec.compile_mode,
+        parallel=_parallel(cfg), compile=compiles and compile is not False, compile_mode=spec.compile_mode,
     )
+    if compiles and compile is False:
+        return replace(report, model_step="upper bound (eager)", notes=(*report.notes, (
+            "the run compiles its model (model.compile); its step was traced eagerly here, an upper bound")))
+    return report
 
 
 def _parallel(cfg: DictConfig) -> Parallel:
@@ -239,11 +245,12 @@ def candidate_fixes(cfg: DictConfig) -> list[tuple[str, dict[str, Any]]]:
 
 
 def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
-                  margin: float = DEFAULT_SAFETY_MARGIN) -> PreflightResult:
+                  margin: float = DEFAULT_SAFETY_MARGIN, compile: bool = True) -> PreflightResult:
     """Static checks, then the predicted per-GPU peak, the verdict against the budget, and fixes if it does not fit.
 
     The step predicted is the one the GPU run runs: compiled or eager as ``model.compile`` says
-    (:func:`predict_memory`); the fixes are predicted eagerly (an upper bound of their compiled step)."""
+    (:func:`predict_memory`); ``compile=False`` traces a compiled run eagerly (an upper bound, in seconds: the
+    table over every experiment). The fixes are always predicted eagerly (an upper bound of their compiled step)."""
     result = PreflightResult(name=name or str(_get(cfg, "task_name", "")), problems=static_problems(cfg))
     try:
         result.budget_gib, result.budget_source = gpu_budget_gib(cfg)
@@ -265,7 +272,7 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     result.parallel, result.strategy, result.world_size = parallel, parallel.strategy, parallel.world_size
     latents = plan.batch.get("image_z")
     result.data = data_memory({k: _get(cfg, f"data.{k}") for k in _DATA_KEYS}, tuple(latents[1:]) if latents else None)
-    report = predict_memory(cfg, gpu=gpu)
+    report = predict_memory(cfg, gpu=gpu, compile=None if compile else False)
     result.report = report
     peak = report.peak_allocated  # one rank's: the trace is of what one GPU of the strategy holds
     result.per_gpu_peak_gib = peak / GiB
