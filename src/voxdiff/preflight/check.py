@@ -13,6 +13,11 @@ Under ``trainer=ddp`` / ``trainer=fsdp`` (more than one process) the step is tra
 buckets, FSDP's shards, the all-gathered unit in flight, the sharded AdamW state and EMA
 (:mod:`voxdiff.preflight.distributed`) — and the per-GPU peak is that rank's. The host memory of the data
 module per rank (and node) is reported beside it.
+
+A run that compiles its model (``model.compile``: ``auto`` is on for the GPU predicted) is predicted compiled
+(:mod:`voxdiff.preflight.compiled`: 10-25 s the first time for a full-size UNet, then read from its cache), a DDP
+rank too; an FSDP rank, a gradient-checkpointed model, the fixes and ``run_preflight(compile=False)`` are traced
+eagerly, an upper bound that the report names (``model_step``).
 """
 
 from __future__ import annotations

@@ -17,6 +17,11 @@ Step 1 has no optimizer state during forward and backward; step 2 is the steady 
 through forward and backward, and so do the previous step's gradients when the recipe frees them only before
 the next backward, as Lightning's automatic optimisation does).
 
+With ``compile=True`` the model in the step is a stand-in for ``torch.compile(model)``
+(:class:`~voxdiff.preflight.compiled.CompiledModule`: the forward and backward inductor's graphs allocate), wrapped for
+the rank as the model would be (DDP); an FSDP rank, and a model the compiled trace refuses, are traced eagerly (the
+report's ``model_step``: ``upper bound (eager)``).
+
 Units: every ``*_bytes`` value is in bytes; the ``*_gib`` properties divide by 2**30.
 """
 
