@@ -15,6 +15,19 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compiled_profile_cache(tmp_path_factory):
+    """The preflight's cache of compiled-model profiles (voxdiff.preflight.compiled.cache_dir) in a folder of this
+    session, shared by its subprocesses: tests never write into the user's ~/.cache, and trace a model once."""
+    previous = os.environ.get("VOXDIFF_CACHE_DIR")
+    os.environ["VOXDIFF_CACHE_DIR"] = str(tmp_path_factory.mktemp("voxdiff-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("VOXDIFF_CACHE_DIR", None)
+    else:
+        os.environ["VOXDIFF_CACHE_DIR"] = previous
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO

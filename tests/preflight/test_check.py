@@ -11,6 +11,7 @@ from voxdiff.errors import ConfigError
 from voxdiff.preflight.check import predict_memory, run_preflight
 from voxdiff.preflight.tracker import round_block
 
+
 def _weight_bytes(cfg) -> int:
     with torch.device("meta"):
         model = build_model(cfg, build_encoding(cfg), device_type="cuda")
@@ -19,8 +20,8 @@ def _weight_bytes(cfg) -> int:
 
 def test_ema_false_traces_no_ema_copy(tiny_cfg):
     """``system.ema: false`` means no EMA: the trace holds one parameter copy less than with the default EMA."""
-    with_ema = predict_memory(tiny_cfg())
-    without = predict_memory(tiny_cfg("system.ema=false"))
+    with_ema = predict_memory(tiny_cfg(), compile=False)  # the eager step: the EMA copy does not depend on it
+    without = predict_memory(tiny_cfg("system.ema=false"), compile=False)
     weights = _weight_bytes(tiny_cfg())
     assert with_ema.steady_step.forward - without.steady_step.forward == weights
     assert with_ema.first_step.forward - without.first_step.forward == weights
@@ -57,7 +58,8 @@ def test_batch_size_that_is_not_positive_is_refused(tiny_cfg, value):
 
 
 def test_batch_size_is_traced_as_given(tiny_cfg):
-    one, three = predict_memory(tiny_cfg("data.batch_size=1")), predict_memory(tiny_cfg("data.batch_size=3"))
+    one = predict_memory(tiny_cfg("data.batch_size=1"), compile=False)
+    three = predict_memory(tiny_cfg("data.batch_size=3"), compile=False)
     assert three.input_shape[0] == 3 and one.input_shape[0] == 1
     assert three.first_step.forward > one.first_step.forward
 
@@ -84,3 +86,30 @@ def test_the_preflight_imports_no_lightning(repo):
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "light" in result.stdout, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("override, want", [
+    ("model.compile=true", "compiled"),
+    ("model.compile=false", "eager"),
+    ("model.compile_backend=aot_eager", "eager"),  # no inductor: the eager step's memory
+])  # fmt: skip
+def test_the_step_predicted_is_the_one_the_gpu_run_compiles(tiny_cfg, override, want):
+    assert predict_memory(tiny_cfg(override)).model_step == want
+
+
+@pytest.mark.parametrize("value", ["yes", 1])
+def test_a_compile_setting_that_means_nothing_is_refused(tiny_cfg, value):
+    problems = run_preflight(tiny_cfg(f"model.compile={value}"), suggest=False).problems
+    assert any(isinstance(p, ConfigError) and "model.compile" in str(p) and "model.compile=auto" in str(p)
+               for p in problems), problems
+
+
+def test_the_gpu_run_is_predicted_compiled_unless_told(tiny_cfg):
+    """model.compile=auto: a GPU run compiles, so the prediction is of the compiled step; eager on request."""
+    cfg = tiny_cfg()
+    compiled, eager = predict_memory(cfg), predict_memory(cfg, compile=False)
+    assert (compiled.model_step, eager.model_step) == ("compiled", "upper bound (eager)")  # eager: its upper bound
+    assert any("traced eagerly" in n for n in eager.notes)
+    assert compiled.steady_step.forward < eager.steady_step.forward
+    assert run_preflight(cfg, suggest=False, compile=False).report.model_step == "upper bound (eager)"
+    assert run_preflight(tiny_cfg("model.compile=false"), suggest=False).report.model_step == "eager"

@@ -20,6 +20,7 @@ def test_host_memory_is_the_physical_memory_or_less():
 def test_a_cpu_run_is_checked_against_the_host_memory_per_process(tiny_demo):
     one = training_verdict(compose("train", tiny_demo))
     assert one.fits and one.budget_source == "host memory"
+    assert one.report.model_step == "eager"  # model.compile=auto compiles CUDA runs only
     assert one.budget_gib == pytest.approx(host_memory_bytes() / GiB)
     two = training_verdict(compose("train", [*tiny_demo, "trainer.devices=2"]))
     assert two.budget_source == "host memory shared by 2 processes"

@@ -118,6 +118,30 @@ def test_a_batch_size_column_is_read_and_checked() -> None:
     assert "batch_size='0'" in predict_row({**_GOOD, "batch_size": "0"}, SEED)[0]["pred_error"]
 
 
+def test_step_columns_pick_the_step_variant() -> None:
+    """compile, optimizer_impl and zero_grad_at: absent or empty keep the recipe's step (the seed's: eager,
+    foreach, before backward), a value changes it as the step would change."""
+    row = {**_GOOD, "input_shape": "4x16x16x16"}
+    base = predict_row(row, SEED)[1]
+    same = predict_row({**row, "compile": "", "optimizer_impl": "", "zero_grad_at": ""}, SEED)[1]
+    explicit = predict_row({**row, "compile": "0", "optimizer_impl": "foreach", "zero_grad_at": "before_backward"},
+                           SEED)[1]
+    assert base.model_step == "eager" and base.optimizer == "AdamW(foreach)"
+    assert (same.first_step, same.steady_step) == (explicit.first_step, explicit.steady_step) == (
+        base.first_step, base.steady_step)
+    fused = predict_row({**row, "optimizer_impl": "fused"}, SEED)[1]
+    assert fused.optimizer == "AdamW(fused)"  # no parameter-sized temporary in step()
+    assert fused.first_step.optimizer < base.first_step.optimizer
+    after = predict_row({**row, "zero_grad_at": "after_step"}, SEED)[1]
+    assert base.steady_step.forward - after.steady_step.forward == base.param_bytes  # no gradients in the forward
+    pred, comp = predict_row({**row, "compile": "1"}, SEED)
+    assert pred["pred_model_step"] == comp.model_step == "compiled"
+    assert comp.first_step.forward < base.first_step.forward
+    for column, value in (("compile", "maybe"), ("optimizer_impl", "adam"), ("zero_grad_at", "never")):
+        error = predict_row({**row, column: value}, SEED)[0]["pred_error"]
+        assert f"{column}={value!r}" in error and "use" in error
+
+
 def _tolerance(reported: str) -> float:
     """+-0.5 %, or half a unit of the last digit the reference reports (68 means 67.5..68.5), if larger."""
     decimals = len(reported.split(".")[1]) if "." in reported else 0

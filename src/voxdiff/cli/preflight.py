@@ -1,7 +1,7 @@
 """``python preflight.py``: check configs for validity and GPU-memory fit before anything launches; no GPU needed.
 
-    python preflight.py                                   every configs/experiment/*.yaml, as a table
-    python preflight.py experiment=exp11 model.channels=[...]      one configuration, in detail
+    python preflight.py                                   every configs/experiment/*.yaml, as a table (eager)
+    python preflight.py experiment=exp11 model.channels=[...]      one configuration, in detail (compiled)
     python preflight.py preflight.sweep=IN.csv preflight.recipe=seed preflight.out=OUT.csv   every row of a CSV
     python preflight.py experiment=exp11 preflight.measure=true     (CUDA GPU) measured peaks beside the prediction
 
@@ -29,17 +29,19 @@ def _experiment_given(overrides: list[str]) -> bool:
     return any(o.lstrip("+~").split("=")[0] == "experiment" for o in overrides)
 
 
-def _check(cfg: DictConfig, name: str, suggest: bool) -> PreflightResult:
+def _check(cfg: DictConfig, name: str, single: bool) -> PreflightResult:
+    """One configuration: in detail (fixes, the compiled step traced compiled) when it is the only one; in the table
+    over every experiment, seconds each: no fixes, a compiled run's step traced eagerly (an upper bound)."""
     if not is_diffusion(cfg):
         return PreflightResult(name=name, problems=[], modelled=False)  # VQ-VAE stage 1: its step is not traced
-    return run_preflight(cfg, name=name, suggest=suggest)
+    return run_preflight(cfg, name=name, suggest=bool(cfg.preflight.suggest) and single, compile=single)
 
 
 def _row(r: PreflightResult) -> list[str]:
     if r.problems:
-        return [r.name, *["-"] * 7, f"{r.budget_gib:.0f}", "INVALID"]
+        return [r.name, *["-"] * 8, f"{r.budget_gib:.0f}", "INVALID"]
     if not r.modelled or r.report is None:
-        return [r.name, *["-"] * 8, "not modelled (stage 1)"]
+        return [r.name, *["-"] * 9, "not modelled (stage 1)"]
     rep = r.report
     return [
         r.name,
@@ -47,6 +49,7 @@ def _row(r: PreflightResult) -> list[str]:
         str(r.levels),
         f"{r.params / 1e6:.1f}M",
         rep.attention,
+        rep.model_step,
         f"{rep.first_step.peak / GiB:.1f}",
         f"{rep.steady_step.peak / GiB:.1f}",
         f"{r.need_gib:.1f}" + (f" ({r.strategy}×{r.world_size})" if r.world_size > 1 else ""),
@@ -55,7 +58,7 @@ def _row(r: PreflightResult) -> list[str]:
     ]
 
 
-HEADER = ["experiment", "UNet input", "levels", "params", "attention", "step 1 GiB", "steady GiB",
+HEADER = ["experiment", "UNet input", "levels", "params", "attention", "model", "step 1 GiB", "steady GiB",
           "need GiB", "budget", "verdict"]
 
 
@@ -79,8 +82,10 @@ def details(r: PreflightResult) -> str:
         if r.data is not None and r.parallel is not None:
             out.append(f"  data in host memory: {r.data.describe(r.parallel)}")
     if r.suggestions:
-        out.append("  changes that fit (predicted per-GPU peak / need):" if any(s.fits for s in r.suggestions)
-                   else "  no single change fits; predicted effect of each:")
+        out.append(("  changes that fit (predicted per-GPU peak / need" if any(s.fits for s in r.suggestions)
+                    else "  no single change fits; predicted effect of each (per-GPU peak / need")
+                   + (f"; {r.suggestions_step} step, an upper bound of the compiled one)"
+                      if r.suggestions_step == "eager" and r.report.model_step == "compiled" else ")") + ":")
         for s in r.suggestions:
             mark = "✓" if s.fits else "✗"
             out.append(f"    {mark} {s.change}: {' '.join(s.overrides)}  ->  {s.peak_gib:.1f} / {s.need_gib:.1f} GiB")
@@ -147,13 +152,16 @@ def _run(overrides: list[str]) -> int:
     single = len(configs) == 1
     results = []
     for name, cfg in configs:
-        results.append(_check(cfg, name, suggest=bool(cfg.preflight.suggest) and single))
+        results.append(_check(cfg, name, single))
     print(_table([_row(r) for r in results]))
     for r in results:
         if single or not r.ok:
             print(f"\n{r.name}:\n{details(r)}")
     if single and base.preflight.measure:
         _measure(base, results[0])
+    if any(r.report is not None and r.report.model_step == "upper bound (eager)" for r in results) and not single:
+        print("\nmodel 'upper bound (eager)': the run compiles its model; the table traces it eagerly (seconds, an "
+              "upper bound); python preflight.py experiment=NAME predicts the compiled step")
     failed = [r.name for r in results if not r.ok]
     print(f"\npreflight: {len(results) - len(failed)}/{len(results)} configurations valid and fit"
           + (f"; refused: {', '.join(failed)}" if failed else ""))

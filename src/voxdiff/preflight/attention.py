@@ -19,6 +19,7 @@ which path was taken.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["FlashAttentionEmulator", "flash_attention_applies"]
+__all__ = ["FlashAttentionEmulator", "flash_attention_applies", "flash_backward_temporaries", "flash_backward_temporary_bytes"]
 
 _FLASH_MAX_HEAD_DIM = 256  # FlashAttention-2 supports head dims up to 256 (sdp_utils: check_head_dim_size_flash)
 _FLASH_MIN_CAPABILITY = (8, 0)  # sdp_utils: check_flash_attention_hardware_support (sm80 and later)
@@ -56,6 +57,24 @@ def flash_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
     )
 
 
+def flash_backward_temporaries(q: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """Shapes of the fp32 temporaries FlashAttention-2's backward holds besides its outputs, for a query
+    ``(B, H, N, D)``: ``softmax_d`` ``(B, H, round128(N))`` and ``dq_accum``
+    ``(B, round128(N), H, round(D, 32 if D <= 128 else 64))``."""
+    b, h, n, d = q.shape
+    n_r = _round_up(n, 128)
+    d_r = _round_up(d, 32 if d <= 128 else 64)
+    return (b, h, n_r), (b, n_r, h, d_r)
+
+
+def flash_backward_temporary_bytes(q: torch.Tensor) -> int:
+    """Bytes of :func:`flash_backward_temporaries` for a bf16/fp16 query, each rounded to the CUDA allocator's
+    512 B; 0 for other dtypes (the GPU runs another kernel)."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return 0
+    return sum(_round_up(math.prod(shape) * 4, 512) for shape in flash_backward_temporaries(q))
+
+
 class _FlashAttentionMemory(torch.autograd.Function):
     """Allocates (on any device) what FlashAttention-2 allocates; the values are meaningless."""
 
@@ -73,15 +92,11 @@ class _FlashAttentionMemory(torch.autograd.Function):
         ctx: Any, dout: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v, _out, _lse = ctx.saved_tensors
-        b, h, n, d = q.shape
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        n_r = _round_up(n, 128)
-        d_r = _round_up(d, 32 if d <= 128 else 64)
-        softmax_d = torch.empty((b, h, n_r), dtype=torch.float32, device=q.device)
-        dq_accum = torch.empty((b, n_r, h, d_r), dtype=torch.float32, device=q.device)
-        del softmax_d, dq_accum
+        temporaries = [torch.empty(s, dtype=torch.float32, device=q.device) for s in flash_backward_temporaries(q)]
+        del temporaries
         return dq, dk, dv
 
 

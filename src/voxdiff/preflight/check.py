@@ -13,13 +13,18 @@ Under ``trainer=ddp`` / ``trainer=fsdp`` (more than one process) the step is tra
 buckets, FSDP's shards, the all-gathered unit in flight, the sharded AdamW state and EMA
 (:mod:`voxdiff.preflight.distributed`) — and the per-GPU peak is that rank's. The host memory of the data
 module per rank (and node) is reported beside it.
+
+A run that compiles its model (``model.compile``: ``auto`` is on for the GPU predicted) is predicted compiled
+(:mod:`voxdiff.preflight.compiled`: 10-25 s the first time for a full-size UNet, then read from its cache), a DDP
+rank too; an FSDP rank, a gradient-checkpointed model, the fixes and ``run_preflight(compile=False)`` are traced
+eagerly, an upper bound that the report names (``model_step``).
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -140,30 +145,47 @@ class PreflightResult:
     suggestions: list[Suggestion] = field(default_factory=list)
 
     modelled: bool = True  # False for systems whose step the preflight does not trace (VQ-VAE stage 1)
+    suggestions_step: str = ""  # how the fixes' steps were predicted (``eager``)
 
     @property
     def ok(self) -> bool:
         return not self.problems and (self.fits or not self.modelled)
 
 
-def predict_memory(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None) -> MemoryReport:
+def predict_memory(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None, compile: bool | None = None
+                   ) -> MemoryReport:
     """Trace two training steps of ``cfg`` on the meta device, as one GPU of its strategy runs them (one rank of a
     DDP or FSDP run: :mod:`voxdiff.preflight.distributed`), for the GPU of
     :func:`~voxdiff.preflight.gpus.resolve_gpu` (``gpu``, when already resolved); see the module docstring for what
     is traced.
+
+    Args:
+        cfg: the run config.
+        gpu: the GPU predicted and where it came from (default: :func:`~voxdiff.preflight.gpus.resolve_gpu`).
+        compile: whether to trace a compiled run's step compiled (default) or eagerly (False: seconds instead of
+            a compiled trace; the report's ``model_step`` is then ``upper bound (eager)``). Whether the run compiles
+            is ``model.compile`` as a GPU run resolves it (``auto`` and ``true`` compile:
+            :meth:`voxdiff.models.UNetSpec.for_device`), in ``model.compile_mode``; a backend other than inductor
+            (``aot_eager``) is predicted as the eager step.
 
     Raises:
         ConfigError: see :func:`step_plan`, :func:`gpu_precision` and :func:`~voxdiff.preflight.gpus.resolve_gpu`.
     """
     gpu = gpu or resolve_gpu(cfg)
     plan = step_plan(cfg)
-    return predict_step_memory(
+    spec = plan.spec
+    compiles = spec.compile and spec.compile_backend == "inductor"
+    report = predict_step_memory(
         lambda: build_model(cfg, plan.encoding, preserve_rng_state=False, device_type=PREDICTED_DEVICE),
         plan.input_shape, plan.recipe,
         batch=plan.batch, encoding=plan.encoding, mode=plan.mode, precision=gpu_precision(cfg, gpu),
         attention="flash" if plan.spec.use_flash_attention else "materialised", gpu=gpu[0],
-        parallel=_parallel(cfg),
+        parallel=_parallel(cfg), compile=compiles and compile is not False, compile_mode=spec.compile_mode,
     )
+    if compiles and compile is False:
+        return replace(report, model_step="upper bound (eager)", notes=(*report.notes, (
+            "the run compiles its model (model.compile); its step was traced eagerly here, an upper bound")))
+    return report
 
 
 def _parallel(cfg: DictConfig) -> Parallel:
@@ -225,8 +247,12 @@ def candidate_fixes(cfg: DictConfig) -> list[tuple[str, dict[str, Any]]]:
 
 
 def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
-                  margin: float = DEFAULT_SAFETY_MARGIN) -> PreflightResult:
-    """Static checks, then the predicted per-GPU peak, the verdict against the budget, and fixes if it does not fit."""
+                  margin: float = DEFAULT_SAFETY_MARGIN, compile: bool = True) -> PreflightResult:
+    """Static checks, then the predicted per-GPU peak, the verdict against the budget, and fixes if it does not fit.
+
+    The step predicted is the one the GPU run runs: compiled or eager as ``model.compile`` says
+    (:func:`predict_memory`); ``compile=False`` traces a compiled run eagerly (an upper bound, in seconds: the
+    table over every experiment). The fixes are always predicted eagerly (an upper bound of their compiled step)."""
     result = PreflightResult(name=name or str(_get(cfg, "task_name", "")), problems=static_problems(cfg))
     try:
         gpu = resolve_gpu(cfg)
@@ -249,18 +275,21 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     result.parallel, result.strategy, result.world_size = parallel, parallel.strategy, parallel.world_size
     latents = plan.batch.get("image_z")
     result.data = data_memory({k: _get(cfg, f"data.{k}") for k in _DATA_KEYS}, tuple(latents[1:]) if latents else None)
-    report = predict_memory(cfg, gpu=gpu)
+    report = predict_memory(cfg, gpu=gpu, compile=None if compile else False)
     result.report = report
     peak = report.peak_allocated  # one rank's: the trace is of what one GPU of the strategy holds
     result.per_gpu_peak_gib = peak / GiB
     result.need_gib = _need(peak, report, margin)
     result.fits = result.need_gib <= result.budget_gib
     if suggest and not result.fits:
+        # each fix is traced eagerly: seconds instead of a compiled trace each; eager is the compiled step's upper
+        # bound, so a fix said to fit does
+        result.suggestions_step = "eager"
         for change, overrides in candidate_fixes(cfg):
             fixed = _with(cfg, overrides)
             if static_problems(fixed):
                 continue
-            r = predict_memory(fixed, gpu=gpu)
+            r = predict_memory(fixed, gpu=gpu, compile=False)
             p = r.peak_allocated
             need = _need(p, r, margin)
             result.suggestions.append(Suggestion(

@@ -58,7 +58,6 @@ def training_verdict(cfg: DictConfig) -> PreflightResult | None:
         ConfigError: an unknown ``preflight.gpu`` (:func:`~voxdiff.preflight.gpus.resolve_gpu`).
     """
     from voxdiff.lightning.trainer import resolve_precision
-    from voxdiff.models.unet import resolve_switch
     from voxdiff.step import accelerator_device
 
     if not is_diffusion(cfg):
@@ -72,15 +71,24 @@ def training_verdict(cfg: DictConfig) -> PreflightResult | None:
         gpu_precision(checked, gpu)
     except ConfigError:
         return None
-    on_host = accelerator_device(accelerator) == "cpu" and OmegaConf.select(cfg, "preflight.gpu_memory_gib") is None
+    on_cpu = accelerator_device(accelerator) == "cpu"
+    on_host = on_cpu and OmegaConf.select(cfg, "preflight.gpu_memory_gib") is None
+    if on_cpu:  # model.compile=auto compiles CUDA runs only: a CPU run's step is eager
+        _resolve_on_cpu(checked, "model.compile")
     if on_host:  # a CPU run, and no budget of the user's own (+preflight.gpu_memory_gib=N)
         processes = _local_processes(cfg)
         OmegaConf.update(checked, "preflight.gpu_memory_gib", host_memory_bytes() / processes / GiB, force_add=True)
         # the attention a CPU run computes: model.use_flash_attention=auto is off there
-        key = "model.use_flash_attention"
-        OmegaConf.update(checked, key, resolve_switch(key, OmegaConf.select(cfg, key, default=False), "cpu"),
-                         force_add=True)
+        _resolve_on_cpu(checked, "model.use_flash_attention")
     result = run_preflight(checked, name=str(cfg.get("task_name", "")), suggest=True)
     if on_host:
         result.budget_source = "host memory" + (f" shared by {processes} processes" if processes > 1 else "")
     return result
+
+
+def _resolve_on_cpu(cfg: DictConfig, key: str) -> None:
+    """Set the run-time switch ``key`` (``model.compile``, ``model.use_flash_attention``) of ``cfg`` to what a CPU
+    run makes of it (``auto`` is off there)."""
+    from voxdiff.models.unet import resolve_switch
+
+    OmegaConf.update(cfg, key, resolve_switch(key, OmegaConf.select(cfg, key, default=False), "cpu"), force_add=True)

@@ -17,6 +17,11 @@ Step 1 has no optimizer state during forward and backward; step 2 is the steady 
 through forward and backward, and so do the previous step's gradients when the recipe frees them only before
 the next backward, as Lightning's automatic optimisation does).
 
+With ``compile=True`` the model in the step is a stand-in for ``torch.compile(model)``
+(:class:`~voxdiff.preflight.compiled.CompiledModule`: the forward and backward inductor's graphs allocate), wrapped for
+the rank as the model would be (DDP); an FSDP rank, and a model the compiled trace refuses, are traced eagerly (the
+report's ``model_step``: ``upper bound (eager)``).
+
 Units: every ``*_bytes`` value is in bytes; the ``*_gib`` properties divide by 2**30.
 """
 
@@ -39,6 +44,7 @@ from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES, simulate_reserved
 from voxdiff.preflight.gpus import DEFAULT_GPU, GpuSpec, gpu_type
 from voxdiff.preflight.attention import FlashAttentionEmulator
 from voxdiff.preflight.autocast import CudaAutocastEmulator
+from voxdiff.preflight.compiled import CompiledModule, CompiledTraceError, compiled_profile
 from voxdiff.preflight.distributed import Parallel, fake_world, wrap_for_rank
 from voxdiff.preflight.tracker import StorageTracker, round_block
 from voxdiff.step import OptimSettings, Recipe, TrainStep
@@ -65,6 +71,7 @@ DEFAULT_SAFETY_MARGIN = 0.10
 configuration vary by up to 15 % between runs; 10 % covers the former and most of the latter."""
 
 _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": None}
+_COMPILE_MODES_MODELLED = (None, "default", "max-autotune-no-cudagraphs")
 _ATTENTION = ("materialised", "flash")
 
 
@@ -125,6 +132,8 @@ class MemoryReport:
         gpu: the GPU model assumed for workspaces and capacity.
         trace_seconds: wall time of the prediction.
         notes: caveats found while tracing.
+        model_step: how the model runs in the predicted step: ``eager``, ``compiled`` (``torch.compile``,
+            inductor) or ``upper bound (eager)`` (compiled was asked, its prediction failed: see ``notes``).
         parallel: what the trace is of: ``one GPU``, or one rank of ``ddp×N`` / ``fsdp×N``
             (:meth:`voxdiff.preflight.distributed.Parallel.describe`); ``param_bytes`` and ``ema_bytes`` are then
             this rank's (shards under FSDP).
@@ -150,6 +159,7 @@ class MemoryReport:
     gpu: str
     trace_seconds: float
     notes: tuple[str, ...] = field(default_factory=tuple)
+    model_step: str = "eager"
     parallel: str = "one GPU"
 
     @property
@@ -180,8 +190,8 @@ class MemoryReport:
         lines = [
             f"params {self.params / 1e6:.1f} M ({_gib(self.param_bytes):.2f} GiB"
             + (f", EMA {_gib(self.ema_bytes):.2f} GiB" if self.ema_bytes else "")
-            + f"), input {self.input_shape}, {self.precision}, {self.optimizer}, step {self.recipe}, "
-            f"attention {self.attention_path}"
+            + f"), input {self.input_shape}, {self.precision}, {self.optimizer}, step {self.recipe} "
+            f"({self.model_step}), attention {self.attention_path}"
             + ("" if self.parallel == "one GPU" else f"; per rank of {self.parallel}"),
             "step 1   : fwd {forward:.2f}  bwd {backward:.2f}  opt {optimizer:.2f} GiB".format(**s1),
             "steady   : fwd {forward:.2f}  bwd {backward:.2f}  opt {optimizer:.2f} GiB".format(**s2),
@@ -289,6 +299,8 @@ def predict_step_memory(
     precision: str = "bf16-mixed",
     attention: AttentionMode = "materialised",
     gpu: str | GpuSpec = DEFAULT_GPU,
+    compile: bool = False,
+    compile_mode: str | None = None,
     parallel: Parallel | None = None,
 ) -> MemoryReport:
     """Predict ``torch.cuda.max_memory_allocated()`` of a training step without a GPU (on one rank of a DDP or
@@ -312,6 +324,13 @@ def predict_step_memory(
             (MONAI with ``use_flash_attention=False``) materialises the scores either way.
         gpu: a :class:`~voxdiff.preflight.gpus.GpuSpec` or the name of one (:func:`~voxdiff.preflight.gpus.gpu_type`):
             its cuBLAS workspaces, and whether SDPA may take FlashAttention-2 there (sm80+).
+        compile: predict the step with ``torch.compile(model)`` (inductor): the model's forward and backward as
+            :mod:`voxdiff.preflight.compiled` plans them, the rest of the step traced as it runs. Where the
+            compiled model cannot be traced, the eager step is predicted instead, an upper bound, and the report
+            says so (``model_step``); so is FSDP's compiled step (its
+            per-unit graphs between FSDP's hooks are not traced).
+        compile_mode: ``torch.compile``'s ``mode`` (None: the default); modes with CUDA graphs are predicted as
+            the default mode, with a note.
         parallel: the strategy and world size (:mod:`voxdiff.preflight.distributed`): the step is traced as rank 0
             of a DDP or FSDP run holds it; default one GPU.
 
@@ -331,34 +350,67 @@ def predict_step_memory(
     notes: list[str] = []
 
     parallel = parallel or Parallel()
-    with fake_world(parallel.world_size) if parallel.distributed else contextlib.nullcontext() as mesh:
+    dtype = _AUTOCAST_DTYPES[precision]
+
+    def built() -> nn.Module:
         with torch.device("meta"):
             model = build_model()
         if any(t.device.type != "meta" for t in [*model.parameters(), *model.buffers()]):
-            notes.append("build_model created tensors off the meta device; they were moved to meta")
+            note = "build_model created tensors off the meta device; they were moved to meta"
+            notes.extend([] if note in notes else [note])
             model = model.to("meta")
-        model.train()
+        return model.train()
+
+    def traced(stepped: nn.Module) -> tuple[nn.Module, TrainStep, TraceResult]:
+        stepped = wrap_for_rank(stepped, parallel, mesh)  # DDP's buckets, FSDP's shards: what this rank holds
+        autocast = CudaAutocastEmulator(dtype=dtype or torch.bfloat16, device_type="meta", enabled=dtype is not None)
+        # the meta tensors stand for a GPU: the step decides its optimizer implementation for "cuda"
+        step = TrainStep(stepped, recipe, encoding=encoding, mode=mode or "bravo", process=process,
+                         precision=EmulatedPrecision(autocast), device_type="cuda")
+        trainable = [p for p in stepped.parameters() if p.requires_grad]
+        optimizer = _FusedAdamWOnMeta(trainable, recipe.optim) if step.optimizer_impl == "fused" else None
+        step.configure_optimizer(optimizer=optimizer)
+        return stepped, step, trace_training_step(step, batch, attention=attention, device_type="meta", steps=2,
+                                                  capability=gpu_spec.capability)
+
+    with fake_world(parallel.world_size) if parallel.distributed else contextlib.nullcontext() as mesh:
+        model = built()
         if batch is None:
             batch, default_mode = unet_batch(shape, int(getattr(model, "out_channels", shape[1])))
             mode = mode or default_mode
-        model = wrap_for_rank(model, parallel, mesh)  # DDP's buckets, FSDP's shards: what this rank holds
-        dtype = _AUTOCAST_DTYPES[precision]
-        autocast = CudaAutocastEmulator(dtype=dtype or torch.bfloat16, device_type="meta", enabled=dtype is not None)
-        # the meta tensors stand for a GPU: the step decides its optimizer implementation for "cuda"
-        step = TrainStep(model, recipe, encoding=encoding, mode=mode or "bravo", process=process,
-                         precision=EmulatedPrecision(autocast), device_type="cuda")
-        params = list(model.parameters())
+        model_step, attention_path, traced_step = "eager", "", None
+        if compile:
+            try:
+                if parallel.strategy == "fsdp":
+                    raise CompiledTraceError("a compiled FSDP step is not traced: torch.compile runs the units "
+                                             "between FSDP's hooks, graphs the preflight does not plan")
+                if attention == "flash" and not gpu_spec.flash_attention:
+                    raise CompiledTraceError(f"the compiled plan assumes FlashAttention-2, which {gpu_spec.name} "
+                                             f"(sm{gpu_spec.capability[0]}{gpu_spec.capability[1]}) does not run")
+                inputs = [(shape, torch.float32), ((shape[0],), torch.int64)]  # x (B, C_in, *spatial), t (B,)
+                profile = compiled_profile(model, inputs, dtype)
+                traced_step = traced(CompiledModule(model, profile))  # DDP wraps the stand-in as it would the model
+                model_step, attention_path = "compiled", profile.attention_path(attention)
+            except CompiledTraceError as err:
+                model_step = "upper bound (eager)"
+                notes.append(f"the compiled step could not be predicted ({err}); this is the eager step's "
+                             "prediction, an upper bound of the compiled one")
+                model = built()  # a fresh model: the failed trace may have wrapped or stepped this one
+            if compile_mode not in _COMPILE_MODES_MODELLED:
+                notes.append(f"compile mode {compile_mode!r} is predicted as the default mode (its CUDA graphs' "
+                             "memory pool is not modelled)")
+        if traced_step is None:
+            traced_step = traced(model)
+        stepped, step, trace = traced_step
+        if model_step != "compiled":
+            attention_path = _describe_attention(attention, trace.flash, trace.autocast, notes)
+        params = list(stepped.parameters())
         trainable = [p for p in params if p.requires_grad]
         n_params = sum(p.numel() for p in params)
-        param_bytes = sum(_rank_bytes(t) for t in [*params, *model.buffers()])
+        param_bytes = sum(_rank_bytes(t) for t in [*params, *stepped.buffers()])
         ema_bytes = sum(_rank_bytes(t) for t in (step.ema.shadow if step.ema else []))
         impl = step.optimizer_impl
-        step.configure_optimizer(optimizer=_FusedAdamWOnMeta(trainable, recipe.optim) if impl == "fused" else None)
-
-        trace = trace_training_step(step, batch, attention=attention, device_type="meta", steps=2,
-                                    capability=gpu_spec.capability)
     peaks = trace.steps
-    attention_path = _describe_attention(attention, trace.flash, trace.autocast, notes)
 
     # cuBLAS workspaces: one for the main thread (forward, optimizer), one for the autograd device thread.
     ws = gpu_spec.cublas_workspace_bytes
@@ -389,6 +441,7 @@ def predict_step_memory(
         gpu=gpu_spec.describe(),
         trace_seconds=time.perf_counter() - t0,
         notes=tuple(notes),
+        model_step=model_step,
         parallel=parallel.describe(),
     )
 

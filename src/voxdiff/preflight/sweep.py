@@ -4,10 +4,12 @@ The CSV format is that of ``reference/measured_vram.csv``: one row per configura
 ``input_shape`` (``C x D x H x W``, e.g. ``16x80x64x64``), ``in_channels``, ``out_channels``, ``channels``
 (space-separated), ``attention_levels`` (0/1 per level, space-separated), ``num_res_blocks`` (space-separated),
 ``num_head_channels``, ``norm_num_groups``, ``grad_checkpointing`` (the UNet's columns are read by
-:meth:`voxdiff.models.UNetSpec.from_row`) and, optionally, ``use_flash_attention``, ``batch_size``, ``recipe`` and
+:meth:`voxdiff.models.UNetSpec.from_row`) and, optionally, ``use_flash_attention``, ``batch_size``, ``recipe``,
 ``gpu`` (the GPU the row was measured on, as torch names it: its budget, cuBLAS workspaces and compute capability
-are the row's; rows without one are predicted for the configured GPU). Every other column is carried through
-unchanged. :func:`sweep` appends the
+are the row's; rows without one are predicted for the configured GPU) and the step variants of :func:`row_step`:
+``compile`` (0/1: ``torch.compile(model)``), ``optimizer_impl`` (foreach/fused/single) and ``zero_grad_at``
+(before_backward/after_step). An absent or empty column leaves the recipe's own choice. Every other column is
+carried through unchanged. :func:`sweep` appends the
 ``pred_*`` columns of :data:`PRED_COLUMNS` (GiB = 2**30 bytes) and draws parameters vs predicted peak.
 
 The training step traced for a row is named, never assumed: by the row's ``recipe`` column (``seed``: the step
@@ -23,7 +25,7 @@ from __future__ import annotations
 import csv
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,8 @@ from voxdiff.models.unet import UNetSpec, row_flag
 from voxdiff.preflight.gpus import DEFAULT_GPU, GpuSpec, gpu_type
 from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
 from voxdiff.step import RECIPES, SEED, Recipe
+from voxdiff.step.optim import OPTIMIZER_IMPLS
+from voxdiff.step.recipe import ZERO_GRAD_AT
 
 __all__ = [
     "MODEL_FACTORY",
@@ -42,12 +46,14 @@ __all__ = [
     "build_monai_unet",
     "PhaseComparison",
     "compare_phases",
+    "comparison_table",
     "parse_row",
     "plot_sweep",
     "predict_row",
     "read_sweep_csv",
     "row_gpu",
     "row_recipe",
+    "row_step",
     "sweep",
 ]
 
@@ -65,12 +71,14 @@ PRED_COLUMNS: tuple[str, ...] = (
     "pred_fits",
     "pred_recipe",
     "pred_gpu",
+    "pred_model_step",
     "pred_error",
 )
 """Columns :func:`sweep` appends: parameters (millions); step-1 forward, backward and ``optimizer.step()`` peaks
 and the peak over step 1; the same for a steady-state step; predicted reserved memory; the verdict against the
 budget; the training-step recipe traced; the GPU predicted for (the row's ``gpu`` column, else the configured one);
-why the row could not be predicted (empty when it could)."""
+how the model ran in it (``eager``, ``compiled`` or ``upper bound (eager)`` where the compiled prediction failed); why
+the row could not be predicted (empty when it could)."""
 
 #: the columns every sweep row needs (parse_row); every other column is carried through
 REQUIRED_COLUMNS: tuple[str, ...] = ("input_shape", "in_channels", "out_channels", "channels", "attention_levels",
@@ -173,6 +181,35 @@ def row_recipe(row: Mapping[str, Any], recipe: Recipe | None = None, system: Rec
     raise ValueError(f"recipe={name!r} is not known; use one of {', '.join(RECIPES)}")
 
 
+_OPTIMIZER_FLAGS = {"foreach": {"foreach": True, "fused": None}, "fused": {"foreach": None, "fused": True},
+                    "single": {"foreach": False, "fused": None}}
+
+
+def row_step(row: Mapping[str, Any], recipe: Recipe) -> tuple[Recipe, bool | None]:
+    """The row's step variant: ``recipe`` with the row's ``optimizer_impl`` and ``zero_grad_at`` where given, and
+    its ``compile`` flag (None where the row has none).
+
+    Raises:
+        ValueError: a value those columns do not take, naming the column and the values it takes.
+    """
+    impl = str(row.get("optimizer_impl") or "").strip()
+    if impl:
+        if impl not in OPTIMIZER_IMPLS:
+            raise ValueError(f"optimizer_impl={impl!r}: use one of {', '.join(OPTIMIZER_IMPLS)}")
+        recipe = replace(recipe, optim=replace(recipe.optim, **_OPTIMIZER_FLAGS[impl]))
+    order = str(row.get("zero_grad_at") or "").strip()
+    if order:
+        if order not in ZERO_GRAD_AT:
+            raise ValueError(f"zero_grad_at={order!r}: use one of {', '.join(ZERO_GRAD_AT)}")
+        recipe = replace(recipe, zero_grad_at=order)
+    flag = str(row.get("compile") or "").strip()
+    try:
+        compile_flag = row_flag(flag) if flag else None
+    except ValueError:
+        raise ValueError(f"compile={flag!r}: use 1 (torch.compile) or 0 (eager)") from None
+    return recipe, compile_flag
+
+
 def predict_row(
     row: Mapping[str, Any],
     recipe: Recipe | None = None,
@@ -207,9 +244,11 @@ def predict_row(
         def build() -> nn.Module:
             return factory(cfg)
 
-        step = row_recipe(row, recipe, system)
+        step, compile_flag = row_step(row, row_recipe(row, recipe, system))
         kwargs = {"attention": "flash" if cfg.spec.use_flash_attention else "materialised", "gpu": row_spec,
                   **predict_kwargs}
+        if compile_flag is not None:
+            kwargs["compile"] = compile_flag
         report = predict_step_memory(build, cfg.input_shape, step, **kwargs)
     except Exception as exc:  # one bad row must not stop the sweep
         out["pred_error"] = f"{type(exc).__name__}: {exc}".replace("\n", " ")
@@ -229,6 +268,7 @@ def predict_row(
                                   safety_margin)).lower(),
         pred_gpu=row_spec.name,
         pred_recipe=report.recipe,
+        pred_model_step=report.model_step,
     )
     return out, report
 
@@ -433,3 +473,33 @@ def compare_phases(
             "max_abs_error": max(errors) if errors else float("nan"),
         }
     return comps, summary, flips
+
+
+def comparison_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Markdown lines: per predicted row of a measured CSV (``reference/h100_measured.csv`` or
+    ``reference/compiled_measured.csv``), the measured and predicted GiB of the step-1 phases and of the steady
+    step, their ratio, and the run's outcome against the verdict; then the error summary per phase and the fit/OOM
+    flips (:func:`compare_phases`)."""
+    comps, summary, flips = compare_phases(rows)
+    by = {(c.name, c.table, c.phase): c for c in comps}
+    phases = ("step1 forward", "step1 backward", "step1 optimizer", "steady")
+    lines = ["| row | table | step | " + " | ".join(f"{p}: measured / predicted (ratio)" for p in phases) + " | run |",
+             "|---|---|---|" + "---:|" * len(phases) + "---|"]
+    for r in rows:
+        if r.get("pred_error"):
+            lines.append(f"| {r.get('name', '')} | {r.get('table', '')} | error: {r['pred_error']} |" + " |" * 5)
+            continue
+        cells = []
+        for phase in phases:
+            c = by.get((str(r.get("name", "")), str(r.get("table", "")), phase))
+            cells.append(f"{c.measured:.3f} / {c.predicted:.3f} ({c.ratio:.3f})" if c else "-")
+        ran = "OOM" if row_flag(r.get("oom", "")) else "ran"
+        verdict = "fits" if str(r.get("pred_fits")).lower() == "true" else "OOM"
+        lines.append(f"| {r.get('name', '')} | {r.get('table', '')} | {r.get('pred_model_step', '')} | "
+                     + " | ".join(cells) + f" | {ran}; predicted {verdict} |")
+    lines += ["", "| phase | rows | median abs error | max abs error |", "|---|---:|---:|---:|"]
+    for phase, s in summary.items():
+        if s["rows"]:
+            lines.append(f"| {phase} | {int(s['rows'])} | {s['median_abs_error']:.1%} | {s['max_abs_error']:.1%} |")
+    lines += ["", f"Fit/OOM flips: {len(flips)}" + (f" ({', '.join(f[0] for f in flips)})" if flips else "") + "."]
+    return lines
