@@ -112,10 +112,10 @@ class LearnedEncoding(Encoding):
 
     Its shapes and channels are known from the config alone (preflight, the model factory); encoding or decoding
     tensors needs its weights, read from a file the user names (:attr:`weights_key`, never downloaded; ``encode``
-    and ``decode`` load them on first use). Diffusion
-    on a learned encoding trains on a latent cache (:mod:`voxdiff.data.latents`) that the encoding wrote once: the
-    cache records :attr:`weights_identity` and refuses weights with another identity. The encoding sees volumes in
-    [0, 1] (the range stage 1 was trained on) and returns latents already multiplied by :attr:`latent_scale`.
+    and ``decode`` load them on first use). Diffusion on a learned encoding trains on a latent cache
+    (:mod:`voxdiff.data.latents`) that the encoding wrote once: the cache records :attr:`weights_identity` and
+    refuses weights with another identity. The encoding sees volumes in [0, 1] (the range stage 1 was trained on)
+    and returns latents already multiplied by :attr:`latent_scale`.
     """
 
     lossless = False
