@@ -4,7 +4,18 @@ import csv
 
 import pytest
 import torch
-from voxdiff.config import build_encoding, build_model, compose, config_dir, is_diffusion, model_spec, shapes
+from omegaconf import OmegaConf
+from voxdiff.config import (
+    build_encoding,
+    build_model,
+    compose,
+    config_dir,
+    model_spec,
+    plain,
+    run_kind,
+    shapes,
+    strategy_kind,
+)
 from voxdiff.errors import ConfigError
 from voxdiff.models import count_parameters
 
@@ -57,7 +68,7 @@ def test_experiment_composes_and_builds(experiment):
 @pytest.mark.parametrize("experiment", STAGE1)
 def test_stage1_experiments_compose_only_what_they_use(experiment):
     cfg = compose("train", [f"experiment={experiment}"])
-    assert not is_diffusion(cfg)
+    assert run_kind(cfg) == "stage1"
     assert "model" not in cfg and "diffusion" not in cfg, "a VQ-VAE run composes no diffusion UNet or process"
 
 
@@ -159,3 +170,80 @@ def test_wandb_run_id_is_per_run_directory_or_per_slurm_job(tmp_path, monkeypatc
     assert ids[0].startswith("demo-") and len(ids[0]) == len("demo-") + 8
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     assert node.id == "demo-4242"  # a requeued job keeps its job id, so its run
+
+
+def _without(cfg, node: str, key: str):
+    from omegaconf import open_dict
+
+    with open_dict(cfg):
+        del OmegaConf.select(cfg, node)[key]
+    return cfg
+
+
+@pytest.mark.parametrize("experiment,kind", [("demo", "diffusion"), ("exp9_demo", "diffusion"),
+                                             ("vqvae_demo", "stage1")])
+def test_run_kind_is_the_system_kind_and_a_config_without_it_gets_its_class_kind(experiment, kind):
+    cfg = compose("train", [f"experiment={experiment}"])
+    assert cfg.system.kind == kind and run_kind(cfg) == kind
+    old = _without(cfg, "system", "kind")  # a system config written before system.kind existed
+    assert "kind" not in old.system and run_kind(old) == kind
+
+
+def test_a_config_without_the_kind_keys_still_validates_for_training():
+    from voxdiff.cli.train import validate
+
+    cfg = _without(_without(compose("train", ["experiment=demo", "trainer=ddp"]), "system", "kind"),
+                   "trainer.strategy", "kind")
+    validate(cfg)  # the static checks of a diffusion run ran: a bad volume is still caught
+    cfg.data.volume_shape = [47, 64, 64]
+    with pytest.raises(ConfigError, match="data.volume_shape"):
+        validate(cfg)
+
+
+def test_an_unknown_run_kind_is_refused():
+    cfg = compose("train", ["experiment=demo", "system.kind=gan"])
+    with pytest.raises(ConfigError, match=r"system.kind=gan: is not a kind of run .* one of diffusion\|stage1"):
+        run_kind(cfg)
+    cfg = _without(cfg, "system", "kind")
+    cfg.system._target_ = "builtins.dict"
+    with pytest.raises(ConfigError, match=r"system._target_=builtins.dict: is not one of voxdiff's LightningModule "
+                       r"classes \(only voxdiff.lightning.\* "):
+        run_kind(cfg)
+
+
+def test_a_system_refuses_a_kind_that_is_not_its_own():
+    from voxdiff.lightning import DiffusionSystem
+    from voxdiff.lightning.vqvae import VQVAESystem
+
+    with pytest.raises(ConfigError, match="system.kind=stage1: DiffusionSystem is of kind diffusion"):
+        DiffusionSystem(model={}, encoding={}, diffusion={}, kind="stage1")
+    with pytest.raises(ConfigError, match="system.kind=diffusion: VQVAESystem is of kind stage1"):
+        VQVAESystem(vqvae={}, kind="diffusion")
+
+
+@pytest.mark.parametrize("trainer,kind", [("ddp", "ddp"), ("fsdp", "fsdp")])
+def test_strategy_kind_of_the_trainer_configs_with_and_without_the_key(trainer, kind):
+    strategy = plain(compose("train", [f"trainer={trainer}"]).trainer.strategy)
+    assert strategy["kind"] == kind and strategy_kind(strategy) == kind
+    del strategy["kind"]  # a strategy node written before the key existed: the class's kind
+    assert strategy_kind(strategy) == kind
+
+
+@pytest.mark.parametrize("strategy,kind", [
+    ("auto", "ddp"), (None, "ddp"), ("ddp", "ddp"), ("ddp_spawn", "ddp"), ("fsdp", "fsdp"),
+    ("deepspeed", "single"), ("single_device", "single"),
+    ({"_target_": "lightning.pytorch.strategies.FSDPStrategy"}, "fsdp"),
+    ({"_target_": "lightning.pytorch.strategies.DDPStrategy"}, "ddp"),
+    ({"_target_": "somewhere.else.Strategy"}, "single"),
+])
+def test_strategy_kind_of_lightning_names_and_classes(strategy, kind):
+    assert strategy_kind(strategy) == kind
+
+
+def test_a_strategy_kind_that_is_wrong_is_refused():
+    from voxdiff.lightning.distributed import DDPStrategy
+
+    with pytest.raises(ConfigError, match=r"trainer.strategy.kind=zero3: .* one of single\|ddp\|fsdp"):
+        strategy_kind({"_target_": "voxdiff.lightning.distributed.DDPStrategy", "kind": "zero3"})
+    with pytest.raises(ConfigError, match="trainer.strategy.kind=fsdp: DDPStrategy is of kind ddp"):
+        DDPStrategy(kind="fsdp")

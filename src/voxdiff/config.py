@@ -122,9 +122,95 @@ def batch_size(cfg: DictConfig) -> int:
     return value
 
 
-def is_diffusion(cfg: DictConfig) -> bool:
-    """Whether ``cfg`` trains the diffusion UNet (``system: diffusion``) rather than a stage-1 model."""
-    return str(OmegaConf.select(cfg, "system._target_", default="")).endswith("DiffusionSystem")
+#: what a run trains (``system.kind``): the diffusion UNet, or the stage 1 of a learned encoding (the VQ-VAE)
+RUN_KINDS = ("diffusion", "stage1")
+
+
+def run_kind(cfg: DictConfig) -> str:
+    """What ``cfg`` trains, one of :data:`RUN_KINDS`: every command dispatches on it.
+
+    ``system.kind`` (set in ``configs/system/*.yaml``); a system config without it (written before the key
+    existed) gets the ``kind`` its class declares (``DiffusionSystem.kind``, ``VQVAESystem.kind``), the class looked
+    up from ``system._target_`` among voxdiff's own Lightning systems only.
+
+    Raises:
+        ConfigError: ``system.kind`` is not a known kind, or the class declares none.
+    """
+    fix = (f"set system.kind to one of {'|'.join(RUN_KINDS)} (configs/system/diffusion.yaml: diffusion, "
+           "vqvae.yaml: stage1)")
+    kind = OmegaConf.select(cfg, "system.kind", default=None)
+    if kind is None:
+        from lightning import LightningModule
+
+        cls = target_class(OmegaConf.select(cfg, "system._target_", default=None), "system", LightningModule,
+                           ("voxdiff.lightning",), fix)
+        kind = getattr(cls, "kind", None)
+    if kind not in RUN_KINDS:
+        raise ConfigError("system.kind", kind, "is not a kind of run voxdiff trains", fix)
+    return kind
+
+
+#: how a run's strategy spreads the model over its processes (``trainer.strategy.kind``): one device's way, DDP
+#: replicas, FSDP shards
+PARALLEL_KINDS = ("single", "ddp", "fsdp")
+
+
+def strategy_kind(strategy: Any) -> str:
+    """What ``trainer.strategy`` does with the model on several processes, one of :data:`PARALLEL_KINDS`.
+
+    voxdiff's strategy nodes declare it (``kind:`` in ``configs/trainer/ddp.yaml``, ``fsdp.yaml``). A node without
+    it (written before the key existed): the ``kind`` its class declares (voxdiff's strategies) or the Lightning
+    strategy it derives from (``FSDPStrategy``, ``ModelParallelStrategy``: fsdp; ``DDPStrategy``: ddp, but
+    DeepSpeed's). A name: the class Lightning's ``StrategyRegistry`` holds under it; ``auto`` (or none) is DDP, which
+    Lightning picks for several devices. Anything else (DeepSpeed, a class outside voxdiff and Lightning) is traced
+    as ``single``.
+
+    Raises:
+        ConfigError: ``trainer.strategy.kind`` is not one of :data:`PARALLEL_KINDS`.
+    """
+    strategy = plain(strategy)
+    if isinstance(strategy, dict):
+        kind = strategy.get("kind")
+        if kind is not None:
+            if kind not in PARALLEL_KINDS:
+                raise ConfigError("trainer.strategy.kind", kind, "is not a kind of strategy voxdiff models",
+                                  f"use one of {'|'.join(PARALLEL_KINDS)} (trainer=ddp: ddp, trainer=fsdp: fsdp)")
+            return kind
+        target = str(strategy.get("_target_", ""))
+        if not target.startswith(("voxdiff.lightning.", "lightning.")):
+            return "single"
+        import importlib
+
+        module, _, name = target.rpartition(".")
+        cls = getattr(importlib.import_module(module), name, None)
+    else:
+        name = str(strategy or "auto").lower()
+        if name == "auto":
+            return "ddp"
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        cls = StrategyRegistry[name]["strategy"] if name in StrategyRegistry else None
+    if not isinstance(cls, type):
+        return "single"
+    if getattr(cls, "kind", None) in PARALLEL_KINDS:
+        return cls.kind
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    if issubclass(cls, (FSDPStrategy, ModelParallelStrategy)):
+        return "fsdp"
+    return "ddp" if issubclass(cls, DDPStrategy) and not issubclass(cls, DeepSpeedStrategy) else "single"
+
+
+def check_kind(cls: type, kind: str | None, key: str = "system") -> None:
+    """A system's or strategy's ``kind`` argument (``system.kind``, ``trainer.strategy.kind``) must be the kind
+    its class declares (``cls.kind``).
+
+    Raises:
+        ConfigError: naming ``<key>.kind``, the value and the class's kind.
+    """
+    if kind is not None and kind != cls.kind:
+        raise ConfigError(f"{key}.kind", kind, f"{cls.__name__} is of kind {cls.kind}",
+                          f"set {key}.kind={cls.kind} (or remove it)")
 
 
 def instantiate_config(node: Any, **kwargs: Any) -> Any:
@@ -178,26 +264,43 @@ def voxdiff_class(node: Any, key: str, base: type, packages: Sequence[str], fix:
     Raises:
         ConfigError: naming ``<key>._target_`` (or the nested node), the value and ``fix``.
     """
-    import importlib
-
     values = plain(node)
     if not isinstance(values, dict):
         raise ConfigError(key, values, "must be a config node with a _target_", fix)
     target = values.get("_target_")
-    module, _, name = str(target).rpartition(".")
-    if not isinstance(target, str) or not any(module == p or module.startswith(p + ".") for p in packages):
-        raise ConfigError(f"{key}._target_", target, f"is not one of voxdiff's {base.__name__} classes "
-                          f"(only {', '.join(p + '.*' for p in packages)} are built)", fix)
+    _check_target(target, key, base, packages, fix)
     nested = _nested_target(values, key, top=True)
     if nested:
         raise ConfigError(nested, values, "holds a nested _target_, which is never instantiated", fix)
-    cls = getattr(importlib.import_module(module), name, None)
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise ConfigError(f"{key}._target_", target, f"is not a {base.__name__} class", fix)
+    cls = target_class(target, key, base, packages, fix)
     unknown = sorted(k for k in values if k.startswith("_") and k not in _MODEL_META_KEYS)
     if unknown:
         raise ConfigError(f"{key}.{unknown[0]}", values[unknown[0]], "is not a setting voxdiff reads", fix)
     return cls, {k: v for k, v in values.items() if k not in _MODEL_META_KEYS}
+
+
+def _check_target(target: Any, key: str, base: type, packages: Sequence[str], fix: str) -> None:
+    module = str(target).rpartition(".")[0]
+    if not isinstance(target, str) or not any(module == p or module.startswith(p + ".") for p in packages):
+        raise ConfigError(f"{key}._target_", target, f"is not one of voxdiff's {base.__name__} classes "
+                          f"(only {', '.join(p + '.*' for p in packages)} are built)", fix)
+
+
+def target_class(target: Any, key: str, base: type, packages: Sequence[str], fix: str) -> type:
+    """The class a ``_target_`` string names, only when it is a subclass of ``base`` defined in one of ``packages``
+    (only those modules are imported to look it up); nothing is instantiated.
+
+    Raises:
+        ConfigError: naming ``<key>._target_``, the value and ``fix``.
+    """
+    import importlib
+
+    _check_target(target, key, base, packages, fix)
+    module, _, name = target.rpartition(".")
+    cls = getattr(importlib.import_module(module), name, None)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ConfigError(f"{key}._target_", target, f"is not a {base.__name__} class", fix)
+    return cls
 
 
 def _nested_target(value: Any, path: str, top: bool = False) -> str | None:
@@ -216,11 +319,24 @@ def _nested_target(value: Any, path: str, top: bool = False) -> str | None:
     return None
 
 
+def encoding_configs(base: type = Encoding) -> list[str]:
+    """The names of ``configs/encoding/*.yaml`` whose class is a ``base`` (all: :class:`Encoding`; those of learned
+    encodings: :class:`~voxdiff.encodings.LearnedEncoding`), sorted."""
+    names = []
+    for path in sorted((config_dir() / "encoding").glob("*.yaml")):
+        target = OmegaConf.load(path).get("_target_")
+        try:
+            target_class(target, "encoding", base, ("voxdiff.encodings",), "")
+        except ConfigError:
+            continue
+        names.append(path.stem)
+    return names
+
+
 def build_encoding(cfg: DictConfig) -> Encoding:
     """Build ``cfg.encoding`` (an :class:`~voxdiff.encodings.Encoding`; only voxdiff's own encoding classes)."""
-    names = ", ".join(sorted(p.stem for p in (config_dir() / "encoding").glob("*.yaml")))
     cls, kwargs = voxdiff_class(cfg.encoding, "encoding", Encoding, ("voxdiff.encodings",),
-                                f"use one of configs/encoding/*.yaml: encoding={names.replace(', ', '|')}")
+                                f"use one of configs/encoding/*.yaml: encoding={'|'.join(encoding_configs())}")
     return cls(**kwargs)
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 from voxdiff.cli.train import EXIT_CONFIG, train, validate
-from voxdiff.config import compose, config_dir
+from voxdiff.config import build_encoding, compose, config_dir, run_kind
+from voxdiff.encodings import LearnedEncoding
 from voxdiff.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -16,14 +17,14 @@ ALL_EXPERIMENTS = sorted(p.stem for p in (config_dir() / "experiment").glob("*.y
 
 
 def _is_diffusion(cfg) -> bool:
-    return str(cfg.system.get("_target_", "")).endswith("DiffusionSystem")
+    return run_kind(cfg) == "diffusion"
 
 
 def _needs_vqvae_weights(cfg) -> bool:
-    return str(cfg.encoding.get("_target_", "")).endswith("VQVAELatent")
+    return isinstance(build_encoding(cfg), LearnedEncoding)
 
 
-# the diffusion experiments that train without VQ-VAE weights (exp9_* need a trained stage 1)
+# the diffusion experiments that train without learned weights (exp9_* need a trained stage 1)
 EXPERIMENTS = [e for e in ALL_EXPERIMENTS
                if _is_diffusion(c := compose("train", [f"experiment={e}"])) and not _needs_vqvae_weights(c)]
 

@@ -14,7 +14,7 @@ from voxdiff.data.latents import (
     unpack_mask,
     write_latent_cache,
 )
-from voxdiff.encodings import VQVAELatent
+from voxdiff.encodings import LearnedEncoding, SpaceToDepth, VQVAELatent
 from voxdiff.encodings.vqvae import read_stage1_checkpoint
 from voxdiff.errors import ConfigError
 from voxdiff.lightning.vqvae import VQVAESystem
@@ -168,3 +168,96 @@ def test_no_cache_and_an_interrupted_cache_say_how_to_make_one(stage1, phantoms,
     assert (out / "latents").is_dir() and not (out / INDEX_NAME).exists()
     with pytest.raises(ConfigError, match="no latent cache there.*python cache_latents.py"):
         _module(out, stage1)
+
+
+def test_a_cache_written_before_the_index_named_its_encoding_is_still_checked(cache, stage1, tmp_path):
+    """An index without ``encoding`` (written by main before it was recorded) is a VQ-VAE cache: accepted with its
+    own weights, refused with others."""
+    old = tmp_path / "old"
+    shutil.copytree(cache, old)
+    index = json.loads((old / INDEX_NAME).read_text())
+    assert index.pop("encoding") == "voxdiff.encodings.vqvae.VQVAELatent"
+    (old / INDEX_NAME).write_text(json.dumps(index))
+    assert check_latent_cache(old, SHAPE, str(stage1), 4, 4)["stage1"]["sha256"] == index["stage1"]["sha256"]
+    with pytest.raises(ConfigError, match="another stage-1 checkpoint"):
+        check_latent_cache(old, SHAPE, str(make_stage1_checkpoint(tmp_path / "b.ckpt", seed=1)), 4, 4)
+
+
+class Gain(LearnedEncoding):
+    """A learned encoding that is not the VQ-VAE: its weights are one gain per output channel, in a file.
+
+    ``(B, C, D, H, W)`` → ``(B, 2C, D/2, H/2, W/2)``: the mean and the max of each 2×2×2 block, times the gains.
+    """
+
+    factor = 2
+
+    def __init__(self, checkpoint: str | None = None) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.gain: torch.Tensor | None = None
+
+    @classmethod
+    def from_weights(cls, path, key="encoding.checkpoint"):
+        return cls(str(path))
+
+    @property
+    def weights_path(self):
+        return self.checkpoint
+
+    def load_weights(self, path=None):
+        self.checkpoint = str(path or self.checkpoint)
+        self.gain = torch.load(self.checkpoint, weights_only=True)["gain"]
+        return self
+
+    @property
+    def weights_identity(self):
+        import hashlib
+
+        return hashlib.sha256(torch.load(self.checkpoint, weights_only=True)["gain"].numpy().tobytes()).hexdigest()
+
+    @property
+    def latent_scale(self):
+        return 0.5
+
+    def encoded_channels(self, in_channels):
+        return 2 * in_channels
+
+    def encode(self, x):
+        self._check_input(x)
+        if self.gain is None:
+            self.load_weights()
+        pooled = torch.cat([torch.nn.functional.avg_pool3d(x, 2), torch.nn.functional.max_pool3d(x, 2)], dim=1)
+        return pooled * self.gain.view(1, -1, 1, 1, 1) * self.latent_scale
+
+    def decode(self, z):
+        return torch.nn.functional.interpolate(z[:, :1] / self.gain[0] / self.latent_scale, scale_factor=2)
+
+
+def test_the_cache_takes_any_learned_encoding_through_the_protocol(phantoms, tmp_path, monkeypatch):
+    """write_latent_cache and the cache check use only LearnedEncoding: a learned encoding of another module writes
+    a cache that is accepted with its weights and refused with other weights."""
+    import sys
+    import types
+
+    module = types.ModuleType("voxdiff.encodings.gain")
+    monkeypatch.setattr(Gain, "__module__", module.__name__)
+    module.Gain = Gain
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    weights, other = tmp_path / "gain.pt", tmp_path / "other.pt"
+    torch.save({"gain": torch.tensor([2.0, 3.0])}, weights)
+    torch.save({"gain": torch.tensor([2.0, 4.0])}, other)
+    index = write_latent_cache(Gain(str(weights)), phantoms, tmp_path / "cache", SHAPE)
+    assert index["encoding"] == "voxdiff.encodings.gain.Gain" and index["latent_shape"] == [2, 8, 16, 16]
+    assert index["factor"] == 2 and index["latent_channels"] == 2 and index["scale_factor"] == 0.5
+    assert index["stage1"] == {"checkpoint": str(weights.resolve()), "sha256": Gain(str(weights)).weights_identity}
+    record = torch.load(tmp_path / "cache" / index["subjects"][phantoms[0]["subject"]], weights_only=True)
+    torch.testing.assert_close(record["image_z"][None], Gain(str(weights)).encode(phantoms[0]["image"][None]))
+    dm = _module(tmp_path / "cache", weights, factor=2, latent_channels=2)
+    assert next(iter(dm.train_dataloader()))["image_z"].shape == (2, 2, 8, 16, 16)
+    with pytest.raises(ConfigError, match="made by another stage-1 checkpoint"):
+        _module(tmp_path / "cache", other, factor=2, latent_channels=2)
+
+
+def test_a_weight_free_encoding_is_refused_by_the_cache_writer(phantoms, tmp_path):
+    with pytest.raises(TypeError, match="needs a LearnedEncoding .* got SpaceToDepth, which is weight-free"):
+        write_latent_cache(SpaceToDepth(2), phantoms, tmp_path / "cache", SHAPE)

@@ -50,3 +50,24 @@ def test_an_unknown_encoding_lists_the_config_files():
     cfg.encoding = OmegaConf.create({"_target_": "torch.nn.Identity"})
     with pytest.raises(ConfigError, match=r"configs/encoding/\*\.yaml: encoding=haar\|identity\|s2d\|vqvae_4x\|vqvae_8x"):
         build_encoding(cfg)
+
+
+def test_learned_encodings_implement_the_whole_protocol():
+    from voxdiff.encodings import LearnedEncoding, VQVAELatent
+
+    class Partial(LearnedEncoding):  # no weights_identity, latent_scale, ...
+        def encoded_channels(self, in_channels: int) -> int:
+            return in_channels
+
+        def encode(self, x):
+            return x
+
+        def decode(self, z):
+            return z
+
+    with pytest.raises(TypeError, match="abstract"):
+        Partial()
+    assert isinstance(VQVAELatent(4, 4), LearnedEncoding) and VQVAELatent.lossless is False
+    for weight_free in (SpaceToDepth(2), HaarWavelet(), Identity(), Negate()):
+        assert not isinstance(weight_free, LearnedEncoding)
+        assert weight_free.check_ready() is None  # needs nothing before a run

@@ -136,3 +136,29 @@ def test_encoding_refuses_a_checkpoint_of_another_factor(tmp_path):
     with pytest.raises(ConfigError, match="not a voxdiff VQ-VAE stage-1 checkpoint"):
         torch.save({"state_dict": {}, "hyper_parameters": {}}, tmp_path / "other.ckpt")
         VQVAELatent(4, 4, checkpoint=str(tmp_path / "other.ckpt")).load_weights()
+
+
+def test_the_vqvae_latent_is_the_learned_encoding_protocol(tmp_path):
+    """from_weights, weights_identity, latent_scale, weights_record: what the latent cache and train.py use."""
+    from voxdiff.encodings import LearnedEncoding
+
+    system = VQVAESystem(vqvae=TINY, volume_shape=[16, 32, 32])
+    system.latent_scale.fill_(1.75)
+    path = tmp_path / "s1.ckpt"
+    torch.save({"state_dict": system.state_dict(), "hyper_parameters": dict(system.hparams)}, path)
+    encoding = VQVAELatent.from_weights(str(path))
+    assert isinstance(encoding, LearnedEncoding) and encoding.weights_path == str(path)
+    assert (encoding.factor, encoding.latent_channels) == (TINY["factor"], TINY["latent_channels"])
+    assert encoding.weights_identity == read_stage1_checkpoint(path).sha256 and encoding.latent_scale == 1.75
+    assert encoding.trained_volume_shape == (16, 32, 32)
+    assert encoding.autoencoder is None  # read, not built: the cache check needs the identity only
+    record = encoding.weights_record()
+    assert record["checkpoint"] == str(path.resolve()) and record["sha256"] == encoding.weights_identity
+    assert record["architecture"] == system.spec.as_dict()
+    encoding.encode(torch.zeros(1, 1, 16, 32, 32))
+    assert encoding.autoencoder is not None
+    with pytest.raises(ConfigError, match="stage1_ckpt=.*nothing.ckpt: no such file"):
+        VQVAELatent.from_weights(str(tmp_path / "nothing.ckpt"), key="stage1_ckpt")
+    with pytest.raises(ConfigError, match="encoding.checkpoint=.*nothing.ckpt: no such file"):
+        VQVAELatent(4, 4, checkpoint=str(tmp_path / "nothing.ckpt")).check_ready()
+    VQVAELatent(4, 4).check_ready()  # no weights named yet: shapes only (preflight), nothing to read

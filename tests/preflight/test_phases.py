@@ -102,5 +102,5 @@ def test_latent_run_sampling_decodes_through_the_vqvae(gpu_run) -> None:
 
 
 def test_predict_phases_refuses_a_stage1_config() -> None:
-    with pytest.raises(ConfigError, match="system=voxdiff.lightning.vqvae.VQVAESystem"):
+    with pytest.raises(ConfigError, match="system.kind=stage1"):
         predict_phases(compose("preflight", ["experiment=vqvae_4x"]))

@@ -92,5 +92,5 @@ def test_stage1_of_the_real_experiments(experiment: str) -> None:
 
 
 def test_predict_stage1_refuses_a_diffusion_config() -> None:
-    with pytest.raises(ConfigError, match="system=voxdiff.lightning.DiffusionSystem"):
+    with pytest.raises(ConfigError, match="system.kind=diffusion"):
         predict_stage1(compose("preflight", ["experiment=demo"]))

@@ -1,11 +1,12 @@
 """``python cache_latents.py stage1_ckpt=CKPT out=DIR [data.* ...]``: encode a dataset once into a latent cache.
 
-compose → validate (the checkpoint is a stage-1 VQ-VAE, the volume divides by its factor) → build the encoding and
-the data → encode every subject (train and validation) → write ``DIR/latents/*.pt`` and, last, ``DIR/index.json``
+compose → validate (the checkpoint holds weights of the learned encoding ``encoding._target_``, a
+:class:`~voxdiff.encodings.LearnedEncoding`; the volume divides by its factor) → build the encoding and the data →
+encode every subject (train and validation) → write ``DIR/latents/*.pt`` and, last, ``DIR/index.json``
 (:func:`voxdiff.data.latents.write_latent_cache`) → print what to run next.
 
 ``data`` is the same config group as in ``train.py`` (``data.root``, ``data.num_subjects``, ...);
-``data.volume_shape`` defaults to the shape stage 1 was trained on.
+``data.volume_shape`` defaults to the shape stage 1 was trained on (where its checkpoint records it).
 
 Exit codes (:mod:`voxdiff.cli.exit_codes`): 0 done; 2 the config or the stage-1 checkpoint was refused (nothing
 was written); 5 the data was refused.
@@ -40,25 +41,27 @@ def validate(cfg: DictConfig):  # noqa: ANN201 - returns (encoding, volume_shape
     """Check the command's config and load the stage-1 weights; nothing is written.
 
     Returns:
-        ``(encoding, volume_shape, device)``: the loaded :class:`~voxdiff.encodings.VQVAELatent`, ``(D, H, W)``
-        and the device name.
+        ``(encoding, volume_shape, device)``: the :class:`~voxdiff.encodings.LearnedEncoding` of the checkpoint
+        (its weights read), ``(D, H, W)`` and the device name.
 
     Raises:
         ConfigError: naming the key, the value and a fix.
     """
-    from voxdiff.encodings.vqvae import VQVAELatent, read_stage1_checkpoint
+    from voxdiff.config import voxdiff_class
+    from voxdiff.encodings import LearnedEncoding
 
     require(cfg, "stage1_ckpt", "out", fix="python cache_latents.py stage1_ckpt=<stage-1 run>/checkpoints/last.ckpt "
             "out=DIR (train stage 1 first: python train.py experiment=vqvae_4x)")
     ckpt = str(cfg.stage1_ckpt)
-    stage1 = read_stage1_checkpoint(ckpt, key="stage1_ckpt")
+    cls, _ = voxdiff_class(cfg.encoding, "encoding", LearnedEncoding, ("voxdiff.encodings",),
+                           "name a learned encoding's class, e.g. encoding._target_=voxdiff.encodings.VQVAELatent")
+    encoding = cls.from_weights(ckpt, key="stage1_ckpt")
     shape = plain(cfg.data.volume_shape)
     if shape is None:
-        if stage1.volume_shape is None:
+        if encoding.trained_volume_shape is None:
             raise ConfigError("data.volume_shape", None, f"the checkpoint {ckpt} does not record its volume shape",
                               "set data.volume_shape=[D,H,W]")
-        shape = list(stage1.volume_shape)
-    encoding = VQVAELatent(stage1.spec.factor, stage1.spec.latent_channels, checkpoint=ckpt)
+        shape = list(encoding.trained_volume_shape)
     encoding.check_volume_shape(shape)
     encoding.load_weights()
     out = Path(str(cfg.out))
@@ -91,7 +94,7 @@ def cache(cfg: DictConfig) -> dict[str, Any]:
     info = {k: plain(cfg.data.get(k)) for k in ("root", "image_name", "mask_name", "num_subjects", "val_fraction",
                                                  "split_seed")}
     print(f"[voxdiff] encoding {len(dataset)} subjects of {list(shape)} with {cfg.stage1_ckpt} "
-          f"(factor {encoding.factor}, {encoding.latent_channels} latent channels, latent scale "
+          f"(factor {encoding.factor}, {encoding.encoded_channels(1)} latent channels, latent scale "
           f"{encoding.latent_scale:.4g}) on {device}", flush=True)
     index = write_latent_cache(encoding, dataset, cfg.out, shape, data_info=info, device=device,
                                batch_size=int(cfg.batch_size), num_workers=int(cfg.data.get("num_workers", 0)),
@@ -109,13 +112,13 @@ def cache(cfg: DictConfig) -> dict[str, Any]:
 def latent_experiments(encoding_class: type, factor: int) -> list[str]:
     """The diffusion experiments (``configs/experiment/*.yaml``) whose encoding is ``encoding_class`` with this
     ``factor``: those that train on this cache."""
-    from voxdiff.config import compose, is_diffusion, voxdiff_class
+    from voxdiff.config import compose, run_kind, voxdiff_class
     from voxdiff.encodings import Encoding
 
     out = []
     for path in sorted((config_dir() / "experiment").glob("*.yaml")):
         cfg = compose("train", [f"experiment={path.stem}"])
-        if not is_diffusion(cfg):
+        if run_kind(cfg) != "diffusion":
             continue
         cls, kwargs = voxdiff_class(cfg.encoding, "encoding", Encoding, ("voxdiff.encodings",), "")
         if cls is encoding_class and kwargs.get("factor") == factor:

@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_NO_FIT, EXIT_OK
-from voxdiff.config import compose, config_dir, is_diffusion
+from voxdiff.config import compose, config_dir, run_kind
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.check import PreflightResult, run_preflight
 from voxdiff.preflight.memory import GiB
@@ -32,7 +32,7 @@ def _experiment_given(overrides: list[str]) -> bool:
 def _check(cfg: DictConfig, name: str, single: bool) -> PreflightResult:
     """One configuration: in detail (fixes, the compiled step traced compiled) when it is the only one; in the table
     over every experiment, seconds each: no fixes, a compiled run's step traced eagerly (an upper bound)."""
-    if not is_diffusion(cfg):
+    if run_kind(cfg) != "diffusion":
         return PreflightResult(name=name, problems=[], modelled=False)  # VQ-VAE stage 1: its step is not traced
     return run_preflight(cfg, name=name, suggest=bool(cfg.preflight.suggest) and single, compile=single)
 

@@ -28,10 +28,11 @@ from voxdiff.config import (
     check_name,
     config_dir,
     instantiate_config,
-    is_diffusion,
     model_spec,
     plain,
+    run_kind,
     shapes,
+    strategy_kind,
 )
 from voxdiff.errors import ConfigError
 
@@ -57,20 +58,15 @@ def validate(cfg: DictConfig) -> None:
     validate_trainer(cfg.trainer)
     if not isinstance(cfg.get("overwrite", False), bool):
         raise ConfigError("overwrite", cfg.get("overwrite"), "must be true or false", "use overwrite=true or false")
-    strategy = plain(cfg.trainer.get("strategy"))
-    if isinstance(strategy, dict) and str(strategy.get("_target_", "")).endswith("ShardedUNetStrategy") \
-            and not is_diffusion(cfg):
+    kind = run_kind(cfg)
+    if kind != "diffusion" and strategy_kind(cfg.trainer.get("strategy")) == "fsdp":
         raise ConfigError("trainer", "fsdp", "FSDP shards the diffusion UNet; the VQ-VAE stage 1 trains with one "
                           "device or DDP", "use trainer=ddp (or trainer=gpu) for system=vqvae")
     encoding = build_encoding(cfg)
     shapes(cfg, encoding)  # volume divisible by the encoding's factor
     decide_precision(plain(cfg.trainer.get("precision")), accelerator_device(cfg.trainer.get("accelerator")))
-    stage1 = getattr(encoding, "checkpoint", None)
-    if stage1 is not None:  # a latent run: its stage-1 weights must be readable now, not after data loading
-        from voxdiff.encodings.vqvae import read_stage1_checkpoint
-
-        read_stage1_checkpoint(stage1, key="encoding.checkpoint")
-    if is_diffusion(cfg):
+    encoding.check_ready()  # what the encoding needs (a learned one: readable weights) now, not after data loading
+    if kind == "diffusion":
         from voxdiff.lightning.diffusion import system_settings
         from voxdiff.preflight.rules import validate as static_rules
         from voxdiff.step import recipe_from_config
@@ -145,7 +141,7 @@ def prepare(cfg: DictConfig, run_dir: Path) -> tuple[str | None, Any]:
     if verdict is not None:
         print(f"[voxdiff] memory: predicted peak {verdict.per_gpu_peak_gib:.2f} GiB per process, needs "
               f"{verdict.need_gib:.2f} GiB of {verdict.budget_gib:.1f} GiB ({verdict.budget_source})", flush=True)
-    elif is_diffusion(cfg):
+    elif run_kind(cfg) == "diffusion":
         print("[voxdiff] memory: not checked (the preflight models trainer.precision bf16-mixed and 32-true)",
               flush=True)
     return ckpt_path, plan
@@ -190,7 +186,7 @@ def run(cfg: DictConfig, ckpt_path: str | None = None, plan: Any = None) -> dict
     datamodule = instantiate_config(cfg.data, _convert_="all")
     datamodule.setup("fit")  # load (and check) the data before the model is built
     # the diffusion system decides its model's auto switches (SDPA attention, compile) for the run's device
-    on = {"device_type": accelerator_device(cfg.trainer.get("accelerator"))} if is_diffusion(cfg) else {}
+    on = {"device_type": accelerator_device(cfg.trainer.get("accelerator"))} if run_kind(cfg) == "diffusion" else {}
     system = instantiate_config(cfg.system, **on)
     logger = instantiate_loggers(cfg.get("logger"))
     record = {k: plain(cfg[k]) for k in cfg if k != "hydra"}  # the resolved config, for sample.py and resumes

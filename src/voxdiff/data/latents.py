@@ -1,8 +1,10 @@
-"""The latent cache of latent diffusion: volumes encoded once by a trained stage-1 VQ-VAE, then trained on.
+"""The latent cache of latent diffusion: volumes encoded once by a learned encoding (a trained stage 1), then
+trained on.
 
 ``python cache_latents.py stage1_ckpt=CKPT out=DIR`` (:mod:`voxdiff.cli.cache_latents`) calls
-:func:`write_latent_cache`; ``experiment=exp9_*`` trains on the cache through :class:`LatentDataModule`
-(``configs/data/latents.yaml``), which refuses a cache that another checkpoint or another volume shape made.
+:func:`write_latent_cache`; a latent experiment (``data: latents``, a learned ``encoding``) trains on the cache
+through :class:`LatentDataModule` (``configs/data/latents.yaml``), which refuses a cache that other weights or
+another volume shape made. Both use only the :class:`~voxdiff.encodings.LearnedEncoding` protocol.
 
 Layout of a cache folder::
 
@@ -10,18 +12,20 @@ Layout of a cache folder::
     DIR/latents/<subject>.pt       {"image_z": (C, d, h, w) float32, "mask_z": (C, d, h, w) float32,
                                     "mask_bits": (ceil(D·H·W / 8),) uint8, "affine": (4, 4) float64}
 
-``image_z``/``mask_z`` are exactly :meth:`VQVAELatent.encode` of the volume: the *quantised* latents (codebook
-vectors, never an unquantised or sampled z) times the checkpoint's ``latent_scale``, which is also what the
+``image_z``/``mask_z`` are exactly the encoding's ``encode`` of the volume (for the VQ-VAE: the *quantised* latents,
+codebook vectors, never an unquantised or sampled z) times its ``latent_scale``, which is also what the
 diffusion system's ``encode_batch`` would compute on the fly. ``mask_bits`` is the full-resolution mask, bit-packed
 (``numpy.packbits`` in C order, 1/32 of float32): batches carry it, unpacked, as ``mask`` so that the diffusion
 system can sample from validation masks during training and ``sample.py`` from any split (``data.masks=false``
 leaves it out). Images are not stored: montages of latent runs show mask | generated.
 
 ``index.json`` holds: ``format``; ``volume_shape`` (D, H, W); ``latent_shape`` (C, d, h, w) per modality;
-``factor``; ``latent_channels``; ``scale_factor`` (the ``latent_scale`` the latents carry); ``stage1``
-(checkpoint path, ``sha256`` of its weights — the identity that is checked —, architecture, training volume
-shape); ``data`` (where the volumes came from); ``stats`` (mean/std of the cached latents); ``subjects``
-(name → file, in dataset order); ``created``.
+``factor``; ``latent_channels`` (per modality); ``scale_factor`` (the ``latent_scale`` the latents carry);
+``encoding`` (the class that made it; absent in caches written before it was recorded: those are
+:class:`~voxdiff.encodings.VQVAELatent`'s); ``stage1`` (:meth:`~voxdiff.encodings.LearnedEncoding.weights_record`:
+checkpoint path, ``sha256`` of its weights — the identity that is checked —, for the VQ-VAE also the architecture
+and training volume shape); ``data`` (where the volumes came from); ``stats`` (mean/std of the cached latents);
+``subjects`` (name → file, in dataset order); ``created``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from voxdiff.encodings.base import LearnedEncoding
 from voxdiff.errors import ConfigError
 
 INDEX_NAME = "index.json"
@@ -47,6 +52,8 @@ FORMAT = "voxdiff-latents/1"
 LATENT_KEYS = ("image_z", "mask_z")
 #: what every index holds (read_index refuses an index without them)
 INDEX_KEYS = ("format", "volume_shape", "latent_shape", "factor", "latent_channels", "stage1", "subjects")
+#: the encoding of an index that does not name one (written before the index recorded it)
+DEFAULT_ENCODING = "voxdiff.encodings.VQVAELatent"
 
 
 def _plain(value: Any) -> Any:
@@ -87,7 +94,7 @@ def cache_command(stage1_ckpt: str, out: str | Path, volume_shape: Sequence[int]
 
 @torch.no_grad()
 def write_latent_cache(
-    encoding: Any,
+    encoding: LearnedEncoding,
     dataset: Dataset,
     out_dir: str | Path,
     volume_shape: Sequence[int],
@@ -97,13 +104,13 @@ def write_latent_cache(
     num_workers: int = 0,
     log: Any = None,
 ) -> dict[str, Any]:
-    """Encode every sample of ``dataset`` with a loaded :class:`~voxdiff.encodings.VQVAELatent` into ``out_dir``.
+    """Encode every sample of ``dataset`` with a learned encoding (its weights named) into ``out_dir``.
 
     Any previous index in ``out_dir`` is removed first and the new one written last, so an interrupted run
     leaves no usable (half) cache behind.
 
     Args:
-        encoding: a ``VQVAELatent`` with its stage-1 weights (``encoding.checkpoint``).
+        encoding: a :class:`~voxdiff.encodings.LearnedEncoding` whose weights file is named (read if needed).
         dataset: samples of the data contract (``image``, ``mask`` ``(1, D, H, W)``, ``subject``, ``affine``).
         out_dir: the cache folder (created).
         volume_shape: ``(D, H, W)`` of the samples (checked on every sample).
@@ -116,13 +123,9 @@ def write_latent_cache(
     Returns:
         The index (also written to ``out_dir/index.json``).
     """
-    from voxdiff.encodings.vqvae import VQVAELatent
-
-    if not isinstance(encoding, VQVAELatent):
-        raise TypeError(f"write_latent_cache needs a VQVAELatent encoding, got {type(encoding).__name__}")
-    if encoding.stage1 is None:
-        encoding.load_weights()
-    stage1 = encoding.stage1
+    if not isinstance(encoding, LearnedEncoding):
+        raise TypeError(f"write_latent_cache needs a LearnedEncoding (weights, an identity, a latent scale), got "
+                        f"{type(encoding).__name__}, which is weight-free: train on its volumes directly")
     volume_shape = tuple(int(s) for s in volume_shape)
     latent_shape = list(encoding.encoded_shape((1, *volume_shape)))
     out = Path(out_dir)
@@ -168,18 +171,14 @@ def write_latent_cache(
         "volume_shape": list(volume_shape),
         "latent_shape": latent_shape,
         "factor": encoding.factor,
-        "latent_channels": encoding.latent_channels,
-        "scale_factor": stage1.latent_scale,
-        "stage1": {
-            "checkpoint": str(Path(stage1.path).resolve()),
-            "sha256": stage1.sha256,
-            "architecture": stage1.spec.as_dict(),
-            "trained_volume_shape": list(stage1.volume_shape) if stage1.volume_shape else None,
-        },
+        "latent_channels": encoding.encoded_channels(1),
+        "scale_factor": encoding.latent_scale,
+        "encoding": f"{type(encoding).__module__}.{type(encoding).__qualname__}",
+        "stage1": encoding.weights_record(),
         "data": dict(data_info or {}),
         "stored": {
-            "image_z": "VQVAELatent.encode(image): scale_factor x quantised latents, float32 (C, d, h, w)",
-            "mask_z": "VQVAELatent.encode(mask): scale_factor x quantised latents, float32 (C, d, h, w)",
+            "image_z": f"{type(encoding).__name__}.encode(image): scale_factor x latents, float32 (C, d, h, w)",
+            "mask_z": f"{type(encoding).__name__}.encode(mask): scale_factor x latents, float32 (C, d, h, w)",
             "mask_bits": "the full-resolution mask, numpy.packbits(mask > 0.5) in C order",
             "affine": "(4, 4) float64 voxel-to-world matrix of the volume",
         },
@@ -230,22 +229,21 @@ def check_latent_cache(
 ) -> dict[str, Any]:
     """Refuse a cache that does not belong to this config; return its index.
 
-    A cache belongs to a config when it was made from volumes of ``volume_shape`` by the stage-1 weights in
-    ``stage1_checkpoint`` (compared by the SHA-256 of the weights, so a moved or copied checkpoint still matches
-    and a retrained one does not), with this encoding's factor and latent channels, and all its files exist.
+    A cache belongs to a config when it was made from volumes of ``volume_shape`` by the weights in
+    ``stage1_checkpoint`` (compared by the encoding's :attr:`~voxdiff.encodings.LearnedEncoding.weights_identity`,
+    the SHA-256 of the weights, so a moved or copied checkpoint still matches and a retrained one does not), with
+    this encoding's factor and latent channels, and all its files exist.
 
     Raises:
         ConfigError: naming the cache, what differs, and the fix (re-run the cache command).
     """
-    from voxdiff.encodings.vqvae import read_stage1_checkpoint
-
     cache_dir = Path(cache_dir)
     index = read_index(cache_dir, key)
     volume_shape = [int(s) for s in volume_shape]
     made_by = index["stage1"]["checkpoint"]
     if stage1_checkpoint is None:
         raise ConfigError("encoding.checkpoint", None,
-                          f"latent diffusion decodes its samples with the stage-1 VQ-VAE, and the latent cache "
+                          f"latent diffusion decodes its samples with the stage-1 weights, and the latent cache "
                           f"{cache_dir} was made by {made_by}", f"set encoding.checkpoint={made_by}")
     redo = cache_command(str(stage1_checkpoint), cache_dir, volume_shape)
     if index["volume_shape"] != volume_shape:
@@ -260,13 +258,13 @@ def check_latent_cache(
             raise ConfigError(key, str(cache_dir),
                               f"the latent cache has {name} {index[name]}, but encoding.{name} is {mine}",
                               f"re-run the cache command with a matching stage-1 checkpoint ({redo})")
-    stage1 = read_stage1_checkpoint(stage1_checkpoint)
-    if stage1.sha256 != index["stage1"]["sha256"]:
+    identity = index_encoding(index, key, cache_dir).from_weights(str(stage1_checkpoint)).weights_identity
+    if identity != index["stage1"]["sha256"]:
         raise ConfigError(
             key, str(cache_dir),
             f"the latent cache was made by another stage-1 checkpoint: {made_by} (weights sha256 "
             f"{index['stage1']['sha256'][:12]}…), but encoding.checkpoint={stage1_checkpoint} has weights "
-            f"{stage1.sha256[:12]}…; its latents would be decoded by a decoder that did not make them",
+            f"{identity[:12]}…; its latents would be decoded by a decoder that did not make them",
             f"re-run the cache command with this checkpoint ({redo}), or set encoding.checkpoint={made_by}",
         )
     missing = [s for s, rel in index["subjects"].items() if not (cache_dir / rel).is_file()]
@@ -274,6 +272,17 @@ def check_latent_cache(
         raise ConfigError(key, str(cache_dir), f"{len(missing)} latent file(s) of the index are missing "
                           f"(e.g. {missing[0]})", f"re-run the cache command ({redo})")
     return index
+
+
+def index_encoding(index: Mapping[str, Any], key: str, cache_dir: str | Path) -> type[LearnedEncoding]:
+    """The :class:`~voxdiff.encodings.LearnedEncoding` class that made a cache (its index's ``encoding``; only
+    voxdiff's own encoding classes are imported)."""
+    from voxdiff.config import voxdiff_class
+
+    target = index.get("encoding", DEFAULT_ENCODING)
+    cls, _ = voxdiff_class({"_target_": target}, f"{key} ({cache_dir}/{INDEX_NAME}: encoding)", LearnedEncoding,
+                           ("voxdiff.encodings",), "rewrite the cache with python cache_latents.py")
+    return cls
 
 
 class LatentDataset(Dataset):

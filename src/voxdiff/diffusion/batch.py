@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from voxdiff.encodings.base import Encoding
+from voxdiff.encodings.base import Encoding, LearnedEncoding
 
 MODES = ("bravo", "seg")
 #: batch keys of the volumes, and of their pre-encoded latents (a latent cache)
@@ -28,7 +28,7 @@ VOLUME_KEYS = ("image", "mask")
 
 
 def _learned(encoding: Encoding) -> bool:
-    return bool(getattr(encoding, "has_weights", False))
+    return isinstance(encoding, LearnedEncoding)
 
 
 def to_model_range(volume: torch.Tensor, encoding: Encoding) -> torch.Tensor:

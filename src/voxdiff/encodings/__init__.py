@@ -8,12 +8,16 @@ encoding           factor    channels per volume channel              lossless
 ``HaarWavelet``    2         8 sub-bands                              yes
 ``VQVAELatent``    4 or 8    ``latent_channels`` (4)                  no
 =================  ========  =======================================  ========
+
+Each is a plug-in (see :mod:`voxdiff.encodings.base`): a config names its class by ``_target_``; a module added
+here with its ``configs/encoding/<name>.yaml`` needs no other edit. Learned encodings implement
+:class:`LearnedEncoding`.
 """
 
-from voxdiff.encodings.base import Encoding
+from voxdiff.encodings.base import Encoding, LearnedEncoding
 from voxdiff.encodings.haar import SUBBANDS, HaarWavelet
 from voxdiff.encodings.identity import Identity
 from voxdiff.encodings.space_to_depth import SpaceToDepth
 from voxdiff.encodings.vqvae import VQVAELatent
 
-__all__ = ["Encoding", "HaarWavelet", "Identity", "SUBBANDS", "SpaceToDepth", "VQVAELatent"]
+__all__ = ["Encoding", "LearnedEncoding", "HaarWavelet", "Identity", "SUBBANDS", "SpaceToDepth", "VQVAELatent"]

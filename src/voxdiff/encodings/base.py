@@ -2,12 +2,21 @@
 
 An encoding turns a volume ``(B, C, D, H, W)`` into what the UNet sees, ``(B, C * channel_multiplier, D/f, H/f,
 W/f)``, and back. Space-to-depth and Haar are exact and weight-free; the VQ-VAE latent has weights and is lossy.
+
+An encoding is a plug-in: its class carries everything the rest of voxdiff asks of it — its :attr:`~Encoding.label`
+in messages, its divisibility unit (:attr:`~Encoding.factor`, checked by :meth:`~Encoding.check_volume_shape`), its
+channel counts (:meth:`~Encoding.encoded_channels`) and what it needs before a run (:meth:`~Encoding.check_ready`).
+A new weight-free encoding is its module in ``voxdiff/encodings/`` and its ``configs/encoding/<name>.yaml`` (a
+``_target_`` to the class); nothing else names it. A learned encoding implements :class:`LearnedEncoding`: the latent
+cache, ``cache_latents.py``, training and sampling use only that protocol.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,13 +38,19 @@ class Encoding(nn.Module, ABC):
     factor: int = 1
     #: whether ``decode(encode(x)) == x`` (up to float rounding)
     lossless: bool = True
-    #: whether the encoding has learned weights that must be loaded before use
-    has_weights: bool = False
 
     @property
     def label(self) -> str:
         """How an error message names what the UNet sees ("the S2D encoding", "the 8× latent")."""
         return f"the {type(self).__name__} encoding"
+
+    def check_ready(self) -> None:
+        """Refuse, before anything is built, a run this encoding cannot serve (a learned encoding: weights that cannot
+        be read). Weight-free encodings need nothing.
+
+        Raises:
+            ConfigError: naming the encoding's key, the value and the fix.
+        """
 
     @abstractmethod
     def encoded_channels(self, in_channels: int) -> int:
@@ -90,3 +105,69 @@ class Encoding(nn.Module, ABC):
 
     def extra_repr(self) -> str:
         return f"factor={self.factor}, lossless={self.lossless}"
+
+
+class LearnedEncoding(Encoding):
+    """The protocol of an encoding with learned weights (latent diffusion's stage 1).
+
+    Its shapes and channels are known from the config alone (preflight, the model factory); encoding or decoding
+    tensors needs its weights, read from a file the user names (:attr:`weights_key`, never downloaded; ``encode``
+    and ``decode`` load them on first use). Diffusion on a learned encoding trains on a latent cache
+    (:mod:`voxdiff.data.latents`) that the encoding wrote once: the cache records :attr:`weights_identity` and
+    refuses weights with another identity. The encoding sees volumes in [0, 1] (the range stage 1 was trained on)
+    and returns latents already multiplied by :attr:`latent_scale`.
+    """
+
+    lossless = False
+    #: the config key that names the weights file (in error messages)
+    weights_key: str = "encoding.checkpoint"
+
+    @classmethod
+    @abstractmethod
+    def from_weights(cls, path: str, key: str = "encoding.checkpoint") -> LearnedEncoding:
+        """An encoding configured by the weights file alone (its factor and channels read from it); ``encode`` and
+        ``decode`` load the weights on first use.
+
+        Raises:
+            ConfigError: the file is missing, unreadable or not weights of this encoding (named as ``key``).
+        """
+
+    @property
+    @abstractmethod
+    def weights_path(self) -> str | None:
+        """The weights file this encoding reads (``None``: not given yet)."""
+
+    @abstractmethod
+    def load_weights(self, path: str | None = None) -> LearnedEncoding:
+        """Read the weights (``path`` or :attr:`weights_path`) and make the encoding usable; returns ``self``.
+
+        Raises:
+            ConfigError: the file is refused, or its architecture differs from this encoding's config.
+        """
+
+    @property
+    @abstractmethod
+    def weights_identity(self) -> str:
+        """SHA-256 of the weights (not of the file): a moved or copied file keeps it, retrained weights do not.
+        Reads the weights file if needed."""
+
+    @property
+    @abstractmethod
+    def latent_scale(self) -> float:
+        """Latents are ``latent_scale`` × the encoder's output (unit variance for the diffusion)."""
+
+    @property
+    def trained_volume_shape(self) -> tuple[int, ...] | None:
+        """``(D, H, W)`` the weights were trained on, where the weights file records it (else ``None``)."""
+        return None
+
+    def weights_record(self) -> dict[str, Any]:
+        """What a latent cache's index records about the weights: ``checkpoint`` (absolute path) and ``sha256``
+        (:attr:`weights_identity`), plus what the encoding adds."""
+        path = self.weights_path
+        return {"checkpoint": str(Path(path).resolve()) if path else None, "sha256": self.weights_identity}
+
+    def check_ready(self) -> None:
+        """The weights file, when the config names one, must be readable now, not after data loading."""
+        if self.weights_path is not None:
+            self.weights_identity  # noqa: B018 - reads (and checks) the file

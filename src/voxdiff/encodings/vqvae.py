@@ -1,4 +1,4 @@
-"""VQ-VAE latents: the lossy, learned encoding of latent diffusion (exp9_*).
+"""VQ-VAE latents: the lossy, learned encoding of latent diffusion (configs/encoding/vqvae_*.yaml).
 
 The shapes and channel counts are known from the config alone (``factor``, ``latent_channels``), so preflight and
 the model factory treat this encoding like the others before any weights exist. Encoding or decoding tensors needs
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from einops import rearrange
 
-from voxdiff.encodings.base import Encoding
+from voxdiff.encodings.base import LearnedEncoding
 from voxdiff.errors import ConfigError
 
 #: (stride, kernel, dilation, padding) of each down-sampling convolution: halves even sizes exactly
@@ -257,7 +257,7 @@ def read_stage1_checkpoint(path: str | Path, key: str = "encoding.checkpoint") -
     )
 
 
-class VQVAELatent(Encoding):
+class VQVAELatent(LearnedEncoding):
     """Latents of a 3D VQ-VAE: ``(B, C, D, H, W)`` → ``(B, C·latent_channels, D/f, H/f, W/f)``.
 
     Each modality (image, mask) is encoded on its own by one shared single-channel VQ-VAE into
@@ -269,15 +269,15 @@ class VQVAELatent(Encoding):
     updates here), and it is kept outside the module tree: it is not in this encoding's ``state_dict``, is not
     seen by optimizers or DDP, and follows the device of the tensors it is given.
 
+    Implements :class:`~voxdiff.encodings.base.LearnedEncoding`: the weights are a stage-1 checkpoint
+    (``encoding.checkpoint``), their identity is :func:`weights_sha256` of the autoencoder and the scale.
+
     Args:
-        factor: spatial compression per axis (4 or 8 in the exp9 experiments).
+        factor: spatial compression per axis (4 or 8 in the configs/encoding/vqvae_*.yaml).
         latent_channels: latent channels per encoded volume channel.
         checkpoint: path to a trained stage-1 checkpoint; needed only to encode or decode tensors, and read on
             first use (or by :meth:`load_weights`).
     """
-
-    lossless = False
-    has_weights = True
 
     @property
     def label(self) -> str:
@@ -298,6 +298,19 @@ class VQVAELatent(Encoding):
         object.__setattr__(self, "_autoencoder", None)
         object.__setattr__(self, "_stage1", None)
 
+    @classmethod
+    def from_weights(cls, path: str, key: str = "encoding.checkpoint") -> VQVAELatent:
+        """The encoding of a stage-1 checkpoint: its factor and latent channels (the autoencoder is built on first
+        use)."""
+        stage1 = read_stage1_checkpoint(path, key=key)
+        encoding = cls(stage1.spec.factor, stage1.spec.latent_channels, checkpoint=str(path))
+        object.__setattr__(encoding, "_stage1", stage1)
+        return encoding
+
+    @property
+    def weights_path(self) -> str | None:
+        return self.checkpoint
+
     @property
     def autoencoder(self) -> torch.nn.Module | None:
         """The frozen MONAI ``VQVAE``, or ``None`` before weights are loaded."""
@@ -305,32 +318,47 @@ class VQVAELatent(Encoding):
 
     @property
     def stage1(self) -> Stage1Checkpoint | None:
-        """What was read from the checkpoint (spec, scale, identity), or ``None`` before loading."""
+        """What was read from the checkpoint (spec, scale, identity), or ``None`` before it was read."""
         return self._stage1
 
     @property
     def latent_scale(self) -> float:
-        """Latents are ``latent_scale`` × the quantised codebook vectors (loads the weights if needed)."""
-        self._require_weights()
-        return self._stage1.latent_scale  # type: ignore[union-attr]
+        """Latents are ``latent_scale`` × the quantised codebook vectors (reads the checkpoint if needed)."""
+        return self._read().latent_scale
+
+    @property
+    def weights_identity(self) -> str:
+        """:func:`weights_sha256` of the autoencoder weights and the scale (reads the checkpoint if needed)."""
+        return self._read().sha256
+
+    @property
+    def trained_volume_shape(self) -> tuple[int, ...] | None:
+        return self._read().volume_shape
+
+    def weights_record(self) -> dict[str, Any]:
+        """The cache index's ``stage1``: path, identity, the architecture and the volume shape it was trained on."""
+        stage1 = self._read()
+        return {**super().weights_record(), "architecture": stage1.spec.as_dict(),
+                "trained_volume_shape": list(stage1.volume_shape) if stage1.volume_shape else None}
 
     def encoded_channels(self, in_channels: int) -> int:
         return in_channels * self.latent_channels
 
-    def load_weights(self, checkpoint: str | Path | None = None) -> VQVAELatent:
-        """Read the stage-1 checkpoint (``checkpoint`` or ``self.checkpoint``) and build the frozen autoencoder.
+    def _read(self) -> Stage1Checkpoint:
+        """The stage-1 checkpoint (read once), checked against this encoding's factor and latent channels.
 
         Raises:
-            ConfigError: the checkpoint's factor or latent channels differ from this encoding's config.
+            RuntimeError: no checkpoint is named.
+            ConfigError: the checkpoint is refused, or its factor or latent channels differ from this config.
         """
-        if checkpoint is not None:
-            self.checkpoint = str(checkpoint)
+        if self._stage1 is not None:
+            return self._stage1
         if self.checkpoint is None:
             raise RuntimeError(
                 f"the vqvae encoding (factor {self.factor}) has no trained weights loaded "
                 f"(encoding.checkpoint={self.checkpoint}); train stage 1 first and point encoding.checkpoint at it"
             )
-        stage1 = read_stage1_checkpoint(self.checkpoint)
+        stage1 = read_stage1_checkpoint(self.checkpoint, key=self.weights_key)
         for key, mine, theirs in (("factor", self.factor, stage1.spec.factor),
                                   ("latent_channels", self.latent_channels, stage1.spec.latent_channels)):
             if mine != theirs:
@@ -340,6 +368,19 @@ class VQVAELatent(Encoding):
                     f"set encoding.{key}={theirs} (encoding=vqvae_{stage1.spec.factor}x), or use a stage-1 "
                     f"checkpoint trained with {key} {mine}",
                 )
+        object.__setattr__(self, "_stage1", stage1)
+        return stage1
+
+    def load_weights(self, checkpoint: str | Path | None = None) -> VQVAELatent:
+        """Read the stage-1 checkpoint (``checkpoint`` or ``self.checkpoint``) and build the frozen autoencoder.
+
+        Raises:
+            ConfigError: the checkpoint's factor or latent channels differ from this encoding's config.
+        """
+        if checkpoint is not None and str(checkpoint) != self.checkpoint:
+            self.checkpoint = str(checkpoint)
+            object.__setattr__(self, "_stage1", None)
+        stage1 = self._read()
         ae = build_vqvae(VQVAESpec(**{**asdict(stage1.spec), "use_checkpoint": False}))  # inference only
         ae.load_state_dict(stage1.state)
         return self.attach(ae, stage1)
@@ -355,12 +396,6 @@ class VQVAELatent(Encoding):
 
     def _require_weights(self, device: torch.device | None = None) -> torch.nn.Module:
         if self._autoencoder is None:
-            if self.checkpoint is None:
-                raise RuntimeError(
-                    f"the vqvae encoding (factor {self.factor}) has no trained weights loaded "
-                    f"(encoding.checkpoint={self.checkpoint}); train stage 1 first and point encoding.checkpoint "
-                    "at it"
-                )
             self.load_weights()
         ae = self._autoencoder
         if device is not None and next(ae.parameters()).device != device:

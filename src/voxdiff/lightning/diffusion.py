@@ -39,7 +39,7 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from omegaconf import OmegaConf
 
-from voxdiff.config import build_encoding, model_spec, plain
+from voxdiff.config import build_encoding, check_kind, model_spec, plain
 from voxdiff.diffusion import DiffusionProcess, diffusion_settings, encoded_range
 from voxdiff.errors import ConfigError, integer, settings_from
 from voxdiff.lightning.callbacks import ProgressBar
@@ -123,10 +123,14 @@ class DiffusionSystem(L.LightningModule):
         device_type: the device the system will run on (``cuda``, ``cpu``; default: ``cuda`` when one is
             present), which decides ``model.use_flash_attention=auto`` and ``model.compile=auto``. Not a
             hyper-parameter: the same checkpoint samples on another device.
+        kind: ``system.kind``, what the run trains (:func:`voxdiff.config.run_kind`): must be :attr:`kind`.
 
-    Config containers are converted to plain Python here; all of the above but ``device_type`` is saved as
-    hyper-parameters.
+    Config containers are converted to plain Python here; all of the above but ``device_type`` and ``kind`` is
+    saved as hyper-parameters.
     """
+
+    #: what a run of this system trains (``system.kind``, :data:`voxdiff.config.RUN_KINDS`)
+    kind = "diffusion"
 
     def __init__(
         self,
@@ -140,8 +144,10 @@ class DiffusionSystem(L.LightningModule):
         val_timesteps: int = 4,
         guard: Mapping[str, Any] | None = None,
         device_type: str | None = None,
+        kind: str | None = None,
     ) -> None:
         super().__init__()
+        check_kind(type(self), kind)
         model, encoding, diffusion, optim, ema, sampling, guard = (
             plain(x) for x in (model, encoding, diffusion, optim, ema, sampling, guard)
         )

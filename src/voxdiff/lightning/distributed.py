@@ -30,6 +30,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from voxdiff.config import check_kind
 from voxdiff.models.sharding import is_sharded, shard_unet
 
 
@@ -130,9 +131,15 @@ class SharedSamplerSeed:
 
     Args:
         sampler_seed: the seed of the data order, the same on every rank (``${seed}`` in the trainer configs).
+        kind: ``trainer.strategy.kind``, what the strategy does with the model (:func:`voxdiff.config.strategy_kind`,
+            which the preflight reads without importing Lightning): must be the class's ``kind``.
     """
 
-    def __init__(self, *args: Any, sampler_seed: int = 0, **kwargs: Any) -> None:
+    #: ``ddp`` or ``fsdp`` (:data:`voxdiff.config.PARALLEL_KINDS`), set by each strategy
+    kind: str
+
+    def __init__(self, *args: Any, sampler_seed: int = 0, kind: str | None = None, **kwargs: Any) -> None:
+        check_kind(type(self), kind, key="trainer.strategy")
         super().__init__(*args, **kwargs)
         self.sampler_seed = int(sampler_seed)
 
@@ -146,6 +153,8 @@ class DDPStrategy(SharedSamplerSeed, _LightningDDPStrategy):
     e.g. ``gradient_as_bucket_view``, ``bucket_cap_mb``, go to ``DistributedDataParallel``) with
     :class:`SharedSamplerSeed`."""
 
+    kind = "ddp"
+
 
 class ShardedUNetStrategy(SharedSamplerSeed, ModelParallelStrategy):
     """The strategy of ``trainer=fsdp`` (``configs/trainer/fsdp.yaml``): Lightning's ``ModelParallelStrategy``
@@ -156,6 +165,8 @@ class ShardedUNetStrategy(SharedSamplerSeed, ModelParallelStrategy):
     ``sample.py`` and ``evaluate.py`` read one file, as data only, and the shards' metadata is a pickle), with
     :class:`SharedSamplerSeed`. The sharding itself happens in ``DiffusionSystem.configure_model``
     (:func:`shard_system`). Other arguments are Lightning's."""
+
+    kind = "fsdp"
 
     def __init__(self, save_distributed_checkpoint: bool = False, **kwargs: Any) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)

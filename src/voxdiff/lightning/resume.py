@@ -7,8 +7,8 @@ anything is built and
   what it is and what to pass instead;
 * refuses *architectural* differences, naming every differing key: what defines the weights and what they
   predict — ``model.*`` (but ``gradient_checkpointing``, ``use_flash_attention`` and ``compile*``, which change
-  memory and speed, not weights), ``encoding.*`` (but ``checkpoint``), ``mode``, ``diffusion.``
-  ``num_train_timesteps``, ``schedule``, ``beta_start``, ``beta_end``, ``prediction_type``; for a stage 1
+  memory and speed, not weights), ``encoding.*`` (but a learned encoding's weights file, ``checkpoint``),
+  ``mode``, ``diffusion.`` ``num_train_timesteps``, ``schedule``, ``beta_start``, ``beta_end``, ``prediction_type``; for a stage 1
   ``system.vqvae.*`` but ``use_checkpoint``, ``commitment_cost`` and ``decay``;
 * lists every other setting that changed since the checkpoint. They are all applied: most are read from the
   current config when the run is built; the optimizer's (``system.optim.*``, which Lightning would restore from the
@@ -28,7 +28,8 @@ import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
 from voxdiff.checkpoint import KINDS, checkpoint_kind, load_file
-from voxdiff.config import is_diffusion, model_spec, plain
+from voxdiff.config import build_encoding, model_spec, plain, run_kind
+from voxdiff.encodings import LearnedEncoding
 from voxdiff.errors import ConfigError, show_value
 
 #: UNet arguments that change memory and speed, not the weights
@@ -73,14 +74,19 @@ def _cli(value: Any) -> str:
 
 
 def _wanted_kind(cfg: DictConfig) -> str:
-    return "diffusion" if is_diffusion(cfg) else "vqvae"
+    return "diffusion" if run_kind(cfg) == "diffusion" else "vqvae"
 
 
 def _kind_fix(kind: str, path: str) -> str:
     if kind == "vqvae":
+        from voxdiff.config import encoding_configs
+        from voxdiff.encodings import LearnedEncoding
+
+        learned = "|".join(encoding_configs(LearnedEncoding))
         return (f"to train latent diffusion on this stage 1, pass it as encoding.checkpoint={path} "
-                f"(experiment=exp9_*, with a cache from python cache_latents.py stage1_ckpt={path} out=DIR); to resume "
-                "a diffusion run, pass that run's checkpoints/last.ckpt as ckpt_path")
+                f"(a latent experiment: encoding={learned} data=latents, with a cache from python cache_latents.py "
+                f"stage1_ckpt={path} out=DIR); to resume a diffusion run, pass that run's checkpoints/last.ckpt as "
+                "ckpt_path")
     if kind == "diffusion":
         return ("resume it with the experiment that trained it (a diffusion experiment, e.g. experiment=exp9_demo), "
                 "or pass a stage-1 run's checkpoints/last.ckpt")
@@ -103,8 +109,10 @@ def architecture_differences(hparams: Mapping[str, Any], cfg: DictConfig, path: 
             raise _stored_config_error(path, err) from None
         new = asdict(vqvae_spec(**plain(cfg.system.vqvae)))
         return [(f"system.vqvae.{k}", old[k], new[k]) for k in old if k not in VQVAE_TRAINING_KEYS and old[k] != new[k]]
-    old_enc = {k: v for k, v in dict(hparams["encoding"]).items() if k != "checkpoint"}
-    new_enc = {k: v for k, v in plain(cfg.encoding).items() if k != "checkpoint"}
+    encoding = build_encoding(cfg)  # a learned encoding's weights file may move: not architecture
+    weights = encoding.weights_key.removeprefix("encoding.") if isinstance(encoding, LearnedEncoding) else None
+    old_enc = {k: v for k, v in dict(hparams["encoding"]).items() if k != weights}
+    new_enc = {k: v for k, v in plain(cfg.encoding).items() if k != weights}
     out += [(f"encoding.{k}", old_enc.get(k), new_enc.get(k)) for k in sorted(set(old_enc) | set(new_enc))
             if old_enc.get(k) != new_enc.get(k)]
     if hparams["mode"] != cfg.mode:

@@ -138,12 +138,12 @@ def validate_trainer(trainer_cfg: Mapping[str, Any]) -> None:
 def _validate_strategy(strategy: Any) -> None:
     """``trainer.strategy``: the settings of voxdiff's DDP and FSDP nodes (``configs/trainer/ddp.yaml``,
     ``fsdp.yaml``) that DDP or Lightning would take without complaint or reject late."""
+    from voxdiff.config import strategy_kind
     from voxdiff.errors import ConfigError, boolean, number
 
     if not isinstance(strategy, Mapping):
         return
-    target = str(strategy.get("_target_", ""))
-    if target.endswith("ShardedUNetStrategy") and strategy.get("save_distributed_checkpoint"):
+    if strategy_kind(strategy) == "fsdp" and strategy.get("save_distributed_checkpoint"):
         raise ConfigError("trainer.strategy.save_distributed_checkpoint", strategy["save_distributed_checkpoint"],
                           "voxdiff writes one checkpoint file, gathered on rank 0 (about 16 bytes per parameter of "
                           "host memory while it is written); its resume, ckpt_path=auto, sample.py and evaluate.py "

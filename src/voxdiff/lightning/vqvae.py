@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from voxdiff.config import check_kind
 from voxdiff.encodings.vqvae import SCALE_KEY, build_vqvae, vqvae_spec
 from voxdiff.errors import ConfigError
 from voxdiff.lightning.optim import configure_adamw
@@ -92,7 +93,12 @@ class VQVAESystem(L.LightningModule):
             ``dead_code_fraction`` (a code whose EMA usage falls below this fraction of uniform usage is restarted
             at an encoder output of the current batch; 0 turns restarts off). MONAI's EMA codebook starts at
             N(0, 1) vectors far from the encoder's outputs and collapses to one or two codes without these.
+        kind: ``system.kind``, what the run trains (:func:`voxdiff.config.run_kind`): must be :attr:`kind`.
     """
+
+    #: what a run of this system trains (``system.kind``, :data:`voxdiff.config.RUN_KINDS`): a learned encoding's
+    #: stage 1
+    kind = "stage1"
 
     def __init__(
         self,
@@ -103,8 +109,10 @@ class VQVAESystem(L.LightningModule):
         volume_shape: Sequence[int] | None = None,
         montage_every_n_epochs: int = 1,
         codebook: Mapping[str, Any] | None = None,
+        kind: str | None = None,
     ) -> None:
         super().__init__()
+        check_kind(type(self), kind)
         spec = vqvae_spec(**_plain(vqvae))
         optim = _plain(optim) or {}
         self.optim_settings = optim_settings(optim)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-STRATEGIES = ("single", "ddp", "fsdp")
+from voxdiff.config import strategy_kind
 
 
 @dataclass(frozen=True)
@@ -68,20 +68,14 @@ class Parallel:
 
 
 def parallel_of(trainer: Mapping[str, Any]) -> Parallel:
-    """The :class:`Parallel` of a plain ``trainer:`` config (``trainer=ddp`` / ``trainer=fsdp``; a strategy name
-    ``ddp*`` or ``auto`` counts as DDP with torch's defaults, ``fsdp*`` as FSDP; others, e.g. ``deepspeed``, are
-    traced as one GPU)."""
+    """The :class:`Parallel` of a plain ``trainer:`` config: the strategy's kind
+    (:func:`voxdiff.config.strategy_kind`: ``trainer.strategy.kind`` of ``trainer=ddp`` / ``trainer=fsdp``; a
+    strategy name as Lightning registers it, ``auto`` counting as DDP with torch's defaults; others, e.g.
+    ``deepspeed``, are traced as one GPU)."""
     strategy = trainer.get("strategy") or "auto"
-    options: dict[str, Any] = {}
-    if isinstance(strategy, Mapping):
-        target = str(strategy.get("_target_", ""))
-        options = dict(strategy)
-        name = "fsdp" if target.endswith(("ShardedUNetStrategy", "ModelParallelStrategy", "FSDPStrategy")) \
-            else "ddp" if target.endswith("DDPStrategy") else "single"
-    else:  # a name; "auto" with more than one device is Lightning's DDP
-        text = str(strategy).lower()
-        name = "fsdp" if text.startswith("fsdp") else "ddp" if text.startswith(("ddp", "auto")) else "single"
-        options = {"gradient_as_bucket_view": False}  # Lightning's DDP: DistributedDataParallel's own default
+    name = strategy_kind(strategy)
+    # a strategy named, not configured: Lightning's DDP, i.e. DistributedDataParallel's own default
+    options = dict(strategy) if isinstance(strategy, Mapping) else {"gradient_as_bucket_view": False}
     devices = trainer.get("devices", 1)
     per_node = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
     per_node = max(1, per_node)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from voxdiff.config import is_diffusion
+from voxdiff.config import run_kind
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.check import PreflightResult, gpu_precision, run_preflight
 from voxdiff.preflight.gpus import resolve_gpu
@@ -60,7 +60,7 @@ def training_verdict(cfg: DictConfig) -> PreflightResult | None:
     from voxdiff.lightning.trainer import resolve_precision
     from voxdiff.step import accelerator_device
 
-    if not is_diffusion(cfg):
+    if run_kind(cfg) != "diffusion":
         return None
     accelerator = OmegaConf.select(cfg, "trainer.accelerator", default="auto")
     checked = copy.deepcopy(cfg)

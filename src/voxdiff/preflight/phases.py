@@ -267,9 +267,12 @@ def predict_phases(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None) -> P
     from voxdiff.preflight.check import gpu_precision, predict_memory, step_plan
     from voxdiff.preflight.stage1 import attach_meta_autoencoder, latent_stage1_spec
 
-    if not str(_select(cfg, "system._target_", "")).endswith("DiffusionSystem"):
-        raise ConfigError("system", _select(cfg, "system._target_"), "is not a diffusion run; validation and sampling "
-                          "are a diffusion system's", "use voxdiff.preflight.stage1.predict_stage1 for a stage-1 config")
+    from voxdiff.config import run_kind
+    from voxdiff.encodings.base import LearnedEncoding
+
+    if run_kind(cfg) != "diffusion":
+        raise ConfigError("system.kind", run_kind(cfg), "is not a diffusion run; validation and sampling are a "
+                          "diffusion system's", "use voxdiff.preflight.stage1.predict_stage1 for a stage-1 config")
     t0 = time.perf_counter()
     gpu = gpu or resolve_gpu(cfg)
     spec = gpu[0]
@@ -287,7 +290,7 @@ def predict_phases(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None) -> P
         notes.append(f"validation and sampling traced as on one GPU (trainer.strategy={parallel.pop()} not modelled)")
 
     resident: list[torch.Tensor] = []
-    if getattr(plan.encoding, "has_weights", False):  # a latent run: the VQ-VAE is on the GPU once it is used
+    if isinstance(plan.encoding, LearnedEncoding):  # a latent run: its autoencoder is on the GPU once it is used
         stage1, note = latent_stage1_spec(cfg, plan.encoding.factor)
         notes.append(note)
         ae = attach_meta_autoencoder(plan.encoding, stage1).autoencoder

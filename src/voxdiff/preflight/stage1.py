@@ -276,10 +276,11 @@ def predict_stage1(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None, cach
     """
     from voxdiff.preflight.check import gpu_precision
 
-    target = str(OmegaConf.select(cfg, "system._target_", default=""))
-    if not target.endswith("VQVAESystem"):
-        raise ConfigError("system", target, "is not a VQ-VAE stage 1", "use experiment=vqvae_4x or vqvae_8x (or "
-                          "voxdiff.preflight.phases.predict_phases for a diffusion run)")
+    from voxdiff.config import run_kind
+
+    if run_kind(cfg) != "stage1":
+        raise ConfigError("system.kind", run_kind(cfg), "is not a VQ-VAE stage 1", "use experiment=vqvae_4x or "
+                          "vqvae_8x (or voxdiff.preflight.phases.predict_phases for a diffusion run)")
     t0 = time.perf_counter()
     gpu = gpu or resolve_gpu(cfg)
     spec_gpu = gpu[0]

@@ -38,7 +38,7 @@ from torch import nn
 
 from voxdiff.diffusion import DiffusionProcess, decode_volume, encode_batch, encode_volume
 from voxdiff.diffusion.seed import seed_loss
-from voxdiff.encodings.base import Encoding
+from voxdiff.encodings.base import Encoding, LearnedEncoding
 from voxdiff.encodings.identity import Identity
 from voxdiff.step.compiling import CompiledForward, CompileSettings
 from voxdiff.step.ema import EMA
@@ -402,7 +402,7 @@ def batch_shapes(encoding: Encoding, volume_shape: tuple[int, int, int], batch_s
     encode them inside the step; a learned encoding (VQ-VAE) trains on a latent cache, whose batches carry the
     latents ``image_z`` and ``mask_z`` ``(B, C, d, h, w)``.
     """
-    if getattr(encoding, "has_weights", False):
+    if isinstance(encoding, LearnedEncoding):
         latent = encoding.encoded_shape((1, *volume_shape))
         return {"image_z": (batch_size, *latent), "mask_z": (batch_size, *latent)}
     return {"image": (batch_size, 1, *volume_shape), "mask": (batch_size, 1, *volume_shape)}
