@@ -146,9 +146,9 @@ def test_run_needs_refuses_a_run_directory_without_room_for_one_checkpoint_write
     fits = _needs(tiny_cfg(f"paths.run_dir={tmp_path}/run"))
     assert fits.disk is not None and fits.disk.where == tmp_path and not fits.misfits
     need = fits.disk.checkpoint
-    tight = _needs(tiny_cfg(f"paths.run_dir={tmp_path}/run", f"+preflight.disk_free_gib={1.5 * need / 2**30}"))
+    tight = _needs(tiny_cfg(f"paths.run_dir={tmp_path}/run", f"preflight.disk_free_gib={1.5 * need / 2**30}"))
     assert [e.key for e in tight.misfits] == ["paths.run_dir"] and "side by side" in str(tight.misfits[0])
-    kept = _needs(tiny_cfg(f"paths.run_dir={tmp_path}/run", f"+preflight.disk_free_gib={2.5 * need / 2**30}",
+    kept = _needs(tiny_cfg(f"paths.run_dir={tmp_path}/run", f"preflight.disk_free_gib={2.5 * need / 2**30}",
                            "callbacks.best.save_top_k=3"))
     assert not kept.misfits and "save_top_k" in kept.warnings[0]
     none = _needs(tiny_cfg("callbacks.best=null", "callbacks.last=null"))
@@ -158,11 +158,11 @@ def test_run_needs_refuses_a_run_directory_without_room_for_one_checkpoint_write
 def test_run_needs_refuses_a_memory_cache_larger_than_the_host_budget(tiny_cfg):
     import math
 
-    cfg = tiny_cfg("data.cache=memory", "data.num_subjects=4", "+preflight.host_memory_gib=64")
+    cfg = tiny_cfg("data.cache=memory", "data.num_subjects=4", "preflight.host_memory_gib=64")
     cached = _needs(cfg)  # 4 subjects x (image + mask) x float32
     assert cached.host is not None and cached.host.cached == 4 * 2 * 4 * math.prod(cfg.data.volume_shape)
     assert not cached.misfits
-    small = _needs(tiny_cfg("data.cache=memory", "data.num_subjects=4", "+preflight.host_memory_gib=0.0001"))
+    small = _needs(tiny_cfg("data.cache=memory", "data.num_subjects=4", "preflight.host_memory_gib=0.0001"))
     assert [e.key for e in small.misfits] == ["data.cache"]
     job = _needs(tiny_cfg("data.cache=memory", "data.num_subjects=16"), env={"SLURM_MEM_PER_NODE": "1"})
     assert job.host.source == "this Slurm job's allocation" and job.misfits

@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_NO_FIT, EXIT_OK
-from voxdiff.config import compose, config_dir, run_kind
+from voxdiff.config import compose, config_dir
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.check import PreflightResult, run_preflight
 from voxdiff.preflight.memory import GiB
@@ -32,16 +32,19 @@ def _experiment_given(overrides: list[str]) -> bool:
 def _check(cfg: DictConfig, name: str, single: bool) -> PreflightResult:
     """One configuration: in detail (fixes, the compiled step traced compiled) when it is the only one; in the table
     over every experiment, seconds each: no fixes, a compiled run's step traced eagerly (an upper bound)."""
-    if run_kind(cfg) != "diffusion":
-        return PreflightResult(name=name, problems=[], modelled=False)  # VQ-VAE stage 1: its step is not traced
     return run_preflight(cfg, name=name, suggest=bool(cfg.preflight.suggest) and single, compile=single)
 
 
 def _row(r: PreflightResult) -> list[str]:
     if r.problems:
-        return [r.name, *["-"] * 8, f"{r.budget_gib:.0f}", "INVALID"]
-    if not r.modelled or r.report is None:
-        return [r.name, *["-"] * 9, "not modelled (stage 1)"]
+        return [r.name, *["-"] * 9, f"{r.budget_gib:.0f}", "INVALID"]
+    verdict = ("fits" if r.fits else "OUT OF MEMORY") + (" (" + ", ".join(e.key for e in r.misfits) + " refused)"
+                                                         if r.misfits else "")
+    if r.stage1 is not None:
+        s1 = r.stage1
+        return [r.name, "VQ-VAE " + "×".join(map(str, s1.batch_shape[1:])), "-", f"{r.params / 1e6:.1f}M", "-",
+                f"stage 1{' (ckpt)' if s1.use_checkpoint else ''}", f"{max(s1.first_step.values()) / GiB:.1f}",
+                f"{s1.peak_allocated / GiB:.1f}", r.peak_phase, f"{r.need_gib:.1f}", f"{r.budget_gib:.0f}", verdict]
     rep = r.report
     return [
         r.name,
@@ -52,14 +55,15 @@ def _row(r: PreflightResult) -> list[str]:
         rep.model_step,
         f"{rep.first_step.peak / GiB:.1f}",
         f"{rep.steady_step.peak / GiB:.1f}",
+        r.peak_phase,
         f"{r.need_gib:.1f}" + (f" ({r.strategy}×{r.world_size})" if r.world_size > 1 else ""),
         f"{r.budget_gib:.0f}",
-        "fits" if r.fits else "OUT OF MEMORY",
+        verdict,
     ]
 
 
 HEADER = ["experiment", "UNet input", "levels", "params", "attention", "model", "step 1 GiB", "steady GiB",
-          "need GiB", "budget", "verdict"]
+          "peak set by", "need GiB", "budget", "verdict"]
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -73,14 +77,25 @@ def details(r: PreflightResult) -> str:
     out = []
     for p in r.problems:
         out.append(f"  ✗ {p}")
+    if r.stage1 is not None:
+        out.append("  " + r.stage1.describe())
+        out.append(f"  per GPU: peak {r.per_gpu_peak_gib:.2f} GiB ({r.peak_phase}); needs {r.need_gib:.1f} GiB with "
+                   f"the safety margin and CUDA context; budget {r.budget_gib:.1f} GiB ({r.budget_source}): "
+                   + ("fits" if r.fits else "DOES NOT FIT"))
     if r.report is not None:
         out.append("  " + r.report.summary().replace("\n", "\n  "))
+        if r.phases is not None:
+            out.append("  phases: " + r.phases.describe())
         where = r.parallel.describe() if r.parallel is not None else "one GPU"
-        out.append(f"  per GPU: peak {r.per_gpu_peak_gib:.2f} GiB ({where}); needs {r.need_gib:.1f} GiB with the "
+        out.append(f"  per GPU: peak {r.per_gpu_peak_gib:.2f} GiB ({where}, set by {r.peak_phase}); needs {r.need_gib:.1f} GiB with the "
                    f"safety margin and CUDA context; budget {r.budget_gib:.1f} GiB ({r.budget_source}): "
                    + ("fits" if r.fits else "DOES NOT FIT"))
         if r.data is not None and r.parallel is not None:
             out.append(f"  data in host memory: {r.data.describe(r.parallel)}")
+    if r.needs is not None:
+        out.extend(f"  {line}" for line in r.needs.lines())
+        out.extend(f"  ! {w}" for w in r.needs.warnings)
+        out.extend(f"  ✗ {e}" for e in r.misfits)
     if r.suggestions:
         out.append(("  changes that fit (predicted per-GPU peak / need" if any(s.fits for s in r.suggestions)
                     else "  no single change fits; predicted effect of each (per-GPU peak / need")

@@ -133,11 +133,13 @@ def prepare(cfg: DictConfig, run_dir: Path) -> tuple[str | None, Any]:
     if verdict is not None and not verdict.ok:
         from voxdiff.cli.preflight import details
 
+        if verdict.fits:  # the memory fits; the disk or the host memory does not
+            raise DoesNotFit(f"does not fit: {verdict.misfits[0]}; nothing was built\n{details(verdict)}")
         raise DoesNotFit(
-            f"does not fit: the training step needs {verdict.need_gib:.1f} GiB (predicted peak "
-            f"{verdict.per_gpu_peak_gib:.1f} GiB, with the safety margin), the {verdict.budget_source} has "
-            f"{verdict.budget_gib:.1f} GiB; nothing was built. Fix: one of the changes below, or a machine with more "
-            f"memory\n{details(verdict)}")
+            f"does not fit: the run needs {verdict.need_gib:.1f} GiB (predicted peak "
+            f"{verdict.per_gpu_peak_gib:.1f} GiB, set by {verdict.peak_phase}, with the safety margin), the "
+            f"{verdict.budget_source} has {verdict.budget_gib:.1f} GiB; nothing was built. Fix: one of the changes "
+            f"below, or a machine with more memory\n{details(verdict)}")
     if verdict is not None:
         print(f"[voxdiff] memory: predicted peak {verdict.per_gpu_peak_gib:.2f} GiB per process, needs "
               f"{verdict.need_gib:.2f} GiB of {verdict.budget_gib:.1f} GiB ({verdict.budget_source})", flush=True)

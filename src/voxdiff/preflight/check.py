@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,7 +38,10 @@ from voxdiff.models.unet import UNetSpec
 from voxdiff.preflight.distributed import DataMemory, Parallel, data_memory, parallel_of
 from voxdiff.preflight.gpus import DEFAULT_GPU, GPUS, GpuSpec, resolve_gpu
 from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
+from voxdiff.preflight.phases import PhasesReport, predict_phases
+from voxdiff.preflight.resources import RunNeeds, run_needs, step_cost
 from voxdiff.preflight.rules import static_problems
+from voxdiff.preflight.stage1 import Stage1Report, predict_stage1
 from voxdiff.step import Recipe, batch_shapes, decide_precision, recipe_from_config
 
 PREDICTED_DEVICE = "cuda"
@@ -144,12 +148,21 @@ class PreflightResult:
     fits: bool = False
     suggestions: list[Suggestion] = field(default_factory=list)
 
-    modelled: bool = True  # False for systems whose step the preflight does not trace (VQ-VAE stage 1)
+    modelled: bool = True  # False for systems whose step the preflight does not trace
     suggestions_step: str = ""  # how the fixes' steps were predicted (``eager``)
+    phases: PhasesReport | None = None  # a diffusion run's training, validation and sampling peaks
+    stage1: Stage1Report | None = None  # a stage-1 run's VQ-VAE step and latent-cache pass
+    peak_phase: str = "training"  # the phase whose peak is the run's (the verdict is on it)
+    needs: RunNeeds | None = None  # disk, host memory, time (voxdiff.preflight.resources)
+
+    @property
+    def misfits(self) -> tuple[ConfigError, ...]:
+        """What besides GPU memory does not fit (disk, host memory), each naming the key, the value and a fix."""
+        return self.needs.misfits if self.needs is not None else ()
 
     @property
     def ok(self) -> bool:
-        return not self.problems and (self.fits or not self.modelled)
+        return not self.problems and (self.fits or not self.modelled) and not self.misfits
 
 
 def predict_memory(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None, compile: bool | None = None
@@ -253,6 +266,10 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     The step predicted is the one the GPU run runs: compiled or eager as ``model.compile`` says
     (:func:`predict_memory`); ``compile=False`` traces a compiled run eagerly (an upper bound, in seconds: the
     table over every experiment). The fixes are always predicted eagerly (an upper bound of their compiled step)."""
+    from voxdiff.config import run_kind
+
+    if run_kind(cfg) == "stage1":
+        return _stage1_preflight(cfg, name, margin)
     result = PreflightResult(name=name or str(_get(cfg, "task_name", "")), problems=static_problems(cfg))
     try:
         gpu = resolve_gpu(cfg)
@@ -278,6 +295,18 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     report = predict_memory(cfg, gpu=gpu, compile=None if compile else False)
     result.report = report
     peak = report.peak_allocated  # one rank's: the trace is of what one GPU of the strategy holds
+    if parallel.strategy != "fsdp":  # validation and sampling hold the whole model, as one GPU and a DDP rank do
+        result.phases = predict_phases(cfg, gpu, training=report)
+        peak, result.peak_phase = max(peak, result.phases.peak_allocated), result.phases.peak_phase
+    with torch.device("meta"):
+        model = build_model(cfg, plan.encoding, preserve_rng_state=False, device_type=PREDICTED_DEVICE)
+    one = {k: (1, *v[1:]) for k, v in plan.batch.items()}
+    result.needs = run_needs(
+        cfg, model, ema=plan.recipe.ema is not None, data=result.data,
+        sample_bytes=sum(4 * math.prod(v) for v in one.values()), processes_per_node=parallel.processes_per_node,
+        world_size=parallel.world_size, cost=step_cost(model, plan.batch, plan.mode, plan.encoding), gpu=gpu[0].name,
+        compiled=report.model_step == "compiled" or (plan.spec.compile and report.model_step != "eager"),
+        env=os.environ)
     result.per_gpu_peak_gib = peak / GiB
     result.need_gib = _need(peak, report, margin)
     result.fits = result.need_gib <= result.budget_gib
@@ -295,4 +324,34 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
             result.suggestions.append(Suggestion(
                 change, [f"{k}={_fmt(v)}" for k, v in overrides.items()], p / GiB, need, need <= result.budget_gib))
         result.suggestions.sort(key=lambda s: (not s.fits, s.need_gib))
+    return result
+
+
+def _stage1_preflight(cfg: DictConfig, name: str, margin: float) -> PreflightResult:
+    """A VQ-VAE stage 1: its training step and its latent-cache pass traced (:mod:`voxdiff.preflight.stage1`), the
+    larger against the GPU's budget; its checkpoints against the run directory's disk."""
+    from voxdiff.encodings.vqvae import build_vqvae, vqvae_spec
+
+    result = PreflightResult(name=name or str(_get(cfg, "task_name", "")), problems=[])
+    try:
+        gpu = resolve_gpu(cfg)
+        result.gpu = gpu[0]
+        result.budget_gib, result.budget_source = gpu_budget_gib(cfg, gpu)
+        margin = float(_get(cfg, "preflight.safety_margin", margin))
+        stage1 = predict_stage1(cfg, gpu)
+        spec = vqvae_spec(**_get(cfg, "system.vqvae"))
+    except ConfigError as err:
+        result.problems.append(err)
+        return result
+    result.stage1, result.params = stage1, stage1.params
+    peak = max(stage1.peak_allocated, stage1.cache_pass)
+    result.peak_phase = "stage-1 step" if stage1.peak_allocated >= stage1.cache_pass else "latent-cache pass"
+    result.per_gpu_peak_gib = peak / GiB
+    result.need_gib = (peak * (1.0 + margin) + stage1.cuda_context_bytes) / GiB
+    result.fits = result.need_gib <= result.budget_gib
+    result.parallel = _parallel(cfg)
+    with torch.device("meta"):
+        model = build_vqvae(spec)
+    result.needs = run_needs(cfg, model, ema=False, data=None, sample_bytes=0, processes_per_node=1, world_size=1,
+                             cost=None, gpu=gpu[0].name, compiled=False, env=os.environ)
     return result

@@ -254,12 +254,16 @@ def _select(cfg: DictConfig, key: str, default: Any = None) -> Any:
     return plain(OmegaConf.select(cfg, key, default=default))
 
 
-def predict_phases(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None) -> PhasesReport:
+def predict_phases(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None,
+                   training: MemoryReport | None = None) -> PhasesReport:
     """Predict the peaks of training, validation and sampling of the diffusion run ``cfg`` on one GPU, without one.
 
     Args:
         cfg: a composed ``train``/``preflight`` config of a diffusion run.
-        gpu: the GPU and where it came from (:func:`~voxdiff.preflight.gpus.resolve_gpu`, the default): cuBLAS workspaces, bf16 support.
+        gpu: the GPU and where it came from (default :func:`~voxdiff.preflight.gpus.resolve_gpu`): cuBLAS
+            workspaces, bf16 support.
+        training: the training step's report when it is already predicted (:func:`~voxdiff.preflight.check.
+            predict_memory`; the compiled one, for a compiled run); else it is predicted here.
 
     Raises:
         ConfigError: not a diffusion config, or a setting the step cannot work with (as the preflight's).
@@ -276,7 +280,7 @@ def predict_phases(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None) -> P
     t0 = time.perf_counter()
     gpu = gpu or resolve_gpu(cfg)
     spec = gpu[0]
-    training = predict_memory(cfg, gpu=gpu)
+    training = training or predict_memory(cfg, gpu=gpu)
     plan = step_plan(cfg)
     recipe = recipe_from_config(cfg, "system")  # validation and sampling are the system's, whatever preflight.recipe
     val_timesteps = _select(cfg, "system.val_timesteps", 4)
@@ -285,9 +289,11 @@ def predict_phases(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None) -> P
     integer("system.sampling.num_masks", num_masks, minimum=0, example=2)
     steps = _select(cfg, "system.sampling.num_inference_steps") or recipe.diffusion.num_inference_steps
     notes: list[str] = []
-    parallel = {_select(cfg, "trainer.strategy")} - {None, "auto", "single"}
-    if parallel:
-        notes.append(f"validation and sampling traced as on one GPU (trainer.strategy={parallel.pop()} not modelled)")
+    from voxdiff.preflight.check import _parallel
+
+    strategy = _parallel(cfg).strategy
+    if strategy != "single":  # a DDP rank holds the whole model too; its buckets are not in these phases
+        notes.append(f"validation and sampling traced as on one GPU (one {strategy} rank's buckets not added)")
 
     resident: list[torch.Tensor] = []
     if isinstance(plan.encoding, LearnedEncoding):  # a latent run: its autoencoder is on the GPU once it is used
