@@ -127,3 +127,69 @@ def test_a_new_experiment_with_a_slurm_job_is_its_file_and_the_rendered_script(c
     script = (copy / "slurm/exp99.slurm").read_text()
     assert "--mem-per-gpu=96G" in script and "export VOXDIFF_EXPERIMENT=exp99" in script
     assert changed(copy) == ["configs/experiment/exp99.yaml", "slurm/exp99.slurm"]
+
+
+def test_a_new_weight_free_encoding_is_its_module_its_config_and_a_test(copy):
+    """Nothing registers it: its config's ``_target_`` names the class, which carries its label and its rules."""
+    (copy / "src/voxdiff/encodings/negated.py").write_text(textwrap.dedent('''\
+        """Space-to-depth of the negated volume: lossless."""
+
+        import torch
+        from einops import rearrange
+
+        from voxdiff.encodings.base import Encoding
+
+
+        class NegatedSpaceToDepth(Encoding):
+            """``(B, C, D, H, W)`` -> ``(B, C*f^3, D/f, H/f, W/f)`` of ``-x``."""
+
+            lossless = True
+            label = "the negated S2D encoding"
+
+            def __init__(self, factor: int = 2) -> None:
+                super().__init__()
+                self.factor = factor
+
+            def encoded_channels(self, in_channels: int) -> int:
+                return in_channels * self.factor**3
+
+            def encode(self, x: torch.Tensor) -> torch.Tensor:
+                self._check_input(x)
+                f = self.factor
+                return -rearrange(x, "b c (d i) (h j) (w k) -> b (c i j k) d h w", i=f, j=f, k=f)
+
+            def decode(self, z: torch.Tensor) -> torch.Tensor:
+                f = self.factor
+                return rearrange(-z, "b (c i j k) d h w -> b c (d i) (h j) (w k)", i=f, j=f, k=f)
+    '''))
+    (copy / "configs/encoding/negated.yaml").write_text(
+        "_target_: voxdiff.encodings.negated.NegatedSpaceToDepth\nfactor: 2\n")
+    (copy / "tests/encodings/test_negated.py").write_text(textwrap.dedent('''\
+        import torch
+
+        from voxdiff.config import build_encoding, compose
+
+
+        def test_round_trip():
+            encoding = build_encoding(compose("train", ["experiment=demo", "encoding=negated"]))
+            x = torch.rand(1, 1, 4, 4, 4)
+            assert torch.equal(encoding.decode(encoding.encode(x)), x)
+    '''))
+    out = run_in(copy, """
+        import torch
+        from voxdiff.config import build_encoding, compose
+        from voxdiff.preflight.check import run_preflight
+        from voxdiff.preflight.rules import static_problems
+        cfg = compose("preflight", ["experiment=demo", "encoding=negated", "preflight.disk_free_gib=1000"])
+        assert not static_problems(cfg)
+        r = run_preflight(cfg, suggest=False, compile=False)  # the training step traced with the new encoding
+        assert r.ok and r.shapes.unet_input[0] == 16, (r.problems, r.shapes)
+        odd = compose("preflight", ["experiment=demo", "encoding=negated", "data.volume_shape=[15,32,32]"])
+        assert "NegatedSpaceToDepth factor 2" in str(static_problems(odd)[0])  # its factor is the volume's unit
+        deep = compose("preflight", ["experiment=demo", "encoding=negated", "data.volume_shape=[20,32,32]"])
+        assert "of the negated S2D encoding" in str(static_problems(deep)[0])  # its label names it
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
+    assert changed(copy) == ["configs/encoding/negated.yaml", "src/voxdiff/encodings/negated.py",
+                             "tests/encodings/test_negated.py"]
