@@ -51,8 +51,9 @@ def test_one_of_and_boolean():
 
 def test_int_list_length_and_minimum():
     assert int_list("model.channels", [8, 16], length=2) == (8, 16)
-    assert _refused(int_list, "model.channels", [8], length=2).problem == "must be a list of 2 integers >= 1"
+    assert _refused(int_list, "model.channels", [8], length=2).problem == "must be a list of 2 positive integers"
     _refused(int_list, "model.channels", [8, True])
     _refused(int_list, "model.channels", [8, 0])
     _refused(int_list, "model.channels", "8,16")
     assert int_list("x", [-1, 0], minimum=None) == (-1, 0)
+    assert _refused(int_list, "x", [-1], minimum=0).problem == "must be a list of integers >= 0"

@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from voxdiff.encodings.base import Encoding
-from voxdiff.errors import ConfigError
+from voxdiff.errors import ConfigError, integer
 from voxdiff.models.unet import UNetSpec, build_unet_from_spec, unet_io_channels, unet_spec
 
 #: model-config keys that are not arguments of the UNet
@@ -116,10 +116,8 @@ def volume_shape(cfg: DictConfig) -> tuple[int, int, int]:
 def batch_size(cfg: DictConfig) -> int:
     """``data.batch_size`` as a validated positive integer (volumes per batch and GPU); never guessed."""
     value = plain(OmegaConf.select(cfg, "data.batch_size"))
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError("data.batch_size", value, "must be an integer >= 1 (volumes per batch and GPU)",
-                          "set data.batch_size to 1 or more, e.g. data.batch_size=1")
-    return value
+    return integer("data.batch_size", value, minimum=1,
+                   fix="set data.batch_size to 1 or more (volumes per batch and GPU), e.g. data.batch_size=1")
 
 
 #: what a run trains (``system.kind``): the diffusion UNet, or the stage 1 of a learned encoding (the VQ-VAE)

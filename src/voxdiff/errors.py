@@ -131,6 +131,6 @@ def int_list(key: str, value: Any, *, length: int | None = None, minimum: int | 
         isinstance(v, int) and not isinstance(v, bool) and (minimum is None or v >= minimum) for v in items)
     if not ok:
         count = f"{length} " if length is not None else ""
-        bound = f" >= {minimum}" if minimum is not None else ""
-        raise ConfigError(key, value, f"must be a list of {count}integers{bound}", _fix(key, fix, example))
+        what = "positive integers" if minimum == 1 else "integers" + (f" >= {minimum}" if minimum is not None else "")
+        raise ConfigError(key, value, f"must be a list of {count}{what}", _fix(key, fix, example))
     return tuple(items)

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, open_dict
 
 from voxdiff.cli.exit_codes import refusals
 from voxdiff.config import config_dir, instantiate_config, plain, require
-from voxdiff.errors import ConfigError
+from voxdiff.errors import ConfigError, integer
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -67,8 +67,7 @@ def validate(cfg: DictConfig):  # noqa: ANN201 - returns (encoding, volume_shape
     out = Path(str(cfg.out))
     if out.exists() and not out.is_dir():
         raise ConfigError("out", str(out), "exists and is not a folder", "choose a folder for the cache")
-    if isinstance(cfg.batch_size, bool) or not isinstance(cfg.batch_size, int) or cfg.batch_size < 1:
-        raise ConfigError("batch_size", cfg.batch_size, "must be a positive integer", "e.g. batch_size=1")
+    integer("batch_size", cfg.batch_size, minimum=1, example=1)
     return encoding, tuple(int(s) for s in shape), _device(str(cfg.device))
 
 

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from voxdiff.cli.exit_codes import refusals
 from voxdiff.config import config_dir, plain, require
-from voxdiff.errors import ConfigError
+from voxdiff.errors import ConfigError, integer
 
 SPLITS = ("val", "all")
 DEVICES = ("auto", "cpu", "cuda")
@@ -41,12 +41,10 @@ def validate(cfg: DictConfig) -> None:
     if ckpt is None or not Path(str(ckpt)).is_file():
         raise ConfigError("ckpt_path", ckpt, "no such checkpoint file", _CKPT_FIX)
     for key, minimum in (("n", 1), ("batch_size", 1), ("seed", 0)):
-        value = cfg.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConfigError(key, value, f"must be an integer >= {minimum}", f"e.g. {key}={max(minimum, 1)}")
+        integer(key, cfg.get(key), minimum=minimum, example=max(minimum, 1))
     steps = cfg.get("num_inference_steps")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ConfigError("num_inference_steps", steps, "must be a positive integer or null", "e.g. 50")
+    if steps is not None:
+        integer("num_inference_steps", steps, minimum=1, fix="e.g. num_inference_steps=50, or null for the run's")
     if cfg.split not in SPLITS:
         raise ConfigError("split", cfg.split, "unknown split", f"use one of {', '.join(SPLITS)}")
     if cfg.device not in DEVICES:

@@ -45,7 +45,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from voxdiff.encodings.base import LearnedEncoding
-from voxdiff.errors import ConfigError
+from voxdiff.errors import ConfigError, integer, number
 
 INDEX_NAME = "index.json"
 FORMAT = "voxdiff-latents/1"
@@ -390,12 +390,9 @@ class LatentDataModule(L.LightningDataModule):
                               "data.volume_shape=[D,H,W]) and set data.latent_dir=DIR")
         self.latent_dir = Path(str(latent_dir)).expanduser()
         self.volume_shape = check_volume_shape(_plain(volume_shape), key="data.volume_shape")
-        if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
-            raise ConfigError("data.val_fraction", val_fraction, "must be a number strictly between 0 and 1",
-                              "e.g. data.val_fraction=0.25")
+        number("data.val_fraction", val_fraction, lo=0, hi=1, lo_open=True, hi_open=True, example=0.25)
         for key, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"data.{key}", value, f"must be an integer >= {low}", f"e.g. data.{key}={low}")
+            integer(f"data.{key}", value, minimum=low, example=low)
         self.index = check_latent_cache(self.latent_dir, self.volume_shape, _plain(stage1_checkpoint), factor,
                                         latent_channels)
         names = list(self.index["subjects"])

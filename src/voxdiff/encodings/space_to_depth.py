@@ -6,7 +6,7 @@ import torch
 from einops import rearrange
 
 from voxdiff.encodings.base import Encoding
-from voxdiff.errors import ConfigError
+from voxdiff.errors import integer
 
 
 class SpaceToDepth(Encoding):
@@ -25,9 +25,7 @@ class SpaceToDepth(Encoding):
 
     def __init__(self, factor: int = 2) -> None:
         super().__init__()
-        if isinstance(factor, bool) or not isinstance(factor, int) or factor < 1:
-            raise ConfigError("encoding.factor", factor, "the space-to-depth factor is a positive integer",
-                              "use encoding.factor=2 (or 4)")
+        integer("encoding.factor", factor, minimum=1, fix="use encoding.factor=2 (or 4)")
         self.factor = factor
 
     def encoded_channels(self, in_channels: int) -> int:

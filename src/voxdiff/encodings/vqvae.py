@@ -28,7 +28,7 @@ import torch
 from einops import rearrange
 
 from voxdiff.encodings.base import LearnedEncoding
-from voxdiff.errors import ConfigError
+from voxdiff.errors import ConfigError, integer, number
 
 #: (stride, kernel, dilation, padding) of each down-sampling convolution: halves even sizes exactly
 DOWNSAMPLE = (2, 4, 1, 1)
@@ -88,12 +88,6 @@ def _as_list(value: Any) -> Any:
     return value
 
 
-def _positive_int(key: str, value: Any, example: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(key, value, "must be a positive integer", f"e.g. {key}={example}")
-    return value
-
-
 def vqvae_spec(
     factor: int,
     latent_channels: int,
@@ -123,12 +117,12 @@ def vqvae_spec(
     """
     channels = _as_list(channels)
     num_res_channels = _as_list(num_res_channels)
-    _positive_int(f"{key}.factor", factor, "4")
+    integer(f"{key}.factor", factor, minimum=1, example=4)
     if factor < 2 or factor & (factor - 1):
         raise ConfigError(f"{key}.factor", factor, "a VQ-VAE down-samples by stride-2 levels: a power of two ≥ 2",
                           "use 4 (encoding=vqvae_4x) or 8 (encoding=vqvae_8x)")
     levels = int(math.log2(factor))
-    _positive_int(f"{key}.latent_channels", latent_channels, "4")
+    integer(f"{key}.latent_channels", latent_channels, minimum=1, example=4)
     example = [32 * 2**i for i in range(levels)]
     if not isinstance(channels, (list, tuple)) or not all(
         isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in channels
@@ -155,19 +149,13 @@ def vqvae_spec(
         raise ConfigError(f"{key}.num_res_channels", num_res_channels,
                           f"must be a positive integer or {levels} of them (one per level)",
                           f"e.g. {key}.num_res_channels={list(channels)}")
-    if isinstance(num_res_layers, bool) or not isinstance(num_res_layers, int) or num_res_layers < 0:
-        raise ConfigError(f"{key}.num_res_layers", num_res_layers, "must be an integer ≥ 0",
-                          f"e.g. {key}.num_res_layers=2")
-    _positive_int(f"{key}.num_embeddings", num_embeddings, "256")
+    integer(f"{key}.num_res_layers", num_res_layers, minimum=0, example=2)
+    integer(f"{key}.num_embeddings", num_embeddings, minimum=1, example=256)
     if num_embeddings < 2:
         raise ConfigError(f"{key}.num_embeddings", num_embeddings, "a codebook needs at least 2 vectors",
                           f"e.g. {key}.num_embeddings=256")
-    if isinstance(commitment_cost, bool) or not isinstance(commitment_cost, (int, float)) or commitment_cost < 0:
-        raise ConfigError(f"{key}.commitment_cost", commitment_cost, "must be a number ≥ 0",
-                          f"e.g. {key}.commitment_cost=0.25")
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
-        raise ConfigError(f"{key}.decay", decay, "the codebook's EMA decay must lie in (0, 1)",
-                          f"e.g. {key}.decay=0.99")
+    number(f"{key}.commitment_cost", commitment_cost, lo=0, example=0.25)
+    number(f"{key}.decay", decay, lo=0, hi=1, lo_open=True, hi_open=True, example=0.99)  # the codebook's EMA
     if not isinstance(use_checkpoint, bool):
         raise ConfigError(f"{key}.use_checkpoint", use_checkpoint, "must be true or false",
                           f"set {key}.use_checkpoint=true to save activation memory")
@@ -286,8 +274,7 @@ class VQVAELatent(LearnedEncoding):
     def __init__(self, factor: int = 4, latent_channels: int = 4, checkpoint: str | None = None) -> None:
         super().__init__()
         for key, value in (("encoding.factor", factor), ("encoding.latent_channels", latent_channels)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(key, value, "must be a positive integer", f"set {key} to e.g. 4")
+            integer(key, value, minimum=1, fix=f"set {key} to e.g. 4")
         if factor & (factor - 1):
             raise ConfigError("encoding.factor", factor, "a VQ-VAE down-samples by powers of two",
                               "use encoding.factor=4 or 8")

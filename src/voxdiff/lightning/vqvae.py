@@ -42,7 +42,7 @@ from einops import rearrange
 
 from voxdiff.config import check_kind
 from voxdiff.encodings.vqvae import SCALE_KEY, build_vqvae, vqvae_spec
-from voxdiff.errors import ConfigError
+from voxdiff.errors import ConfigError, boolean, number
 from voxdiff.lightning.optim import configure_adamw
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
 from voxdiff.step.optim import optim_settings
@@ -120,13 +120,9 @@ class VQVAESystem(L.LightningModule):
         modalities = list(_plain(modalities))
         volume_shape = _plain(volume_shape)
         codebook = {"init_from_data": True, "dead_code_fraction": 0.03, **(_plain(codebook) or {})}
-        if not isinstance(codebook["init_from_data"], bool):
-            raise ConfigError("system.codebook.init_from_data", codebook["init_from_data"], "must be true or false",
-                              "use true")
-        fraction = codebook["dead_code_fraction"]
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
-            raise ConfigError("system.codebook.dead_code_fraction", fraction, "must be a number in [0, 1)",
-                              "use 0.03 (or 0 to turn dead-code restarts off)")
+        boolean("system.codebook.init_from_data", codebook["init_from_data"], fix="use true")
+        number("system.codebook.dead_code_fraction", codebook["dead_code_fraction"], lo=0, hi=1, hi_open=True,
+               fix="use 0.03 (or 0 to turn dead-code restarts off)")
         if loss["reconstruction"] not in RECONSTRUCTION_LOSSES:
             raise ConfigError("system.loss.reconstruction", loss["reconstruction"], "unknown reconstruction loss",
                               f"use one of {', '.join(RECONSTRUCTION_LOSSES)}")

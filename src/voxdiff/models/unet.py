@@ -17,7 +17,7 @@ from typing import Any
 from monai.networks.nets import DiffusionModelUNet
 
 from voxdiff.encodings.base import Encoding
-from voxdiff.errors import ConfigError
+from voxdiff.errors import ConfigError, int_list, integer
 from voxdiff.models.checkpointing import GRANULARITIES, apply_gradient_checkpointing
 
 MODES = ("bravo", "seg")
@@ -260,17 +260,13 @@ def unet_spec(
     if not isinstance(channels, (list, tuple)) or len(channels) < 2:
         raise ConfigError("model.channels", channels, "a UNet needs at least two levels",
                           "give one channel count per level, e.g. [64, 128, 256, 512]")
-    for c in channels:
-        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-            raise ConfigError("model.channels", channels, "each level's channel count must be a positive integer",
-                              "e.g. [64, 128, 256, 512]")
+    int_list("model.channels", channels, minimum=1, fix="one channel count per level, e.g. [64, 128, 256, 512]")
     levels = len(channels)
     example_bool = "[" + ", ".join(["false"] * (levels - 1) + ["true"]) + "]"
     attention = _per_level("attention_levels", attention_levels, levels, bool, example_bool)
     res_blocks = _per_level("num_res_blocks", num_res_blocks, levels, int, f"{[2] * levels}")
     heads = _per_level("num_head_channels", num_head_channels, levels, int, "32")
-    if isinstance(norm_num_groups, bool) or not isinstance(norm_num_groups, int) or norm_num_groups < 1:
-        raise ConfigError("model.norm_num_groups", norm_num_groups, "must be a positive integer", "use 32")
+    integer("model.norm_num_groups", norm_num_groups, minimum=1, fix="use 32")
     for c in channels:
         if c % norm_num_groups:
             divisors = [g for g in (32, 16, 8, 4, 2, 1) if all(ch % g == 0 for ch in channels)]
@@ -296,9 +292,7 @@ def unet_spec(
                 f" or set model.attention_levels[{level}]=false",
             )
     for key, value in (("in_channels", in_channels), ("out_channels", out_channels)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"model.{key}", value, "must be a positive integer",
-                              "leave it unset: it follows from the encoding and the mode")
+        integer(f"model.{key}", value, minimum=1, fix="leave it unset: it follows from the encoding and the mode")
     check_switch("model.use_flash_attention", use_flash_attention)
     check_switch("model.compile", compile)
     if compile_backend != "inductor" and compile_backend not in compile_backends():

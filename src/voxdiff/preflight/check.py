@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from voxdiff.config import Shapes, batch_size, build_encoding, build_model, model_spec, plain, shapes
 from voxdiff.encodings.base import Encoding
-from voxdiff.errors import ConfigError
+from voxdiff.errors import ConfigError, number
 from voxdiff.models.unet import UNetSpec
 from voxdiff.preflight.distributed import DataMemory, Parallel, data_memory, parallel_of
 from voxdiff.preflight.gpus import DEFAULT_GPU, GPUS, GpuSpec, resolve_gpu
@@ -59,10 +59,8 @@ def gpu_budget_gib(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None) -> t
     of :func:`~voxdiff.preflight.gpus.resolve_gpu` (``gpu``, when already resolved)."""
     configured = _get(cfg, "preflight.gpu_memory_gib")
     if configured is not None:
-        if isinstance(configured, bool) or not isinstance(configured, (int, float)) or configured <= 0:
-            raise ConfigError("preflight.gpu_memory_gib", configured, "must be a positive number of GiB",
-                              "e.g. preflight.gpu_memory_gib=80")
-        return float(configured), "preflight.gpu_memory_gib"
+        return number("preflight.gpu_memory_gib", configured, lo=0, lo_open=True,
+                      fix="e.g. preflight.gpu_memory_gib=80 (GiB)"), "preflight.gpu_memory_gib"
     spec, source = gpu or resolve_gpu(cfg)
     return spec.total_gib, f"{'default GPU' if source == 'default' else source} {spec.name}"
 
