@@ -66,6 +66,16 @@ def test_cache_command_writes_the_index(pipeline_4x):
     assert index["scale_factor"] == pytest.approx(float(ckpt_data["state_dict"]["latent_scale"]))
 
 
+def test_the_preflight_predicts_the_caches_bytes(pipeline_4x):
+    """The latent cache's size from its shapes, against the bytes of its files (du --apparent-size): within 2%."""
+    from voxdiff.preflight.resources import latent_cache_nbytes
+
+    _, latent_dir, index = pipeline_4x
+    actual = sum(f.stat().st_size for f in latent_dir.rglob("*") if f.is_file())
+    predicted = latent_cache_nbytes(len(index["subjects"]), tuple(index["latent_shape"]), tuple(index["volume_shape"]))
+    assert abs(predicted / actual - 1) < 0.02, (predicted, actual)
+
+
 def test_cache_command_on_several_processes_writes_once(pipeline_4x, tmp_path, monkeypatch):
     """srun -n N python cache_latents.py: rank 0 writes the one cache; the other ranks write nothing."""
     ckpt, _, _ = pipeline_4x

@@ -181,3 +181,19 @@ def test_run_needs_predicts_time_and_requeues_from_the_experiments_slurm_limit(t
     assert "requeue" in " ".join(needs.lines())
     unmeasured = _needs(tiny_cfg("trainer.max_steps=10"), gpu="V100")
     assert unmeasured.time is None and "has not been measured" in unmeasured.time_unknown
+
+
+def test_run_needs_reports_a_latent_runs_cache_bytes(tiny_cfg):
+    from voxdiff.preflight.resources import latent_cache_nbytes
+
+    cfg = tiny_cfg()
+    volume = tuple(cfg.data.volume_shape)
+    from voxdiff.preflight.distributed import DataMemory
+
+    one = _needs(cfg, latent_shape=(4, 2, 2, 2), data=None)  # no cache here to count the subjects: one's bytes
+    assert one.disk.latent_cache == latent_cache_nbytes(1, (4, 2, 2, 2), volume)
+    assert "per subject" in one.disk.describe()
+    five = _needs(cfg, latent_shape=(4, 2, 2, 2), data=DataMemory(100, 5, "latents"))
+    assert five.disk.latent_cache == latent_cache_nbytes(5, (4, 2, 2, 2), volume) and "(5 subjects)" in \
+        five.disk.describe()
+    assert _needs(cfg).disk.latent_cache is None

@@ -304,7 +304,7 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
         sample_bytes=sum(4 * math.prod(v) for v in one.values()), processes_per_node=parallel.processes_per_node,
         world_size=parallel.world_size, cost=step_cost(model, plan.batch, plan.mode, plan.encoding), gpu=gpu[0].name,
         compiled=report.model_step == "compiled" or (plan.spec.compile and report.model_step != "eager"),
-        env=os.environ)
+        env=os.environ, latent_shape=tuple(latents[1:]) if latents else None)
     result.per_gpu_peak_gib = peak / GiB
     result.need_gib = _need(peak, report, margin)
     result.fits = result.need_gib <= result.budget_gib

@@ -61,6 +61,22 @@ def checkpoint_nbytes(state: Iterable[torch.Tensor], params: Iterable[torch.Tens
     return sum(tensors) + PER_TENSOR_BYTES * len(tensors) + FIXED_BYTES
 
 
+LATENT_FILE_OVERHEAD = 2240
+"""Zip headers and the pickled record of one subject's latent file (``torch.save`` of its four tensors: 2205-2269
+bytes measured for latents of 4×4³ and 4×40×64×64)."""
+LATENT_INDEX_BYTES = (1500, 150)
+"""``index.json``: what made the cache and its statistics, then a line per subject (1770 bytes for 3 subjects)."""
+
+
+def latent_cache_nbytes(subjects: int, latent_shape: tuple[int, ...], volume_shape: tuple[int, ...]) -> int:
+    """Bytes of a latent cache (:func:`voxdiff.data.latents.write_latent_cache`) of ``subjects`` subjects: per
+    subject one file holding the image and mask latents (float32, ``latent_shape`` each), the bit-packed
+    full-resolution mask and the affine (float64 4×4); and the index."""
+    per = (2 * _aligned(4 * math.prod(latent_shape)) + _aligned(-(-math.prod(volume_shape) // 8)) + _aligned(128)
+           + LATENT_FILE_OVERHEAD + LATENT_INDEX_BYTES[1])
+    return subjects * per + LATENT_INDEX_BYTES[0]
+
+
 def free_bytes(path: str | Path) -> tuple[int, Path]:
     """Free bytes on the file system that will hold ``path`` (its nearest existing ancestor), and that ancestor."""
     where = Path(path).absolute()
@@ -87,7 +103,9 @@ class DiskNeed:
             None when ``save_top_k=-1`` keeps every one.
         free: free bytes where the run directory will be.
         where: the existing folder that was measured.
-        latent_cache: bytes of the latent cache the run reads, when it has to be written first (else None).
+        latent_cache: bytes of the latent cache a latent run reads (of ``latent_subjects`` subjects, or of one
+            when the subjects cannot be counted here); None for a run without one.
+        latent_subjects: the subjects of ``latent_cache``, or None (then it is one subject's bytes).
     """
 
     checkpoint: int
@@ -95,6 +113,7 @@ class DiskNeed:
     free: int
     where: Path
     latent_cache: int | None = None
+    latent_subjects: int | None = None
 
     @property
     def write_fits(self) -> bool:
@@ -111,7 +130,9 @@ class DiskNeed:
                 else f"{self.kept} kept ({size(self.kept * self.checkpoint)}) + 1 being written")
         verdict = ("fits" if self.kept_fits else "WARNING: the kept checkpoints will not all fit" if self.write_fits
                    else "DOES NOT FIT: not even one atomic checkpoint write")
-        cache = f"; latent cache {size(self.latent_cache)}" if self.latent_cache else ""
+        cache = "" if not self.latent_cache else (
+            f"; latent cache {size(self.latent_cache)} ({self.latent_subjects} subjects)" if self.latent_subjects
+            else f"; latent cache {size(self.latent_cache)} per subject")
         return (f"checkpoint {size(self.checkpoint)} each, {kept}; {size(self.free)} free under {self.where}{cache}: "
                 f"{verdict}")
 
@@ -334,7 +355,8 @@ def slurm_site(cfg: Any) -> dict[str, str] | None:
 
 
 def run_needs(cfg: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_bytes: int, processes_per_node: int,
-              world_size: int, cost: StepCost | None, gpu: str, compiled: bool, env: Mapping[str, str]) -> RunNeeds:
+              world_size: int, cost: StepCost | None, gpu: str, compiled: bool, env: Mapping[str, str],
+              latent_shape: tuple[int, ...] | None = None) -> RunNeeds:
     """Disk, host memory and time of the run ``cfg`` describes.
 
     Args:
@@ -349,6 +371,7 @@ def run_needs(cfg: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
         gpu: the GPU type the run is planned for (a key of :data:`STEP_THROUGHPUT`).
         compiled: whether the training forward is compiled (``model.compile`` on a GPU).
         env: the process environment (a running Slurm job's memory).
+        latent_shape: ``(C, d, h, w)`` of one modality's latents, for a run on a latent cache (its bytes on disk).
     """
     from voxdiff.errors import ConfigError
 
@@ -369,8 +392,13 @@ def run_needs(cfg: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
         configured = _select(cfg, "preflight.disk_free_gib")
         if configured is not None:
             free, where = int(float(configured) * gib), Path(f"{run_dir} (preflight.disk_free_gib)")
+        cache = subjects = None
+        if latent_shape is not None:
+            subjects = getattr(data, "subjects", None)
+            volume = tuple(int(v) for v in _select(cfg, "data.volume_shape"))
+            cache = latent_cache_nbytes(subjects or 1, latent_shape, volume)
         disk = DiskNeed(checkpoint_nbytes(model.state_dict().values(), model.parameters(), ema=ema), kept, free,
-                        where)
+                        where, cache, subjects)
         if not disk.write_fits:
             misfits.append(ConfigError(
                 "paths.run_dir", run_dir, f"{size(disk.free)} free under {where}, and writing a checkpoint "
