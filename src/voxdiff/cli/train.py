@@ -141,8 +141,17 @@ def prepare(cfg: DictConfig, run_dir: Path) -> tuple[str | None, Any]:
             f"{verdict.budget_source} has {verdict.budget_gib:.1f} GiB; nothing was built. Fix: one of the changes "
             f"below, or a machine with more memory\n{details(verdict)}")
     if verdict is not None:
-        print(f"[voxdiff] memory: predicted peak {verdict.per_gpu_peak_gib:.2f} GiB per process, needs "
-              f"{verdict.need_gib:.2f} GiB of {verdict.budget_gib:.1f} GiB ({verdict.budget_source})", flush=True)
+        print(f"[voxdiff] memory: predicted peak {verdict.per_gpu_peak_gib:.2f} GiB per process (set by "
+              f"{verdict.peak_phase}), needs {verdict.need_gib:.2f} GiB of {verdict.budget_gib:.1f} GiB "
+              f"({verdict.budget_source})", flush=True)
+        import torch
+        from omegaconf import OmegaConf
+
+        needs = verdict.needs
+        on_gpu = torch.cuda.is_available() and OmegaConf.select(cfg, "trainer.accelerator") != "cpu"
+        for line in [*(needs.lines() if needs else []), *(needs.warnings if needs else [])]:
+            if on_gpu or not line.startswith("time:"):  # the predicted time is a GPU's
+                print(f"[voxdiff] {line}", flush=True)
     elif run_kind(cfg) == "diffusion":
         print("[voxdiff] memory: not checked (the preflight models trainer.precision bf16-mixed and 32-true)",
               flush=True)
