@@ -258,12 +258,15 @@ def candidate_fixes(cfg: DictConfig) -> list[tuple[str, dict[str, Any]]]:
 
 
 def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
-                  margin: float = DEFAULT_SAFETY_MARGIN, compile: bool = True) -> PreflightResult:
+                  margin: float = DEFAULT_SAFETY_MARGIN, compile: bool = True, phases: bool = True,
+                  timing: bool = True) -> PreflightResult:
     """Static checks, then the predicted per-GPU peak, the verdict against the budget, and fixes if it does not fit.
 
     The step predicted is the one the GPU run runs: compiled or eager as ``model.compile`` says
     (:func:`predict_memory`); ``compile=False`` traces a compiled run eagerly (an upper bound, in seconds: the
-    table over every experiment). The fixes are always predicted eagerly (an upper bound of their compiled step)."""
+    table over every experiment). The fixes are always predicted eagerly (an upper bound of their compiled step).
+    ``phases=False`` leaves out validation and sampling, ``timing=False`` the step's FLOPs and time (a CPU run's
+    verdict in ``train.py``: its peak is the training step's, and a GPU's time means nothing there)."""
     from voxdiff.config import run_kind
 
     if run_kind(cfg) == "stage1":
@@ -293,7 +296,7 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     report = predict_memory(cfg, gpu=gpu, compile=None if compile else False)
     result.report = report
     peak = report.peak_allocated  # one rank's: the trace is of what one GPU of the strategy holds
-    if parallel.strategy != "fsdp":  # validation and sampling hold the whole model, as one GPU and a DDP rank do
+    if phases and parallel.strategy != "fsdp":  # validation and sampling: the whole model, as on one GPU or DDP
         result.phases = predict_phases(cfg, gpu, training=report)
         peak, result.peak_phase = max(peak, result.phases.peak_allocated), result.phases.peak_phase
     with torch.device("meta"):
@@ -302,7 +305,8 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     result.needs = run_needs(
         cfg, model, ema=plan.recipe.ema is not None, data=result.data,
         sample_bytes=sum(4 * math.prod(v) for v in one.values()), processes_per_node=parallel.processes_per_node,
-        world_size=parallel.world_size, cost=step_cost(model, plan.batch, plan.mode, plan.encoding), gpu=gpu[0].name,
+        world_size=parallel.world_size, cost=step_cost(model, plan.batch, plan.mode, plan.encoding) if timing else None,
+        gpu=gpu[0].name,
         compiled=report.model_step == "compiled" or (plan.spec.compile and report.model_step != "eager"),
         env=os.environ, latent_shape=tuple(latents[1:]) if latents else None)
     result.per_gpu_peak_gib = peak / GiB

@@ -80,7 +80,8 @@ def training_verdict(cfg: DictConfig) -> PreflightResult | None:
         OmegaConf.update(checked, "preflight.gpu_memory_gib", host_memory_bytes() / processes / GiB, force_add=True)
         # the attention a CPU run computes: model.use_flash_attention=auto is off there
         _resolve_on_cpu(checked, "model.use_flash_attention")
-    result = run_preflight(checked, name=str(cfg.get("task_name", "")), suggest=True)
+    result = run_preflight(checked, name=str(cfg.get("task_name", "")), suggest=True, phases=not on_host,
+                           timing=not on_host)
     if on_host:
         result.budget_source = "host memory" + (f" shared by {processes} processes" if processes > 1 else "")
     return result
