@@ -7,8 +7,10 @@ that works, so a wrong config is refused before anything launches (STYLE.md, hab
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -27,6 +29,49 @@ class ConfigError(ValueError):
         self.problem = problem
         self.fix = fix
         super().__init__(f"{key}={show_value(value)}: {problem}. Fix: {fix}")
+
+
+class ConfigErrors(ConfigError):
+    """Several configuration problems found in one pass (:func:`voxdiff.run_spec.run_spec`).
+
+    ``key``, ``value``, ``problem`` and ``fix`` are the first problem's; the message names every problem, one line
+    each; ``problems`` holds them all.
+    """
+
+    def __init__(self, problems: Iterable[ConfigError]) -> None:
+        self.problems = tuple(problems)
+        if not self.problems:
+            raise ValueError("ConfigErrors needs at least one problem")
+        first = self.problems[0]
+        super().__init__(first.key, first.value, first.problem, first.fix)
+        self.args = ("\n".join(str(p) for p in self.problems),)
+
+
+class Problems:
+    """The problems of one validation pass: ``problems(check)`` runs ``check`` and keeps the :class:`ConfigError` it
+    raises (returning None), else returns its result; ``problems.raise_all()`` raises what was kept."""
+
+    def __init__(self, found: Iterable[ConfigError] = ()) -> None:
+        self.found: list[ConfigError] = list(found)
+
+    def __call__(self, check: Callable[[], T]) -> T | None:
+        try:
+            return check()
+        except ConfigError as err:
+            self.found.append(err)
+            return None
+
+    def raise_all(self) -> None:
+        raise_all(self.found)
+
+
+def raise_all(problems: Iterable[ConfigError]) -> None:
+    """Raise nothing for no problem, the problem itself for one, :class:`ConfigErrors` for several."""
+    problems = list(problems)
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ConfigErrors(problems)
 
 
 def show_value(value: Any) -> str:

@@ -3,8 +3,9 @@
 import pytest
 
 from voxdiff.config import compose
-from voxdiff.errors import ConfigError
-from voxdiff.preflight.rules import static_problems, validate
+from voxdiff.errors import ConfigErrors
+from voxdiff.preflight.rules import static_problems
+from voxdiff.run_spec import run_spec
 
 
 def _problems(*overrides):
@@ -79,6 +80,7 @@ def test_rule_io_channels_seg_mode():
 def test_all_problems_reported_together():
     cfg = compose("train", ["experiment=exp11", "model.norm_num_groups=24", "+model.in_channels=3"])
     assert len(static_problems(cfg)) == 2
-    with pytest.raises(ConfigError) as err:
-        validate(cfg)
+    with pytest.raises(ConfigErrors) as err:
+        run_spec(cfg)
     assert "model.norm_num_groups=24" in str(err.value) and "model.in_channels=3" in str(err.value)
+    assert [p.key for p in err.value.problems] == ["model.norm_num_groups", "model.in_channels"]

@@ -23,18 +23,9 @@ import hydra
 from omegaconf import DictConfig
 
 from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_DATA, EXIT_NO_FIT, EXIT_NONFINITE, EXIT_TERMINATED
-from voxdiff.config import (
-    build_encoding,
-    check_name,
-    config_dir,
-    instantiate_config,
-    model_spec,
-    plain,
-    run_kind,
-    shapes,
-    strategy_kind,
-)
-from voxdiff.errors import ConfigError
+from voxdiff.config import check_name, config_dir, instantiate_config, plain
+from voxdiff.errors import ConfigError, Problems, boolean
+from voxdiff.run_spec import RunSpec, run_spec_problems
 
 log = logging.getLogger("voxdiff.train")
 
@@ -45,42 +36,33 @@ class DoesNotFit(Exception):
     """The preflight's memory verdict refused the run (``EXIT_NO_FIT``); the message lists its fixes."""
 
 
-def validate(cfg: DictConfig) -> None:
-    """The static checks of a training config, run before anything is built (no model, no data, no GPU).
+def validate(cfg: DictConfig) -> RunSpec:
+    """The static checks of a training config, run before anything is built (no model, no data, no GPU): the run
+    spec (:func:`voxdiff.run_spec.run_spec_problems`: trainer, kind, strategy, GPU type, encoding and shapes, batch,
+    precision on this run's device, the UNet and its rules, the step, sampling; or the VQ-VAE), the run's own keys
+    (``task_name``, ``overwrite``, ``ckpt_path``) and what the encoding needs now (a learned one: readable weights),
+    every problem collected in one pass.
+
+    Returns:
+        The run spec.
 
     Raises:
-        ConfigError: the first key that cannot work, with its value and a fix.
+        ConfigError: the one problem found, or :class:`~voxdiff.errors.ConfigErrors` naming every problem.
     """
-    from voxdiff.lightning.trainer import validate_trainer
-    from voxdiff.step import accelerator_device, decide_precision
-
-    check_name("task_name", cfg.get("task_name"))
-    validate_trainer(cfg.trainer)
-    if not isinstance(cfg.get("overwrite", False), bool):
-        raise ConfigError("overwrite", cfg.get("overwrite"), "must be true or false", "use overwrite=true or false")
-    kind = run_kind(cfg)
-    if kind != "diffusion" and strategy_kind(cfg.trainer.get("strategy")) == "fsdp":
-        raise ConfigError("trainer", "fsdp", "FSDP shards the diffusion UNet; the VQ-VAE stage 1 trains with one "
-                          "device or DDP", "use trainer=ddp (or trainer=gpu) for system=vqvae")
-    encoding = build_encoding(cfg)
-    shapes(cfg, encoding)  # volume divisible by the encoding's factor
-    decide_precision(plain(cfg.trainer.get("precision")), accelerator_device(cfg.trainer.get("accelerator")))
-    encoding.check_ready()  # what the encoding needs (a learned one: readable weights) now, not after data loading
-    if kind == "diffusion":
-        from voxdiff.lightning.diffusion import system_settings
-        from voxdiff.preflight.rules import validate as static_rules
-        from voxdiff.step import recipe_from_config
-
-        model_spec(cfg, encoding)  # the UNet's arguments
-        static_rules(cfg)  # the preflight's static rules: divisibility by the UNet's levels, in/out channels, ...
-        recipe_from_config(cfg, "system")  # the training step: diffusion, system.optim/.ema, trainer clipping
-        system_settings(plain(cfg.system.get("optim")), plain(cfg.system.get("ema")),
-                        plain(cfg.system.get("sampling")), plain(cfg.system.get("val_timesteps", 4)))
+    spec, found = run_spec_problems(cfg)
+    problems = Problems(found)
+    problems(lambda: check_name("task_name", cfg.get("task_name")))
+    problems(lambda: boolean("overwrite", cfg.get("overwrite", False), fix="use overwrite=true or false"))
     ckpt = cfg.get("ckpt_path")
     if ckpt is not None and ckpt not in ("auto", "last") and "://" not in str(ckpt) and not Path(str(ckpt)).is_file():
-        raise ConfigError("ckpt_path", ckpt, "no such checkpoint file",
-                          "point it at a .ckpt, e.g. <run dir>/checkpoints/last.ckpt, ckpt_path=auto (resume from "
-                          "this run directory if it has a checkpoint), or ckpt_path=null")
+        problems.found.append(ConfigError(
+            "ckpt_path", ckpt, "no such checkpoint file",
+            "point it at a .ckpt, e.g. <run dir>/checkpoints/last.ckpt, ckpt_path=auto (resume from this run "
+            "directory if it has a checkpoint), or ckpt_path=null"))
+    if spec is not None:  # what the encoding needs (a learned one: readable weights) now, not after data loading
+        problems(spec.encoding.check_ready)
+    problems.raise_all()
+    return spec
 
 
 def resume_path(ckpt_path: Any, run_dir: Path) -> str | None:
@@ -104,7 +86,7 @@ def _one_console_log() -> None:
             logger.propagate = True
 
 
-def prepare(cfg: DictConfig, run_dir: Path) -> tuple[str | None, Any]:
+def prepare(cfg: DictConfig, run_dir: Path, spec: RunSpec) -> tuple[str | None, Any]:
     """Everything between a valid config and building the run, in this order: claim the run directory (rank 0:
     lock, no fresh run over checkpoints, stale temp files removed); check the checkpoint to resume from (kind,
     architecture, what changed); the preflight's memory verdict for this machine.
@@ -152,17 +134,18 @@ def prepare(cfg: DictConfig, run_dir: Path) -> tuple[str | None, Any]:
         for line in [*(needs.lines() if needs else []), *(needs.warnings if needs else [])]:
             if on_gpu or not line.startswith("time:"):  # the predicted time is a GPU's
                 print(f"[voxdiff] {line}", flush=True)
-    elif run_kind(cfg) == "diffusion":
+    elif spec.kind == "diffusion":
         print("[voxdiff] memory: not checked (the preflight models trainer.precision bf16-mixed and 32-true)",
               flush=True)
     return ckpt_path, plan
 
 
-def run(cfg: DictConfig, ckpt_path: str | None = None, plan: Any = None) -> dict[str, Any]:
+def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any = None) -> dict[str, Any]:
     """Build the data, the system, the logger and the Trainer from a validated config, fit, and report.
 
     Args:
         cfg: the config (validated).
+        spec: its run spec (:func:`validate`).
         ckpt_path: the checkpoint to resume from (:func:`prepare`), or None.
         plan: what :func:`voxdiff.lightning.resume.check_resume` found, printed before the fit.
 
@@ -184,7 +167,6 @@ def run(cfg: DictConfig, ckpt_path: str | None = None, plan: Any = None) -> dict
         instantiate_loggers,
     )
     from voxdiff.run_dir import process_rank
-    from voxdiff.step import accelerator_device
 
     _one_console_log()
     L.seed_everything(int(cfg.seed) + process_rank(), workers=True)  # DDP broadcasts rank 0's initial weights
@@ -197,7 +179,7 @@ def run(cfg: DictConfig, ckpt_path: str | None = None, plan: Any = None) -> dict
     datamodule = instantiate_config(cfg.data, _convert_="all")
     datamodule.setup("fit")  # load (and check) the data before the model is built
     # the diffusion system decides its model's auto switches (SDPA attention, compile) for the run's device
-    on = {"device_type": accelerator_device(cfg.trainer.get("accelerator"))} if run_kind(cfg) == "diffusion" else {}
+    on = {"device_type": spec.device_type} if spec.kind == "diffusion" else {}
     system = instantiate_config(cfg.system, **on)
     logger = instantiate_loggers(cfg.get("logger"))
     record = {k: plain(cfg[k]) for k in cfg if k != "hydra"}  # the resolved config, for sample.py and resumes
@@ -257,14 +239,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(cfg.paths.output_dir)
     try:
         try:
-            validate(cfg)
-            ckpt_path, plan = prepare(cfg, run_dir)
+            spec = validate(cfg)
+            ckpt_path, plan = prepare(cfg, run_dir, spec)
         except ConfigError as e:
             _exit(EXIT_CONFIG, str(e))
         except DoesNotFit as e:
             _exit(EXIT_NO_FIT, str(e), prefix="memory")
         try:
-            return run(cfg, ckpt_path, plan)
+            return run(cfg, spec, ckpt_path, plan)
         except NonFiniteLossError as e:
             _exit(EXIT_NONFINITE, str(e), prefix="training stopped")
         except ConfigError as e:  # a check that needs the built objects (e.g. the run length)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,6 @@ from omegaconf import OmegaConf
 
 from voxdiff.config import build_encoding, check_kind, model_spec, plain
 from voxdiff.diffusion import DiffusionProcess, diffusion_settings, encoded_range
-from voxdiff.errors import ConfigError, integer, settings_from
 from voxdiff.lightning.callbacks import ProgressBar
 from voxdiff.lightning.optim import lightning_optimizers
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
@@ -59,21 +57,11 @@ from voxdiff.step import (
     optim_settings,
     system_recipe,
 )
+from voxdiff.step.sampling import SamplingSettings, sampling_settings
 
 __all__ = ["DiffusionSystem", "NonFiniteLossError", "SamplingSettings", "system_settings"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    """``system.sampling``: samples conditioned on validation masks during training."""
-
-    every_n_epochs: int = 10  # 0: never (besides the end of training when final is true)
-    num_masks: int = 2  # validation masks to sample from
-    num_inference_steps: int | None = None  # DDIM steps; None = diffusion.num_inference_steps
-    seed: int = 0  # generator seed of the validation noise and of the sampling noise (same every epoch)
-    final: bool = True  # also sample when training ends
 
 
 def system_settings(
@@ -86,23 +74,7 @@ def system_settings(
     Raises:
         ConfigError: naming the key, the value and a fix.
     """
-    o = optim_settings(optim)
-    e = ema_settings(ema)
-    s = settings_from(SamplingSettings, "system.sampling", sampling)
-    integer("system.sampling.every_n_epochs", s.every_n_epochs, minimum=0, example="10")
-    integer("system.sampling.num_masks", s.num_masks, minimum=0, example="2")
-    if s.num_inference_steps is not None:
-        integer("system.sampling.num_inference_steps", s.num_inference_steps, minimum=0, example="50")
-        if s.num_inference_steps == 0:
-            raise ConfigError("system.sampling.num_inference_steps", 0, "must be positive or null",
-                              "use null for diffusion.num_inference_steps")
-    integer("system.sampling.seed", s.seed, minimum=0, example="0")
-    integer("system.val_timesteps", val_timesteps, minimum=0, example="4")
-    if val_timesteps == 0:
-        raise ConfigError("system.val_timesteps", 0, "must be positive", "e.g. system.val_timesteps=4")
-    if not isinstance(s.final, bool):
-        raise ConfigError("system.sampling.final", s.final, "must be true or false", "use true")
-    return o, e, s
+    return optim_settings(optim), ema_settings(ema), sampling_settings(sampling, val_timesteps)
 
 
 class DiffusionSystem(L.LightningModule):

@@ -31,17 +31,17 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from voxdiff.config import Shapes, batch_size, build_encoding, build_model, model_spec, plain, shapes
+from voxdiff.config import Shapes, plain
 from voxdiff.encodings.base import Encoding
 from voxdiff.errors import ConfigError, number
-from voxdiff.models.unet import UNetSpec
+from voxdiff.models.unet import UNetSpec, build_unet_from_spec
 from voxdiff.preflight.distributed import DataMemory, Parallel, data_memory, parallel_of
 from voxdiff.preflight.gpus import DEFAULT_GPU, GPUS, GpuSpec, resolve_gpu
 from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
 from voxdiff.preflight.phases import PhasesReport, predict_phases
 from voxdiff.preflight.resources import RunNeeds, run_needs, step_cost
-from voxdiff.preflight.rules import static_problems
 from voxdiff.preflight.stage1 import Stage1Report, predict_stage1
+from voxdiff.run_spec import RunSpec, run_spec, run_spec_problems
 from voxdiff.step import Recipe, batch_shapes, decide_precision, recipe_from_config
 
 PREDICTED_DEVICE = "cuda"
@@ -85,6 +85,8 @@ class StepPlan:
         recipe: the step's recipe (``preflight.recipe``, default ``system``).
         batch: shapes of the tensors of one batch as the data module hands them over.
         mode: ``bravo`` or ``seg``.
+        run: the run's :class:`~voxdiff.run_spec.RunSpec` (resolved for :data:`PREDICTED_DEVICE`), which the
+            above are taken from.
     """
 
     encoding: Encoding
@@ -93,6 +95,11 @@ class StepPlan:
     recipe: Recipe
     batch: dict[str, tuple[int, ...]]
     mode: str
+    run: RunSpec
+
+    def build_model(self):
+        """The UNet of the plan (call under ``torch.device("meta")`` to build it at no cost)."""
+        return build_unet_from_spec(self.spec, preserve_rng_state=False)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -100,17 +107,19 @@ class StepPlan:
         return (next(iter(self.batch.values()))[0], *self.shapes.unet_input)
 
 
-def step_plan(cfg: DictConfig) -> StepPlan:
-    """The :class:`StepPlan` of ``cfg``.
+def step_plan(cfg: DictConfig, run: RunSpec | None = None) -> StepPlan:
+    """The :class:`StepPlan` of ``cfg``: its run spec (``run``, when already built for :data:`PREDICTED_DEVICE`)
+    with the step of ``preflight.recipe``.
 
     Raises:
-        ConfigError: ``data.batch_size`` that is not a positive integer, an unknown ``preflight.recipe``, or a
-            ``system``/``trainer`` setting that cannot work.
+        ConfigError: every problem of the run spec (:func:`voxdiff.run_spec.run_spec`), or an unknown
+            ``preflight.recipe``.
     """
-    encoding = build_encoding(cfg)
-    s = shapes(cfg, encoding)
-    return StepPlan(encoding, s, model_spec(cfg, encoding, PREDICTED_DEVICE), recipe_from_config(cfg),
-                    batch_shapes(encoding, s.volume, batch_size(cfg)), str(cfg.mode))
+    run = run or run_spec(cfg, PREDICTED_DEVICE)
+    name = _get(cfg, "preflight.recipe") or "system"
+    recipe = run.recipe if name == "system" and run.recipe is not None else recipe_from_config(cfg)
+    return StepPlan(run.encoding, run.shapes, run.unet, recipe,
+                    batch_shapes(run.encoding, run.shapes.volume, run.batch_size), run.mode, run)
 
 
 @dataclass
@@ -163,8 +172,8 @@ class PreflightResult:
         return not self.problems and (self.fits or not self.modelled) and not self.misfits
 
 
-def predict_memory(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None, compile: bool | None = None
-                   ) -> MemoryReport:
+def predict_memory(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None, compile: bool | None = None,
+                   plan: StepPlan | None = None) -> MemoryReport:
     """Trace two training steps of ``cfg`` on the meta device, as one GPU of its strategy runs them (one rank of a
     DDP or FSDP run: :mod:`voxdiff.preflight.distributed`), for the GPU of
     :func:`~voxdiff.preflight.gpus.resolve_gpu` (``gpu``, when already resolved); see the module docstring for what
@@ -178,20 +187,20 @@ def predict_memory(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None, comp
             is ``model.compile`` as a GPU run resolves it (``auto`` and ``true`` compile:
             :meth:`voxdiff.models.UNetSpec.for_device`), in ``model.compile_mode``; a backend other than inductor
             (``aot_eager``) is predicted as the eager step.
+        plan: the step's plan when already made (:func:`step_plan`), else it is made here.
 
     Raises:
         ConfigError: see :func:`step_plan`, :func:`gpu_precision` and :func:`~voxdiff.preflight.gpus.resolve_gpu`.
     """
     gpu = gpu or resolve_gpu(cfg)
-    plan = step_plan(cfg)
+    plan = plan or step_plan(cfg)
     spec = plan.spec
     compiles = spec.compile and spec.compile_backend == "inductor"
     report = predict_step_memory(
-        lambda: build_model(cfg, plan.encoding, preserve_rng_state=False, device_type=PREDICTED_DEVICE),
-        plan.input_shape, plan.recipe,
+        plan.build_model, plan.input_shape, plan.recipe,
         batch=plan.batch, encoding=plan.encoding, mode=plan.mode, precision=gpu_precision(cfg, gpu),
         attention="flash" if plan.spec.use_flash_attention else "materialised", gpu=gpu[0],
-        parallel=_parallel(cfg), compile=compiles and compile is not False, compile_mode=spec.compile_mode,
+        parallel=plan.run.parallel, compile=compiles and compile is not False, compile_mode=spec.compile_mode,
     )
     if compiles and compile is False:
         return replace(report, model_step="upper bound (eager)", notes=(*report.notes, (
@@ -226,9 +235,11 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def candidate_fixes(cfg: DictConfig) -> list[tuple[str, dict[str, Any]]]:
-    """Concrete changes that lower the peak of ``cfg``, cheapest in model quality first."""
-    spec = model_spec(cfg)
+def candidate_fixes(cfg: DictConfig, run: RunSpec | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """Concrete changes that lower the peak of ``cfg`` (its run spec ``run``, when already built), cheapest in
+    model quality first."""
+    run = run or run_spec(cfg, PREDICTED_DEVICE)
+    spec = run.unet
     out: list[tuple[str, dict[str, Any]]] = []
     ckpt = spec.gradient_checkpointing != "layer"
     flash = any(spec.attention_levels) and not spec.use_flash_attention
@@ -248,9 +259,8 @@ def candidate_fixes(cfg: DictConfig) -> list[tuple[str, dict[str, Any]]]:
     smaller = [max(step, c // 2 // step * step) for c in spec.channels]
     if smaller != list(spec.channels):
         out.append(("half the channels", {"model.channels": smaller}))
-    encoding = build_encoding(cfg)
-    unit = encoding.factor * spec.downsampling
-    vol = list(plain(cfg.data.volume_shape))
+    unit = run.encoding.factor * spec.downsampling
+    vol = list(run.shapes.volume)
     reduced = [max(unit, (v * 3 // 4) // unit * unit) for v in vol]
     if reduced != vol:
         out.append(("a smaller volume (3/4 per axis)", {"data.volume_shape": reduced}))
@@ -267,40 +277,37 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     table over every experiment). The fixes are always predicted eagerly (an upper bound of their compiled step).
     ``phases=False`` leaves out validation and sampling, ``timing=False`` the step's FLOPs and time (a CPU run's
     verdict in ``train.py``: its peak is the training step's, and a GPU's time means nothing there)."""
-    from voxdiff.config import run_kind
-
-    if run_kind(cfg) == "stage1":
-        return _stage1_preflight(cfg, name, margin)
-    result = PreflightResult(name=name or str(_get(cfg, "task_name", "")), problems=static_problems(cfg))
+    run, problems = run_spec_problems(cfg, PREDICTED_DEVICE)  # every configuration problem, in one pass
+    result = PreflightResult(name=name or str(_get(cfg, "task_name", "")), problems=problems)
     try:
-        gpu = resolve_gpu(cfg)
-        result.gpu = gpu[0]
-        result.budget_gib, result.budget_source = gpu_budget_gib(cfg, gpu)
+        if run is not None:
+            gpu = (run.gpu, run.gpu_source)
+            result.gpu = run.gpu
+            result.budget_gib, result.budget_source = gpu_budget_gib(cfg, gpu)
         margin = float(_get(cfg, "preflight.safety_margin", margin))
-        if not result.problems:  # the step's own settings, once the UNet and the shapes are known to work
-            plan = step_plan(cfg)
-            gpu_precision(cfg, gpu)
+        if run is not None and run.kind == "diffusion":
+            plan = step_plan(cfg, run)
     except ConfigError as err:
         result.problems.append(err)
     if result.problems:
         return result
+    if run.kind == "stage1":
+        return _stage1_preflight(cfg, run, result, margin)
     result.shapes = plan.shapes
     result.levels = plan.spec.levels
     with torch.device("meta"):
-        result.params = sum(p.numel() for p in build_model(cfg, plan.encoding, device_type=PREDICTED_DEVICE)
-                            .parameters())
-    parallel = _parallel(cfg)
+        model = plan.build_model()  # for the parameter count and the checkpoint's bytes
+    result.params = sum(p.numel() for p in model.parameters())
+    parallel = run.parallel
     result.parallel, result.strategy, result.world_size = parallel, parallel.strategy, parallel.world_size
     latents = plan.batch.get("image_z")
     result.data = data_memory({k: _get(cfg, f"data.{k}") for k in _DATA_KEYS}, tuple(latents[1:]) if latents else None)
-    report = predict_memory(cfg, gpu=gpu, compile=None if compile else False)
+    report = predict_memory(cfg, gpu=gpu, compile=None if compile else False, plan=plan)
     result.report = report
     peak = report.peak_allocated  # one rank's: the trace is of what one GPU of the strategy holds
     if phases and parallel.strategy != "fsdp":  # validation and sampling: the whole model, as on one GPU or DDP
-        result.phases = predict_phases(cfg, gpu, training=report)
+        result.phases = predict_phases(cfg, gpu, training=report, plan=plan)
         peak, result.peak_phase = max(peak, result.phases.peak_allocated), result.phases.peak_phase
-    with torch.device("meta"):
-        model = build_model(cfg, plan.encoding, preserve_rng_state=False, device_type=PREDICTED_DEVICE)
     one = {k: (1, *v[1:]) for k, v in plan.batch.items()}
     result.needs = run_needs(
         cfg, model, ema=plan.recipe.ema is not None, data=result.data,
@@ -316,11 +323,12 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
         # each fix is traced eagerly: seconds instead of a compiled trace each; eager is the compiled step's upper
         # bound, so a fix said to fit does
         result.suggestions_step = "eager"
-        for change, overrides in candidate_fixes(cfg):
+        for change, overrides in candidate_fixes(cfg, run):
             fixed = _with(cfg, overrides)
-            if static_problems(fixed):
+            fixed_run, fixed_problems = run_spec_problems(fixed, PREDICTED_DEVICE)
+            if fixed_problems:
                 continue
-            r = predict_memory(fixed, gpu=gpu, compile=False)
+            r = predict_memory(fixed, gpu=gpu, compile=False, plan=step_plan(fixed, fixed_run))
             p = r.peak_allocated
             need = _need(p, r, margin)
             result.suggestions.append(Suggestion(
@@ -329,19 +337,14 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     return result
 
 
-def _stage1_preflight(cfg: DictConfig, name: str, margin: float) -> PreflightResult:
+def _stage1_preflight(cfg: DictConfig, run: RunSpec, result: PreflightResult, margin: float) -> PreflightResult:
     """A VQ-VAE stage 1: its training step and its latent-cache pass traced (:mod:`voxdiff.preflight.stage1`), the
     larger against the GPU's budget; its checkpoints against the run directory's disk."""
-    from voxdiff.encodings.vqvae import build_vqvae, vqvae_spec
+    from voxdiff.encodings.vqvae import build_vqvae
 
-    result = PreflightResult(name=name or str(_get(cfg, "task_name", "")), problems=[])
+    gpu = (run.gpu, run.gpu_source)
     try:
-        gpu = resolve_gpu(cfg)
-        result.gpu = gpu[0]
-        result.budget_gib, result.budget_source = gpu_budget_gib(cfg, gpu)
-        margin = float(_get(cfg, "preflight.safety_margin", margin))
         stage1 = predict_stage1(cfg, gpu)
-        spec = vqvae_spec(**_get(cfg, "system.vqvae"))
     except ConfigError as err:
         result.problems.append(err)
         return result
@@ -351,9 +354,9 @@ def _stage1_preflight(cfg: DictConfig, name: str, margin: float) -> PreflightRes
     result.per_gpu_peak_gib = peak / GiB
     result.need_gib = (peak * (1.0 + margin) + stage1.cuda_context_bytes) / GiB
     result.fits = result.need_gib <= result.budget_gib
-    result.parallel = _parallel(cfg)
+    result.parallel = run.parallel
     with torch.device("meta"):
-        model = build_vqvae(spec)
+        model = build_vqvae(run.vqvae)
     result.needs = run_needs(cfg, model, ema=False, data=None, sample_bytes=0, processes_per_node=1, world_size=1,
                              cost=None, gpu=gpu[0].name, compiled=False, env=os.environ)
     return result

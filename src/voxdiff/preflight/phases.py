@@ -28,14 +28,14 @@ import contextlib
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from voxdiff.config import build_model, plain
+from voxdiff.config import plain
 from voxdiff.diffusion import DiffusionProcess, encoded_range
-from voxdiff.errors import ConfigError, integer
+from voxdiff.errors import ConfigError
 from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES
 from voxdiff.preflight.attention import FlashAttentionEmulator
 from voxdiff.preflight.autocast import CudaAutocastEmulator
@@ -47,7 +47,10 @@ from voxdiff.preflight.memory import (
     _FusedAdamWOnMeta,
 )
 from voxdiff.preflight.tracker import StorageTracker
-from voxdiff.step import TrainStep, recipe_from_config
+from voxdiff.step import TrainStep
+
+if TYPE_CHECKING:
+    from voxdiff.preflight.check import StepPlan
 
 __all__ = ["PhaseRecorder", "PhaseTrace", "PhasesReport", "predict_phases", "trace_sampling", "trace_validation",
            "tracker_for"]
@@ -255,7 +258,7 @@ def _select(cfg: DictConfig, key: str, default: Any = None) -> Any:
 
 
 def predict_phases(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None,
-                   training: MemoryReport | None = None) -> PhasesReport:
+                   training: MemoryReport | None = None, plan: StepPlan | None = None) -> PhasesReport:
     """Predict the peaks of training, validation and sampling of the diffusion run ``cfg`` on one GPU, without one.
 
     Args:
@@ -264,6 +267,8 @@ def predict_phases(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None,
             workspaces, bf16 support.
         training: the training step's report when it is already predicted (:func:`~voxdiff.preflight.check.
             predict_memory`; the compiled one, for a compiled run); else it is predicted here.
+        plan: the step's plan when already made (:func:`~voxdiff.preflight.check.step_plan`, whose run spec gives
+            the system's recipe, the UNet and the strategy), else it is made here.
 
     Raises:
         ConfigError: not a diffusion config, or a setting the step cannot work with (as the preflight's).
@@ -280,18 +285,13 @@ def predict_phases(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None,
     t0 = time.perf_counter()
     gpu = gpu or resolve_gpu(cfg)
     spec = gpu[0]
-    training = training or predict_memory(cfg, gpu=gpu)
-    plan = step_plan(cfg)
-    recipe = recipe_from_config(cfg, "system")  # validation and sampling are the system's, whatever preflight.recipe
-    val_timesteps = _select(cfg, "system.val_timesteps", 4)
-    num_masks = _select(cfg, "system.sampling.num_masks", 2)
-    integer("system.val_timesteps", val_timesteps, minimum=0, example=4)
-    integer("system.sampling.num_masks", num_masks, minimum=0, example=2)
-    steps = _select(cfg, "system.sampling.num_inference_steps") or recipe.diffusion.num_inference_steps
+    plan = plan or step_plan(cfg)
+    training = training or predict_memory(cfg, gpu=gpu, plan=plan)
+    recipe = plan.run.recipe  # validation and sampling are the system's, whatever preflight.recipe
+    val_timesteps, num_masks = plan.run.val_timesteps, plan.run.sampling.num_masks
+    steps = plan.run.sampling.num_inference_steps or recipe.diffusion.num_inference_steps
     notes: list[str] = []
-    from voxdiff.preflight.check import _parallel
-
-    strategy = _parallel(cfg).strategy
+    strategy = plan.run.parallel.strategy
     if strategy != "single":  # a DDP rank holds the whole model too; its buckets are not in these phases
         notes.append(f"validation and sampling traced as on one GPU (one {strategy} rank's buckets not added)")
 
@@ -302,7 +302,7 @@ def predict_phases(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None,
         ae = attach_meta_autoencoder(plan.encoding, stage1).autoencoder
         resident = [*ae.parameters(), *ae.buffers()]
     with torch.device("meta"):
-        model = build_model(cfg, plan.encoding, preserve_rng_state=False, device_type="cuda")
+        model = plan.build_model()
     model.train()
     dtype = AUTOCAST_DTYPES[gpu_precision(cfg, gpu)]
     autocast = CudaAutocastEmulator(dtype=dtype or torch.bfloat16, device_type="meta", enabled=dtype is not None)

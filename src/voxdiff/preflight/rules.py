@@ -1,22 +1,23 @@
-"""Static checks of a configuration, before any tracing or building: each failure names key, value and a fix.
+"""The UNet's rules of a configuration, before any tracing or building: each failure names key, value and a fix.
 
-Rules (one function each, all run, every failure reported):
+:func:`voxdiff.run_spec.run_spec_problems` runs them with the rest of a config's checks, every failure reported:
 
-1. the volume divides by the encoding's factor (``data.volume_shape`` vs ``encoding``);
-2. every encoded spatial size divides by ``2 ** (levels - 1)`` for the UNet's levels;
+1. the volume divides by the encoding's factor (``data.volume_shape`` vs ``encoding``: the encoding's own check,
+   through :func:`voxdiff.config.shapes`);
+2. every encoded spatial size divides by ``2 ** (levels - 1)`` for the UNet's levels (:func:`check_unet_divisibility`,
+   with the deepest UNet that fits and the padded or cropped volume as fixes);
 3. the UNet arguments are consistent (list lengths = levels, channels divisible by ``norm_num_groups``, channels at
    attention levels divisible by ``num_head_channels``, ...) — :func:`voxdiff.models.unet_spec`;
-4. UNet in/out channels, when a config sets them, agree with the encoding and the mode.
+4. UNet in/out channels, when a config sets them, agree with the encoding and the mode (:func:`check_io_channels`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 from omegaconf import DictConfig
 
-from voxdiff.config import build_encoding, model_spec, plain, volume_shape
+from voxdiff.config import plain, volume_shape
 from voxdiff.encodings import Encoding
 from voxdiff.encodings.base import AXES
 from voxdiff.errors import ConfigError
@@ -27,10 +28,6 @@ from voxdiff.models.unet import unet_downsampling
 def _levels(cfg: DictConfig) -> int:
     channels = plain(cfg.model.get("channels"))
     return len(channels) if isinstance(channels, (list, tuple)) else 0
-
-
-def check_volume_vs_encoding(cfg: DictConfig, encoding: Encoding) -> None:
-    encoding.check_volume_shape(volume_shape(cfg))
 
 
 def check_unet_divisibility(cfg: DictConfig, encoding: Encoding) -> None:
@@ -63,10 +60,6 @@ def check_unet_divisibility(cfg: DictConfig, encoding: Encoding) -> None:
             )
 
 
-def check_model_arguments(cfg: DictConfig, encoding: Encoding) -> None:
-    model_spec(cfg, encoding)
-
-
 def check_io_channels(cfg: DictConfig, encoding: Encoding) -> None:
     expected = dict(zip(("in_channels", "out_channels"), unet_io_channels(encoding, cfg.mode)))
     for key, want in expected.items():
@@ -81,39 +74,9 @@ def check_io_channels(cfg: DictConfig, encoding: Encoding) -> None:
             )
 
 
-RULES: tuple[Callable[[DictConfig, Encoding], None], ...] = (
-    check_volume_vs_encoding,
-    check_unet_divisibility,
-    check_model_arguments,
-    check_io_channels,
-)
-
-
 def static_problems(cfg: DictConfig) -> list[ConfigError]:
-    """Every static problem of ``cfg`` (empty when it is valid). Never raises for a config problem."""
-    try:
-        encoding = build_encoding(cfg)
-        volume_shape(cfg)
-    except ConfigError as err:
-        return [err]
-    problems: list[ConfigError] = []
-    for rule in RULES:
-        if rule is check_unet_divisibility and problems:
-            continue  # sizes are meaningless once the volume or the model arguments are wrong
-        try:
-            rule(cfg, encoding)
-        except ConfigError as err:
-            problems.append(err)
-    return problems
+    """Every problem of ``cfg`` as the preflight sees it: those of its run spec for the GPU it predicts
+    (:func:`voxdiff.run_spec.run_spec_problems`); empty when it is valid. Never raises for a config problem."""
+    from voxdiff.run_spec import run_spec_problems
 
-
-def validate(cfg: DictConfig) -> None:
-    """Raise the first static problem of ``cfg`` as a :class:`ConfigError` (all of them in its message)."""
-    problems = static_problems(cfg)
-    if len(problems) == 1:
-        raise problems[0]
-    if problems:
-        first = problems[0]
-        err = ConfigError(first.key, first.value, first.problem, first.fix)
-        err.args = ("\n".join(str(p) for p in problems),)
-        raise err
+    return run_spec_problems(cfg, "cuda")[1]

@@ -1,0 +1,228 @@
+"""The resolved run: what a composed config means, built once, with every configuration error found in one pass.
+
+:func:`run_spec` reads the composed config (OmegaConf) and returns a :class:`RunSpec` of plain, validated objects:
+what the run trains (``system.kind``), the encoding and the shapes it gives, the batch, the UNet's arguments
+resolved for the device, the training step's recipe (diffusion, AdamW, EMA, clipping, guard), validation and
+sampling, the precision, the strategy and world size, and the GPU type. Every problem of every part is collected
+before anything is raised, so a config with three mistakes is refused once, naming all three
+(:class:`~voxdiff.errors.ConfigErrors`); a part that depends on a refused one (the UNet's divisibility on the
+volume) is not checked on top of it.
+
+``train.py`` and ``preflight.py`` build it once per config and hand its parts on. Not yet consumers: the Lightning
+systems (they rebuild their parts from the plain hyper-parameters their checkpoints store), ``sample.py``,
+``cache_latents.py``.
+
+Lightning is not imported here (the preflight runs on a login node without it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from voxdiff.config import (
+    Shapes,
+    batch_size,
+    build_encoding,
+    model_spec,
+    plain,
+    run_kind,
+    shapes,
+    strategy_kind,
+)
+from voxdiff.encodings.base import Encoding
+from voxdiff.errors import ConfigError, ConfigErrors, Problems, boolean, integer, number, one_of
+from voxdiff.models.unet import UNetSpec
+from voxdiff.step.precision import Precision, accelerator_device, decide_precision
+from voxdiff.step.recipe import Recipe, recipe_from_config
+from voxdiff.step.sampling import SamplingSettings, sampling_settings
+
+__all__ = ["PRECISIONS", "RunSpec", "run_spec", "run_spec_problems", "validate_trainer"]
+
+#: values of ``trainer.precision`` that Lightning accepts (an int from the command line, e.g. 32, counts too)
+PRECISIONS = ("64-true", "64", "32-true", "32", "16-true", "16-mixed", "16", "bf16-true", "bf16-mixed", "bf16")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run, resolved. Shapes are per sample, without the batch axis.
+
+    Attributes:
+        kind: what the run trains (:data:`voxdiff.config.RUN_KINDS`: ``diffusion``, ``stage1``).
+        mode: ``bravo`` (image conditioned on the mask) or ``seg`` (masks alone).
+        encoding: the encoding (volumes ↔ what the UNet sees), built once.
+        shapes: the volume and its encoded shapes.
+        batch_size: volumes per batch and process (``data.batch_size``).
+        device_type: the device the spec is resolved for (``cuda``, ``cpu``): the run's own
+            (``trainer.accelerator``), or the GPU the preflight predicts.
+        precision: ``trainer.precision`` decided on that device (:func:`voxdiff.step.decide_precision`).
+        parallel: the strategy, world size and DDP bucket options (one rank of it is what a GPU holds).
+        gpu: the GPU type (:func:`voxdiff.preflight.gpus.resolve_gpu`) and where it came from (``preflight.gpu``,
+            ``local GPU``, ``default``).
+        unet: the UNet's validated arguments with in/out channels, its ``auto`` switches resolved for
+            ``device_type`` (a diffusion run; None for stage 1).
+        recipe: the training step the system runs (a diffusion run; None for stage 1).
+        sampling: validation sampling (a diffusion run; None for stage 1).
+        val_timesteps: timesteps of the validation loss (a diffusion run; 0 for stage 1).
+        vqvae: the VQ-VAE's validated arguments (a stage-1 run; None for diffusion).
+    """
+
+    kind: str
+    mode: str
+    encoding: Encoding
+    shapes: Shapes
+    batch_size: int
+    device_type: str
+    precision: Precision
+    parallel: Any  # voxdiff.preflight.distributed.Parallel
+    gpu: Any  # voxdiff.preflight.gpus.GpuSpec
+    gpu_source: str
+    unet: UNetSpec | None = None
+    recipe: Recipe | None = None
+    sampling: SamplingSettings | None = None
+    val_timesteps: int = 0
+    vqvae: Any = None  # voxdiff.encodings.vqvae.VQVAESpec
+
+
+def run_spec_problems(cfg: DictConfig, device_type: str | None = None) -> tuple[RunSpec | None, list[ConfigError]]:
+    """The :class:`RunSpec` of ``cfg`` and every problem found building it (the spec is None when there is one).
+
+    Args:
+        cfg: a composed ``train`` (or ``preflight``) config.
+        device_type: the device to resolve for (``cuda``: the GPU the preflight predicts, whose bf16 support comes
+            from its type unless it is the local one); None: the run's own device (``trainer.accelerator``).
+
+    The checks, in order: ``trainer`` (:func:`validate_trainer`); ``system.kind``; the strategy (FSDP trains a
+    diffusion UNet only); the GPU type; the encoding; the volume and its encoded shapes; the batch; the precision
+    on the device; then for a diffusion run the UNet's arguments, the divisibility of the encoded volume by its
+    levels and its in/out channels (:mod:`voxdiff.preflight.rules`), the step's recipe and validation sampling;
+    for a stage 1 the VQ-VAE's arguments.
+    """
+    from voxdiff.preflight.distributed import parallel_of
+    from voxdiff.preflight.gpus import resolve_gpu
+    from voxdiff.preflight.rules import check_io_channels, check_unet_divisibility
+
+    collect = Problems()
+    trainer = cfg.get("trainer") or {}  # read key by key: a key may interpolate Hydra's run-time values
+    collect(lambda: validate_trainer(trainer))
+    kind = collect(lambda: run_kind(cfg))
+    parallel = collect(lambda: parallel_of({k: plain(trainer.get(k)) for k in ("strategy", "devices", "num_nodes")}))
+    if kind == "stage1" and parallel is not None and strategy_kind(trainer.get("strategy")) == "fsdp":
+        collect.found.append(ConfigError(
+            "trainer", "fsdp", "FSDP shards the diffusion UNet; the VQ-VAE stage 1 trains with one device or DDP",
+            "use trainer=ddp (or trainer=gpu) for system=vqvae"))
+    gpu = collect(lambda: resolve_gpu(cfg))
+    encoding = collect(lambda: build_encoding(cfg))
+    sizes = collect(lambda: shapes(cfg, encoding)) if encoding is not None else None
+    batch = collect(lambda: batch_size(cfg))
+    predicted = device_type is not None
+    device = device_type or accelerator_device(trainer.get("accelerator"))
+    precision = None
+    if not (predicted and device == "cuda" and gpu is None):
+        # a predicted GPU answers bf16 from its type (the local GPU is asked, as the Trainer asks it)
+        bf16 = gpu[0].bf16 if predicted and device == "cuda" and gpu[1] != "local GPU" else None
+        precision = collect(lambda: decide_precision(plain(trainer.get("precision")), device, bf16))
+    mode = str(OmegaConf.select(cfg, "mode", default="bravo"))
+    unet = recipe = sampling = vqvae = None
+    val_timesteps = 0
+    if kind == "diffusion":
+        if encoding is not None:
+            unet = collect(lambda: model_spec(cfg, encoding, device))
+            if unet is not None and sizes is not None:
+                collect(lambda: check_unet_divisibility(cfg, encoding))
+            collect(lambda: check_io_channels(cfg, encoding))
+        recipe = collect(lambda: recipe_from_config(cfg, "system"))
+        val_timesteps = plain(OmegaConf.select(cfg, "system.val_timesteps", default=4))
+        sampling = collect(lambda: sampling_settings(plain(OmegaConf.select(cfg, "system.sampling")), val_timesteps))
+    elif kind == "stage1":
+        from voxdiff.encodings.vqvae import vqvae_spec
+
+        vqvae = collect(lambda: vqvae_spec(**(plain(OmegaConf.select(cfg, "system.vqvae")) or {})))
+    if collect.found:
+        return None, collect.found
+    return RunSpec(kind=kind, mode=mode, encoding=encoding, shapes=sizes, batch_size=batch, device_type=device,
+                   precision=precision, parallel=parallel, gpu=gpu[0], gpu_source=gpu[1], unet=unet, recipe=recipe,
+                   sampling=sampling, val_timesteps=val_timesteps, vqvae=vqvae), []
+
+
+def run_spec(cfg: DictConfig, device_type: str | None = None) -> RunSpec:
+    """The :class:`RunSpec` of ``cfg`` (see :func:`run_spec_problems`).
+
+    Raises:
+        ConfigError: the one problem, or :class:`~voxdiff.errors.ConfigErrors` naming every problem found.
+    """
+    spec, problems = run_spec_problems(cfg, device_type)
+    if spec is None:
+        raise ConfigErrors(problems) if len(problems) > 1 else problems[0]
+    return spec
+
+
+def validate_trainer(trainer_cfg: Mapping[str, Any]) -> None:
+    """Check the ``trainer:`` keys voxdiff relies on, before anything is built (plain values, resolved).
+
+    Lightning checks some of them late (``max_steps=abc`` fails as a comparison naming only ``trainer``), some
+    not at all (``gradient_clip_val=-1`` flips every gradient with voxdiff's clipping; ``max_steps=0`` trains
+    nothing and exits 0).
+
+    Raises:
+        ConfigError: naming ``trainer.<key>``, the value and a fix.
+    """
+
+    def whole(key: str, minimum: int, fix: str, allow: tuple[Any, ...] = ()) -> None:
+        value = trainer_cfg.get(key)
+        if value in allow and not isinstance(value, bool):
+            return
+        integer(f"trainer.{key}", value, minimum=minimum, fix=fix)
+
+    for key, text in (("max_steps", "trainer.max_steps=1000, or -1 for no step limit"),
+                      ("max_epochs", "trainer.max_epochs=100, or -1 for no epoch limit")):
+        value = trainer_cfg.get(key)
+        if value == 0 and not isinstance(value, bool):
+            raise ConfigError(f"trainer.{key}", 0, "trains nothing (the run would end before its first step "
+                              "and exit 0)", f"e.g. {text}")
+        whole(key, 1, f"e.g. {text}", allow=(-1, None) if key == "max_epochs" else (-1,))
+    clip = trainer_cfg.get("gradient_clip_val")
+    if clip is not None:  # a negative value would flip every gradient
+        number("trainer.gradient_clip_val", clip, lo=0, lo_open=True,
+               fix="e.g. trainer.gradient_clip_val=1.0, or trainer.gradient_clip_val=null for no clipping")
+    algorithm = trainer_cfg.get("gradient_clip_algorithm")
+    if algorithm is not None:
+        one_of("trainer.gradient_clip_algorithm", algorithm, ("norm", "value"))
+    whole("accumulate_grad_batches", 1, "e.g. trainer.accumulate_grad_batches=1 (a positive integer)")
+    whole("log_every_n_steps", 1, "e.g. trainer.log_every_n_steps=10", allow=(None,))
+    whole("check_val_every_n_epoch", 1, "e.g. trainer.check_val_every_n_epoch=1", allow=(None,))
+    whole("num_sanity_val_steps", -1, "e.g. trainer.num_sanity_val_steps=2 (0: none, -1: all)", allow=(None,))
+    whole("num_nodes", 1, "e.g. trainer.num_nodes=1", allow=(None,))
+    limit = trainer_cfg.get("limit_val_batches")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit < 0
+                              or (isinstance(limit, float) and limit > 1)):
+        raise ConfigError("trainer.limit_val_batches", limit, "must be a fraction in [0, 1] or a number of batches",
+                          "e.g. trainer.limit_val_batches=1.0")
+    _validate_strategy(trainer_cfg.get("strategy"))
+    precision = trainer_cfg.get("precision")
+    if precision is not None and str(precision) not in PRECISIONS:
+        raise ConfigError("trainer.precision", precision, "is not a precision Lightning knows",
+                          "use null (bf16-mixed on a GPU, 32-true on the CPU), bf16-mixed or 32-true")
+
+
+def _validate_strategy(strategy: Any) -> None:
+    """``trainer.strategy``: the settings of voxdiff's DDP and FSDP nodes (``configs/trainer/ddp.yaml``,
+    ``fsdp.yaml``) that DDP or Lightning would take without complaint or reject late."""
+    if not isinstance(strategy, Mapping):
+        return
+    if strategy_kind(strategy) == "fsdp" and strategy.get("save_distributed_checkpoint"):
+        raise ConfigError("trainer.strategy.save_distributed_checkpoint", strategy["save_distributed_checkpoint"],
+                          "voxdiff writes one checkpoint file, gathered on rank 0 (about 16 bytes per parameter of "
+                          "host memory while it is written); its resume, ckpt_path=auto, sample.py and evaluate.py "
+                          "do not read a folder of shards", "remove it (false is the default)")
+    view = strategy.get("gradient_as_bucket_view")
+    if view is not None:
+        boolean("trainer.strategy.gradient_as_bucket_view", view,
+                fix="use true (gradients are views into DDP's buckets: one copy less)")
+    cap = strategy.get("bucket_cap_mb")
+    if cap is not None:
+        number("trainer.strategy.bucket_cap_mb", cap, lo=0, lo_open=True,
+               fix="e.g. trainer.strategy.bucket_cap_mb=25 (MiB, torch's default)")
