@@ -121,3 +121,17 @@ def vqvae_ckpt(tmp_path_factory) -> Path:
                 "hyper_parameters": dict(system.hparams),
                 CONFIG_KEY: {k: plain(cfg[k]) for k in cfg if k != "hydra"}}, path)
     return path
+
+
+@pytest.fixture(scope="session")
+def without_kind():
+    """``without_kind(ckpt, out) -> out``: a copy of a checkpoint as voxdiff wrote it before checkpoints recorded
+    their kind (its ``hyper_parameters`` without ``kind``: voxdiff.checkpoint.checkpoint_kind's compatibility path)."""
+
+    def write(ckpt: Path, out: Path) -> Path:
+        data = torch.load(ckpt, map_location="cpu", weights_only=True)
+        assert data["hyper_parameters"].pop("kind") in ("diffusion", "stage1")  # it was recorded
+        torch.save(data, out)
+        return out
+
+    return write

@@ -1,7 +1,9 @@
 """Files are data (voxdiff.checkpoint): a pickle payload in any file voxdiff reads — a training checkpoint (resumed
 by path or by ``ckpt_path=auto``, or sampled from), a stage-1 checkpoint, a latent-cache file, a NIfTI disk-cache
 file — never runs, and a ``_target_`` stored in a checkpoint is never called unless it is one of voxdiff's own
-classes. Every payload here creates a marker file when it runs; every test asserts the marker was never written."""
+classes. Every payload here creates a marker file when it runs; every test asserts the marker was never written.
+A checkpoint also says what kind of run wrote it (``hyper_parameters.kind``; one written before that, by its
+structure), and a command that needs the other kind refuses it naming both."""
 
 from __future__ import annotations
 
@@ -224,3 +226,81 @@ def test_load_file_names_the_problem(tmp_path):
         with pytest.raises(ConfigError) as err:
             load_file(tmp_path / name, "ckpt_path", "fix it")
         assert err.value.key == "ckpt_path" and words in str(err.value) and str(err.value).endswith("Fix: fix it")
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint kinds
+def test_checkpoint_kinds_are_the_run_kinds():
+    from voxdiff.checkpoint import KINDS, system_class
+    from voxdiff.config import RUN_KINDS
+
+    assert set(KINDS) == {*RUN_KINDS, "unknown"}
+    for kind in RUN_KINDS:
+        assert system_class(kind).kind == kind
+    with pytest.raises(ValueError, match="'vqvae'"):  # the old name of the stage-1 kind is no kind
+        system_class("vqvae")
+
+
+def test_a_new_checkpoint_records_its_kind(diffusion_dict, vqvae_ckpt):
+    from voxdiff.checkpoint import checkpoint_kind
+
+    stage1 = torch.load(vqvae_ckpt, weights_only=True)
+    assert diffusion_dict["hyper_parameters"]["kind"] == "diffusion" and checkpoint_kind(diffusion_dict) == "diffusion"
+    assert stage1["hyper_parameters"]["kind"] == "stage1" and checkpoint_kind(stage1) == "stage1"
+
+
+def test_the_recorded_kind_is_read_not_guessed_from_the_keys(diffusion_dict):
+    from voxdiff.checkpoint import checkpoint_kind
+
+    hparams = diffusion_dict["hyper_parameters"]  # a diffusion system's keys, under other recorded kinds
+    assert checkpoint_kind({"hyper_parameters": {**hparams, "kind": "stage1"}}) == "stage1"
+    assert checkpoint_kind({"hyper_parameters": {**hparams, "kind": "vqvae"}}) == "unknown"
+    assert checkpoint_kind({"hyper_parameters": {"lr": 1e-3}}) == "unknown"
+    assert checkpoint_kind({"state_dict": {}}) == "unknown"
+
+
+def test_a_checkpoint_without_a_recorded_kind_is_recognised_and_loads_as_before(
+        diffusion_ckpt, vqvae_ckpt, without_kind, repo, tmp_path):
+    """Compatibility: checkpoints written before the kind was recorded are recognised by their structure."""
+    from voxdiff.checkpoint import checkpoint_kind, rebuild_system
+
+    assert checkpoint_kind(torch.load(repo / "tests" / "fixtures" / "pre_step_tiny.ckpt", weights_only=True,
+                                      mmap=True)) == "diffusion"  # written by voxdiff 9134779
+    for new, kind in ((diffusion_ckpt, "diffusion"), (vqvae_ckpt, "stage1")):
+        old = without_kind(new, tmp_path / f"old_{kind}.ckpt")
+        system, checkpoint = rebuild_system(old, kind, "fix")
+        assert "kind" not in checkpoint["hyper_parameters"] and checkpoint_kind(checkpoint) == kind
+        assert type(system).kind == kind
+        expected = rebuild_system(new, kind, "fix")[0].state_dict()
+        assert system.state_dict().keys() == expected.keys()
+        assert all(torch.equal(v, expected[k]) for k, v in system.state_dict().items())
+
+
+STAGE1_TEXT = "a VQ-VAE stage-1 checkpoint (VQVAESystem, system=vqvae)"
+DIFFUSION_TEXT = "a diffusion-UNet checkpoint (DiffusionSystem, system=diffusion)"
+
+
+@pytest.mark.parametrize("style", ["recorded", "old"])
+def test_a_checkpoint_of_the_other_kind_is_refused_naming_both_kinds(style, diffusion_ckpt, vqvae_ckpt, without_kind,
+                                                                     tmp_path):
+    from voxdiff.checkpoint import rebuild_system
+    from voxdiff.errors import ConfigError
+
+    for given, needed, words in ((vqvae_ckpt, "diffusion", f"is {STAGE1_TEXT}; this command needs {DIFFUSION_TEXT}"),
+                                 (diffusion_ckpt, "stage1", f"is {DIFFUSION_TEXT}; this command needs {STAGE1_TEXT}")):
+        path = given if style == "recorded" else without_kind(given, tmp_path / f"for_{needed}.ckpt")
+        with pytest.raises(ConfigError) as err:
+            rebuild_system(path, needed, "fix it")
+        assert err.value.key == "ckpt_path" and err.value.value == str(path)
+        assert words in str(err.value) and str(err.value).endswith("Fix: fix it")
+
+
+def test_a_recorded_kind_without_its_hyper_parameters_is_refused(tmp_path):
+    from voxdiff.checkpoint import rebuild_system
+    from voxdiff.errors import ConfigError
+
+    path = tmp_path / "bare.ckpt"
+    torch.save({"hyper_parameters": {"kind": "diffusion", "mode": "bravo"}, "state_dict": {}}, path)
+    with pytest.raises(ConfigError) as err:
+        rebuild_system(path, "diffusion", "fix it")
+    assert err.value.key == "ckpt_path" and "lack model, encoding, diffusion, which DiffusionSystem needs" in str(
+        err.value)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from voxdiff.config import RUN_KINDS
 from voxdiff.errors import ConfigError
 
 #: globals the files voxdiff writes need beyond torch's weights-only defaults. None: checkpoints hold tensors,
@@ -29,10 +30,11 @@ SAFE_GLOBALS: tuple[Any, ...] = ()
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
 
-#: what kind of checkpoint a file is, keyed as :func:`checkpoint_kind` returns it
+#: what kind of checkpoint a file is, keyed as :func:`checkpoint_kind` returns it: the kind of run that wrote it
+#: (:data:`voxdiff.config.RUN_KINDS`), or ``unknown``
 KINDS = {
     "diffusion": "a diffusion-UNet checkpoint (DiffusionSystem, system=diffusion)",
-    "vqvae": "a VQ-VAE stage-1 checkpoint (VQVAESystem, system=vqvae)",
+    "stage1": "a VQ-VAE stage-1 checkpoint (VQVAESystem, system=vqvae)",
     "unknown": "not a checkpoint of voxdiff's train.py (no DiffusionSystem or VQVAESystem hyper-parameters in it)",
 }
 
@@ -81,15 +83,36 @@ def load_file(path: str | Path, key: str, fix: str, *, mmap: bool = False) -> An
 
 
 def checkpoint_kind(checkpoint: Mapping[str, Any]) -> str:
-    """``"diffusion"``, ``"vqvae"`` or ``"unknown"``: which voxdiff system wrote a loaded checkpoint."""
+    """Which kind of run wrote a loaded checkpoint: ``"diffusion"`` or ``"stage1"`` (:data:`KINDS`,
+    :data:`voxdiff.config.RUN_KINDS`), or ``"unknown"``.
+
+    A voxdiff system records its kind in the checkpoint (``hyper_parameters.kind``, its class's ``kind``); a recorded
+    kind that is not a run kind is ``unknown``. Compatibility: a checkpoint written before the kind was recorded (no
+    ``kind`` among its hyper-parameters) is recognised by its structure — the diffusion system's ``model``,
+    ``encoding``, ``diffusion`` and ``mode``, or the stage 1's ``vqvae``.
+    """
     hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, Mapping) else None
     if not isinstance(hparams, Mapping):
         return "unknown"
+    if "kind" in hparams:
+        return hparams["kind"] if hparams["kind"] in RUN_KINDS else "unknown"
     if {"model", "encoding", "diffusion", "mode"} <= set(hparams):
         return "diffusion"
     if "vqvae" in hparams:
-        return "vqvae"
+        return "stage1"
     return "unknown"
+
+
+def system_class(kind: str) -> type:
+    """The Lightning system that trains a run of ``kind`` (:data:`voxdiff.config.RUN_KINDS`) and writes its
+    checkpoints: the one of voxdiff's systems whose class declares that ``kind``."""
+    from voxdiff.lightning.diffusion import DiffusionSystem
+    from voxdiff.lightning.vqvae import VQVAESystem
+
+    systems = {cls.kind: cls for cls in (DiffusionSystem, VQVAESystem)}
+    if kind not in systems:
+        raise ValueError(f"kind must be one of {', '.join(systems)}, not {kind!r}")
+    return systems[kind]
 
 
 def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path",
@@ -101,7 +124,8 @@ def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path"
     constructor takes the stored plain values, and the encoding or data it names must be one of voxdiff's own.
 
     Args:
-        kind: ``"diffusion"`` or ``"vqvae"``: the kind of checkpoint the caller needs (see :data:`KINDS`).
+        kind: the kind of checkpoint the caller needs, a run kind (``"diffusion"`` or ``"stage1"``, see
+            :data:`KINDS`); the system is :func:`system_class`'s.
         device_type: the device the system will run on, for a system that decides settings by it (the diffusion
             system's ``auto`` switches, e.g. SDPA attention on a GPU); None: the system's default.
 
@@ -110,11 +134,7 @@ def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path"
     """
     import inspect
 
-    if kind == "diffusion":
-        from voxdiff.lightning.diffusion import DiffusionSystem as cls
-    else:
-        from voxdiff.lightning.vqvae import VQVAESystem as cls
-
+    cls = system_class(kind)
     checkpoint = load_file(path, key, fix)
     found = checkpoint_kind(checkpoint)
     if found != kind:
@@ -122,6 +142,10 @@ def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path"
     hparams = checkpoint["hyper_parameters"]
     accepted = inspect.signature(cls.__init__).parameters
     args = {k: hparams[k] for k in accepted if k in hparams}
+    missing = [k for k, p in accepted.items() if k != "self" and p.default is p.empty and k not in args]
+    if missing:  # a recorded kind without the hyper-parameters its system needs
+        raise ConfigError(key, str(path), f"its hyper-parameters lack {', '.join(missing)}, which {cls.__name__} "
+                          "needs", fix)
     if device_type is not None and "device_type" in accepted:
         args["device_type"] = device_type
     try:

@@ -1,6 +1,6 @@
 """``evaluate.py``: a tiny run trained here, evaluated at an early and a late checkpoint; metrics.json, the
 self-contained report (rendered by a real headless Chromium), samples with the source affine, the direction of
-the figures, a VQ-VAE checkpoint, and refused configs."""
+the figures, a VQ-VAE checkpoint (the report follows the checkpoint's kind), and refused configs."""
 
 import json
 from pathlib import Path
@@ -117,12 +117,19 @@ def test_figures_move_the_right_way_from_an_early_to_a_late_checkpoint(early, la
     assert l["frechet_random_resnet10"]["value"] < e["frechet_random_resnet10"]["value"]
 
 
-def test_a_vqvae_checkpoint_is_evaluated_on_its_reconstructions(tmp_path):
+@pytest.fixture(scope="module")
+def stage1(tmp_path_factory):
+    """A 2-step VQ-VAE run's last checkpoint and its evaluation."""
+    out = tmp_path_factory.mktemp("stage1")
     report = train(compose("train", [
-        "experiment=vqvae_demo", *QUIET, f"paths.output_dir={tmp_path / 'run'}", "data.volume_shape=[24,32,32]",
+        "experiment=vqvae_demo", *QUIET, f"paths.output_dir={out / 'run'}", "data.volume_shape=[24,32,32]",
         "data.num_subjects=3", "system.vqvae.channels=[8,8]", "system.vqvae.num_res_channels=8",
         "system.vqvae.num_res_layers=1", "system.vqvae.num_embeddings=16", "trainer.max_steps=2"]))
-    record = _evaluate(report["last_checkpoint"], tmp_path / "eval", "n=2")
+    return Path(report["last_checkpoint"]), _evaluate(report["last_checkpoint"], out / "eval", "n=2"), out / "eval"
+
+
+def test_a_vqvae_checkpoint_is_evaluated_on_its_reconstructions(stage1):
+    _, record, out = stage1
     f = record["figures"]
     assert record["checkpoint"]["kind"] == "vqvae"
     assert {"reconstruction_ssim", "reconstruction_psnr", "reconstruction_ms_ssim", "codebook_perplexity",
@@ -131,7 +138,37 @@ def test_a_vqvae_checkpoint_is_evaluated_on_its_reconstructions(tmp_path):
     assert 1.0 <= usage["value"] <= 16 and usage["used"] + usage["dead"] == 16
     assert record["n_real"] == 1  # 3 subjects: 1 validation subject
     assert usage["n_latents"] == 2 * 6 * 8 * 8  # its image and mask, 24x32x32 / 4
-    assert (tmp_path / "eval" / "report.html").is_file()
+    assert (out / "report.html").is_file()
+
+
+def test_a_stage1_checkpoint_without_a_recorded_kind_is_evaluated_as_before(stage1, without_kind, tmp_path):
+    """Compatibility: a stage-1 checkpoint written before the kind was recorded gets the same report."""
+    ckpt, record, _ = stage1
+    old = _evaluate(without_kind(ckpt, tmp_path / "old.ckpt"), tmp_path / "eval", "n=2")
+    assert old["checkpoint"]["kind"] == "vqvae" and old["checkpoint"]["sha256"] != record["checkpoint"]["sha256"]
+    assert old["figures"] == record["figures"] and old["n_real"] == record["n_real"]
+
+
+def test_the_report_follows_the_recorded_kind(stage1, tmp_path):
+    """A stage 1's weights and keys under a recorded diffusion kind are evaluated as a diffusion checkpoint (and
+    refused: its hyper-parameters build no UNet), not guessed from its keys; a file of no kind is refused."""
+    import torch
+
+    ckpt, _, _ = stage1
+    data = torch.load(ckpt, weights_only=True)
+    data["hyper_parameters"]["kind"] = "diffusion"
+    torch.save(data, tmp_path / "relabelled.ckpt")
+    with pytest.raises(ConfigError) as err:
+        _evaluate(tmp_path / "relabelled.ckpt", tmp_path / "eval", "n=2")
+    assert err.value.key == "ckpt_path" and "which DiffusionSystem needs" in str(err.value)
+    data["hyper_parameters"] = {"lr": 1e-3}
+    torch.save(data, tmp_path / "other.ckpt")
+    with pytest.raises(ConfigError) as err:
+        _evaluate(tmp_path / "other.ckpt", tmp_path / "eval", "n=2")
+    assert err.value.key == "ckpt_path" and "is not a checkpoint of voxdiff's train.py" in str(err.value)
+    assert ("evaluate.py needs a diffusion-UNet checkpoint (DiffusionSystem, system=diffusion) or a VQ-VAE stage-1 "
+            "checkpoint (VQVAESystem, system=vqvae)") in str(err.value)
+    assert not (tmp_path / "eval").exists()
 
 
 def test_the_loss_curve_comes_from_the_runs_csv(run, tmp_path):

@@ -73,6 +73,42 @@ def test_a_diffusion_checkpoint_given_to_a_stage1_run_says_what_it_is(diffusion_
     assert "is a diffusion-UNet checkpoint" in str(err.value) and "the VQ-VAE stage 1" in str(err.value)
 
 
+@pytest.mark.parametrize("style", ["recorded", "old"])
+def test_a_stage1_checkpoint_given_to_a_diffusion_run_says_what_it_is(style, vqvae_ckpt, tiny_demo, without_kind,
+                                                                      tmp_path):
+    path = vqvae_ckpt if style == "recorded" else without_kind(vqvae_ckpt, tmp_path / "old.ckpt")
+    cfg = compose("train", [*tiny_demo, "paths.output_dir=/nonexistent"])
+    with pytest.raises(ConfigError) as err:
+        check_resume(cfg, str(path))
+    assert err.value.key == "ckpt_path"
+    assert ("is a VQ-VAE stage-1 checkpoint (VQVAESystem, system=vqvae), but this run trains the diffusion UNet "
+            "(system=diffusion)") in str(err.value) and f"encoding.checkpoint={path}" in str(err.value)
+
+
+def test_a_checkpoint_without_a_recorded_kind_resumes_as_before(diffusion_ckpt, vqvae_ckpt, tiny_demo, without_kind,
+                                                                tmp_path):
+    """Compatibility: the resume check of a checkpoint written before the kind was recorded is the same as of one
+    with it: the same changes for a diffusion run, the same refusal of another architecture, a stage 1 continued."""
+    old = str(without_kind(diffusion_ckpt, tmp_path / "old.ckpt"))
+    cfg = compose("train", [*tiny_demo, "system.optim.lr=1e-3", "paths.output_dir=/nonexistent"])
+    new_plan, old_plan = check_resume(cfg, str(diffusion_ckpt)), check_resume(cfg, old)
+    assert old_plan.step == new_plan.step == 2 and "system.optim.lr 0.002 → 0.001" in old_plan.applied
+    assert (old_plan.applied, old_plan.not_applied) == (new_plan.applied, new_plan.not_applied)
+    seg = compose("train", [*tiny_demo, "mode=seg", "paths.output_dir=/nonexistent"])
+    refusals = []
+    for path in (str(diffusion_ckpt), old):
+        with pytest.raises(ConfigError) as err:
+            check_resume(seg, path)
+        refusals.append(str(err.value).replace(path, "PATH"))
+    assert refusals[0] == refusals[1] and "mode is bravo in the checkpoint and seg now" in refusals[0]
+    stage1 = compose("train", ["experiment=vqvae_demo", "data.volume_shape=[16,16,16]", "system.vqvae.channels=[8,8]",
+                               "system.vqvae.num_res_channels=[8,8]", "system.vqvae.num_embeddings=16",
+                               "paths.output_dir=/nonexistent"])
+    old_stage1 = str(without_kind(vqvae_ckpt, tmp_path / "old_stage1.ckpt"))
+    new_plan, old_plan = check_resume(stage1, str(vqvae_ckpt)), check_resume(stage1, old_stage1)
+    assert old_plan.step == new_plan.step == 3 and old_plan.applied == new_plan.applied
+
+
 def test_switching_weight_decay_on_is_refused(diffusion_ckpt, tiny_demo):
     cfg = compose("train", [*tiny_demo, "system.optim.weight_decay=0.01", "paths.output_dir=/nonexistent"])
     with pytest.raises(ConfigError) as err:

@@ -163,7 +163,7 @@ def _vqvae(cfg: DictConfig, device: Any) -> dict[str, Any]:
     from voxdiff.lightning.callbacks import CONFIG_KEY
     from voxdiff.viz import save_montage
 
-    system, checkpoint = rebuild_system(str(cfg.ckpt_path), "vqvae", _CKPT_FIX)
+    system, checkpoint = rebuild_system(str(cfg.ckpt_path), "stage1", _CKPT_FIX)
     system, saved = system.to(device), checkpoint.get(CONFIG_KEY, {})
     dataset = _split(_datamodule(saved, cfg), str(cfg.split))
     ms_ssim = MS_SSIM_PRESETS[cfg.ms_ssim]
@@ -184,10 +184,22 @@ def _vqvae(cfg: DictConfig, device: Any) -> dict[str, Any]:
             "seconds": {"figures": round(time.perf_counter() - t0, 2)}}
 
 
+#: the evaluation of each kind of checkpoint (:func:`voxdiff.checkpoint.checkpoint_kind`): generation for a diffusion
+#: UNet, reconstructions for a stage 1
+_EVALUATIONS = {"diffusion": _diffusion, "stage1": _vqvae}
+
+
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
-    """Evaluate ``cfg.ckpt_path``; returns the ``metrics.json`` record plus ``{"json", "html"}`` paths."""
+    """Evaluate ``cfg.ckpt_path``; returns the ``metrics.json`` record plus ``{"json", "html"}`` paths.
+
+    Raises:
+        ConfigError: the checkpoint is not one of voxdiff's (of no kind in :data:`_EVALUATIONS`), or is refused
+            when its system is rebuilt.
+    """
     import torch
 
+    from voxdiff.checkpoint import KINDS, checkpoint_kind
+    from voxdiff.cli.sample import _CKPT_FIX
     from voxdiff.evaluation.features import file_sha256
     from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, describe
     from voxdiff.evaluation.report import data_uri, loss_curve_png, read_loss_log, render_html, write_outputs
@@ -197,12 +209,15 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     device = _device(str(cfg.device))
     ckpt_path = Path(str(cfg.ckpt_path)).resolve()
     header = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)  # tensors stay on disk
-    hparams = header.get("hyper_parameters") or {}
+    kind = checkpoint_kind(header)
+    if kind not in _EVALUATIONS:
+        raise ConfigError("ckpt_path", str(cfg.ckpt_path), f"is {KINDS[kind]}; evaluate.py needs "
+                          + " or ".join(KINDS[k] for k in _EVALUATIONS), _CKPT_FIX)
     step, epoch = int(header.get("global_step", -1)), int(header.get("epoch", -1))
     del header
     out_dir = Path(cfg.paths.output_dir)
     print(f"[voxdiff] evaluating {ckpt_path} (step {step}) into {out_dir}", flush=True)
-    result = _vqvae(cfg, device) if "vqvae" in hparams else _diffusion(cfg, device)
+    result = _EVALUATIONS[kind](cfg, device)
     real = result.pop("real")
     run_dir = ckpt_path.parent.parent if ckpt_path.parent.name == "checkpoints" else ckpt_path.parent
     series = read_loss_log(run_dir)

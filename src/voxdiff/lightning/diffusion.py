@@ -95,10 +95,11 @@ class DiffusionSystem(L.LightningModule):
         device_type: the device the system will run on (``cuda``, ``cpu``; default: ``cuda`` when one is
             present), which decides ``model.use_flash_attention=auto`` and ``model.compile=auto``. Not a
             hyper-parameter: the same checkpoint samples on another device.
-        kind: ``system.kind``, what the run trains (:func:`voxdiff.config.run_kind`): must be :attr:`kind`.
+        kind: ``system.kind``, what the run trains (:func:`voxdiff.config.run_kind`): must be :attr:`kind`, which
+            is saved among the hyper-parameters (what :func:`voxdiff.checkpoint.checkpoint_kind` reads).
 
-    Config containers are converted to plain Python here; all of the above but ``device_type`` and ``kind`` is
-    saved as hyper-parameters.
+    Config containers are converted to plain Python here; all of the above but ``device_type`` is saved as
+    hyper-parameters.
     """
 
     #: what a run of this system trains (``system.kind``, :data:`voxdiff.config.RUN_KINDS`)
@@ -125,7 +126,7 @@ class DiffusionSystem(L.LightningModule):
         )
         self.save_hyperparameters(
             {"model": model, "encoding": encoding, "diffusion": diffusion, "mode": mode, "optim": optim,
-             "ema": ema, "sampling": sampling, "val_timesteps": val_timesteps, "guard": guard}
+             "ema": ema, "sampling": sampling, "val_timesteps": val_timesteps, "guard": guard, "kind": self.kind}
         )
         _, _, self.sampling = system_settings(optim, ema, sampling, val_timesteps)
         self.val_timesteps = val_timesteps

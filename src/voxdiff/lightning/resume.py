@@ -45,7 +45,9 @@ NOT_COMPARED = ("hydra", "hydra.*", "paths.*", "ckpt_path", "overwrite", "traine
 #: settings that a resume does not apply, and why
 NOT_APPLIED = {"seed": "the RNG states continue from the checkpoint"}
 
-_RUNS = {"diffusion": "the diffusion UNet (system=diffusion)", "vqvae": "the VQ-VAE stage 1 (system=vqvae)"}
+#: what a run of each kind (:data:`voxdiff.config.RUN_KINDS`) trains, as the refusal of another kind's checkpoint
+#: names it
+_RUNS = {"diffusion": "the diffusion UNet (system=diffusion)", "stage1": "the VQ-VAE stage 1 (system=vqvae)"}
 _RESUME_FIX = ("point ckpt_path at a checkpoint of this run (<run dir>/checkpoints/last.ckpt or best-step*.ckpt), "
                "or use ckpt_path=auto or null")
 
@@ -73,12 +75,8 @@ def _cli(value: Any) -> str:
     return show_value(value).replace(", ", ",")
 
 
-def _wanted_kind(cfg: DictConfig) -> str:
-    return "diffusion" if run_kind(cfg) == "diffusion" else "vqvae"
-
-
 def _kind_fix(kind: str, path: str) -> str:
-    if kind == "vqvae":
+    if kind == "stage1":
         from voxdiff.config import encoding_configs
         from voxdiff.encodings import LearnedEncoding
 
@@ -100,7 +98,7 @@ def _stored_config_error(path: str, err: ConfigError) -> ConfigError:
 def architecture_differences(hparams: Mapping[str, Any], cfg: DictConfig, path: str) -> list[tuple[str, Any, Any]]:
     """``(key, in the checkpoint, now)`` for every architectural setting that differs (see the module docstring)."""
     out: list[tuple[str, Any, Any]] = []
-    if _wanted_kind(cfg) == "vqvae":
+    if run_kind(cfg) == "stage1":
         from voxdiff.encodings.vqvae import vqvae_spec
 
         try:
@@ -168,7 +166,7 @@ def check_resume(cfg: DictConfig, ckpt_path: str) -> ResumePlan:
     from voxdiff.lightning.callbacks import CONFIG_KEY
 
     ckpt = load_file(ckpt_path, "ckpt_path", _RESUME_FIX, mmap=True)
-    kind, wanted = checkpoint_kind(ckpt), _wanted_kind(cfg)
+    kind, wanted = checkpoint_kind(ckpt), run_kind(cfg)
     if kind != wanted:
         raise ConfigError("ckpt_path", ckpt_path, f"is {KINDS[kind]}, but this run trains {_RUNS[wanted]}",
                           _kind_fix(kind, ckpt_path))

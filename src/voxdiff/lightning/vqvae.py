@@ -93,7 +93,8 @@ class VQVAESystem(L.LightningModule):
             ``dead_code_fraction`` (a code whose EMA usage falls below this fraction of uniform usage is restarted
             at an encoder output of the current batch; 0 turns restarts off). MONAI's EMA codebook starts at
             N(0, 1) vectors far from the encoder's outputs and collapses to one or two codes without these.
-        kind: ``system.kind``, what the run trains (:func:`voxdiff.config.run_kind`): must be :attr:`kind`.
+        kind: ``system.kind``, what the run trains (:func:`voxdiff.config.run_kind`): must be :attr:`kind`, which
+            is saved among the hyper-parameters (what :func:`voxdiff.checkpoint.checkpoint_kind` reads).
     """
 
     #: what a run of this system trains (``system.kind``, :data:`voxdiff.config.RUN_KINDS`): a learned encoding's
@@ -145,6 +146,7 @@ class VQVAESystem(L.LightningModule):
                 "volume_shape": volume_shape,
                 "montage_every_n_epochs": int(montage_every_n_epochs),
                 "codebook": codebook,
+                "kind": self.kind,
             }
         )
         self.spec = spec
