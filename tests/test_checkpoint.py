@@ -16,6 +16,7 @@ import pytest
 import torch
 import voxdiff
 from voxdiff.config import compose
+from voxdiff.errors import ConfigError
 
 SRC = Path(voxdiff.__file__).resolve().parent
 
@@ -149,7 +150,9 @@ def test_sample_never_calls_a_stored_target(where, diffusion_dict, tmp_path, mar
     elif where == "nested":
         hparams["encoding"] = {**hparams["encoding"], "factor": _evil_open(marker)}
     else:
-        ckpt["voxdiff_config"] = {**ckpt["voxdiff_config"], "data": _evil_open(marker)}
+        # the data config keeps its keys (the run spec rebuilt from it needs data.volume_shape): only its target is evil
+        data = {**ckpt["voxdiff_config"]["data"], **_evil_open(marker)}
+        ckpt["voxdiff_config"] = {**ckpt["voxdiff_config"], "data": data}
     ckpt["hyper_parameters"] = hparams
     path = tmp_path / "stored_target.ckpt"
     torch.save(ckpt, path)
@@ -267,7 +270,7 @@ def test_a_checkpoint_without_a_recorded_kind_is_recognised_and_loads_as_before(
                                       mmap=True)) == "diffusion"  # written by voxdiff 9134779
     for new, kind in ((diffusion_ckpt, "diffusion"), (vqvae_ckpt, "stage1")):
         old = without_kind(new, tmp_path / f"old_{kind}.ckpt")
-        system, checkpoint = rebuild_system(old, kind, "fix")
+        system, checkpoint, _ = rebuild_system(old, kind, "fix")
         assert "kind" not in checkpoint["hyper_parameters"] and checkpoint_kind(checkpoint) == kind
         assert type(system).kind == kind
         expected = rebuild_system(new, kind, "fix")[0].state_dict()
@@ -304,3 +307,62 @@ def test_a_recorded_kind_without_its_hyper_parameters_is_refused(tmp_path):
         rebuild_system(path, "diffusion", "fix it")
     assert err.value.key == "ckpt_path" and "lack model, encoding, diffusion, which DiffusionSystem needs" in str(
         err.value)
+
+
+def _tampered(source: Path, out: Path, edit) -> Path:
+    data = torch.load(source, map_location="cpu", weights_only=True)
+    edit(data)
+    torch.save(data, out)
+    return out
+
+
+def test_a_diffusion_system_is_rebuilt_from_the_run_spec_its_checkpoint_stores(diffusion_ckpt):
+    from voxdiff.checkpoint import CONFIG_KEY, rebuild_system
+
+    system, checkpoint, spec = rebuild_system(diffusion_ckpt, "diffusion", "fix", device_type="cpu")
+    record = checkpoint[CONFIG_KEY]
+    assert system.system_spec is spec.system and system.encoding is spec.encoding and system.spec == spec.unet
+    assert spec.shapes.volume == tuple(record["data"]["volume_shape"]) and spec.batch_size == record["data"][
+        "batch_size"]
+    assert (spec.device_type, spec.precision.name, spec.unet.use_flash_attention) == ("cpu", "32-true", False)
+
+
+def test_a_trained_precision_this_device_cannot_run_is_refused_naming_the_precision_key(diffusion_ckpt, tmp_path):
+    from voxdiff.checkpoint import CONFIG_KEY, rebuild_system
+
+    def fp16(data):
+        data[CONFIG_KEY]["trainer"]["precision"] = "16-mixed"
+
+    path = _tampered(diffusion_ckpt, tmp_path / "fp16.ckpt", fp16)
+    with pytest.raises(ConfigError) as err:
+        rebuild_system(path, "diffusion", "fix", device_type="cpu")
+    assert (err.value.key, err.value.value) == ("precision", "16-mixed") and "cannot run on cpu" in str(err.value)
+    assert "precision=32-true" in err.value.fix
+    _, _, spec = rebuild_system(path, "diffusion", "fix", device_type="cpu", precision="32-true")
+    assert spec.precision.name == "32-true"
+
+
+@pytest.mark.parametrize("part", ["model", "mode"])
+def test_hyper_parameters_that_disagree_with_the_stored_config_are_refused(part, diffusion_ckpt, tmp_path):
+    from voxdiff.checkpoint import rebuild_system
+
+    def edit(data):
+        hparams = data["hyper_parameters"]
+        hparams[part] = {**hparams["model"], "num_res_blocks": 2} if part == "model" else "seg"
+
+    path = _tampered(diffusion_ckpt, tmp_path / "disagree.ckpt", edit)
+    with pytest.raises(ConfigError) as err:
+        rebuild_system(path, "diffusion", "fix it")
+    assert err.value.key == "ckpt_path" and f"its hyper-parameters and its stored config (voxdiff_config) disagree " \
+        f"on {part}" in str(err.value)
+
+
+def test_a_stored_config_the_run_spec_refuses_names_the_file_and_the_key(diffusion_ckpt, tmp_path):
+    from voxdiff.checkpoint import CONFIG_KEY, rebuild_system
+
+    path = _tampered(diffusion_ckpt, tmp_path / "no_shape.ckpt",
+                     lambda data: data[CONFIG_KEY]["data"].pop("volume_shape"))
+    with pytest.raises(ConfigError) as err:
+        rebuild_system(path, "diffusion", "fix it")
+    assert err.value.key == "ckpt_path" and err.value.value == str(path)
+    assert "its stored config is refused (data.volume_shape=null: must be three positive sizes" in str(err.value)

@@ -87,3 +87,66 @@ def test_the_preflight_builds_the_encoding_once_and_the_unet_once_per_use(monkey
     # one encoding; one meta UNet for the parameter count and the checkpoint's bytes, one traced training step, one
     # model for validation and sampling
     assert built == {"encoding": 1, "unet": 3}
+
+
+def _hyper_parameters(cfg) -> dict:
+    """What DiffusionSystem is given by configs/system/diffusion.yaml (and saves), as plain data."""
+    from voxdiff.config import plain
+
+    return {"model": plain(cfg.model), "encoding": plain(cfg.encoding), "diffusion": plain(cfg.diffusion),
+            "mode": cfg.mode, **{k: plain(cfg.system[k]) for k in ("optim", "ema", "sampling", "val_timesteps",
+                                                                     "guard")}}
+
+
+@pytest.mark.parametrize("experiment", ["demo", "exp11", "exp12"])
+def test_a_systems_hyper_parameters_resolve_to_the_run_specs_system_part(experiment):
+    from dataclasses import replace
+
+    from voxdiff.run_spec import system_spec
+
+    cfg = compose("train", [f"experiment={experiment}", "trainer.gradient_clip_val=0.5"])
+    for device in ("cpu", "cuda"):
+        spec = run_spec(cfg, device)
+        rebuilt = system_spec("diffusion", _hyper_parameters(cfg), device)
+        assert (rebuilt.unet, rebuilt.sampling, rebuilt.val_timesteps, rebuilt.mode, rebuilt.device_type) == (
+            spec.unet, spec.sampling, spec.val_timesteps, spec.mode, device)
+        # the Trainer's clipping is not a system hyper-parameter: everything else of the step is
+        assert spec.recipe.clip is not None and rebuilt.recipe == replace(spec.recipe, clip=None)
+        assert type(rebuilt.encoding) is type(spec.encoding) and rebuilt.encoding.factor == spec.encoding.factor
+
+
+def test_system_spec_collects_every_problem_of_the_hyper_parameters():
+    from voxdiff.run_spec import system_spec
+
+    hparams = _hyper_parameters(compose("train", ["experiment=demo"]))
+    hparams["model"] = {**hparams["model"], "norm_num_groups": 7}
+    hparams["optim"] = {**hparams["optim"], "lr": 0}
+    with pytest.raises(ConfigErrors) as err:
+        system_spec("diffusion", hparams, "cpu")
+    assert [p.key for p in err.value.problems] == ["model.norm_num_groups", "system.optim.lr"]
+
+
+def test_the_diffusion_system_is_built_from_the_spec_it_is_given():
+    from voxdiff.lightning import DiffusionSystem
+
+    cfg = compose("train", ["experiment=demo", "trainer.accelerator=cpu"])
+    spec = run_spec(cfg)
+    given = DiffusionSystem(**_hyper_parameters(cfg), spec=spec.system)
+    assert given.encoding is spec.encoding and given.spec == spec.unet and given.sampling == spec.sampling
+    assert given.step.recipe.clip is None and given.step.recipe.optim == spec.recipe.optim
+    # without a spec it resolves the same one from its hyper-parameters
+    alone = DiffusionSystem(**_hyper_parameters(cfg), device_type="cpu")
+    assert alone.spec == given.spec and alone.step.recipe == given.step.recipe and dict(alone.hparams) == dict(
+        given.hparams)
+    assert alone.state_dict().keys() == given.state_dict().keys()
+    with pytest.raises(ValueError, match="not a stage1 run's"):
+        DiffusionSystem(**_hyper_parameters(cfg), spec=run_spec(compose("train", ["experiment=vqvae_demo"])).system)
+
+
+def test_a_stage1_systems_part_is_its_vqvae():
+    from voxdiff.config import plain
+    from voxdiff.run_spec import system_spec
+
+    cfg = compose("train", ["experiment=vqvae_demo"])
+    part = system_spec("stage1", {"vqvae": plain(cfg.system.vqvae)}, "cpu")
+    assert part.vqvae == run_spec(cfg).vqvae and part.unet is None and part.encoding is None

@@ -102,7 +102,7 @@ def plain(node: Any) -> Any:
 
 def volume_shape(cfg: DictConfig) -> tuple[int, int, int]:
     """``data.volume_shape`` as a validated (D, H, W) tuple."""
-    shape = plain(cfg.data.volume_shape)
+    shape = plain(OmegaConf.select(cfg, "data.volume_shape"))
     if (
         not isinstance(shape, (list, tuple))
         or len(shape) != 3

@@ -8,9 +8,12 @@ before anything is raised, so a config with three mistakes is refused once, nami
 (:class:`~voxdiff.errors.ConfigErrors`); a part that depends on a refused one (the UNet's divisibility on the
 volume) is not checked on top of it.
 
-``train.py`` and ``preflight.py`` build it once per config and hand its parts on. Not yet consumers: the Lightning
-systems (they rebuild their parts from the plain hyper-parameters their checkpoints store), ``sample.py``,
-``cache_latents.py``.
+``train.py`` and ``preflight.py`` build it once per config and hand its parts on; ``train.py`` hands the system's part
+(:class:`SystemSpec`) to the Lightning system, which builds nothing from the config itself. A checkpoint stores the
+run's resolved config (plain data, ``voxdiff_config``) and the system's plain hyper-parameters: ``sample.py`` and
+``evaluate.py`` rebuild the run spec from the first (:func:`stored_run_spec`), a system rebuilt without it (an older
+checkpoint) rebuilds its part from the second (:func:`system_spec`), through the same checks. OmegaConf stops here:
+nothing past the run spec reads the config tree.
 
 Lightning is not imported here (the preflight runs on a login node without it).
 """
@@ -40,28 +43,23 @@ from voxdiff.step.precision import Precision, accelerator_device, decide_precisi
 from voxdiff.step.recipe import Recipe, recipe_from_config
 from voxdiff.step.sampling import SamplingSettings, sampling_settings
 
-__all__ = ["PRECISIONS", "RunSpec", "run_spec", "run_spec_problems", "validate_trainer"]
+__all__ = ["PRECISIONS", "RunSpec", "SystemSpec", "run_spec", "run_spec_problems", "stored_run_spec", "system_spec",
+           "validate_trainer"]
 
 #: values of ``trainer.precision`` that Lightning accepts (an int from the command line, e.g. 32, counts too)
 PRECISIONS = ("64-true", "64", "32-true", "32", "16-true", "16-mixed", "16", "bf16-true", "bf16-mixed", "bf16")
 
 
 @dataclass(frozen=True)
-class RunSpec:
-    """One run, resolved. Shapes are per sample, without the batch axis.
+class SystemSpec:
+    """What the run's Lightning system is built from: the part of a run that its checkpoint's hyper-parameters
+    determine (no data shapes, no batch, no devices).
 
     Attributes:
         kind: what the run trains (:data:`voxdiff.config.RUN_KINDS`: ``diffusion``, ``stage1``).
         mode: ``bravo`` (image conditioned on the mask) or ``seg`` (masks alone).
         encoding: the encoding (volumes ↔ what the UNet sees), built once.
-        shapes: the volume and its encoded shapes.
-        batch_size: volumes per batch and process (``data.batch_size``).
-        device_type: the device the spec is resolved for (``cuda``, ``cpu``): the run's own
-            (``trainer.accelerator``), or the GPU the preflight predicts.
-        precision: ``trainer.precision`` decided on that device (:func:`voxdiff.step.decide_precision`).
-        parallel: the strategy, world size and DDP bucket options (one rank of it is what a GPU holds).
-        gpu: the GPU type (:func:`voxdiff.preflight.gpus.resolve_gpu`) and where it came from (``preflight.gpu``,
-            ``local GPU``, ``default``).
+        device_type: the device the parts are resolved for (``cuda``, ``cpu``).
         unet: the UNet's validated arguments with in/out channels, its ``auto`` switches resolved for
             ``device_type`` (a diffusion run; None for stage 1).
         recipe: the training step the system runs (a diffusion run; None for stage 1).
@@ -72,7 +70,34 @@ class RunSpec:
 
     kind: str
     mode: str
-    encoding: Encoding
+    encoding: Encoding | None
+    device_type: str
+    unet: UNetSpec | None = None
+    recipe: Recipe | None = None
+    sampling: SamplingSettings | None = None
+    val_timesteps: int = 0
+    vqvae: Any = None  # voxdiff.encodings.vqvae.VQVAESpec
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run, resolved: its system's part and what the data, the devices and the GPU add. Shapes are per sample,
+    without the batch axis.
+
+    Attributes:
+        system: what the Lightning system is built from (:class:`SystemSpec`); its fields are read through the
+            run spec too (``spec.unet``, ``spec.recipe``, ...).
+        shapes: the volume and its encoded shapes.
+        batch_size: volumes per batch and process (``data.batch_size``).
+        device_type: the device the spec is resolved for (``cuda``, ``cpu``): the run's own
+            (``trainer.accelerator``), or the GPU the preflight predicts.
+        precision: ``trainer.precision`` decided on that device (:func:`voxdiff.step.decide_precision`).
+        parallel: the strategy, world size and DDP bucket options (one rank of it is what a GPU holds).
+        gpu: the GPU type (:func:`voxdiff.preflight.gpus.resolve_gpu`) and where it came from (``preflight.gpu``,
+            ``local GPU``, ``default``).
+    """
+
+    system: SystemSpec
     shapes: Shapes
     batch_size: int
     device_type: str
@@ -80,11 +105,15 @@ class RunSpec:
     parallel: Any  # voxdiff.preflight.distributed.Parallel
     gpu: Any  # voxdiff.preflight.gpus.GpuSpec
     gpu_source: str
-    unet: UNetSpec | None = None
-    recipe: Recipe | None = None
-    sampling: SamplingSettings | None = None
-    val_timesteps: int = 0
-    vqvae: Any = None  # voxdiff.encodings.vqvae.VQVAESpec
+
+    kind = property(lambda self: self.system.kind, doc="SystemSpec.kind")
+    mode = property(lambda self: self.system.mode, doc="SystemSpec.mode")
+    encoding = property(lambda self: self.system.encoding, doc="SystemSpec.encoding")
+    unet = property(lambda self: self.system.unet, doc="SystemSpec.unet")
+    recipe = property(lambda self: self.system.recipe, doc="SystemSpec.recipe")
+    sampling = property(lambda self: self.system.sampling, doc="SystemSpec.sampling")
+    val_timesteps = property(lambda self: self.system.val_timesteps, doc="SystemSpec.val_timesteps")
+    vqvae = property(lambda self: self.system.vqvae, doc="SystemSpec.vqvae")
 
 
 def run_spec_problems(cfg: DictConfig, device_type: str | None = None) -> tuple[RunSpec | None, list[ConfigError]]:
@@ -103,7 +132,6 @@ def run_spec_problems(cfg: DictConfig, device_type: str | None = None) -> tuple[
     """
     from voxdiff.preflight.distributed import parallel_of
     from voxdiff.preflight.gpus import resolve_gpu
-    from voxdiff.preflight.rules import check_io_channels, check_unet_divisibility
 
     collect = Problems()
     trainer = cfg.get("trainer") or {}  # read key by key: a key may interpolate Hydra's run-time values
@@ -125,14 +153,29 @@ def run_spec_problems(cfg: DictConfig, device_type: str | None = None) -> tuple[
         # a predicted GPU answers bf16 from its type (the local GPU is asked, as the Trainer asks it)
         bf16 = gpu[0].bf16 if predicted and device == "cuda" and gpu[1] != "local GPU" else None
         precision = collect(lambda: decide_precision(plain(trainer.get("precision")), device, bf16))
+    system = _system_part(cfg, kind, encoding, device, collect, sizes is not None)
+    if collect.found:
+        return None, collect.found
+    return RunSpec(system=system, shapes=sizes, batch_size=batch, device_type=device, precision=precision,
+                   parallel=parallel, gpu=gpu[0], gpu_source=gpu[1]), []
+
+
+def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, device: str, collect: Problems,
+                 divisibility: bool) -> SystemSpec:
+    """The :class:`SystemSpec` of ``cfg`` (its problems go to ``collect``); ``divisibility``: check the encoded
+    volume against the UNet's levels (the data's shapes are known and valid)."""
     mode = str(OmegaConf.select(cfg, "mode", default="bravo"))
     unet = recipe = sampling = vqvae = None
     val_timesteps = 0
     if kind == "diffusion":
         if encoding is not None:
             unet = collect(lambda: model_spec(cfg, encoding, device))
-            if unet is not None and sizes is not None:
+            if unet is not None and divisibility:
+                from voxdiff.preflight.rules import check_unet_divisibility
+
                 collect(lambda: check_unet_divisibility(cfg, encoding))
+            from voxdiff.preflight.rules import check_io_channels
+
             collect(lambda: check_io_channels(cfg, encoding))
         recipe = collect(lambda: recipe_from_config(cfg, "system"))
         val_timesteps = plain(OmegaConf.select(cfg, "system.val_timesteps", default=4))
@@ -141,11 +184,33 @@ def run_spec_problems(cfg: DictConfig, device_type: str | None = None) -> tuple[
         from voxdiff.encodings.vqvae import vqvae_spec
 
         vqvae = collect(lambda: vqvae_spec(**(plain(OmegaConf.select(cfg, "system.vqvae")) or {})))
-    if collect.found:
-        return None, collect.found
-    return RunSpec(kind=kind, mode=mode, encoding=encoding, shapes=sizes, batch_size=batch, device_type=device,
-                   precision=precision, parallel=parallel, gpu=gpu[0], gpu_source=gpu[1], unet=unet, recipe=recipe,
-                   sampling=sampling, val_timesteps=val_timesteps, vqvae=vqvae), []
+    return SystemSpec(kind=kind, mode=mode, encoding=encoding, device_type=device, unet=unet, recipe=recipe,
+                      sampling=sampling, val_timesteps=val_timesteps, vqvae=vqvae)
+
+
+def system_spec(kind: str, hparams: Mapping[str, Any], device_type: str) -> SystemSpec:
+    """The :class:`SystemSpec` of a Lightning system's plain hyper-parameters (what its checkpoint stores), resolved
+    for ``device_type``: the same checks as :func:`run_spec`'s, on the keys the system was given.
+
+    Args:
+        kind: the system's run kind (``diffusion``: ``model``, ``encoding``, ``diffusion``, ``mode``, ``optim``,
+            ``ema``, ``sampling``, ``val_timesteps``, ``guard``; ``stage1``: ``vqvae``).
+        hparams: plain values (a Hydra node is converted).
+
+    Raises:
+        ConfigError: the one problem, or :class:`~voxdiff.errors.ConfigErrors` naming every problem found.
+    """
+    values = {k: plain(v) for k, v in hparams.items()}
+    system = {k: values.get(k) for k in ("optim", "ema", "sampling", "guard", "vqvae") if values.get(k) is not None}
+    if values.get("val_timesteps") is not None:
+        system["val_timesteps"] = values["val_timesteps"]
+    cfg = OmegaConf.create({"system": system, "mode": values.get("mode") or "bravo",
+                            **{k: values[k] for k in ("model", "encoding", "diffusion") if values.get(k) is not None}})
+    collect = Problems()
+    encoding = collect(lambda: build_encoding(cfg)) if kind == "diffusion" else None
+    spec = _system_part(cfg, kind, encoding, device_type, collect, divisibility=False)
+    collect.raise_all()
+    return spec
 
 
 def run_spec(cfg: DictConfig, device_type: str | None = None) -> RunSpec:
@@ -158,6 +223,17 @@ def run_spec(cfg: DictConfig, device_type: str | None = None) -> RunSpec:
     if spec is None:
         raise ConfigErrors(problems) if len(problems) > 1 else problems[0]
     return spec
+
+
+def stored_run_spec(record: Mapping[str, Any], device_type: str) -> RunSpec:
+    """The :class:`RunSpec` of a run's resolved config stored as plain data (a checkpoint's ``voxdiff_config``),
+    resolved for ``device_type`` (where the checkpoint is used now: the run's precision decided for it, its
+    ``auto`` switches resolved there).
+
+    Raises:
+        ConfigError: the one problem, or :class:`~voxdiff.errors.ConfigErrors` naming every problem found.
+    """
+    return run_spec(OmegaConf.create(dict(record)), device_type)
 
 
 def validate_trainer(trainer_cfg: Mapping[str, Any]) -> None:

@@ -117,12 +117,12 @@ def _generate(cfg: DictConfig, system: Any, real: Any, device: Any, precision: A
 
 
 def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
-    from voxdiff.cli.sample import _datamodule, _load, sampling_precision
+    from voxdiff.cli.sample import _datamodule, _load
     from voxdiff.evaluation.features import build_extractors
     from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, check_volume_shape
     from voxdiff.evaluation.pipeline import diffusion_figures, histogram_section, load_real, montage_section
 
-    system, saved = _load(str(cfg.ckpt_path), device)
+    system, saved, precision = _load(cfg, device)
     dataset = _split(_datamodule(saved, cfg), str(cfg.split))
     ms_ssim = MS_SSIM_PRESETS[cfg.ms_ssim]
     check_volume_shape(tuple(dataset[0]["image"].shape[1:]), ms_ssim)
@@ -130,7 +130,7 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     extractors, absent = build_extractors(cfg.get("random_features_seed"), cfg.get("stage1_ckpt"),
                                           plain(cfg.get("medicalnet")))
     t0 = time.perf_counter()
-    generated, sources, pngs = _generate(cfg, system, real, device, sampling_precision(cfg, saved, device))
+    generated, sources, pngs = _generate(cfg, system, real, device, precision)
     t1 = time.perf_counter()
     print(f"[voxdiff] {len(generated)} samples in {t1 - t0:.1f} s; computing the figures", flush=True)
     figures, more_absent = diffusion_figures(real, generated, sources, system.mode, extractors,
@@ -160,10 +160,10 @@ def _vqvae(cfg: DictConfig, device: Any) -> dict[str, Any]:
     from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, check_volume_shape
     from voxdiff.evaluation.pipeline import histogram_section, load_real, vqvae_figures, vqvae_reconstructions
     from voxdiff.evaluation.report import data_uri
-    from voxdiff.lightning.callbacks import CONFIG_KEY
+    from voxdiff.checkpoint import CONFIG_KEY
     from voxdiff.viz import save_montage
 
-    system, checkpoint = rebuild_system(str(cfg.ckpt_path), "stage1", _CKPT_FIX)
+    system, checkpoint, _ = rebuild_system(str(cfg.ckpt_path), "stage1", _CKPT_FIX)
     system, saved = system.to(device), checkpoint.get(CONFIG_KEY, {})
     dataset = _split(_datamodule(saved, cfg), str(cfg.split))
     ms_ssim = MS_SSIM_PRESETS[cfg.ms_ssim]

@@ -1,7 +1,7 @@
 """``python sample.py ckpt_path=PATH [n=4] ...``: generate volumes from a training checkpoint.
 
-compose → validate → load the system from the checkpoint (its hyper-parameters rebuild the model, encoding and
-diffusion) → take ``n`` masks (the validation subjects of the data config saved in the checkpoint, or
+compose → validate → rebuild the run spec from the config stored in the checkpoint, for this device
+(:func:`voxdiff.checkpoint.rebuild_system`) → the system from it, with the checkpoint's weights → take ``n`` masks (the validation subjects of the data config saved in the checkpoint, or
 ``data.root=DIR``) → DDIM with the EMA weights → decode → NIfTI with the source affine + PNG montage per sample,
 in this run's directory (``<paths.log_dir>/sample/<time>/samples``). In seg mode it writes generated masks.
 The precision is the trained one (``precision: null``): the checkpoint's ``trainer.precision`` decided for the
@@ -51,30 +51,27 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("device", cfg.device, "unknown device", f"use one of {', '.join(DEVICES)}")
 
 
-def _load(ckpt_path: str, device: Any):
-    """The diffusion system of a checkpoint, rebuilt from its plain hyper-parameters, with its (EMA) weights, for
-    ``device`` (which decides ``model.use_flash_attention=auto``)."""
+def _load(cfg: DictConfig, device: Any) -> tuple[Any, dict[str, Any], Any]:
+    """The diffusion system of ``ckpt_path``, built from the run spec its stored config gives for ``device`` (which
+    decides ``model.use_flash_attention=auto``), with its (EMA) weights; the stored config; and the precision to
+    sample in: ``precision`` if given, else the trained ``trainer.precision`` decided for this device (by
+    :func:`voxdiff.step.decide_precision`, as the Trainer decided it).
+
+    Raises:
+        ConfigError: the checkpoint is refused, or the precision cannot run on this device (naming ``precision``).
+    """
     import torch
 
-    from voxdiff.checkpoint import rebuild_system
-    from voxdiff.lightning.callbacks import CONFIG_KEY
-
-    system, checkpoint = rebuild_system(ckpt_path, "diffusion", _CKPT_FIX, device_type=torch.device(device).type)
-    return system.to(device), checkpoint.get(CONFIG_KEY, {})
-
-
-def sampling_precision(cfg: DictConfig, saved: dict[str, Any], device: Any):
-    """The precision to sample in: ``precision`` if given, else the checkpoint's ``trainer.precision`` (as
-    trained), decided for this device by :func:`voxdiff.step.decide_precision`."""
+    from voxdiff.checkpoint import CONFIG_KEY, rebuild_system
     from voxdiff.step import decide_precision
 
-    requested = cfg.get("precision") if cfg.get("precision") is not None else (saved.get("trainer") or {}).get(
-        "precision")
-    try:
-        return decide_precision(requested, device.type)
-    except ConfigError as e:
-        raise ConfigError("precision", requested, f"cannot run on {device.type}: {e.problem}",
-                          "set precision=32-true, or one this device runs (null: as trained)") from None
+    device_type = torch.device(device).type
+    system, checkpoint, spec = rebuild_system(str(cfg.ckpt_path), "diffusion", _CKPT_FIX, device_type=device_type,
+                                              precision=cfg.get("precision"))
+    saved = checkpoint.get(CONFIG_KEY) or {}
+    # a checkpoint without its run's config has no trained precision (and _datamodule refuses it)
+    precision = spec.precision if spec is not None else decide_precision(cfg.get("precision"), device_type)
+    return system.to(device), saved, precision
 
 
 def _datamodule(saved: dict[str, Any], cfg: DictConfig):
@@ -108,7 +105,7 @@ def sample(cfg: DictConfig) -> list[Path]:
     configure_cpu_threads()
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if cfg.device == "auto" else cfg.device))
-    system, saved = _load(str(cfg.ckpt_path), device)
+    system, saved, precision = _load(cfg, device)
     dm = _datamodule(saved, cfg)
     dm.setup("fit")
     dataset = dm.val_dataset if cfg.split == "val" else ConcatDataset([dm.val_dataset, dm.train_dataset])
@@ -118,7 +115,6 @@ def sample(cfg: DictConfig) -> list[Path]:
     loader = DataLoader(Subset(dataset, list(range(n))), batch_size=int(cfg.batch_size), shuffle=False)
     out_dir = Path(cfg.paths.output_dir) / "samples"
     print(f"[voxdiff] {system.mode} samples from {cfg.ckpt_path} (EMA: {cfg.use_ema}) into {out_dir}", flush=True)
-    precision = sampling_precision(cfg, saved, device)
     pngs: list[Path] = []
     for i, batch in enumerate(loader):
         generator = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1_000_003 + i)

@@ -178,9 +178,10 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
 
     datamodule = instantiate_config(cfg.data, _convert_="all")
     datamodule.setup("fit")  # load (and check) the data before the model is built
-    # the diffusion system decides its model's auto switches (SDPA attention, compile) for the run's device
-    on = {"device_type": spec.device_type} if spec.kind == "diffusion" else {}
-    system = instantiate_config(cfg.system, **on)
+    if spec.kind == "diffusion":  # built from the run spec's part (its auto switches resolved for this device)
+        system = instantiate_config(cfg.system, _partial_=True)(spec=spec.system)
+    else:
+        system = instantiate_config(cfg.system)
     logger = instantiate_loggers(cfg.get("logger"))
     record = {k: plain(cfg[k]) for k in cfg if k != "hydra"}  # the resolved config, for sample.py and resumes
     on_sigterm = SaveOnSigterm()

@@ -16,7 +16,7 @@ from voxdiff.lightning.callbacks import (
     StepsPerSecond,
 )
 from voxdiff.lightning.checkpoint_io import AtomicCheckpointIO, atomic_torch_save
-from voxdiff.lightning.diffusion import DiffusionSystem, NonFiniteLossError, system_settings
+from voxdiff.lightning.diffusion import DiffusionSystem, NonFiniteLossError
 from voxdiff.lightning.trainer import build_trainer, resolve_precision
 
 __all__ = [
@@ -33,7 +33,6 @@ __all__ = [
     "atomic_torch_save",
     "build_trainer",
     "resolve_precision",
-    "system_settings",
 ]
 
 

@@ -15,8 +15,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
-#: key of the run's resolved config in a checkpoint (read by ``sample.py``)
-CONFIG_KEY = "voxdiff_config"
+from voxdiff.checkpoint import CONFIG_KEY  # key of the run's resolved config in a checkpoint
 
 
 class ProgressBar(TQDMProgressBar):

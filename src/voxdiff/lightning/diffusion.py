@@ -1,8 +1,11 @@
 """The Lightning system of a diffusion UNet: the training step's hooks, validation loss, samples, full resume.
 
-``python train.py`` instantiates it from ``configs/system/diffusion.yaml`` (``_recursive_: false``): the model,
-encoding, diffusion and mode configs arrive as config nodes, are turned into plain data here, saved with
-``save_hyperparameters`` (never modules) and rebuilt from the checkpoint by ``load_from_checkpoint``.
+``python train.py`` instantiates it from ``configs/system/diffusion.yaml`` (``_recursive_: false``) with the run
+spec's system part (:class:`voxdiff.run_spec.SystemSpec`: the encoding, the UNet's arguments resolved for the
+device, the step's recipe, sampling), which it builds from; the model, encoding, diffusion and mode configs arrive
+as config nodes and are saved, as plain data, with ``save_hyperparameters`` (never modules). Rebuilt from a
+checkpoint without a spec, it resolves its part from those hyper-parameters (:func:`voxdiff.run_spec.system_spec`,
+the same checks).
 
 The training step itself is :class:`voxdiff.step.TrainStep` (no Lightning in it), the same object the preflight
 traces and the measure mode runs; the hooks below only hand it over to Lightning's loop::
@@ -30,16 +33,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from contextlib import suppress
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
-from omegaconf import OmegaConf
 
-from voxdiff.config import build_encoding, check_kind, model_spec, plain
-from voxdiff.diffusion import DiffusionProcess, diffusion_settings, encoded_range
+from voxdiff.config import check_kind, plain
+from voxdiff.diffusion import DiffusionProcess, encoded_range
 from voxdiff.lightning.callbacks import ProgressBar
 from voxdiff.lightning.optim import lightning_optimizers
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
@@ -47,34 +50,19 @@ from voxdiff.models.unet import build_unet_from_spec
 from voxdiff.step import (
     EMA,
     CompileSettings,
-    EMASettings,
     NonFiniteLossError,
-    OptimSettings,
     TrainStep,
     accelerator_device,
     clip_settings,
-    ema_settings,
-    optim_settings,
-    system_recipe,
 )
-from voxdiff.step.sampling import SamplingSettings, sampling_settings
+from voxdiff.step.sampling import SamplingSettings
 
-__all__ = ["DiffusionSystem", "NonFiniteLossError", "SamplingSettings", "system_settings"]
+if TYPE_CHECKING:
+    from voxdiff.run_spec import SystemSpec
+
+__all__ = ["DiffusionSystem", "NonFiniteLossError", "SamplingSettings"]
 
 log = logging.getLogger(__name__)
-
-
-def system_settings(
-    optim: Mapping[str, Any] | None, ema: Mapping[str, Any] | bool | None, sampling: Mapping[str, Any] | None,
-    val_timesteps: int = 4,
-) -> tuple[OptimSettings, EMASettings | None, SamplingSettings]:
-    """Validate ``system.optim``, ``.ema`` (``false``: no EMA → None), ``.sampling`` (plain mappings) and
-    ``.val_timesteps`` before anything is built.
-
-    Raises:
-        ConfigError: naming the key, the value and a fix.
-    """
-    return optim_settings(optim), ema_settings(ema), sampling_settings(sampling, val_timesteps)
 
 
 class DiffusionSystem(L.LightningModule):
@@ -97,9 +85,11 @@ class DiffusionSystem(L.LightningModule):
             hyper-parameter: the same checkpoint samples on another device.
         kind: ``system.kind``, what the run trains (:func:`voxdiff.config.run_kind`): must be :attr:`kind`, which
             is saved among the hyper-parameters (what :func:`voxdiff.checkpoint.checkpoint_kind` reads).
+        spec: what to build, resolved from the same config by the run spec (:attr:`voxdiff.run_spec.RunSpec.system`,
+            for ``device_type``); None: resolved here from the arguments above. Not a hyper-parameter.
 
-    Config containers are converted to plain Python here; all of the above but ``device_type`` is saved as
-    hyper-parameters.
+    Config containers are converted to plain Python here; all of the above but ``device_type`` and ``spec`` is
+    saved as hyper-parameters.
     """
 
     #: what a run of this system trains (``system.kind``, :data:`voxdiff.config.RUN_KINDS`)
@@ -118,6 +108,7 @@ class DiffusionSystem(L.LightningModule):
         guard: Mapping[str, Any] | None = None,
         device_type: str | None = None,
         kind: str | None = None,
+        spec: SystemSpec | None = None,
     ) -> None:
         super().__init__()
         check_kind(type(self), kind)
@@ -128,22 +119,27 @@ class DiffusionSystem(L.LightningModule):
             {"model": model, "encoding": encoding, "diffusion": diffusion, "mode": mode, "optim": optim,
              "ema": ema, "sampling": sampling, "val_timesteps": val_timesteps, "guard": guard, "kind": self.kind}
         )
-        _, _, self.sampling = system_settings(optim, ema, sampling, val_timesteps)
-        self.val_timesteps = val_timesteps
-        self.mode = mode
-        cfg = OmegaConf.create({"model": model, "encoding": encoding, "mode": mode})
-        self.encoding = build_encoding(cfg)
+        if spec is None:
+            from voxdiff.run_spec import system_spec
+
+            spec = system_spec(self.kind, self.hparams, device_type or accelerator_device("auto"))
+        elif spec.kind != self.kind:
+            raise ValueError(f"DiffusionSystem is built from a diffusion run's spec, not a {spec.kind} run's")
+        self.system_spec = spec
+        self.device_type = spec.device_type
+        self.sampling, self.val_timesteps, self.mode = spec.sampling, spec.val_timesteps, spec.mode
+        self.encoding = spec.encoding
         self.encoding.requires_grad_(False)
-        self.device_type = device_type or accelerator_device("auto")
         # validated UNet arguments, in/out channels, the auto switches decided for this device
-        self.spec = model_spec(cfg, self.encoding, self.device_type)
+        self.spec = spec.unet
         self.model = build_unet_from_spec(self.spec)
-        self.process = DiffusionProcess(diffusion_settings(diffusion), clip_range=encoded_range(self.encoding))
+        recipe = replace(spec.recipe, clip=None)  # the Trainer's clipping is set at the start of fit
+        self.process = DiffusionProcess(recipe.diffusion, clip_range=encoded_range(self.encoding))
         compiled = (CompileSettings(self.spec.compile_mode, self.spec.compile_backend, model.get("compile", True))
                     if self.spec.compile else None)
         # the training step (a plain object, and so is its compiled forward: the checkpoint keys stay model.*)
-        self.step = TrainStep(self.model, system_recipe(optim, ema, diffusion, guard=guard), encoding=self.encoding,
-                              mode=mode, process=self.process, compile=compiled)
+        self.step = TrainStep(self.model, recipe, encoding=self.encoding, mode=self.mode, process=self.process,
+                              compile=compiled)
         self._val_cache: list[dict[str, Any]] = []
         self._last_sampled_step: int | None = None
         self._pending_rng_states: list[dict[str, Any]] | None = None
