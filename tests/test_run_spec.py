@@ -150,3 +150,27 @@ def test_a_stage1_systems_part_is_its_vqvae():
     cfg = compose("train", ["experiment=vqvae_demo"])
     part = system_spec("stage1", {"vqvae": plain(cfg.system.vqvae)}, "cpu")
     assert part.vqvae == run_spec(cfg).vqvae and part.unet is None and part.encoding is None
+
+
+def test_a_stage1_runs_own_settings_are_refused_before_launch_with_the_rest():
+    """The VQ-VAE system's loss, modalities, codebook and optimizer are part of the run spec: refused by train.py's
+    validation (before any data is loaded), together with the other problems of the config."""
+    cfg = compose("train", ["experiment=vqvae_demo", "system.loss.reconstruction=l3", "system.modalities=[image,seg]",
+                            "system.codebook.dead_code_fraction=2", "system.optim.lr=-1", "data.batch_size=0"])
+    with pytest.raises(ConfigErrors) as err:
+        validate(cfg)
+    assert [p.key for p in err.value.problems] == [
+        "data.batch_size", "system.optim.lr", "system.loss.reconstruction", "system.modalities",
+        "system.codebook.dead_code_fraction"]
+
+
+def test_the_vqvae_system_is_built_from_the_spec_it_is_given():
+    from hydra.utils import instantiate
+
+    cfg = compose("train", ["experiment=vqvae_demo", "system.loss.reconstruction=l1"])
+    spec = run_spec(cfg)
+    given = instantiate(cfg.system, _partial_=True)(spec=spec.system)
+    alone = instantiate(cfg.system)
+    assert given.spec == alone.spec == spec.vqvae and given.optim_settings == spec.stage1.optim
+    assert dict(given.hparams) == dict(alone.hparams) and given.hparams.loss["reconstruction"] == "l1"
+    assert given.hparams.volume_shape == list(spec.shapes.volume)

@@ -57,8 +57,8 @@ class Problems:
     def __call__(self, check: Callable[[], T]) -> T | None:
         try:
             return check()
-        except ConfigError as err:
-            self.found.append(err)
+        except ConfigError as err:  # several problems of one check count one by one
+            self.found.extend(err.problems if isinstance(err, ConfigErrors) else [err])
             return None
 
     def raise_all(self) -> None:

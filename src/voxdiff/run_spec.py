@@ -12,8 +12,9 @@ volume) is not checked on top of it.
 (:class:`SystemSpec`) to the Lightning system, which builds nothing from the config itself. A checkpoint stores the
 run's resolved config (plain data, ``voxdiff_config``) and the system's plain hyper-parameters: ``sample.py`` and
 ``evaluate.py`` rebuild the run spec from the first (:func:`stored_run_spec`), a system rebuilt without it (an older
-checkpoint) rebuilds its part from the second (:func:`system_spec`), through the same checks. OmegaConf stops here:
-nothing past the run spec reads the config tree.
+checkpoint) rebuilds its part from the second (:func:`system_spec`), through the same checks. The system and the
+sampler read no config tree; the preflight's later stages and a few other places still do (``docs/architecture.md``,
+"Not there yet").
 
 Lightning is not imported here (the preflight runs on a login node without it).
 """
@@ -65,7 +66,8 @@ class SystemSpec:
         recipe: the training step the system runs (a diffusion run; None for stage 1).
         sampling: validation sampling (a diffusion run; None for stage 1).
         val_timesteps: timesteps of the validation loss (a diffusion run; 0 for stage 1).
-        vqvae: the VQ-VAE's validated arguments (a stage-1 run; None for diffusion).
+        stage1: how stage 1 trains: the VQ-VAE's architecture (also :attr:`vqvae`), optimizer, loss, modalities,
+            volume, codebook (a stage-1 run; None for diffusion).
     """
 
     kind: str
@@ -76,7 +78,12 @@ class SystemSpec:
     recipe: Recipe | None = None
     sampling: SamplingSettings | None = None
     val_timesteps: int = 0
-    vqvae: Any = None  # voxdiff.encodings.vqvae.VQVAESpec
+    stage1: Any = None  # voxdiff.encodings.vqvae.Stage1Settings
+
+    @property
+    def vqvae(self) -> Any:
+        """The VQ-VAE's validated arguments (:class:`voxdiff.encodings.vqvae.VQVAESpec`) of a stage-1 run."""
+        return None if self.stage1 is None else self.stage1.vqvae
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,7 @@ class RunSpec:
     sampling = property(lambda self: self.system.sampling, doc="SystemSpec.sampling")
     val_timesteps = property(lambda self: self.system.val_timesteps, doc="SystemSpec.val_timesteps")
     vqvae = property(lambda self: self.system.vqvae, doc="SystemSpec.vqvae")
+    stage1 = property(lambda self: self.system.stage1, doc="SystemSpec.stage1")
 
 
 def run_spec_problems(cfg: DictConfig, device_type: str | None = None) -> tuple[RunSpec | None, list[ConfigError]]:
@@ -153,7 +161,7 @@ def run_spec_problems(cfg: DictConfig, device_type: str | None = None) -> tuple[
         # a predicted GPU answers bf16 from its type (the local GPU is asked, as the Trainer asks it)
         bf16 = gpu[0].bf16 if predicted and device == "cuda" and gpu[1] != "local GPU" else None
         precision = collect(lambda: decide_precision(plain(trainer.get("precision")), device, bf16))
-    system = _system_part(cfg, kind, encoding, device, collect, sizes is not None)
+    system = _system_part(cfg, kind, encoding, device, collect, shapes_ok=sizes is not None)
     if collect.found:
         return None, collect.found
     return RunSpec(system=system, shapes=sizes, batch_size=batch, device_type=device, precision=precision,
@@ -161,16 +169,18 @@ def run_spec_problems(cfg: DictConfig, device_type: str | None = None) -> tuple[
 
 
 def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, device: str, collect: Problems,
-                 divisibility: bool) -> SystemSpec:
-    """The :class:`SystemSpec` of ``cfg`` (its problems go to ``collect``); ``divisibility``: check the encoded
-    volume against the UNet's levels (the data's shapes are known and valid)."""
+                 shapes_ok: bool | None) -> SystemSpec:
+    """The :class:`SystemSpec` of ``cfg`` (its problems go to ``collect``). ``shapes_ok``: True, the data's shapes
+    are valid and the model is checked against them (the UNet's levels, the VQ-VAE's factor); False, they were
+    refused (nothing is checked on top); None, a system's own hyper-parameters (no data config: stage 1 checks the
+    ``volume_shape`` it was given)."""
     mode = str(OmegaConf.select(cfg, "mode", default="bravo"))
-    unet = recipe = sampling = vqvae = None
+    unet = recipe = sampling = stage1 = None
     val_timesteps = 0
     if kind == "diffusion":
         if encoding is not None:
             unet = collect(lambda: model_spec(cfg, encoding, device))
-            if unet is not None and divisibility:
+            if unet is not None and shapes_ok:
                 from voxdiff.preflight.rules import check_unet_divisibility
 
                 collect(lambda: check_unet_divisibility(cfg, encoding))
@@ -181,11 +191,16 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
         val_timesteps = plain(OmegaConf.select(cfg, "system.val_timesteps", default=4))
         sampling = collect(lambda: sampling_settings(plain(OmegaConf.select(cfg, "system.sampling")), val_timesteps))
     elif kind == "stage1":
-        from voxdiff.encodings.vqvae import vqvae_spec
+        from voxdiff.encodings.vqvae import MODALITIES, stage1_settings
 
-        vqvae = collect(lambda: vqvae_spec(**(plain(OmegaConf.select(cfg, "system.vqvae")) or {})))
+        def get(key: str, default: Any = None) -> Any:
+            return plain(OmegaConf.select(cfg, f"system.{key}", default=default))
+
+        volume = get("volume_shape") if shapes_ok is not False else None
+        stage1 = collect(lambda: stage1_settings(get("vqvae") or {}, get("optim"), get("loss"),
+                                                 get("modalities", MODALITIES), volume, get("codebook")))
     return SystemSpec(kind=kind, mode=mode, encoding=encoding, device_type=device, unet=unet, recipe=recipe,
-                      sampling=sampling, val_timesteps=val_timesteps, vqvae=vqvae)
+                      sampling=sampling, val_timesteps=val_timesteps, stage1=stage1)
 
 
 def system_spec(kind: str, hparams: Mapping[str, Any], device_type: str) -> SystemSpec:
@@ -194,21 +209,23 @@ def system_spec(kind: str, hparams: Mapping[str, Any], device_type: str) -> Syst
 
     Args:
         kind: the system's run kind (``diffusion``: ``model``, ``encoding``, ``diffusion``, ``mode``, ``optim``,
-            ``ema``, ``sampling``, ``val_timesteps``, ``guard``; ``stage1``: ``vqvae``).
+            ``ema``, ``sampling``, ``val_timesteps``, ``guard``; ``stage1``: ``vqvae``, ``optim``, ``loss``,
+            ``modalities``, ``volume_shape``, ``codebook``).
         hparams: plain values (a Hydra node is converted).
 
     Raises:
         ConfigError: the one problem, or :class:`~voxdiff.errors.ConfigErrors` naming every problem found.
     """
     values = {k: plain(v) for k, v in hparams.items()}
-    system = {k: values.get(k) for k in ("optim", "ema", "sampling", "guard", "vqvae") if values.get(k) is not None}
+    system = {k: values.get(k) for k in ("optim", "ema", "sampling", "guard", "vqvae", "loss", "modalities",
+                                          "volume_shape", "codebook") if values.get(k) is not None}
     if values.get("val_timesteps") is not None:
         system["val_timesteps"] = values["val_timesteps"]
     cfg = OmegaConf.create({"system": system, "mode": values.get("mode") or "bravo",
                             **{k: values[k] for k in ("model", "encoding", "diffusion") if values.get(k) is not None}})
     collect = Problems()
     encoding = collect(lambda: build_encoding(cfg)) if kind == "diffusion" else None
-    spec = _system_part(cfg, kind, encoding, device_type, collect, divisibility=False)
+    spec = _system_part(cfg, kind, encoding, device_type, collect, shapes_ok=None)
     collect.raise_all()
     return spec
 

@@ -178,10 +178,8 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
 
     datamodule = instantiate_config(cfg.data, _convert_="all")
     datamodule.setup("fit")  # load (and check) the data before the model is built
-    if spec.kind == "diffusion":  # built from the run spec's part (its auto switches resolved for this device)
-        system = instantiate_config(cfg.system, _partial_=True)(spec=spec.system)
-    else:
-        system = instantiate_config(cfg.system)
+    # the system is built from the run spec's part (validated with the rest; resolved for this run's device)
+    system = instantiate_config(cfg.system, _partial_=True)(spec=spec.system)
     logger = instantiate_loggers(cfg.get("logger"))
     record = {k: plain(cfg[k]) for k in cfg if k != "hydra"}  # the resolved config, for sample.py and resumes
     on_sigterm = SaveOnSigterm()

@@ -33,7 +33,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
@@ -41,17 +41,17 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from voxdiff.config import check_kind
-from voxdiff.encodings.vqvae import SCALE_KEY, build_vqvae, vqvae_spec
-from voxdiff.errors import ConfigError, boolean, number
+from voxdiff.encodings.vqvae import MODALITIES, RECONSTRUCTION_LOSSES, SCALE_KEY, build_vqvae
 from voxdiff.lightning.optim import configure_adamw
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
-from voxdiff.step.optim import optim_settings
 from voxdiff.step import PhaseProbe
+
+if TYPE_CHECKING:
+    from voxdiff.run_spec import SystemSpec
 
 log = logging.getLogger(__name__)
 
-MODALITIES = ("image", "mask")
-RECONSTRUCTION_LOSSES = ("mse", "l1")
+__all__ = ["MODALITIES", "RECONSTRUCTION_LOSSES", "VQVAESystem"]
 
 
 @contextmanager
@@ -95,6 +95,9 @@ class VQVAESystem(L.LightningModule):
             N(0, 1) vectors far from the encoder's outputs and collapses to one or two codes without these.
         kind: ``system.kind``, what the run trains (:func:`voxdiff.config.run_kind`): must be :attr:`kind`, which
             is saved among the hyper-parameters (what :func:`voxdiff.checkpoint.checkpoint_kind` reads).
+        spec: the run spec's system part (:attr:`voxdiff.run_spec.RunSpec.system`, its
+            :class:`~voxdiff.encodings.vqvae.Stage1Settings` validated with the rest of the config); None: the
+            arguments above are validated here the same way. Not a hyper-parameter.
     """
 
     #: what a run of this system trains (``system.kind``, :data:`voxdiff.config.RUN_KINDS`): a learned encoding's
@@ -111,46 +114,35 @@ class VQVAESystem(L.LightningModule):
         montage_every_n_epochs: int = 1,
         codebook: Mapping[str, Any] | None = None,
         kind: str | None = None,
+        spec: SystemSpec | None = None,
     ) -> None:
         super().__init__()
         check_kind(type(self), kind)
-        spec = vqvae_spec(**_plain(vqvae))
+        if spec is None:  # resolved here from the arguments, by the run spec's checks
+            from voxdiff.run_spec import system_spec
+
+            given = {"vqvae": vqvae, "optim": optim, "loss": loss, "modalities": modalities,
+                     "volume_shape": volume_shape, "codebook": codebook}
+            spec = system_spec(self.kind, {k: _plain(v) for k, v in given.items() if v is not None}, "cpu")
+        elif spec.kind != self.kind:
+            raise ValueError(f"VQVAESystem is built from a stage-1 run's spec, not a {spec.kind} run's")
+        settings = spec.stage1
+        self.optim_settings = settings.optim
         optim = _plain(optim) or {}
-        self.optim_settings = optim_settings(optim)
-        loss = {"reconstruction": "mse", "quantization_weight": 1.0, **(_plain(loss) or {})}
-        modalities = list(_plain(modalities))
-        volume_shape = _plain(volume_shape)
-        codebook = {"init_from_data": True, "dead_code_fraction": 0.03, **(_plain(codebook) or {})}
-        boolean("system.codebook.init_from_data", codebook["init_from_data"], fix="use true")
-        number("system.codebook.dead_code_fraction", codebook["dead_code_fraction"], lo=0, hi=1, hi_open=True,
-               fix="use 0.03 (or 0 to turn dead-code restarts off)")
-        if loss["reconstruction"] not in RECONSTRUCTION_LOSSES:
-            raise ConfigError("system.loss.reconstruction", loss["reconstruction"], "unknown reconstruction loss",
-                              f"use one of {', '.join(RECONSTRUCTION_LOSSES)}")
-        if not modalities or not set(modalities) <= set(MODALITIES) or len(set(modalities)) != len(modalities):
-            raise ConfigError("system.modalities", modalities, f"must be distinct batch keys out of {MODALITIES}",
-                              "use [image, mask] (one shared VQ-VAE for both)")
-        if volume_shape is not None:
-            volume_shape = [int(s) for s in volume_shape]
-            for axis, size in zip(("depth", "height", "width"), volume_shape):
-                if size % spec.factor:
-                    raise ConfigError("data.volume_shape", volume_shape,
-                                      f"the {axis} {size} is not divisible by the VQ-VAE factor {spec.factor}",
-                                      f"pad or crop the {axis} to a multiple of {spec.factor}")
         self.save_hyperparameters(
             {
-                "vqvae": spec.as_dict(),
+                "vqvae": settings.vqvae.as_dict(),
                 "optim": optim,
-                "loss": loss,
-                "modalities": modalities,
-                "volume_shape": volume_shape,
+                "loss": dict(settings.loss),
+                "modalities": list(settings.modalities),
+                "volume_shape": None if settings.volume_shape is None else list(settings.volume_shape),
                 "montage_every_n_epochs": int(montage_every_n_epochs),
-                "codebook": codebook,
+                "codebook": dict(settings.codebook),
                 "kind": self.kind,
             }
         )
-        self.spec = spec
-        self.vqvae = build_vqvae(spec)
+        self.spec = settings.vqvae
+        self.vqvae = build_vqvae(settings.vqvae)
         # 1/std of the quantised image latents, measured each validation epoch (see the module docstring)
         self.register_buffer(SCALE_KEY, torch.tensor(1.0, dtype=torch.float32))
         # whether the codebook was started from data (saved, so a resumed run does not start it again)
