@@ -15,7 +15,7 @@ demo:
 
 test:
 	bash scripts/setup_env.sh test
-	$(PY) -m pytest -n auto --dist loadgroup $(ARGS)
+	$(PY) -m pytest $(ARGS)
 
 bench:
 	bash scripts/setup_env.sh test

@@ -25,7 +25,7 @@ from harness import (  # noqa: E402  (tests/slurm is on sys.path via conftest)
     submit_exp11,
 )
 
-pytestmark = [pytest.mark.xdist_group("slurm"), pytest.mark.slurm]
+pytestmark = [pytest.mark.slurm]
 
 # exp11's 5-level UNet, shrunk to CPU size: 32³ phantom -> S2D 16×16³ (divisible by 2^4), 8..16 channels
 TINY = ("trainer=cpu logger=csv data.volume_shape=[32,32,32] data.num_subjects=4 "

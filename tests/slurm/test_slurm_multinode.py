@@ -23,7 +23,7 @@ from harness import (  # noqa: E402  (tests/slurm is on sys.path via conftest)
     submit_exp11,
 )
 
-pytestmark = [pytest.mark.xdist_group("slurm"), pytest.mark.slurm, pytest.mark.multinode, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.slow]
 
 # exp11's 5-level UNet at CPU size under the DDP trainer the job adds for two nodes (accelerator and precision
 # set for the CPU); the replica check compares the two ranks' weights at the end
