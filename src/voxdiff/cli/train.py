@@ -110,7 +110,7 @@ def prepare(cfg: DictConfig, run_dir: Path, spec: RunSpec) -> tuple[str | None, 
         print(f"[voxdiff] ckpt_path=auto: no last.ckpt or hpc_ckpt_*.ckpt in {run_dir}: a fresh start", flush=True)
     plan = None
     if ckpt_path is not None and ckpt_path != "last" and "://" not in ckpt_path:
-        plan = check_resume(cfg, ckpt_path)
+        plan = check_resume(cfg, ckpt_path, spec)
     verdict = training_verdict(cfg)
     if verdict is not None and not verdict.ok:
         from voxdiff.cli.preflight import details

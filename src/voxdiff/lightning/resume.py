@@ -25,12 +25,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import lightning as L
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from voxdiff.checkpoint import KINDS, checkpoint_kind, load_file
-from voxdiff.config import build_encoding, model_spec, plain, run_kind
+from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind, load_file
+from voxdiff.config import plain
 from voxdiff.encodings import LearnedEncoding
 from voxdiff.errors import ConfigError, show_value
+from voxdiff.run_spec import RunSpec
 
 #: UNet arguments that change memory and speed, not the weights
 RUNTIME_MODEL_KEYS = ("use_flash_attention", "gradient_checkpointing", "compile", "compile_mode", "compile_backend",
@@ -95,38 +96,36 @@ def _stored_config_error(path: str, err: ConfigError) -> ConfigError:
     return ConfigError("ckpt_path", path, f"its stored config is refused ({err})", _RESUME_FIX)
 
 
-def architecture_differences(hparams: Mapping[str, Any], cfg: DictConfig, path: str) -> list[tuple[str, Any, Any]]:
-    """``(key, in the checkpoint, now)`` for every architectural setting that differs (see the module docstring)."""
-    out: list[tuple[str, Any, Any]] = []
-    if run_kind(cfg) == "stage1":
-        from voxdiff.encodings.vqvae import vqvae_spec
+def architecture_differences(hparams: Mapping[str, Any], cfg: DictConfig, path: str,
+                             spec: RunSpec | None = None) -> list[tuple[str, Any, Any]]:
+    """``(key, in the checkpoint, now)`` for every architectural setting that differs (see the module docstring).
 
-        try:
-            old = asdict(vqvae_spec(**dict(hparams["vqvae"])))
-        except ConfigError as err:
-            raise _stored_config_error(path, err) from None
-        new = asdict(vqvae_spec(**plain(cfg.system.vqvae)))
+    The stored side is the system part the checkpoint's hyper-parameters resolve to
+    (:func:`voxdiff.run_spec.system_spec`), the current side ``spec``'s (None: :func:`voxdiff.run_spec.run_spec` of
+    ``cfg``), both for the same device."""
+    from voxdiff.run_spec import run_spec, system_spec
+
+    spec = spec if spec is not None else run_spec(cfg)
+    try:
+        old_spec = system_spec(spec.kind, hparams, spec.device_type)
+    except ConfigError as err:
+        raise _stored_config_error(path, err) from None
+    if spec.kind == "stage1":
+        old, new = asdict(old_spec.vqvae), asdict(spec.vqvae)
         return [(f"system.vqvae.{k}", old[k], new[k]) for k in old if k not in VQVAE_TRAINING_KEYS and old[k] != new[k]]
-    encoding = build_encoding(cfg)  # a learned encoding's weights file may move: not architecture
+    out: list[tuple[str, Any, Any]] = []
+    encoding = spec.encoding  # a learned encoding's weights file may move: not architecture
     weights = encoding.weights_key.removeprefix("encoding.") if isinstance(encoding, LearnedEncoding) else None
     old_enc = {k: v for k, v in dict(hparams["encoding"]).items() if k != weights}
     new_enc = {k: v for k, v in plain(cfg.encoding).items() if k != weights}
     out += [(f"encoding.{k}", old_enc.get(k), new_enc.get(k)) for k in sorted(set(old_enc) | set(new_enc))
             if old_enc.get(k) != new_enc.get(k)]
-    if hparams["mode"] != cfg.mode:
-        out.append(("mode", hparams["mode"], cfg.mode))
+    if old_spec.mode != spec.mode:
+        out.append(("mode", old_spec.mode, spec.mode))
     if not out:  # same encoding and mode: the UNet's in/out channels agree, compare the rest of the UNet
-        stored = OmegaConf.create({"model": hparams["model"], "encoding": hparams["encoding"], "mode": hparams["mode"]})
-        try:
-            old = asdict(model_spec(stored))
-        except ConfigError as err:
-            raise _stored_config_error(path, err) from None
-        new = asdict(model_spec(cfg))
+        old, new = asdict(old_spec.unet), asdict(spec.unet)
         out += [(f"model.{k}", old[k], new[k]) for k in old if k not in RUNTIME_MODEL_KEYS and old[k] != new[k]]
-    from voxdiff.diffusion import diffusion_settings
-
-    old_d = asdict(diffusion_settings(dict(hparams["diffusion"] or {})))
-    new_d = asdict(diffusion_settings(plain(cfg.diffusion)))
+    old_d, new_d = asdict(old_spec.recipe.diffusion), asdict(spec.recipe.diffusion)
     out += [(f"diffusion.{k}", old_d[k], new_d[k]) for k in PROCESS_KEYS if old_d[k] != new_d[k]]
     return out
 
@@ -157,21 +156,23 @@ def setting_changes(stored: Mapping[str, Any] | None, current: Mapping[str, Any]
     return applied, not_applied
 
 
-def check_resume(cfg: DictConfig, ckpt_path: str) -> ResumePlan:
-    """Check that ``cfg`` can continue the run saved in ``ckpt_path``; see the module docstring.
+def check_resume(cfg: DictConfig, ckpt_path: str, spec: RunSpec | None = None) -> ResumePlan:
+    """Check that ``cfg`` (whose run spec is ``spec``; None: built here) can continue the run saved in
+    ``ckpt_path``; see the module docstring.
 
     Raises:
         ConfigError: the file cannot be read, is of the other system, or was trained with another architecture.
     """
-    from voxdiff.lightning.callbacks import CONFIG_KEY
+    from voxdiff.run_spec import run_spec
 
+    spec = spec if spec is not None else run_spec(cfg)
     ckpt = load_file(ckpt_path, "ckpt_path", _RESUME_FIX, mmap=True)
-    kind, wanted = checkpoint_kind(ckpt), run_kind(cfg)
+    kind, wanted = checkpoint_kind(ckpt), spec.kind
     if kind != wanted:
         raise ConfigError("ckpt_path", ckpt_path, f"is {KINDS[kind]}, but this run trains {_RUNS[wanted]}",
                           _kind_fix(kind, ckpt_path))
     hparams = ckpt["hyper_parameters"]
-    diffs = architecture_differences(hparams, cfg, ckpt_path)
+    diffs = architecture_differences(hparams, cfg, ckpt_path, spec)
     if diffs:
         raise ConfigError(
             "ckpt_path", ckpt_path,
@@ -180,7 +181,7 @@ def check_resume(cfg: DictConfig, ckpt_path: str) -> ResumePlan:
             "resume with the checkpoint's values (" + " ".join(f"{k}={_cli(old)}" for k, old, _ in diffs)
             + "), or train the new architecture as a new run (ckpt_path=null, another paths.run_dir)")
     old_wd = float((hparams.get("optim") or {}).get("weight_decay") or 0.0)
-    new_wd = float(OmegaConf.select(cfg, "system.optim.weight_decay", default=0.0) or 0.0)
+    new_wd = (spec.recipe.optim if spec.kind == "diffusion" else spec.stage1.optim).weight_decay
     if (old_wd == 0.0) != (new_wd == 0.0):
         raise ConfigError("system.optim.weight_decay", new_wd,
                           f"the checkpoint's optimizer was built with weight_decay {old_wd:g}; switching between 0 "
