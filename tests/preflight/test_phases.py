@@ -95,7 +95,6 @@ def test_latent_run_sampling_decodes_through_the_vqvae(gpu_run) -> None:
     """exp9_ldm_4x_bravo: decoding the samples through the VQ-VAE at full resolution holds more than encoding their
     masks; sampling 2 masks under the EMA swap sets the run's peak, above the training step."""
     rep = predict_phases(compose("preflight", ["experiment=exp9_ldm_4x_bravo"]))
-    assert rep.trace_seconds < 30
     assert any("experiment=vqvae_4x" in n for n in rep.notes)
     assert rep.parts["decode"] > rep.parts["condition"]
     assert rep.peak_phase == "sampling" and rep.sampling > rep.training

@@ -48,18 +48,6 @@ def test_script_is_rendered_from_site_config():
         assert directive in text
 
 
-def test_exp11_job_completes_with_checkpoint(cluster, tmp_path):
-    job = submit_exp11(cluster, tmp_path, f"{TINY} trainer.max_steps=4")
-    info = cluster.wait(job, timeout=600)
-    log = job_log(job)
-    assert info["JobState"] == "COMPLETED", log
-    assert "preflight" in log.lower()
-    assert "++preflight.gpu=H100" in log  # site.env's GPU_TYPE, passed to preflight.py and train.py
-    last = exp11_run_dir(tmp_path, job) / "checkpoints" / "last.ckpt"
-    assert last.is_file(), log
-    assert checkpoint_step(last) == 4
-
-
 def _logged_steps(run_dir: Path) -> list[int]:
     files = sorted((run_dir / "csv").rglob("metrics.csv"))
     assert len(files) == 1, f"the requeued job must continue the same logger run: {files}"
@@ -68,9 +56,11 @@ def _logged_steps(run_dir: Path) -> list[int]:
 
 
 def test_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
-    """Requeued at a step the test controls: the job holds at step 8 (HoldAtStep) until the requeue has been sent,
-    whatever the machine's speed (its periodic last.ckpt is then at step 6). The requeue's SIGTERM ends the hold;
-    the batch in flight finishes and the run saves its resume checkpoint at step 9, having logged steps 0..8."""
+    """The exp11 job runs the preflight (with the site's GPU type), trains, is requeued and completes with its
+    checkpoint. Requeued at a step the test controls: the job holds at step 8 (HoldAtStep) until the requeue has
+    been sent, whatever the machine's speed (its periodic last.ckpt is then at step 6). The requeue's SIGTERM ends
+    the hold; the batch in flight finishes and the run saves its resume checkpoint at step 9, having logged steps
+    0..8."""
     max_steps, every, hold = 12, 3, 8
     release = tmp_path / "release"
     job = submit_exp11(cluster, tmp_path, f"{TINY} trainer.max_steps={max_steps} "
@@ -92,6 +82,8 @@ def test_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
     info = cluster.wait(job, timeout=600)
     log = job_log(job)
     assert info["JobState"] == "COMPLETED", log
+    assert "preflight" in log.lower()
+    assert "++preflight.gpu=H100" in log  # site.env's GPU_TYPE, passed to preflight.py and train.py
     assert int(info["Restarts"]) == 1
     assert "(restart 1)" in log
     resumed = re.findall(r"resuming from .*?step (\d+)", log, flags=re.IGNORECASE)
