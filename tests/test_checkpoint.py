@@ -366,3 +366,18 @@ def test_a_stored_config_the_run_spec_refuses_names_the_file_and_the_key(diffusi
         rebuild_system(path, "diffusion", "fix it")
     assert err.value.key == "ckpt_path" and err.value.value == str(path)
     assert "its stored config is refused (data.volume_shape=null: must be three positive sizes" in str(err.value)
+
+
+def test_a_stage1_checkpoint_is_rebuilt_from_its_stored_run_and_must_agree_with_it(vqvae_ckpt, tmp_path):
+    from voxdiff.checkpoint import rebuild_system
+
+    system, checkpoint, spec = rebuild_system(vqvae_ckpt, "stage1", "fix", device_type="cpu")
+    assert spec.kind == "stage1" and system.spec == spec.vqvae and system.optim_settings == spec.stage1.optim
+
+    def edit(data):
+        data["hyper_parameters"]["vqvae"]["num_embeddings"] = 32
+
+    path = _tampered(vqvae_ckpt, tmp_path / "disagree.ckpt", edit)
+    with pytest.raises(ConfigError) as err:
+        rebuild_system(path, "stage1", "fix it")
+    assert "its hyper-parameters and its stored config (voxdiff_config) disagree on vqvae" in str(err.value)

@@ -133,10 +133,11 @@ def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path"
     system, its EMA weights), on the CPU in eval mode; the checkpoint itself; and its run spec.
 
     Never Lightning's ``load_from_checkpoint`` nor Hydra's ``instantiate`` of a stored ``_target_``: the system's
-    constructor takes the stored plain values, and the encoding or data it names must be one of voxdiff's own. A
-    system built from a run spec (the diffusion system) gets the spec's part, rebuilt from the run's stored config
-    (:data:`CONFIG_KEY`, :func:`voxdiff.run_spec.stored_run_spec`) for ``device_type``; a checkpoint without one
-    (written by hand, or by a test) is rebuilt from its hyper-parameters alone, and its spec is None.
+    constructor takes the stored plain values, and the encoding or data it names must be one of voxdiff's own. The
+    system is built from the run spec's part, rebuilt from the run's stored config (:data:`CONFIG_KEY`,
+    :func:`voxdiff.run_spec.stored_run_spec`) for ``device_type``; its architecture must be the one the
+    hyper-parameters recorded. A checkpoint without a stored config (written by hand, or by a test) is rebuilt from
+    its hyper-parameters alone, and its spec is None.
 
     Args:
         kind: the kind of checkpoint the caller needs, a run kind (``"diffusion"`` or ``"stage1"``, see
@@ -181,6 +182,9 @@ def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path"
         system = cls(**args)
     except ConfigError as err:  # e.g. a stored encoding whose _target_ is not a voxdiff encoding
         raise ConfigError(key, str(path), f"its stored config is refused ({err})", fix) from None
+    if spec is not None and kind == "stage1" and system.hparams["vqvae"] != hparams.get("vqvae"):
+        raise ConfigError(key, str(path), f"its hyper-parameters and its stored config ({CONFIG_KEY}) disagree on "
+                          f"vqvae: {hparams.get('vqvae')} vs {system.hparams['vqvae']}", fix)
     if hasattr(system, "on_load_checkpoint"):
         system.on_load_checkpoint(checkpoint)  # the diffusion system's EMA weights
     try:
