@@ -38,7 +38,7 @@ from voxdiff.config import (
     strategy_kind,
 )
 from voxdiff.encodings.base import Encoding
-from voxdiff.errors import ConfigError, ConfigErrors, Problems, boolean, integer, number, one_of
+from voxdiff.errors import ConfigError, Problems, boolean, integer, number, one_of, raise_all
 from voxdiff.models.unet import UNetSpec
 from voxdiff.step.precision import Precision, accelerator_device, decide_precision
 from voxdiff.step.recipe import Recipe, recipe_from_config
@@ -237,8 +237,7 @@ def run_spec(cfg: DictConfig, device_type: str | None = None) -> RunSpec:
         ConfigError: the one problem, or :class:`~voxdiff.errors.ConfigErrors` naming every problem found.
     """
     spec, problems = run_spec_problems(cfg, device_type)
-    if spec is None:
-        raise ConfigErrors(problems) if len(problems) > 1 else problems[0]
+    raise_all(problems)
     return spec
 
 

@@ -1,8 +1,8 @@
 """``python sample.py ckpt_path=PATH [n=4] ...``: generate volumes from a training checkpoint.
 
 compose → validate → rebuild the run spec from the config stored in the checkpoint, for this device
-(:func:`voxdiff.checkpoint.rebuild_system`) → the system from it, with the checkpoint's weights → take ``n`` masks (the validation subjects of the data config saved in the checkpoint, or
-``data.root=DIR``) → DDIM with the EMA weights → decode → NIfTI with the source affine + PNG montage per sample,
+(:func:`voxdiff.checkpoint.rebuild_system`) → the system from it, with the checkpoint's weights → take ``n``
+masks (the validation subjects of the data config saved in the checkpoint, or ``data.root=DIR``) → DDIM with the EMA weights → decode → NIfTI with the source affine + PNG montage per sample,
 in this run's directory (``<paths.log_dir>/sample/<time>/samples``). In seg mode it writes generated masks.
 The precision is the trained one (``precision: null``): the checkpoint's ``trainer.precision`` decided for the
 sampling device by :func:`voxdiff.step.decide_precision`, as the Trainer decided it.
@@ -63,15 +63,18 @@ def _load(cfg: DictConfig, device: Any) -> tuple[Any, dict[str, Any], Any]:
     import torch
 
     from voxdiff.checkpoint import CONFIG_KEY, rebuild_system
-    from voxdiff.step import decide_precision
 
     device_type = torch.device(device).type
     system, checkpoint, spec = rebuild_system(str(cfg.ckpt_path), "diffusion", _CKPT_FIX, device_type=device_type,
                                               precision=cfg.get("precision"))
-    saved = checkpoint.get(CONFIG_KEY) or {}
-    # a checkpoint without its run's config has no trained precision (and _datamodule refuses it)
-    precision = spec.precision if spec is not None else decide_precision(cfg.get("precision"), device_type)
-    return system.to(device), saved, precision
+    if spec is None:  # no run config stored: no trained precision, no validation masks
+        raise _no_run_config(cfg)
+    return system.to(device), checkpoint[CONFIG_KEY], spec.precision
+
+
+def _no_run_config(cfg: DictConfig) -> ConfigError:
+    return ConfigError("ckpt_path", cfg.ckpt_path, "the checkpoint carries no data config (voxdiff_config)",
+                       "use a checkpoint written by python train.py")
 
 
 def _datamodule(saved: dict[str, Any], cfg: DictConfig):
@@ -81,8 +84,7 @@ def _datamodule(saved: dict[str, Any], cfg: DictConfig):
 
     data = dict(saved.get("data") or {})
     if not data:
-        raise ConfigError("ckpt_path", cfg.ckpt_path, "the checkpoint carries no data config (voxdiff_config)",
-                          "use a checkpoint written by python train.py")
+        raise _no_run_config(cfg)
     for key, value in (plain(cfg.get("data")) or {}).items():
         if value is not None:
             data[key] = value

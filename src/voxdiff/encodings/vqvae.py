@@ -224,7 +224,8 @@ def stage1_settings(
     modalities = tuple(_as_list(modalities) or ())
     if loss["reconstruction"] not in RECONSTRUCTION_LOSSES:
         collect.found.append(ConfigError("system.loss.reconstruction", loss["reconstruction"],
-                                         "unknown reconstruction loss", f"use one of {', '.join(RECONSTRUCTION_LOSSES)}"))
+                                         "unknown reconstruction loss",
+                                         f"use one of {', '.join(RECONSTRUCTION_LOSSES)}"))
     collect(lambda: number("system.loss.quantization_weight", loss["quantization_weight"], lo=0,
                            fix="use 1.0 (the weight of the VQ loss)"))
     if not modalities or not set(modalities) <= set(MODALITIES) or len(set(modalities)) != len(modalities):

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from voxdiff.config import check_kind
-from voxdiff.encodings.vqvae import MODALITIES, RECONSTRUCTION_LOSSES, SCALE_KEY, build_vqvae
+from voxdiff.encodings.vqvae import MODALITIES, SCALE_KEY, build_vqvae
 from voxdiff.lightning.optim import configure_adamw
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
 from voxdiff.step import PhaseProbe
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MODALITIES", "RECONSTRUCTION_LOSSES", "VQVAESystem"]
+__all__ = ["MODALITIES", "VQVAESystem"]
 
 
 @contextmanager
@@ -123,7 +123,7 @@ class VQVAESystem(L.LightningModule):
 
             given = {"vqvae": vqvae, "optim": optim, "loss": loss, "modalities": modalities,
                      "volume_shape": volume_shape, "codebook": codebook}
-            spec = system_spec(self.kind, {k: _plain(v) for k, v in given.items() if v is not None}, "cpu")
+            spec = system_spec(self.kind, {k: v for k, v in given.items() if v is not None}, "cpu")
         elif spec.kind != self.kind:
             raise ValueError(f"VQVAESystem is built from a stage-1 run's spec, not a {spec.kind} run's")
         settings = spec.stage1
