@@ -174,3 +174,43 @@ def test_the_vqvae_system_is_built_from_the_spec_it_is_given():
     assert given.spec == alone.spec == spec.vqvae and given.optim_settings == spec.stage1.optim
     assert dict(given.hparams) == dict(alone.hparams) and given.hparams.loss["reconstruction"] == "l1"
     assert given.hparams.volume_shape == list(spec.shapes.volume)
+
+
+def test_the_preflight_and_resources_settings_are_refused_with_the_rest_in_one_pass():
+    cfg = compose("preflight", ["experiment=exp11", "data.batch_size=0", "preflight.gpu_memory_gib=-1",
+                                "preflight.safety_margin=-0.1", "preflight.recipe=adam", "data.num_workers=-2",
+                                "callbacks.best.save_top_k=two"])
+    _, problems = run_spec_problems(cfg, "cuda")
+    assert [p.key for p in problems] == ["data.batch_size", "preflight.gpu_memory_gib", "preflight.safety_margin",
+                                         "preflight.recipe", "callbacks.best.save_top_k", "data.num_workers"]
+    assert all("Fix: e.g." in str(p) or "Fix: set" in str(p) or "Fix: use" in str(p) for p in problems)
+
+
+def test_what_the_run_asks_of_its_machines_is_in_the_spec(tmp_path):
+    run = run_spec(compose("preflight", ["experiment=exp11", f"paths.run_dir={tmp_path}", "callbacks.best.save_top_k=3",
+                                         "callbacks.last=null", "data.num_workers=4", "+data.prefetch_factor=3",
+                                         "trainer.max_steps=1234", "preflight.disk_free_gib=7",
+                                         "preflight.recipe=seed", "trainer.gradient_clip_val=0.5"]), "cuda")
+    needs, options = run.resources, run.preflight
+    assert (needs.run_dir, needs.best_top_k, needs.keep_last) == (str(tmp_path), 3, False)
+    assert (needs.num_workers, needs.prefetch_factor, needs.max_steps, needs.masks) == (4, 3, 1234, True)
+    assert needs.data["volume_shape"] == list(run.shapes.volume) and needs.slurm == {}
+    assert (options.disk_free_gib, options.recipe, options.gpu_memory_gib) == (7.0, "seed", None)
+    assert run.clip.value == 0.5 and run.recipe.clip == run.clip
+    no_best = run_spec(compose("preflight", ["experiment=exp11", "callbacks.best=null"]), "cuda")
+    assert (no_best.resources.best_top_k, no_best.resources.keep_last) == (0, True)
+
+
+def test_the_preflights_later_stages_read_the_spec_not_the_config():
+    """Given its run spec, the preflight reads nothing more from the config than the run's name: the same verdict,
+    peaks, disk, host memory and time from a config that holds only ``task_name``."""
+    from omegaconf import OmegaConf
+
+    cfg = compose("preflight", ["experiment=exp11", "trainer.max_steps=5000", "preflight.disk_free_gib=100"])
+    spec = run_spec(cfg, check.PREDICTED_DEVICE)
+    full = check.run_preflight(cfg, compile=False)
+    bare = check.run_preflight(OmegaConf.create({"task_name": "exp11"}), compile=False, run=spec)
+    assert (bare.fits, bare.per_gpu_peak_gib, bare.need_gib, bare.budget_gib, bare.budget_source) == (
+        full.fits, full.per_gpu_peak_gib, full.need_gib, full.budget_gib, full.budget_source)
+    assert bare.phases.describe() == full.phases.describe() and bare.needs.lines() == full.needs.lines()
+    assert bare.needs.time.max_steps == 5000 and bare.needs.disk.where.name.endswith("preflight.disk_free_gib)")

@@ -100,9 +100,14 @@ def plain(node: Any) -> Any:
     return node
 
 
+def select(cfg: Any, key: str, default: Any = None) -> Any:
+    """The value at the dotted ``key`` of ``cfg`` as plain Python (resolved), or ``default`` where it is absent."""
+    return plain(OmegaConf.select(cfg, key, default=default))
+
+
 def volume_shape(cfg: DictConfig) -> tuple[int, int, int]:
     """``data.volume_shape`` as a validated (D, H, W) tuple."""
-    shape = plain(OmegaConf.select(cfg, "data.volume_shape"))
+    shape = select(cfg, "data.volume_shape")
     if (
         not isinstance(shape, (list, tuple))
         or len(shape) != 3
@@ -115,7 +120,7 @@ def volume_shape(cfg: DictConfig) -> tuple[int, int, int]:
 
 def batch_size(cfg: DictConfig) -> int:
     """``data.batch_size`` as a validated positive integer (volumes per batch and GPU); never guessed."""
-    value = plain(OmegaConf.select(cfg, "data.batch_size"))
+    value = select(cfg, "data.batch_size")
     return integer("data.batch_size", value, minimum=1,
                    fix="set data.batch_size to 1 or more (volumes per batch and GPU), e.g. data.batch_size=1")
 

@@ -3,7 +3,8 @@
 :func:`run_spec` reads the composed config (OmegaConf) and returns a :class:`RunSpec` of plain, validated objects:
 what the run trains (``system.kind``), the encoding and the shapes it gives, the batch, the UNet's arguments
 resolved for the device, the training step's recipe (diffusion, AdamW, EMA, clipping, guard), validation and
-sampling, the precision, the strategy and world size, and the GPU type. Every problem of every part is collected
+sampling, the precision, the strategy and world size, the GPU type, the ``preflight.*`` options and what the run asks
+of its machines (checkpoints on disk, cached data, its length, its Slurm job). Every problem of every part is collected
 before anything is raised, so a config with three mistakes is refused once, naming all three
 (:class:`~voxdiff.errors.ConfigErrors`); a part that depends on a refused one (the UNet's divisibility on the
 volume) is not checked on top of it.
@@ -12,9 +13,9 @@ volume) is not checked on top of it.
 (:class:`SystemSpec`) to the Lightning system, which builds nothing from the config itself. A checkpoint stores the
 run's resolved config (plain data, ``voxdiff_config``) and the system's plain hyper-parameters: ``sample.py`` and
 ``evaluate.py`` rebuild the run spec from the first (:func:`stored_run_spec`), a system rebuilt without it (an older
-checkpoint) rebuilds its part from the second (:func:`system_spec`), through the same checks. The system and the
-sampler read no config tree; the preflight's later stages and a few other places still do (``docs/architecture.md``,
-"Not there yet").
+checkpoint) rebuilds its part from the second (:func:`system_spec`), through the same checks. The system, the sampler
+and the preflight's stages after the spec read no config tree; a few places still do (``docs/architecture.md``, "Not
+there yet").
 
 Lightning is not imported here (the preflight runs on a login node without it).
 """
@@ -34,6 +35,7 @@ from voxdiff.config import (
     model_spec,
     plain,
     run_kind,
+    select,
     shapes,
     strategy_kind,
 )
@@ -41,10 +43,11 @@ from voxdiff.encodings.base import Encoding
 from voxdiff.errors import ConfigError, Problems, boolean, integer, number, one_of, raise_all
 from voxdiff.models.unet import UNetSpec
 from voxdiff.step.precision import Precision, accelerator_device, decide_precision
-from voxdiff.step.recipe import Recipe, recipe_from_config
+from voxdiff.step.recipe import RECIPES, ClipSettings, Recipe, clip_settings, recipe_from_config
 from voxdiff.step.sampling import SamplingSettings, sampling_settings
 
-__all__ = ["PRECISIONS", "RunSpec", "SystemSpec", "run_spec", "run_spec_problems", "stored_run_spec", "system_spec",
+__all__ = ["DATA_MEMORY_KEYS", "PRECISIONS", "PreflightOptions", "RunResources", "RunSpec", "SystemSpec",
+           "preflight_options", "run_resources", "run_spec", "run_spec_problems", "stored_run_spec", "system_spec",
            "validate_trainer"]
 
 #: values of ``trainer.precision`` that Lightning accepts (an int from the command line, e.g. 32, counts too)
@@ -87,6 +90,59 @@ class SystemSpec:
 
 
 @dataclass(frozen=True)
+class PreflightOptions:
+    """``preflight.*``: what the preflight plans the run for, beside the GPU type (:attr:`RunSpec.gpu`). A train
+    config has none of these keys (they are added with ``+preflight.<key>=...``): all defaults.
+
+    Attributes:
+        gpu_memory_gib: the budget per GPU (None: the GPU type's memory).
+        safety_margin: fits when peak x (1 + margin) + CUDA context <= budget (None: the caller's default).
+        recipe: the training step traced: ``system`` (the run's own) or ``seed`` (the reference CSVs' step).
+        disk_free_gib, host_memory_gib: free disk under the run directory and host memory per node to plan for
+            (None: measured, or taken from the Slurm job).
+    """
+
+    gpu_memory_gib: float | None = None
+    safety_margin: float | None = None
+    recipe: str = "system"
+    disk_free_gib: float | None = None
+    host_memory_gib: float | None = None
+
+
+#: the ``data:`` keys the host memory of the data module depends on (:func:`voxdiff.preflight.distributed.data_memory`)
+DATA_MEMORY_KEYS = ("_target_", "volume_shape", "cache", "root", "num_subjects", "image_name", "mask_name",
+                    "in_memory", "masks", "latent_dir")
+
+
+@dataclass(frozen=True)
+class RunResources:
+    """What the run asks of the machines beside the GPU (:mod:`voxdiff.preflight.resources`): its checkpoints on
+    disk, its data in host memory, its length and its Slurm job.
+
+    Attributes:
+        run_dir: ``paths.run_dir``, where the checkpoints are written.
+        best_top_k: ``callbacks.best.save_top_k`` (-1: every one), 0 without a best-checkpoint callback.
+        keep_last: whether ``callbacks.last`` keeps ``last.ckpt``.
+        data: the ``data:`` values of :data:`DATA_MEMORY_KEYS` (None where absent).
+        masks: ``data.masks``: whether a latent batch carries its full-size mask (default true).
+        num_workers, prefetch_factor: the DataLoader's workers and the batches each prepares ahead (None:
+            torch's default).
+        max_steps: ``trainer.max_steps`` (-1: no step limit).
+        slurm: the experiment's ``slurm:`` block (over ``slurm/site.env``), None for no Slurm job.
+    """
+
+    run_dir: str = "."
+    best_top_k: int = 0
+    keep_last: bool = False
+    data: Mapping[str, Any] | None = None
+    masks: bool = True
+    num_workers: int = 0
+    prefetch_factor: int | None = None
+    max_steps: int = -1
+    slurm: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """One run, resolved: its system's part and what the data, the devices and the GPU add. Shapes are per sample,
     without the batch axis.
@@ -102,6 +158,10 @@ class RunSpec:
         parallel: the strategy, world size and DDP bucket options (one rank of it is what a GPU holds).
         gpu: the GPU type (:func:`voxdiff.preflight.gpus.resolve_gpu`) and where it came from (``preflight.gpu``,
             ``local GPU``, ``default``).
+        clip: the trainer's gradient clipping (``trainer.gradient_clip_val``/``_algorithm``; None: none), as both
+            systems' steps clip (a diffusion run's :attr:`recipe` holds it too).
+        preflight: the ``preflight.*`` options (:class:`PreflightOptions`).
+        resources: checkpoints, data, length and Slurm job (:class:`RunResources`).
     """
 
     system: SystemSpec
@@ -112,6 +172,9 @@ class RunSpec:
     parallel: Any  # voxdiff.preflight.distributed.Parallel
     gpu: Any  # voxdiff.preflight.gpus.GpuSpec
     gpu_source: str
+    clip: ClipSettings | None = None
+    preflight: PreflightOptions = PreflightOptions()
+    resources: RunResources = RunResources()
 
     kind = property(lambda self: self.system.kind, doc="SystemSpec.kind")
     mode = property(lambda self: self.system.mode, doc="SystemSpec.mode")
@@ -162,10 +225,74 @@ def run_spec_problems(cfg: DictConfig, device_type: str | None = None) -> tuple[
         bf16 = gpu[0].bf16 if predicted and device == "cuda" and gpu[1] != "local GPU" else None
         precision = collect(lambda: decide_precision(plain(trainer.get("precision")), device, bf16))
     system = _system_part(cfg, kind, encoding, device, collect, shapes_ok=sizes is not None)
+    clip = collect(lambda: clip_settings(select(cfg, "trainer.gradient_clip_val"),
+                                         select(cfg, "trainer.gradient_clip_algorithm")))
+    options = collect(lambda: preflight_options(cfg))
+    resources = collect(lambda: run_resources(cfg))
     if collect.found:
         return None, collect.found
     return RunSpec(system=system, shapes=sizes, batch_size=batch, device_type=device, precision=precision,
-                   parallel=parallel, gpu=gpu[0], gpu_source=gpu[1]), []
+                   parallel=parallel, gpu=gpu[0], gpu_source=gpu[1], clip=clip, preflight=options,
+                   resources=resources), []
+
+
+def preflight_options(cfg: DictConfig) -> PreflightOptions:
+    """The ``preflight.*`` options of ``cfg`` (absent keys: defaults), validated.
+
+    Raises:
+        ConfigError: the one problem, or :class:`~voxdiff.errors.ConfigErrors` naming every problem found.
+    """
+    collect = Problems()
+
+    def gib(key: str, example: str, positive: bool = True) -> float | None:
+        value = select(cfg, f"preflight.{key}")
+        return None if value is None else collect(lambda: number(
+            f"preflight.{key}", value, lo=0, lo_open=positive, fix=f"e.g. preflight.{key}={example}"))
+
+    options = PreflightOptions(
+        gpu_memory_gib=gib("gpu_memory_gib", "80 (GiB)"), safety_margin=gib("safety_margin", "0.1", positive=False),
+        recipe=collect(lambda: one_of("preflight.recipe", select(cfg, "preflight.recipe") or "system", RECIPES,
+                                      fix="use system (the step train.py runs for this config) or seed (the step of "
+                                          "the reference measurements)")),
+        disk_free_gib=gib("disk_free_gib", "500 (GiB)", positive=False),
+        host_memory_gib=gib("host_memory_gib", "256 (GiB)"))
+    collect.raise_all()
+    return options
+
+
+def run_resources(cfg: DictConfig) -> RunResources:
+    """The :class:`RunResources` of ``cfg``, validated.
+
+    Raises:
+        ConfigError: the one problem, or :class:`~voxdiff.errors.ConfigErrors` naming every problem found.
+    """
+    collect = Problems()
+    best = OmegaConf.select(cfg, "callbacks.best")  # a node, unresolved: its dirpath is Hydra's run-time folder
+    top_k = 0
+    if best is not None:
+        top_k = collect(lambda: integer("callbacks.best.save_top_k", select(cfg, "callbacks.best.save_top_k", 1),
+                                        minimum=-1, fix="e.g. callbacks.best.save_top_k=1 (-1: keep every one)"))
+    workers = select(cfg, "data.num_workers", 0)
+    prefetch = select(cfg, "data.prefetch_factor")
+    slurm = select(cfg, "slurm")
+    if slurm is not None and not isinstance(slurm, Mapping):
+        collect.found.append(ConfigError("slurm", slurm, "must be a mapping of slurm/site.env keys (or null: no "
+                                         "Slurm job)", "e.g. slurm: {GPUS: 1, TIME: '24:00:00'} in the experiment"))
+    resources = RunResources(
+        run_dir=str(select(cfg, "paths.run_dir", ".")),
+        best_top_k=top_k,
+        keep_last=OmegaConf.select(cfg, "callbacks.last") is not None,
+        data={k: select(cfg, f"data.{k}") for k in DATA_MEMORY_KEYS},
+        masks=bool(select(cfg, "data.masks", True)),
+        num_workers=collect(lambda: integer("data.num_workers", 0 if workers is None else workers, minimum=0,
+                                            fix="set data.num_workers to 0 (main process) or more")),
+        prefetch_factor=None if prefetch is None else collect(lambda: integer(
+            "data.prefetch_factor", prefetch, minimum=1, fix="e.g. data.prefetch_factor=2")),
+        max_steps=select(cfg, "trainer.max_steps", -1),
+        slurm=slurm,
+    )
+    collect.raise_all()
+    return resources
 
 
 def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, device: str, collect: Problems,

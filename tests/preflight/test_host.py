@@ -44,3 +44,22 @@ def test_an_unknown_gpu_type_is_refused_not_skipped(tiny_demo):
     with pytest.raises(ConfigError, match=r"preflight.gpu=H100-80: is not a GPU type .* H100, H200"):
         training_verdict(compose("train", [*tiny_demo, "+preflight.gpu=H100-80"]))
     assert training_verdict(compose("train", [*tiny_demo, "+preflight.gpu=V100"])).fits
+
+
+def test_the_verdict_traces_the_step_of_the_spec_resolved_for_the_runs_device(tiny_demo):
+    """train.py hands its run spec (resolved for the device it starts on) to the verdict: a CPU run is traced with
+    the precision and the attention a CPU run computes, with its own budget too (before the spec, a budget of the
+    user's own made the verdict trace the GPU's flash attention instead)."""
+    from dataclasses import replace
+
+    from voxdiff.run_spec import run_spec
+
+    cfg = compose("train", [*tiny_demo, "+preflight.gpu_memory_gib=3"])
+    spec = run_spec(cfg)
+    verdict = training_verdict(cfg, spec)
+    assert (verdict.report.precision, verdict.report.attention, verdict.report.model_step) == (
+        "32-true", "materialised", "eager")
+    assert verdict.budget_gib == 3 and verdict.budget_source == "preflight.gpu_memory_gib"
+    # the spec is what is traced: the same config resolved for a GPU is traced as a GPU runs it
+    gpu = training_verdict(cfg, replace(run_spec(cfg, "cuda"), preflight=spec.preflight))
+    assert (gpu.report.precision, gpu.report.attention) == ("bf16-mixed", "flash")

@@ -7,6 +7,7 @@ import torch
 
 from voxdiff.preflight.check import step_plan
 from voxdiff.preflight.measure import measured_step
+from voxdiff.run_spec import run_spec
 from voxdiff.step import ClipSettings
 
 
@@ -23,7 +24,7 @@ class _Phases:
 
 def test_measure_runs_the_planned_step(tiny_cfg):
     cfg = tiny_cfg("system.ema=false", "trainer.gradient_clip_val=0.5", "trainer.precision=32-true")
-    step, batch = measured_step(cfg, "cpu")
+    step, batch = measured_step(run_spec(cfg, "cpu"))
     assert step.recipe == step_plan(cfg).recipe
     assert step.ema is None and step.clip == ClipSettings(0.5) and step.guard and step.zero_grad_at == "after_step"
     assert batch == {"image": (1, 1, 16, 32, 32), "mask": (1, 1, 16, 32, 32)}  # the volumes, encoded in the step
@@ -32,7 +33,7 @@ def test_measure_runs_the_planned_step(tiny_cfg):
     stats = [step.run(data, probe) for _ in range(2)]
     assert probe.seen == ["<forward", "forward>", "<backward", "backward>", "<optimizer", "optimizer>"] * 2
     assert all(float(s["grad_norm"]) > 0 for s in stats) and step.steps_done == 2
-    with_ema, _ = measured_step(tiny_cfg("trainer.precision=32-true"), "cpu")
+    with_ema, _ = measured_step(run_spec(tiny_cfg("trainer.precision=32-true"), "cpu"))
     assert with_ema.ema is not None
 
 
@@ -45,7 +46,7 @@ def test_a_measured_row_is_written_in_the_sweep_format(tiny_cfg):
     from voxdiff.preflight.sweep import parse_row
 
     cfg = tiny_cfg("model.num_head_channels=[8,8,16]")
-    row = reference_row(cfg, "tiny", {"fwd_gib": 0.5}, None)
+    row = reference_row(run_spec(cfg, "cuda"), "tiny", {"fwd_gib": 0.5}, None)
     assert row["num_head_channels"] == "8 8 16" and row["input_shape"] == "16x8x16x16" and row["fwd_gib"] == "0.500"
     measured = model_spec(cfg, device_type="cuda")
     assert UNetSpec.from_row(row).monai_kwargs() == measured.monai_kwargs()

@@ -131,15 +131,16 @@ def test_run_time_and_requeues():
     assert RunTime(1.0, 10, 1, None, 300, throughput).jobs is None
 
 
-# ------------------------------------------------------------------------------------------------ run_needs(cfg)
+# ------------------------------------------------------------------------------------------------ run_needs(run)
 def _needs(cfg, **kw):
     from voxdiff.preflight.distributed import data_memory
     from voxdiff.preflight.resources import run_needs
+    from voxdiff.run_spec import run_spec
 
     data = data_memory({k: cfg.data.get(k) for k in ("_target_", "volume_shape", "cache", "num_subjects")})
     args = dict(ema=True, data=data, sample_bytes=2 * 4 * 16**3, processes_per_node=1, world_size=1,
                 cost=StepCost(tflop=0.5, ops=1000), gpu="H100", compiled=True, env={})
-    return run_needs(cfg, _meta_model(cfg), **{**args, **kw})
+    return run_needs(run_spec(cfg, "cuda"), _meta_model(cfg), **{**args, **kw})
 
 
 def test_run_needs_refuses_a_run_directory_without_room_for_one_checkpoint_write(tiny_cfg, tmp_path):

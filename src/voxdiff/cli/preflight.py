@@ -23,6 +23,7 @@ from voxdiff.config import compose, config_dir
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.check import PreflightResult, run_preflight
 from voxdiff.preflight.memory import GiB
+from voxdiff.run_spec import preflight_options, run_spec
 
 
 def _experiment_given(overrides: list[str]) -> bool:
@@ -108,7 +109,6 @@ def details(r: PreflightResult) -> str:
 
 
 def _sweep(cfg: DictConfig) -> int:
-    from voxdiff.preflight.check import gpu_budget_gib
     from voxdiff.preflight.gpus import resolve_gpu
     from voxdiff.preflight.sweep import sweep
     from voxdiff.step import recipe_from_config
@@ -123,7 +123,7 @@ def _sweep(cfg: DictConfig) -> int:
     recipe = recipe_from_config(cfg) if p.recipe is not None else None
     plot = str(p.plot) if p.plot else str(Path(str(p.out)).with_suffix(".png"))
     t0 = time.perf_counter()
-    budget = gpu_budget_gib(cfg)[0] if p.gpu_memory_gib is not None else None  # None: each row's GPU's memory
+    budget = preflight_options(cfg).gpu_memory_gib  # None: each row's GPU's memory
     rows = sweep(src, str(p.out), recipe, system=recipe_from_config(cfg, "system"), budget_gib=budget,
                  safety_margin=float(p.safety_margin), plot_path=plot, gpu=resolve_gpu(cfg)[0])
     bad = [r for r in rows if r.get("pred_error")]
@@ -135,8 +135,9 @@ def _sweep(cfg: DictConfig) -> int:
 def _measure(cfg: DictConfig, result: PreflightResult) -> None:
     from voxdiff.preflight.measure import measure_steps, reference_row, write_rows
 
-    measured = measure_steps(cfg, int(cfg.preflight.measure_steps))
-    row = reference_row(cfg, result.name, measured, result.report)
+    run = run_spec(cfg, "cuda")  # on this GPU node: the local GPU's precision
+    measured = measure_steps(run, int(cfg.preflight.measure_steps))
+    row = reference_row(run, result.name, measured, result.report)
     print("measured:", ", ".join(f"{k} {row[k]}" for k in ("fwd_gib", "bwd_gib", "total_gib", "steady_total_gib",
                                                             "reserved_gib", "oom") if k in row))
     if cfg.preflight.out:

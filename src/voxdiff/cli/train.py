@@ -111,7 +111,7 @@ def prepare(cfg: DictConfig, run_dir: Path, spec: RunSpec) -> tuple[str | None, 
     plan = None
     if ckpt_path is not None and ckpt_path != "last" and "://" not in ckpt_path:
         plan = check_resume(cfg, ckpt_path, spec)
-    verdict = training_verdict(cfg)
+    verdict = training_verdict(cfg, spec)
     if verdict is not None and not verdict.ok:
         from voxdiff.cli.preflight import details
 

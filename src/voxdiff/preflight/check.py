@@ -31,47 +31,31 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from voxdiff.config import Shapes, plain
+from voxdiff.config import Shapes, select
 from voxdiff.encodings.base import Encoding
-from voxdiff.errors import ConfigError, number
+from voxdiff.errors import ConfigError
 from voxdiff.models.unet import UNetSpec, build_unet_from_spec
-from voxdiff.preflight.distributed import DataMemory, Parallel, data_memory, parallel_of
-from voxdiff.preflight.gpus import DEFAULT_GPU, GPUS, GpuSpec, resolve_gpu
+from voxdiff.preflight.distributed import DataMemory, Parallel, data_memory
+from voxdiff.preflight.gpus import DEFAULT_GPU, GPUS, GpuSpec
 from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
 from voxdiff.preflight.phases import PhasesReport, predict_phases
 from voxdiff.preflight.resources import RunNeeds, run_needs, step_cost
 from voxdiff.preflight.stage1 import Stage1Report, predict_stage1
 from voxdiff.run_spec import RunSpec, run_spec, run_spec_problems
-from voxdiff.step import Recipe, batch_shapes, decide_precision, recipe_from_config
+from voxdiff.step import SEED, Recipe, batch_shapes
 
 PREDICTED_DEVICE = "cuda"
 """The device the preflight predicts a run on: a GPU. It resolves the model's ``auto`` switches for it (SDPA
 attention on: :meth:`voxdiff.models.UNetSpec.for_device`) and picks the optimizer torch runs there (fused AdamW)."""
 
 
-def _get(cfg: DictConfig, key: str, default: Any = None) -> Any:
-    value = OmegaConf.select(cfg, key, default=default)
-    return plain(value)
-
-
-def gpu_budget_gib(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None) -> tuple[float, str]:
-    """The memory budget per GPU and where it comes from: ``preflight.gpu_memory_gib``, else the memory of the GPU
-    of :func:`~voxdiff.preflight.gpus.resolve_gpu` (``gpu``, when already resolved)."""
-    configured = _get(cfg, "preflight.gpu_memory_gib")
-    if configured is not None:
-        return number("preflight.gpu_memory_gib", configured, lo=0, lo_open=True,
-                      fix="e.g. preflight.gpu_memory_gib=80 (GiB)"), "preflight.gpu_memory_gib"
-    spec, source = gpu or resolve_gpu(cfg)
-    return spec.total_gib, f"{'default GPU' if source == 'default' else source} {spec.name}"
-
-
-def gpu_precision(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None) -> str:
-    """The precision a GPU run of ``cfg`` uses: :func:`voxdiff.step.decide_precision` of ``trainer.precision`` on
-    ``cuda`` for the GPU of :func:`~voxdiff.preflight.gpus.resolve_gpu` (``gpu``, when already resolved): the
-    local GPU is asked as the Trainer asks it, a named or default one answers from its compute capability."""
-    spec, source = gpu or resolve_gpu(cfg)
-    bf16 = None if source == "local GPU" else spec.bf16
-    return decide_precision(_get(cfg, "trainer.precision"), "cuda", bf16).name
+def gpu_budget_gib(run: RunSpec) -> tuple[float, str]:
+    """The memory budget per GPU of ``run`` and where it comes from: ``preflight.gpu_memory_gib``, else the memory
+    of its GPU type (:func:`~voxdiff.preflight.gpus.resolve_gpu`)."""
+    if run.preflight.gpu_memory_gib is not None:
+        return run.preflight.gpu_memory_gib, "preflight.gpu_memory_gib"
+    source = "default GPU" if run.gpu_source == "default" else run.gpu_source
+    return run.gpu.total_gib, f"{source} {run.gpu.name}"
 
 
 @dataclass(frozen=True)
@@ -85,8 +69,9 @@ class StepPlan:
         recipe: the step's recipe (``preflight.recipe``, default ``system``).
         batch: shapes of the tensors of one batch as the data module hands them over.
         mode: ``bravo`` or ``seg``.
-        run: the run's :class:`~voxdiff.run_spec.RunSpec` (resolved for :data:`PREDICTED_DEVICE`), which the
-            above are taken from.
+        run: the run's :class:`~voxdiff.run_spec.RunSpec` (resolved for :data:`PREDICTED_DEVICE`, or for the
+            device a run starts on: :func:`voxdiff.preflight.host.training_verdict`), which the above are taken
+            from; the precision traced is its ``precision``, the GPU its ``gpu``.
     """
 
     encoding: Encoding
@@ -107,17 +92,16 @@ class StepPlan:
         return (next(iter(self.batch.values()))[0], *self.shapes.unet_input)
 
 
-def step_plan(cfg: DictConfig, run: RunSpec | None = None) -> StepPlan:
-    """The :class:`StepPlan` of ``cfg``: its run spec (``run``, when already built for :data:`PREDICTED_DEVICE`)
-    with the step of ``preflight.recipe``.
+def step_plan(run: RunSpec | DictConfig) -> StepPlan:
+    """The :class:`StepPlan` of a diffusion run: its spec (a config is resolved for :data:`PREDICTED_DEVICE`) with
+    the step of ``preflight.recipe``.
 
     Raises:
-        ConfigError: every problem of the run spec (:func:`voxdiff.run_spec.run_spec`), or an unknown
-            ``preflight.recipe``.
+        ConfigError: every problem of the run spec (:func:`voxdiff.run_spec.run_spec`).
     """
-    run = run or run_spec(cfg, PREDICTED_DEVICE)
-    name = _get(cfg, "preflight.recipe") or "system"
-    recipe = run.recipe if name == "system" and run.recipe is not None else recipe_from_config(cfg)
+    if not isinstance(run, RunSpec):
+        run = run_spec(run, PREDICTED_DEVICE)
+    recipe = SEED if run.preflight.recipe == "seed" else run.recipe
     return StepPlan(run.encoding, run.shapes, run.unet, recipe,
                     batch_shapes(run.encoding, run.shapes.volume, run.batch_size), run.mode, run)
 
@@ -172,16 +156,14 @@ class PreflightResult:
         return not self.problems and (self.fits or not self.modelled) and not self.misfits
 
 
-def predict_memory(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None, compile: bool | None = None,
+def predict_memory(cfg: DictConfig | None = None, compile: bool | None = None,
                    plan: StepPlan | None = None) -> MemoryReport:
     """Trace two training steps of ``cfg`` on the meta device, as one GPU of its strategy runs them (one rank of a
-    DDP or FSDP run: :mod:`voxdiff.preflight.distributed`), for the GPU of
-    :func:`~voxdiff.preflight.gpus.resolve_gpu` (``gpu``, when already resolved); see the module docstring for what
-    is traced.
+    DDP or FSDP run: :mod:`voxdiff.preflight.distributed`), for the GPU type of its run spec
+    (:func:`~voxdiff.preflight.gpus.resolve_gpu`); see the module docstring for what is traced.
 
     Args:
-        cfg: the run config.
-        gpu: the GPU predicted and where it came from (default: :func:`~voxdiff.preflight.gpus.resolve_gpu`).
+        cfg: the run config (not needed when ``plan`` is given).
         compile: whether to trace a compiled run's step compiled (default) or eagerly (False: seconds instead of
             a compiled trace; the report's ``model_step`` is then ``upper bound (eager)``). Whether the run compiles
             is ``model.compile`` as a GPU run resolves it (``auto`` and ``true`` compile:
@@ -190,30 +172,21 @@ def predict_memory(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None, comp
         plan: the step's plan when already made (:func:`step_plan`), else it is made here.
 
     Raises:
-        ConfigError: see :func:`step_plan`, :func:`gpu_precision` and :func:`~voxdiff.preflight.gpus.resolve_gpu`.
+        ConfigError: every problem of the run spec (:func:`step_plan`).
     """
-    gpu = gpu or resolve_gpu(cfg)
     plan = plan or step_plan(cfg)
     spec = plan.spec
     compiles = spec.compile and spec.compile_backend == "inductor"
     report = predict_step_memory(
         plan.build_model, plan.input_shape, plan.recipe,
-        batch=plan.batch, encoding=plan.encoding, mode=plan.mode, precision=gpu_precision(cfg, gpu),
-        attention="flash" if plan.spec.use_flash_attention else "materialised", gpu=gpu[0],
+        batch=plan.batch, encoding=plan.encoding, mode=plan.mode, precision=plan.run.precision.name,
+        attention="flash" if plan.spec.use_flash_attention else "materialised", gpu=plan.run.gpu,
         parallel=plan.run.parallel, compile=compiles and compile is not False, compile_mode=spec.compile_mode,
     )
     if compiles and compile is False:
         return replace(report, model_step="upper bound (eager)", notes=(*report.notes, (
             "the run compiles its model (model.compile); its step was traced eagerly here, an upper bound")))
     return report
-
-
-def _parallel(cfg: DictConfig) -> Parallel:
-    return parallel_of({k: _get(cfg, f"trainer.{k}") for k in ("strategy", "devices", "num_nodes")})
-
-
-_DATA_KEYS = ("_target_", "volume_shape", "cache", "root", "num_subjects", "image_name", "mask_name", "in_memory",
-              "masks", "latent_dir")
 
 
 def _need(peak_bytes: float, report: MemoryReport, margin: float) -> float:
@@ -269,30 +242,31 @@ def candidate_fixes(cfg: DictConfig, run: RunSpec | None = None) -> list[tuple[s
 
 def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
                   margin: float = DEFAULT_SAFETY_MARGIN, compile: bool = True, phases: bool = True,
-                  timing: bool = True) -> PreflightResult:
+                  timing: bool = True, run: RunSpec | None = None) -> PreflightResult:
     """Static checks, then the predicted per-GPU peak, the verdict against the budget, and fixes if it does not fit.
 
     The step predicted is the one the GPU run runs: compiled or eager as ``model.compile`` says
     (:func:`predict_memory`); ``compile=False`` traces a compiled run eagerly (an upper bound, in seconds: the
     table over every experiment). The fixes are always predicted eagerly (an upper bound of their compiled step).
     ``phases=False`` leaves out validation and sampling, ``timing=False`` the step's FLOPs and time (a CPU run's
-    verdict in ``train.py``: its peak is the training step's, and a GPU's time means nothing there)."""
-    run, problems = run_spec_problems(cfg, PREDICTED_DEVICE)  # every configuration problem, in one pass
-    result = PreflightResult(name=name or str(_get(cfg, "task_name", "")), problems=problems)
-    try:
-        if run is not None:
-            gpu = (run.gpu, run.gpu_source)
-            result.gpu = run.gpu
-            result.budget_gib, result.budget_source = gpu_budget_gib(cfg, gpu)
-        margin = float(_get(cfg, "preflight.safety_margin", margin))
-        if run is not None and run.kind == "diffusion":
-            plan = step_plan(cfg, run)
-    except ConfigError as err:
-        result.problems.append(err)
+    verdict in ``train.py``: its peak is the training step's, and a GPU's time means nothing there).
+
+    ``run``: the config's run spec when it is already resolved (:func:`voxdiff.run_spec.run_spec`); by default it
+    is resolved here for :data:`PREDICTED_DEVICE`, every configuration problem in one pass. Everything predicted
+    is read from it; the fixes are resolved for its device."""
+    problems: list[ConfigError] = []
+    if run is None:
+        run, problems = run_spec_problems(cfg, PREDICTED_DEVICE)
+    result = PreflightResult(name=name or str(select(cfg, "task_name", "")), problems=problems)
     if result.problems:
         return result
+    result.gpu = run.gpu
+    result.budget_gib, result.budget_source = gpu_budget_gib(run)
+    if run.preflight.safety_margin is not None:
+        margin = run.preflight.safety_margin
     if run.kind == "stage1":
         return _stage1_preflight(cfg, run, result, margin)
+    plan = step_plan(run)
     result.shapes = plan.shapes
     result.levels = plan.spec.levels
     with torch.device("meta"):
@@ -301,19 +275,19 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     parallel = run.parallel
     result.parallel, result.strategy, result.world_size = parallel, parallel.strategy, parallel.world_size
     latents = plan.batch.get("image_z")
-    result.data = data_memory({k: _get(cfg, f"data.{k}") for k in _DATA_KEYS}, tuple(latents[1:]) if latents else None)
-    report = predict_memory(cfg, gpu=gpu, compile=None if compile else False, plan=plan)
+    result.data = data_memory(run.resources.data, tuple(latents[1:]) if latents else None)
+    report = predict_memory(compile=None if compile else False, plan=plan)
     result.report = report
     peak = report.peak_allocated  # one rank's: the trace is of what one GPU of the strategy holds
     if phases and parallel.strategy != "fsdp":  # validation and sampling: the whole model, as on one GPU or DDP
-        result.phases = predict_phases(cfg, gpu, training=report, plan=plan)
+        result.phases = predict_phases(plan, training=report)
         peak, result.peak_phase = max(peak, result.phases.peak_allocated), result.phases.peak_phase
     one = {k: (1, *v[1:]) for k, v in plan.batch.items()}
     result.needs = run_needs(
-        cfg, model, ema=plan.recipe.ema is not None, data=result.data,
+        run, model, ema=plan.recipe.ema is not None, data=result.data,
         sample_bytes=sum(4 * math.prod(v) for v in one.values()), processes_per_node=parallel.processes_per_node,
         world_size=parallel.world_size, cost=step_cost(model, plan.batch, plan.mode, plan.encoding) if timing else None,
-        gpu=gpu[0].name,
+        gpu=run.gpu.name,
         compiled=report.model_step == "compiled" or (plan.spec.compile and report.model_step != "eager"),
         env=os.environ, latent_shape=tuple(latents[1:]) if latents else None)
     result.per_gpu_peak_gib = peak / GiB
@@ -324,11 +298,10 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
         # bound, so a fix said to fit does
         result.suggestions_step = "eager"
         for change, overrides in candidate_fixes(cfg, run):
-            fixed = _with(cfg, overrides)
-            fixed_run, fixed_problems = run_spec_problems(fixed, PREDICTED_DEVICE)
+            fixed_run, fixed_problems = run_spec_problems(_with(cfg, overrides), run.device_type)
             if fixed_problems:
                 continue
-            r = predict_memory(fixed, gpu=gpu, compile=False, plan=step_plan(fixed, fixed_run))
+            r = predict_memory(compile=False, plan=step_plan(fixed_run))
             p = r.peak_allocated
             need = _need(p, r, margin)
             result.suggestions.append(Suggestion(
@@ -342,9 +315,8 @@ def _stage1_preflight(cfg: DictConfig, run: RunSpec, result: PreflightResult, ma
     larger against the GPU's budget; its checkpoints against the run directory's disk."""
     from voxdiff.encodings.vqvae import build_vqvae
 
-    gpu = (run.gpu, run.gpu_source)
     try:
-        stage1 = predict_stage1(cfg, gpu)
+        stage1 = predict_stage1(cfg, run)
     except ConfigError as err:
         result.problems.append(err)
         return result
@@ -357,6 +329,6 @@ def _stage1_preflight(cfg: DictConfig, run: RunSpec, result: PreflightResult, ma
     result.parallel = run.parallel
     with torch.device("meta"):
         model = build_vqvae(run.vqvae)
-    result.needs = run_needs(cfg, model, ema=False, data=None, sample_bytes=0, processes_per_node=1, world_size=1,
-                             cost=None, gpu=gpu[0].name, compiled=False, env=os.environ)
+    result.needs = run_needs(run, model, ema=False, data=None, sample_bytes=0, processes_per_node=1, world_size=1,
+                             cost=None, gpu=run.gpu.name, compiled=False, env=os.environ)
     return result

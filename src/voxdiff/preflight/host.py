@@ -4,7 +4,8 @@
 against the local GPU's memory for a GPU run and against the host's memory for a CPU run — the traced peak of a
 CPU step (fp32, the precision a CPU run uses, and the attention it computes: ``model.use_flash_attention=auto`` is
 off there) is the bytes its tensors hold; the CUDA context and the allocator's rounding that the prediction adds
-make it a slight over-estimate there. A model far too large for the machine
+make it a slight over-estimate there. The step traced is the one of the run spec resolved for the device the run
+starts on (``train.py``'s), not a GPU's: its precision, its ``auto`` switches. A model far too large for the machine
 (29 billion parameters on a 24 GiB host) is refused in about a second with the preflight's fixes, instead of
 failing in the allocator after a minute of building. A budget of the user's own, ``+preflight.gpu_memory_gib=N``
 (and ``+preflight.safety_margin=M``), replaces the machine's: the prediction's error is up to 34% on the measured
@@ -13,17 +14,15 @@ rows, so a config at the edge can be started on purpose.
 
 from __future__ import annotations
 
-import copy
 import os
+from dataclasses import replace
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from voxdiff.config import run_kind
-from voxdiff.errors import ConfigError
-from voxdiff.preflight.check import PreflightResult, gpu_precision, run_preflight
-from voxdiff.preflight.gpus import resolve_gpu
+from voxdiff.preflight.check import PreflightResult, run_preflight
 from voxdiff.preflight.memory import GiB
+from voxdiff.run_spec import RunSpec, run_spec
 
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
@@ -41,55 +40,30 @@ def host_memory_bytes() -> int:
     return int(total)
 
 
-def _local_processes(cfg: DictConfig) -> int:
-    devices = OmegaConf.select(cfg, "trainer.devices", default=1)
-    if isinstance(devices, int) and devices > 0:
-        return devices
-    if OmegaConf.is_list(devices):
-        return max(1, len(devices))
-    return 1
+def training_verdict(cfg: DictConfig, run: RunSpec | None = None) -> PreflightResult | None:
+    """The preflight's verdict for this run on this machine; None when the step is not modelled (a VQ-VAE
+    stage 1).
 
-
-def training_verdict(cfg: DictConfig) -> PreflightResult | None:
-    """The preflight's verdict for this run on this machine; None when the step is not modelled (a VQ-VAE stage
-    1, or a precision the preflight does not model).
+    Args:
+        cfg: the run's composed config.
+        run: its run spec resolved for the device it starts on (``train.py``'s, :func:`voxdiff.run_spec.run_spec`
+            with no device: the precision decided there, ``model.compile``/``use_flash_attention=auto`` resolved
+            there); else it is resolved here.
 
     Raises:
-        ConfigError: an unknown ``preflight.gpu`` (:func:`~voxdiff.preflight.gpus.resolve_gpu`).
+        ConfigError: an unknown ``preflight.gpu`` (:func:`~voxdiff.preflight.gpus.resolve_gpu`), or any other
+            problem of the run spec.
     """
-    from voxdiff.lightning.trainer import resolve_precision
-    from voxdiff.step import accelerator_device
-
-    if run_kind(cfg) != "diffusion":
+    if run is None:
+        run = run_spec(cfg)
+    if run.kind != "diffusion":
         return None
-    accelerator = OmegaConf.select(cfg, "trainer.accelerator", default="auto")
-    checked = copy.deepcopy(cfg)
-    gpu = resolve_gpu(checked)  # an unknown preflight.gpu is the user's to fix, not a reason to skip the verdict
-    try:  # the precision this machine runs (voxdiff.step.decide_precision), then as the preflight predicts it
-        OmegaConf.update(checked, "trainer.precision", resolve_precision(OmegaConf.select(cfg, "trainer.precision"),
-                                                                          accelerator), force_add=True)
-        gpu_precision(checked, gpu)
-    except ConfigError:
-        return None
-    on_cpu = accelerator_device(accelerator) == "cpu"
-    on_host = on_cpu and OmegaConf.select(cfg, "preflight.gpu_memory_gib") is None
-    if on_cpu:  # model.compile=auto compiles CUDA runs only: a CPU run's step is eager
-        _resolve_on_cpu(checked, "model.compile")
+    on_host = run.device_type == "cpu" and run.preflight.gpu_memory_gib is None
+    processes = run.parallel.processes_per_node
     if on_host:  # a CPU run, and no budget of the user's own (+preflight.gpu_memory_gib=N)
-        processes = _local_processes(cfg)
-        OmegaConf.update(checked, "preflight.gpu_memory_gib", host_memory_bytes() / processes / GiB, force_add=True)
-        # the attention a CPU run computes: model.use_flash_attention=auto is off there
-        _resolve_on_cpu(checked, "model.use_flash_attention")
-    result = run_preflight(checked, name=str(cfg.get("task_name", "")), suggest=True, phases=not on_host,
-                           timing=not on_host)
+        run = replace(run, preflight=replace(run.preflight, gpu_memory_gib=host_memory_bytes() / processes / GiB))
+    result = run_preflight(cfg, name=str(cfg.get("task_name", "")), suggest=True, phases=not on_host,
+                           timing=not on_host, run=run)
     if on_host:
         result.budget_source = "host memory" + (f" shared by {processes} processes" if processes > 1 else "")
     return result
-
-
-def _resolve_on_cpu(cfg: DictConfig, key: str) -> None:
-    """Set the run-time switch ``key`` (``model.compile``, ``model.use_flash_attention``) of ``cfg`` to what a CPU
-    run makes of it (``auto`` is off there)."""
-    from voxdiff.models.unet import resolve_switch
-
-    OmegaConf.update(cfg, key, resolve_switch(key, OmegaConf.select(cfg, key, default=False), "cpu"), force_add=True)

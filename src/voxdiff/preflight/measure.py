@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
-
-from voxdiff.config import model_spec, shapes
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.memory import GiB, MemoryReport
+from voxdiff.run_spec import RunSpec
 
 MEASURED_COLUMNS = ["model_gib", "fwd_gib", "bwd_gib", "total_gib", "steady_fwd_gib", "steady_bwd_gib",
                     "steady_total_gib", "reserved_gib", "oom"]
@@ -38,37 +36,37 @@ class CudaPhasePeaks:
         self.peaks[phase] = torch.cuda.max_memory_allocated()
 
 
-def measured_step(cfg: DictConfig, device_type: str = "cuda") -> tuple[Any, dict[str, tuple[int, ...]]]:
-    """The training step of :func:`~voxdiff.preflight.check.step_plan` on a real device, with real autocast as
-    its precision context (the precision of a GPU run on ``cuda``) and its optimizer configured.
+def measured_step(run: RunSpec) -> tuple[Any, dict[str, tuple[int, ...]]]:
+    """The training step of :func:`~voxdiff.preflight.check.step_plan` on a real device, the run spec's
+    (:func:`voxdiff.run_spec.run_spec` resolved for it: the UNet's ``auto`` switches and the precision decided
+    there, the local GPU asked for bf16), with real autocast as its precision context and its optimizer configured.
 
     Returns:
         ``(step, batch)``: a :class:`voxdiff.step.TrainStep` and the shapes of the batch it trains on.
     """
-    from voxdiff.config import build_model
-    from voxdiff.preflight.check import gpu_precision, step_plan
-    from voxdiff.preflight.gpus import local_gpu
-    from voxdiff.step import TrainStep, decide_precision
+    from voxdiff.models.unet import build_unet_from_spec
+    from voxdiff.preflight.check import step_plan
+    from voxdiff.step import TrainStep
 
-    plan = step_plan(cfg)
-    requested = (gpu_precision(cfg, (local_gpu(), "local GPU")) if device_type == "cuda"
-                 else cfg.trainer.get("precision"))
+    plan = step_plan(run)
+    device_type = run.device_type
     with torch.device(device_type):
-        model = build_model(cfg, plan.encoding, device_type=device_type)
+        model = build_unet_from_spec(plan.spec)
         step = TrainStep(model, plan.recipe, encoding=plan.encoding.to(device_type), mode=plan.mode,
-                         precision=decide_precision(requested, device_type).context(), device_type=device_type)
+                         precision=run.precision.context(), device_type=device_type)
     step.configure_optimizer()
     return step, plan.batch
 
 
-def measure_steps(cfg: DictConfig, steps: int = 3) -> dict[str, Any]:
-    """Run ``steps`` training steps of ``cfg`` on the current CUDA device; peaks per phase in GiB."""
+def measure_steps(run: RunSpec, steps: int = 3) -> dict[str, Any]:
+    """Run ``steps`` training steps of ``run`` (resolved for ``cuda``) on the current CUDA device; peaks per phase
+    in GiB."""
     if not torch.cuda.is_available():
         raise ConfigError("preflight.measure", True, "needs a CUDA GPU and none is visible",
                           "run it on a GPU node (e.g. srun --gres=gpu:1 python preflight.py ... preflight.measure=true)")
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    step, batch_spec = measured_step(cfg, "cuda")
+    step, batch_spec = measured_step(run)
     out: dict[str, Any] = {"model_gib": torch.cuda.max_memory_allocated() / GiB, "oom": 0}  # weights and EMA
     batch = {k: torch.randn(shape, device="cuda") for k, shape in batch_spec.items()}
     try:
@@ -89,13 +87,12 @@ def measure_steps(cfg: DictConfig, steps: int = 3) -> dict[str, Any]:
     return out
 
 
-def reference_row(cfg: DictConfig, name: str, measured: dict[str, Any], report: MemoryReport | None) -> dict[str, Any]:
-    """A row in the format of ``reference/measured_vram.csv`` (plus the prediction's columns)."""
-    spec = model_spec(cfg, device_type="cuda")
-    s = shapes(cfg)
+def reference_row(run: RunSpec, name: str, measured: dict[str, Any], report: MemoryReport | None) -> dict[str, Any]:
+    """A row in the format of ``reference/measured_vram.csv`` (plus the prediction's columns) for the run spec
+    ``run`` that was measured."""
     row: dict[str, Any] = {
-        "table": "voxdiff-measure", "name": name, "input_shape": "x".join(map(str, s.unet_input)),
-        **spec.to_row(),  # the UNet's columns, read back by UNetSpec.from_row (the sweep)
+        "table": "voxdiff-measure", "name": name, "input_shape": "x".join(map(str, run.shapes.unet_input)),
+        **run.unet.to_row(),  # the UNet's columns, read back by UNetSpec.from_row (the sweep)
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "",
     }
     row.update({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in measured.items()})

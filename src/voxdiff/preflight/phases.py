@@ -31,15 +31,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from voxdiff.config import plain
 from voxdiff.diffusion import DiffusionProcess, encoded_range
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES
 from voxdiff.preflight.attention import FlashAttentionEmulator
 from voxdiff.preflight.autocast import CudaAutocastEmulator
-from voxdiff.preflight.gpus import GpuSpec, resolve_gpu
 from voxdiff.preflight.memory import (
     EmulatedPrecision,
     GiB,
@@ -47,6 +45,7 @@ from voxdiff.preflight.memory import (
     _FusedAdamWOnMeta,
 )
 from voxdiff.preflight.tracker import StorageTracker
+from voxdiff.run_spec import RunSpec, run_spec
 from voxdiff.step import TrainStep
 
 if TYPE_CHECKING:
@@ -253,40 +252,35 @@ class PhasesReport:
                 f"peak {self.peak_allocated / GiB:.2f} GiB set by {self.peak_phase} on {self.gpu}")
 
 
-def _select(cfg: DictConfig, key: str, default: Any = None) -> Any:
-    return plain(OmegaConf.select(cfg, key, default=default))
-
-
-def predict_phases(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None,
-                   training: MemoryReport | None = None, plan: StepPlan | None = None) -> PhasesReport:
-    """Predict the peaks of training, validation and sampling of the diffusion run ``cfg`` on one GPU, without one.
+def predict_phases(run: StepPlan | RunSpec | DictConfig, training: MemoryReport | None = None) -> PhasesReport:
+    """Predict the peaks of training, validation and sampling of a diffusion run on one GPU, without one.
 
     Args:
-        cfg: a composed ``train``/``preflight`` config of a diffusion run.
-        gpu: the GPU and where it came from (default :func:`~voxdiff.preflight.gpus.resolve_gpu`): cuBLAS
-            workspaces, bf16 support.
+        run: the step's plan (:func:`~voxdiff.preflight.check.step_plan`), or the run spec it is made from, or a
+            composed ``train``/``preflight`` config (resolved for the GPU predicted). Its run spec gives the
+            system's recipe, the UNet, the strategy, the GPU type (cuBLAS workspaces) and the precision.
         training: the training step's report when it is already predicted (:func:`~voxdiff.preflight.check.
             predict_memory`; the compiled one, for a compiled run); else it is predicted here.
-        plan: the step's plan when already made (:func:`~voxdiff.preflight.check.step_plan`, whose run spec gives
-            the system's recipe, the UNet and the strategy), else it is made here.
 
     Raises:
         ConfigError: not a diffusion config, or a setting the step cannot work with (as the preflight's).
     """
-    from voxdiff.preflight.check import gpu_precision, predict_memory, step_plan
+    from voxdiff.preflight.check import PREDICTED_DEVICE, StepPlan, predict_memory, step_plan
     from voxdiff.preflight.stage1 import attach_meta_autoencoder, latent_stage1_spec
 
-    from voxdiff.config import run_kind
     from voxdiff.encodings.base import LearnedEncoding
 
-    if run_kind(cfg) != "diffusion":
-        raise ConfigError("system.kind", run_kind(cfg), "is not a diffusion run; validation and sampling are a "
+    plan = run if isinstance(run, StepPlan) else None
+    if plan is None and not isinstance(run, RunSpec):
+        run = run_spec(run, PREDICTED_DEVICE)
+    kind = plan.run.kind if plan is not None else run.kind
+    if kind != "diffusion":
+        raise ConfigError("system.kind", kind, "is not a diffusion run; validation and sampling are a "
                           "diffusion system's", "use voxdiff.preflight.stage1.predict_stage1 for a stage-1 config")
     t0 = time.perf_counter()
-    gpu = gpu or resolve_gpu(cfg)
-    spec = gpu[0]
-    plan = plan or step_plan(cfg)
-    training = training or predict_memory(cfg, gpu=gpu, plan=plan)
+    plan = plan or step_plan(run)
+    spec = plan.run.gpu
+    training = training or predict_memory(plan=plan)
     recipe = plan.run.recipe  # validation and sampling are the system's, whatever preflight.recipe
     val_timesteps, num_masks = plan.run.val_timesteps, plan.run.sampling.num_masks
     steps = plan.run.sampling.num_inference_steps or recipe.diffusion.num_inference_steps
@@ -297,14 +291,14 @@ def predict_phases(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None,
 
     resident: list[torch.Tensor] = []
     if isinstance(plan.encoding, LearnedEncoding):  # a latent run: its autoencoder is on the GPU once it is used
-        stage1, note = latent_stage1_spec(cfg, plan.encoding.factor)
+        stage1, note = latent_stage1_spec(plan.encoding)
         notes.append(note)
         ae = attach_meta_autoencoder(plan.encoding, stage1).autoencoder
         resident = [*ae.parameters(), *ae.buffers()]
     with torch.device("meta"):
         model = plan.build_model()
     model.train()
-    dtype = AUTOCAST_DTYPES[gpu_precision(cfg, gpu)]
+    dtype = AUTOCAST_DTYPES[plan.run.precision.name]
     autocast = CudaAutocastEmulator(dtype=dtype or torch.bfloat16, device_type="meta", enabled=dtype is not None)
     process = DiffusionProcess(recipe.diffusion, clip_range=encoded_range(plan.encoding))  # as the system's
     step = TrainStep(model, recipe, encoding=plan.encoding, mode=plan.mode, process=process,
@@ -317,7 +311,7 @@ def predict_phases(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None,
         step.run({k: torch.randn(s, device="meta") for k, s in plan.batch.items()})
 
     val_batch = dict(plan.batch)
-    if "image_z" in val_batch and _select(cfg, "data.masks", True):  # latent batches carry the full-size mask
+    if "image_z" in val_batch and plan.run.resources.masks:  # latent batches carry the full-size mask
         val_batch["mask"] = (plan.batch["image_z"][0], 1, *plan.shapes.volume)
     validation = trace_validation(step, val_batch, val_timesteps, attention=attention, resident=resident)
     mask_shape = (max(num_masks, 1), 1, *plan.shapes.volume)

@@ -334,34 +334,27 @@ class RunNeeds:
         return out
 
 
-def _select(cfg: Any, key: str, default: Any = None) -> Any:
-    from omegaconf import OmegaConf
-
-    from voxdiff.config import plain
-
-    return plain(OmegaConf.select(cfg, key, default=default))
-
-
-def slurm_site(cfg: Any) -> dict[str, str] | None:
-    """The Slurm job of an experiment: ``slurm/site.env`` under the experiment's ``slurm:`` overrides, or None
-    when the experiment has no job (``slurm: null``) or the repository's ``slurm/site.env`` is not here."""
+def slurm_site(resources: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """The Slurm job of an experiment: ``slurm/site.env`` under the experiment's ``slurm:`` overrides
+    (``resources``), or None when the experiment has no job (``slurm: null``) or the repository's
+    ``slurm/site.env`` is not here."""
     from voxdiff.config import config_dir
 
-    resources = _select(cfg, "slurm")
     site = config_dir().parent / "slurm" / "site.env"
     if resources is None or not site.is_file():
         return None
     return {**read_site_env(site), **{str(k): str(v) for k, v in dict(resources).items()}}
 
 
-def run_needs(cfg: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_bytes: int, processes_per_node: int,
+def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_bytes: int, processes_per_node: int,
               world_size: int, cost: StepCost | None, gpu: str, compiled: bool, env: Mapping[str, str],
               latent_shape: tuple[int, ...] | None = None) -> RunNeeds:
-    """Disk, host memory and time of the run ``cfg`` describes.
+    """Disk, host memory and time of a run.
 
     Args:
-        cfg: the composed config (``paths.run_dir``, ``callbacks.best/last``, ``data.*``, ``trainer.max_steps``,
-            ``slurm``, ``preflight.disk_free_gib`` / ``preflight.host_memory_gib`` to plan for another machine).
+        run: its :class:`~voxdiff.run_spec.RunSpec`: its ``resources`` (``paths.run_dir``, ``callbacks.best/last``,
+            ``data.*``, ``trainer.max_steps``, ``slurm``), its batch and volume, and its ``preflight`` options
+            (``disk_free_gib`` / ``host_memory_gib`` to plan for another machine).
         model: the UNet on the meta device (its ``state_dict`` is what a checkpoint holds).
         ema: whether the checkpoint holds the EMA's shadow.
         data: the data module's cached bytes per rank (:class:`~voxdiff.preflight.distributed.DataMemory`) or None.
@@ -380,23 +373,19 @@ def run_needs(cfg: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
     gib = 2**30
 
     # disk: the checkpoints, under the run directory
-    from omegaconf import OmegaConf
-
-    best = OmegaConf.select(cfg, "callbacks.best")  # nodes, unresolved (their dirpath is Hydra's run-time folder)
-    kept = kept_checkpoints(_select(cfg, "callbacks.best.save_top_k", 1) if best is not None else 0,
-                            OmegaConf.select(cfg, "callbacks.last") is not None)
+    needs, options = run.resources, run.preflight
+    kept = kept_checkpoints(needs.best_top_k, needs.keep_last)
     disk = None
     if kept != 0:
-        run_dir = str(_select(cfg, "paths.run_dir", "."))
+        run_dir = needs.run_dir
         free, where = free_bytes(run_dir)
-        configured = _select(cfg, "preflight.disk_free_gib")
+        configured = options.disk_free_gib
         if configured is not None:
             free, where = int(float(configured) * gib), Path(f"{run_dir} (preflight.disk_free_gib)")
         cache = subjects = None
         if latent_shape is not None:
             subjects = getattr(data, "subjects", None)
-            volume = tuple(int(v) for v in _select(cfg, "data.volume_shape"))
-            cache = latent_cache_nbytes(subjects or 1, latent_shape, volume)
+            cache = latent_cache_nbytes(subjects or 1, latent_shape, tuple(run.shapes.volume))
         disk = DiskNeed(checkpoint_nbytes(model.state_dict().values(), model.parameters(), ema=ema), kept, free,
                         where, cache, subjects)
         if not disk.write_fits:
@@ -413,9 +402,9 @@ def run_needs(cfg: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
     host = None
     per_rank = getattr(data, "per_rank_bytes", None)
     if per_rank:
-        configured = _select(cfg, "preflight.host_memory_gib")
+        configured = options.host_memory_gib
         job = slurm_job_memory(env)
-        site = slurm_site(cfg)
+        site = slurm_site(needs.slurm)
         if configured is not None:
             budget, source = int(float(configured) * gib), "preflight.host_memory_gib"
         elif job is not None:
@@ -427,13 +416,12 @@ def run_needs(cfg: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
             from voxdiff.preflight.host import host_memory_bytes
 
             budget, source = host_memory_bytes(), "this machine"
-        workers = worker_bytes(sample_bytes, int(_select(cfg, "data.batch_size", 1)),
-                               int(_select(cfg, "data.num_workers", 0) or 0), _select(cfg, "data.prefetch_factor"),
+        workers = worker_bytes(sample_bytes, run.batch_size, needs.num_workers, needs.prefetch_factor,
                                processes_per_node)
         host = HostNeed(per_rank * processes_per_node, workers, budget, source)
         if not host.fits:
             misfits.append(ConfigError(
-                "data.cache", _select(cfg, "data.cache", "memory"),
+                "data.cache", needs.data.get("cache") or "memory",
                 f"the data the ranks of one node cache and load ahead take {size(host.total)}, more than the "
                 f"{size(host.budget)} of host memory ({source})",
                 "use data.cache=disk (or none), fewer DataLoader workers, or more memory per node"))
@@ -441,7 +429,7 @@ def run_needs(cfg: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
     # time: the step's FLOPs on a GPU whose speed was measured
     run_time, unknown = None, ""
     throughput = STEP_THROUGHPUT.get((gpu, "compiled" if compiled else "eager"))
-    max_steps = _select(cfg, "trainer.max_steps", -1)
+    max_steps = needs.max_steps
     if cost is None:
         unknown = "not predicted for this step"
     elif throughput is None:
@@ -450,7 +438,7 @@ def run_needs(cfg: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
     elif not isinstance(max_steps, int) or max_steps <= 0:
         unknown = f"{throughput.seconds(cost) * 1e3:.0f} ms/step predicted; trainer.max_steps={max_steps} sets no end"
     else:
-        site = slurm_site(cfg)
+        site = slurm_site(needs.slurm)
         limit = warn = None
         if site is not None and site.get("TIME"):
             try:

@@ -32,16 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from voxdiff.config import (
-    batch_size,
-    compose,
-    config_dir,
-    instantiate_config,
-    plain,
-    volume_shape,
-)
+from voxdiff.config import compose, config_dir, instantiate_config, plain
 from voxdiff.encodings.vqvae import (
     Stage1Checkpoint,
     VQVAELatent,
@@ -53,7 +46,6 @@ from voxdiff.encodings.vqvae import (
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES, simulate_reserved
 from voxdiff.preflight.autocast import CudaAutocastEmulator
-from voxdiff.preflight.gpus import GpuSpec, resolve_gpu
 from voxdiff.preflight.memory import EmulatedPrecision, GiB, _FusedAdamWOnMeta
 from voxdiff.preflight.phases import (
     AUTOCAST_DTYPES,
@@ -61,7 +53,8 @@ from voxdiff.preflight.phases import (
     PhaseTrace,
     tracker_for,
 )
-from voxdiff.step import ClipSettings, clip_settings
+from voxdiff.run_spec import RunSpec, run_spec
+from voxdiff.step import ClipSettings
 from voxdiff.step.optim import build_optimizer, optimizer_impl
 
 __all__ = ["Stage1Report", "attach_meta_autoencoder", "latent_stage1_spec", "predict_stage1", "trace_cache_pass",
@@ -178,11 +171,11 @@ def trace_cache_pass(
     return PhaseTrace(rec.finish_step(), start, tracker.events)
 
 
-def latent_stage1_spec(cfg: DictConfig, factor: int) -> tuple[VQVAESpec, str]:
-    """The stage-1 architecture of a latent run: from ``encoding.checkpoint`` when that file exists, else from the
-    stage-1 experiment of its factor (``configs/experiment/vqvae_<factor>x.yaml``). Returns the spec and a note
-    saying which."""
-    ckpt = plain(OmegaConf.select(cfg, "encoding.checkpoint"))
+def latent_stage1_spec(encoding: VQVAELatent) -> tuple[VQVAESpec, str]:
+    """The stage-1 architecture of a latent run's encoding: from its checkpoint (``encoding.checkpoint``) when that
+    file exists, else from the stage-1 experiment of its factor (``configs/experiment/vqvae_<factor>x.yaml``).
+    Returns the spec and a note saying which."""
+    ckpt, factor = encoding.checkpoint, encoding.factor
     if ckpt and Path(str(ckpt)).is_file():
         return read_stage1_checkpoint(ckpt).spec, f"stage-1 architecture from encoding.checkpoint={ckpt}"
     name = f"vqvae_{factor}x"
@@ -262,43 +255,41 @@ def _with_workspaces(peaks: dict[str, int], ws: int, first: bool) -> dict[str, i
     return {k: v + (ws if first and k in forward else 2 * ws) for k, v in peaks.items()}
 
 
-def predict_stage1(cfg: DictConfig, gpu: tuple[GpuSpec, str] | None = None, cache_batch: int = 1) -> Stage1Report:
+def predict_stage1(cfg: DictConfig, run: RunSpec | None = None, cache_batch: int = 1) -> Stage1Report:
     """Predict the peak GPU memory of the stage-1 run ``cfg`` (``experiment=vqvae_*``) and of its latent-cache pass,
     without a GPU (a few seconds).
 
     Args:
-        cfg: a composed ``train``/``preflight`` config whose system is the VQ-VAE.
-        gpu: the GPU and where it came from (:func:`~voxdiff.preflight.gpus.resolve_gpu`, the default).
+        cfg: a composed ``train``/``preflight`` config whose system is the VQ-VAE (its ``system`` node is the
+            system built, from the run spec's part, as ``train.py`` builds it).
+        run: its run spec when already resolved (:func:`voxdiff.run_spec.run_spec`): the GPU type, the precision,
+            the volume, the batch and the clipping are its; else it is resolved for a GPU here.
         cache_batch: ``cache_latents.py``'s ``batch_size`` (volumes encoded together; default 1).
 
     Raises:
         ConfigError: not a stage-1 config, or a setting that cannot work (named key, value and fix).
     """
-    from voxdiff.preflight.check import gpu_precision
+    from voxdiff.preflight.check import PREDICTED_DEVICE
 
-    from voxdiff.config import run_kind
-
-    if run_kind(cfg) != "stage1":
-        raise ConfigError("system.kind", run_kind(cfg), "is not a VQ-VAE stage 1", "use experiment=vqvae_4x or "
+    run = run or run_spec(cfg, PREDICTED_DEVICE)
+    if run.kind != "stage1":
+        raise ConfigError("system.kind", run.kind, "is not a VQ-VAE stage 1", "use experiment=vqvae_4x or "
                           "vqvae_8x (or voxdiff.preflight.phases.predict_phases for a diffusion run)")
     t0 = time.perf_counter()
-    gpu = gpu or resolve_gpu(cfg)
-    spec_gpu = gpu[0]
-    vol, bs = volume_shape(cfg), batch_size(cfg)
+    spec_gpu = run.gpu
+    vol, bs = run.shapes.volume, run.batch_size
     with torch.device("meta"):
-        system = instantiate_config(cfg.system)
+        system = instantiate_config(cfg.system, _partial_=True)(spec=run.system)
     system.train()
     batch = {m: (bs, 1, *vol) for m in system.hparams.modalities}
-    precision = gpu_precision(cfg, gpu)
+    precision = run.precision.name
     dtype = AUTOCAST_DTYPES[precision]
     autocast = CudaAutocastEmulator(dtype=dtype or torch.bfloat16, device_type="meta", enabled=dtype is not None)
     trainable = [p for p in system.vqvae.parameters() if p.requires_grad]
     impl = optimizer_impl(system.optim_settings, "cuda")  # meta stands for a GPU
     optimizer = (_FusedAdamWOnMeta(trainable, system.optim_settings) if impl == "fused"
                  else build_optimizer(trainable, system.optim_settings, impl))
-    clip = clip_settings(plain(OmegaConf.select(cfg, "trainer.gradient_clip_val")),
-                         plain(OmegaConf.select(cfg, "trainer.gradient_clip_algorithm")))
-    steps = trace_stage1_step(system, batch, optimizer, EmulatedPrecision(autocast), clip)
+    steps = trace_stage1_step(system, batch, optimizer, EmulatedPrecision(autocast), run.clip)
 
     encoding = attach_meta_autoencoder(VQVAELatent(system.spec.factor, system.spec.latent_channels), system.spec)
     cache = trace_cache_pass(encoding, (cache_batch, 1, *vol))

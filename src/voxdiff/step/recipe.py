@@ -19,8 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from voxdiff.config import select
 from voxdiff.diffusion import DiffusionSettings, diffusion_settings
 from voxdiff.errors import ConfigError, number
 from voxdiff.step.ema import EMASettings, ema_settings
@@ -124,24 +125,19 @@ def system_recipe(
     )
 
 
-def _select(cfg: DictConfig, key: str, default: Any = None) -> Any:
-    value = OmegaConf.select(cfg, key, default=default)
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-
-
 def recipe_from_config(cfg: DictConfig, name: str | None = None) -> Recipe:
     """The recipe ``name`` (default: ``preflight.recipe``; null or absent: ``system``) for a run config.
 
     Raises:
         ConfigError: an unknown name, or a ``system`` setting that cannot work.
     """
-    name = name if name is not None else (_select(cfg, "preflight.recipe") or "system")
+    name = name if name is not None else (select(cfg, "preflight.recipe") or "system")
     if name == "seed":
         return SEED
     if name != "system":
         raise ConfigError("preflight.recipe", name, "is not a training-step recipe",
                           "use system (the step train.py runs for this config) or seed (the step of the reference "
                           "measurements)")
-    clip = clip_settings(_select(cfg, "trainer.gradient_clip_val"), _select(cfg, "trainer.gradient_clip_algorithm"))
-    return system_recipe(_select(cfg, "system.optim"), _select(cfg, "system.ema"), _select(cfg, "diffusion"), clip,
-                         _select(cfg, "system.guard"))
+    clip = clip_settings(select(cfg, "trainer.gradient_clip_val"), select(cfg, "trainer.gradient_clip_algorithm"))
+    return system_recipe(select(cfg, "system.optim"), select(cfg, "system.ema"), select(cfg, "diffusion"), clip,
+                         select(cfg, "system.guard"))
