@@ -24,6 +24,7 @@ CONFIG, DATA, NO_FIT = 2, 5, 4
 TRAIN = "train"
 SAMPLE = "sample"
 CACHE = "cache_latents"
+EVALUATE = "evaluate"
 PREFLIGHT = "preflight"
 
 # (id, entry point, arguments, exit code, words of the message; {name} is a file of the `files` fixture)
@@ -77,7 +78,17 @@ ROWS = [
     ("sample_empty", SAMPLE, ["ckpt_path={empty}"], CONFIG, ["empty.ckpt", "is empty"]),
     ("sample_garbage", SAMPLE, ["ckpt_path={garbage}"], CONFIG, ["garbage.ckpt", "not a PyTorch checkpoint"]),
     ("sample_truncated", SAMPLE, ["ckpt_path={truncated}"], CONFIG, ["truncated.ckpt", "truncated or corrupt"]),
+    ("sample_device_unknown", SAMPLE, ["ckpt_path={diffusion}", "device=gpu"], CONFIG,
+     ["device=gpu", "is not one of auto, cpu, cuda", "Fix:"]),
+    ("evaluate_device_unknown", EVALUATE, ["ckpt_path={diffusion}", "device=gpu"], CONFIG,
+     ["device=gpu", "is not one of auto, cpu, cuda", "Fix:"]),
+    ("sample_cuda_without_gpu", SAMPLE, ["ckpt_path={diffusion}", "device=cuda"], CONFIG,
+     ["device=cuda", "no CUDA GPU is visible", "device=auto"]),
+    ("evaluate_cuda_without_gpu", EVALUATE, ["ckpt_path={diffusion}", "device=cuda"], CONFIG,
+     ["device=cuda", "no CUDA GPU is visible", "device=auto"]),
     ("cache_no_arguments", CACHE, [], CONFIG, ["stage1_ckpt", "is required", "Fix:"]),
+    ("cache_device_unknown", CACHE, ["stage1_ckpt={vqvae}", "out={tmp}/cache", "device=gpu"], CONFIG,
+     ["device=gpu", "is not one of auto, cpu, cuda", "Fix:"]),
     ("cache_empty", CACHE, ["stage1_ckpt={empty}", "out={tmp}/cache"], CONFIG, ["empty.ckpt", "is empty"]),
     ("cache_truncated", CACHE, ["stage1_ckpt={truncated}", "out={tmp}/cache"], CONFIG,
      ["truncated.ckpt", "truncated or corrupt"]),
@@ -195,6 +206,10 @@ def test_bad_input_is_refused_in_one_line(row, files, tiny_demo, tmp_path, monke
         args = [*base, f"paths.log_dir={tmp_path}/a/b/logs", *args]
     elif entry != PREFLIGHT:
         args = [f"paths.log_dir={tmp_path}/logs", *args]
+    if "device=cuda" in args:  # the machine without a GPU, on any machine
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     got, out, err = run_cli(entry, args, monkeypatch, capsys)
     assert "Traceback" not in out + err, err[-3000:]
     assert got == code, f"exit {got}\n{out[-2000:]}\n{err[-3000:]}"
@@ -205,3 +220,22 @@ def test_bad_input_is_refused_in_one_line(row, files, tiny_demo, tmp_path, monke
     assert not list(tmp_path.rglob("*.ckpt")), "a refused run must not write checkpoints"
     if name == "task_name_path":
         assert not (tmp_path / "a" / "escaped").exists()
+
+
+def test_cache_latents_refuses_every_problem_of_its_config_at_once(files, tmp_path):
+    """cache_latents.py resolves its config once (its CacheSpec): three mistakes are three lines of one refusal."""
+    from voxdiff.cli.cache_latents import validate
+    from voxdiff.config import compose
+    from voxdiff.errors import ConfigErrors
+
+    cfg = compose(CACHE, [f"stage1_ckpt={files['garbage']}", f"out={tmp_path}/cache", "batch_size=0", "device=gpu",
+                          "data.num_workers=-1"])
+    with pytest.raises(ConfigErrors) as err:
+        validate(cfg)
+    assert [p.key for p in err.value.problems] == ["stage1_ckpt", "batch_size", "data.num_workers", "device"]
+    spec = validate(compose(CACHE, [f"stage1_ckpt={files['vqvae']}", f"out={tmp_path}/cache", "device=auto"]))
+    import torch
+
+    assert spec.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert spec.volume_shape == tuple(spec.encoding.trained_volume_shape)
+    assert spec.encoding.latent_scale > 0  # its weights are read

@@ -14,61 +14,82 @@ was written); 5 the data was refused.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig, open_dict
 
+from voxdiff.cli.devices import pick_device
 from voxdiff.cli.exit_codes import refusals
-from voxdiff.config import config_dir, instantiate_config, plain, require
-from voxdiff.errors import ConfigError, integer
-
-DEVICES = ("auto", "cpu", "cuda")
+from voxdiff.config import config_dir, instantiate_config, plain, require, select
+from voxdiff.errors import ConfigError, Problems, integer, int_list
 
 
-def _device(name: str) -> str:
-    import torch
+@dataclass(frozen=True)
+class CacheSpec:
+    """What ``cache_latents.py`` runs, resolved once from its config (:func:`validate`); nothing after it reads
+    the command's own keys.
 
-    if name not in DEVICES:
-        raise ConfigError("device", name, "unknown device", f"use one of {', '.join(DEVICES)}")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device", name, "no CUDA GPU is visible", "use device=auto or device=cpu")
-    return "cuda" if name == "auto" and torch.cuda.is_available() else ("cpu" if name == "auto" else name)
+    Attributes:
+        encoding: the :class:`~voxdiff.encodings.LearnedEncoding` of ``stage1_ckpt``, its weights read.
+        checkpoint: ``stage1_ckpt``.
+        volume_shape: ``(D, H, W)``: ``data.volume_shape``, else the shape stage 1 was trained on.
+        out: the cache folder.
+        device: ``cuda`` or ``cpu`` (``device=auto`` resolved).
+        batch_size: volumes encoded together.
+        num_workers: the DataLoader's workers (``data.num_workers``).
+    """
+
+    encoding: Any
+    checkpoint: str
+    volume_shape: tuple[int, int, int]
+    out: Path
+    device: str
+    batch_size: int
+    num_workers: int
 
 
-def validate(cfg: DictConfig):  # noqa: ANN201 - returns (encoding, volume_shape, device)
-    """Check the command's config and load the stage-1 weights; nothing is written.
-
-    Returns:
-        ``(encoding, volume_shape, device)``: the :class:`~voxdiff.encodings.LearnedEncoding` of the checkpoint
-        (its weights read), ``(D, H, W)`` and the device name.
+def validate(cfg: DictConfig) -> CacheSpec:
+    """Check the command's config and load the stage-1 weights, every problem in one pass; nothing is written.
 
     Raises:
-        ConfigError: naming the key, the value and a fix.
+        ConfigError: the one problem, or :class:`~voxdiff.errors.ConfigErrors` naming every problem found.
     """
     from voxdiff.config import voxdiff_class
     from voxdiff.encodings import LearnedEncoding
 
     require(cfg, "stage1_ckpt", "out", fix="python cache_latents.py stage1_ckpt=<stage-1 run>/checkpoints/last.ckpt "
             "out=DIR (train stage 1 first: python train.py experiment=vqvae_4x)")
+    collect = Problems()
     ckpt = str(cfg.stage1_ckpt)
-    cls, _ = voxdiff_class(cfg.encoding, "encoding", LearnedEncoding, ("voxdiff.encodings",),
-                           "name a learned encoding's class, e.g. encoding._target_=voxdiff.encodings.VQVAELatent")
-    encoding = cls.from_weights(ckpt, key="stage1_ckpt")
-    shape = plain(cfg.data.volume_shape)
-    if shape is None:
-        if encoding.trained_volume_shape is None:
-            raise ConfigError("data.volume_shape", None, f"the checkpoint {ckpt} does not record its volume shape",
-                              "set data.volume_shape=[D,H,W]")
-        shape = list(encoding.trained_volume_shape)
-    encoding.check_volume_shape(shape)
-    encoding.load_weights()
+    cls = collect(lambda: voxdiff_class(cfg.encoding, "encoding", LearnedEncoding, ("voxdiff.encodings",),
+                                        "name a learned encoding's class, e.g. "
+                                        "encoding._target_=voxdiff.encodings.VQVAELatent")[0])
+    encoding = collect(lambda: cls.from_weights(ckpt, key="stage1_ckpt")) if cls is not None else None
+    shape = select(cfg, "data.volume_shape")
+    if encoding is not None:
+        if shape is None and encoding.trained_volume_shape is None:
+            collect.found.append(ConfigError("data.volume_shape", None, f"the checkpoint {ckpt} does not record its "
+                                             "volume shape", "set data.volume_shape=[D,H,W]"))
+        elif shape is None:
+            shape = list(encoding.trained_volume_shape)
+        if shape is not None:
+            shape = collect(lambda: int_list("data.volume_shape", shape, length=3, example=[160, 128, 128]))
+        if shape is not None:
+            collect(lambda: encoding.check_volume_shape(shape))
+        collect(encoding.load_weights)
     out = Path(str(cfg.out))
     if out.exists() and not out.is_dir():
-        raise ConfigError("out", str(out), "exists and is not a folder", "choose a folder for the cache")
-    integer("batch_size", cfg.batch_size, minimum=1, example=1)
-    return encoding, tuple(int(s) for s in shape), _device(str(cfg.device))
+        collect.found.append(ConfigError("out", str(out), "exists and is not a folder", "choose a folder for the cache"))
+    batch = collect(lambda: integer("batch_size", cfg.batch_size, minimum=1, example=1))
+    workers = collect(lambda: integer("data.num_workers", select(cfg, "data.num_workers", 0), minimum=0,
+                                      fix="set data.num_workers to 0 (main process) or more"))
+    device = collect(lambda: str(pick_device(select(cfg, "device"))))
+    collect.raise_all()
+    return CacheSpec(encoding=encoding, checkpoint=ckpt, volume_shape=tuple(shape),
+                     out=out, device=device, batch_size=batch, num_workers=workers)
 
 
 def cache(cfg: DictConfig) -> dict[str, Any]:
@@ -80,9 +101,10 @@ def cache(cfg: DictConfig) -> dict[str, Any]:
 
     from voxdiff.data.shared import launch_rank
 
-    encoding, shape, device = validate(cfg)
+    spec = validate(cfg)
+    encoding, shape, device = spec.encoding, spec.volume_shape, spec.device
     if launch_rank("world") != 0:  # launched on several processes (srun -n N): rank 0 writes the one cache; the
-        print(f"[voxdiff] rank {launch_rank('world')}: rank 0 writes the latent cache {cfg.out}",  # launcher's
+        print(f"[voxdiff] rank {launch_rank('world')}: rank 0 writes the latent cache {spec.out}",  # launcher's
               flush=True)  # step ends when rank 0 has written it
         return {}
     with open_dict(cfg):
@@ -92,18 +114,18 @@ def cache(cfg: DictConfig) -> dict[str, Any]:
     dataset = ConcatDataset([datamodule.train_dataset, datamodule.val_dataset])
     info = {k: plain(cfg.data.get(k)) for k in ("root", "image_name", "mask_name", "num_subjects", "val_fraction",
                                                  "split_seed")}
-    print(f"[voxdiff] encoding {len(dataset)} subjects of {list(shape)} with {cfg.stage1_ckpt} "
+    print(f"[voxdiff] encoding {len(dataset)} subjects of {list(shape)} with {spec.checkpoint} "
           f"(factor {encoding.factor}, {encoding.encoded_channels(1)} latent channels, latent scale "
           f"{encoding.latent_scale:.4g}) on {device}", flush=True)
-    index = write_latent_cache(encoding, dataset, cfg.out, shape, data_info=info, device=device,
-                               batch_size=int(cfg.batch_size), num_workers=int(cfg.data.get("num_workers", 0)),
+    index = write_latent_cache(encoding, dataset, str(spec.out), shape, data_info=info, device=device,
+                               batch_size=spec.batch_size, num_workers=spec.num_workers,
                                log=lambda m: print(f"[voxdiff] {m}", flush=True))
-    out = Path(str(cfg.out)).resolve()
+    out = spec.out.resolve()
     print(f"[voxdiff] latent cache: {out / INDEX_NAME}: {len(index['subjects'])} subjects, latents "
           f"{index['latent_shape']} per modality, {index['seconds']} s", flush=True)
     experiments = "|".join(latent_experiments(type(encoding), encoding.factor)) or "<a latent experiment>"
     print(f"[voxdiff] next: python train.py experiment={experiments} "
-          f"encoding.checkpoint={Path(str(cfg.stage1_ckpt)).resolve()} data.latent_dir={out} "
+          f"encoding.checkpoint={Path(spec.checkpoint).resolve()} data.latent_dir={out} "
           f"data.volume_shape=[{','.join(map(str, shape))}]", flush=True)
     return index
 

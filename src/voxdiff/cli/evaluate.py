@@ -24,6 +24,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from voxdiff.cli.devices import pick_device
 from voxdiff.cli.exit_codes import refusals
 from voxdiff.config import config_dir, plain
 from voxdiff.errors import ConfigError, integer
@@ -75,14 +76,6 @@ def validate(cfg: DictConfig) -> None:
     if medicalnet.get("weights") is not None and not medicalnet.get("sha256"):
         raise ConfigError("medicalnet.sha256", medicalnet.get("sha256"), "a MedicalNet weights file needs its SHA-256",
                           "pass medicalnet.sha256=$(sha256sum FILE | cut -d' ' -f1) of the file you trust")
-
-
-def _device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def _split(dm: Any, split: str):
@@ -206,7 +199,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     from voxdiff.lightning.trainer import configure_cpu_threads
 
     configure_cpu_threads()
-    device = _device(str(cfg.device))
+    device = pick_device(cfg.device)
     ckpt_path = Path(str(cfg.ckpt_path)).resolve()
     header = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)  # tensors stay on disk
     kind = checkpoint_kind(header)

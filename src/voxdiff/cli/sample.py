@@ -21,12 +21,12 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from voxdiff.cli.devices import check_device, pick_device
 from voxdiff.cli.exit_codes import refusals
 from voxdiff.config import config_dir, plain, require
-from voxdiff.errors import ConfigError, integer
+from voxdiff.errors import ConfigError, integer, one_of
 
 SPLITS = ("val", "all")
-DEVICES = ("auto", "cpu", "cuda")
 _CKPT_FIX = "point it at a training checkpoint, e.g. ckpt_path=<run dir>/checkpoints/last.ckpt"
 
 
@@ -45,10 +45,8 @@ def validate(cfg: DictConfig) -> None:
     steps = cfg.get("num_inference_steps")
     if steps is not None:
         integer("num_inference_steps", steps, minimum=1, fix="e.g. num_inference_steps=50, or null for the run's")
-    if cfg.split not in SPLITS:
-        raise ConfigError("split", cfg.split, "unknown split", f"use one of {', '.join(SPLITS)}")
-    if cfg.device not in DEVICES:
-        raise ConfigError("device", cfg.device, "unknown device", f"use one of {', '.join(DEVICES)}")
+    one_of("split", cfg.split, SPLITS)
+    check_device(cfg.device)
 
 
 def _load(cfg: DictConfig, device: Any) -> tuple[Any, dict[str, Any], Any]:
@@ -105,8 +103,7 @@ def sample(cfg: DictConfig) -> list[Path]:
     from voxdiff.lightning.trainer import configure_cpu_threads
 
     configure_cpu_threads()
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if cfg.device == "auto" else cfg.device))
+    device = pick_device(cfg.device)
     system, saved, precision = _load(cfg, device)
     dm = _datamodule(saved, cfg)
     dm.setup("fit")
