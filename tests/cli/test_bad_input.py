@@ -226,7 +226,7 @@ def test_cache_latents_refuses_every_problem_of_its_config_at_once(files, tmp_pa
     """cache_latents.py resolves its config once (its CacheSpec): three mistakes are three lines of one refusal."""
     from voxdiff.cli.cache_latents import validate
     from voxdiff.config import compose
-    from voxdiff.errors import ConfigErrors
+    from voxdiff.errors import ConfigError, ConfigErrors
 
     cfg = compose(CACHE, [f"stage1_ckpt={files['garbage']}", f"out={tmp_path}/cache", "batch_size=0", "device=gpu",
                           "data.num_workers=-1"])
@@ -239,3 +239,6 @@ def test_cache_latents_refuses_every_problem_of_its_config_at_once(files, tmp_pa
     assert spec.device == ("cuda" if torch.cuda.is_available() else "cpu")
     assert spec.volume_shape == tuple(spec.encoding.trained_volume_shape)
     assert spec.encoding.latent_scale > 0  # its weights are read
+    # a volume of words is refused naming the key (before: int('a') raised a ValueError inside the shape check)
+    with pytest.raises(ConfigError, match=r"data.volume_shape=\[a, b, c\]: must be a list of 3 positive integers"):
+        validate(compose(CACHE, [f"stage1_ckpt={files['vqvae']}", f"out={tmp_path}/cache", "data.volume_shape=[a,b,c]"]))
