@@ -365,7 +365,7 @@ def test_a_stored_config_the_run_spec_refuses_names_the_file_and_the_key(diffusi
     with pytest.raises(ConfigError) as err:
         rebuild_system(path, "diffusion", "fix it")
     assert err.value.key == "ckpt_path" and err.value.value == str(path)
-    assert "its stored config is refused (data.volume_shape=null: must be three positive sizes" in str(err.value)
+    assert "its stored config is refused (data.volume_shape=null: must be a list of 3 positive integers" in str(err.value)
 
 
 def test_a_stage1_checkpoint_is_rebuilt_from_its_stored_run_and_must_agree_with_it(vqvae_ckpt, tmp_path):

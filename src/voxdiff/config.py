@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from voxdiff.encodings.base import Encoding
-from voxdiff.errors import ConfigError, integer
+from voxdiff.errors import ConfigError, int_list, integer
 from voxdiff.models.unet import UNetSpec, build_unet_from_spec, unet_io_channels, unet_spec
 
 #: model-config keys that are not arguments of the UNet
@@ -107,15 +107,8 @@ def select(cfg: Any, key: str, default: Any = None) -> Any:
 
 def volume_shape(cfg: DictConfig) -> tuple[int, int, int]:
     """``data.volume_shape`` as a validated (D, H, W) tuple."""
-    shape = select(cfg, "data.volume_shape")
-    if (
-        not isinstance(shape, (list, tuple))
-        or len(shape) != 3
-        or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape)
-    ):
-        raise ConfigError("data.volume_shape", shape, "must be three positive sizes D, H, W",
-                          "e.g. data.volume_shape=[160,128,128]")
-    return tuple(shape)  # type: ignore[return-value]
+    return int_list("data.volume_shape", select(cfg, "data.volume_shape"), length=3,  # type: ignore[return-value]
+                    fix="give three positive sizes D, H, W, e.g. data.volume_shape=[160,128,128]")
 
 
 def batch_size(cfg: DictConfig) -> int:

@@ -31,8 +31,8 @@ def test_steps_per_second_leaves_validation_out(monkeypatch):
     assert float(logged[-1][1]) == pytest.approx(2.0)
     assert logged[-1][1].device.type == "cpu"  # a CPU tensor: never a copy to the GPU
     assert bar.values == {"steps_per_s": pytest.approx(2.0)}  # on the bar as a host number
-    with pytest.raises(ValueError):
-        StepsPerSecond(window=0)
+    with pytest.raises(ValueError, match=r"callbacks.steps_per_second.window=0: must be a positive integer"):
+        StepsPerSecond(window=0)  # a ConfigError (a ValueError) naming the key, as Hydra instantiates it from there
 
 
 def test_precision_resolution():

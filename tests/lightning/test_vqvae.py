@@ -44,6 +44,8 @@ def test_architecture_errors_name_the_key_and_the_fix():
         vqvae_spec(**{**TINY, "decay": 1.0})
     with pytest.raises(ConfigError, match="system.vqvae.num_res_channels"):
         vqvae_spec(**{**TINY, "num_res_channels": [8]})
+    with pytest.raises(ConfigError, match=r"system.vqvae.channels=\[8, x\]: must be a list of positive integers"):
+        vqvae_spec(**{**TINY, "channels": [8, "x"]})
     with pytest.raises(ConfigError, match="system.vqvae.use_checkpoint"):
         vqvae_spec(**{**TINY, "use_checkpoint": "yes"})
     with pytest.raises(ConfigError, match="system.loss.reconstruction=huber"):

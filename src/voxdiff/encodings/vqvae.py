@@ -28,7 +28,7 @@ import torch
 from einops import rearrange
 
 from voxdiff.encodings.base import LearnedEncoding
-from voxdiff.errors import ConfigError, integer, number
+from voxdiff.errors import ConfigError, boolean, int_list, integer, number
 
 #: (stride, kernel, dilation, padding) of each down-sampling convolution: halves even sizes exactly
 DOWNSAMPLE = (2, 4, 1, 1)
@@ -124,11 +124,7 @@ def vqvae_spec(
     levels = int(math.log2(factor))
     integer(f"{key}.latent_channels", latent_channels, minimum=1, example=4)
     example = [32 * 2**i for i in range(levels)]
-    if not isinstance(channels, (list, tuple)) or not all(
-        isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in channels
-    ):
-        raise ConfigError(f"{key}.channels", channels, "must be a list of positive channel counts, one per level",
-                          f"e.g. {key}.channels={example}")
+    int_list(f"{key}.channels", channels, fix=f"one channel count per level, e.g. {key}.channels={example}")
     if len(channels) != levels:
         raise ConfigError(
             f"{key}.channels", list(channels),
@@ -141,14 +137,9 @@ def vqvae_spec(
         num_res_channels = list(channels)
     elif isinstance(num_res_channels, int) and not isinstance(num_res_channels, bool):
         num_res_channels = [num_res_channels] * levels
-    if (
-        not isinstance(num_res_channels, (list, tuple))
-        or len(num_res_channels) != levels
-        or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in num_res_channels)
-    ):
-        raise ConfigError(f"{key}.num_res_channels", num_res_channels,
-                          f"must be a positive integer or {levels} of them (one per level)",
-                          f"e.g. {key}.num_res_channels={list(channels)}")
+    int_list(f"{key}.num_res_channels", num_res_channels, length=levels,
+             fix=f"a positive integer or {levels} of them (one per level), e.g. "
+                 f"{key}.num_res_channels={list(channels)}")
     integer(f"{key}.num_res_layers", num_res_layers, minimum=0, example=2)
     integer(f"{key}.num_embeddings", num_embeddings, minimum=1, example=256)
     if num_embeddings < 2:
@@ -156,9 +147,7 @@ def vqvae_spec(
                           f"e.g. {key}.num_embeddings=256")
     number(f"{key}.commitment_cost", commitment_cost, lo=0, example=0.25)
     number(f"{key}.decay", decay, lo=0, hi=1, lo_open=True, hi_open=True, example=0.99)  # the codebook's EMA
-    if not isinstance(use_checkpoint, bool):
-        raise ConfigError(f"{key}.use_checkpoint", use_checkpoint, "must be true or false",
-                          f"set {key}.use_checkpoint=true to save activation memory")
+    boolean(f"{key}.use_checkpoint", use_checkpoint, fix=f"set {key}.use_checkpoint=true to save activation memory")
     return VQVAESpec(
         factor=factor,
         latent_channels=latent_channels,

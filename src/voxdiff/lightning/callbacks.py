@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
 from voxdiff.checkpoint import CONFIG_KEY  # key of the run's resolved config in a checkpoint
+from voxdiff.errors import integer
 
 
 class ProgressBar(TQDMProgressBar):
@@ -55,8 +56,7 @@ class StepsPerSecond(L.Callback):
     """
 
     def __init__(self, window: int = 10) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive integer, got {window!r}")
+        integer("callbacks.steps_per_second.window", window, minimum=1, example=10)
         self.window = window
         self._t0: float | None = None
         self._step0 = 0
@@ -168,8 +168,7 @@ class HoldAtStep(L.Callback):
     """
 
     def __init__(self, at_step: int, release_file: str | Path, timeout_s: float = 600.0) -> None:
-        if isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0:
-            raise ValueError(f"at_step must be a non-negative integer, got {at_step!r}")
+        integer("at_step", at_step, minimum=0, example=1)
         self.at_step = at_step
         self.release_file = Path(release_file)
         self.held_file = self.release_file.with_name(self.release_file.name + ".held")

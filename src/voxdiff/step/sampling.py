@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from voxdiff.errors import ConfigError, integer, settings_from
+from voxdiff.errors import ConfigError, boolean, integer, settings_from
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,5 @@ def sampling_settings(sampling: Mapping[str, Any] | None, val_timesteps: Any = 4
     integer("system.val_timesteps", val_timesteps, minimum=0, example="4")
     if val_timesteps == 0:
         raise ConfigError("system.val_timesteps", 0, "must be positive", "e.g. system.val_timesteps=4")
-    if not isinstance(s.final, bool):
-        raise ConfigError("system.sampling.final", s.final, "must be true or false", "use true")
+    boolean("system.sampling.final", s.final, fix="use true")
     return s
