@@ -14,8 +14,7 @@ volume) is not checked on top of it.
 run's resolved config (plain data, ``voxdiff_config``) and the system's plain hyper-parameters: ``sample.py`` and
 ``evaluate.py`` rebuild the run spec from the first (:func:`stored_run_spec`), a system rebuilt without it (an older
 checkpoint) rebuilds its part from the second (:func:`system_spec`), through the same checks. The system, the sampler
-and the preflight's stages after the spec read no config tree; a few places still do (``docs/architecture.md``, "Not
-there yet").
+and the preflight's stages after the spec read no config tree (``docs/architecture.md``, "Where OmegaConf stops").
 
 Lightning is not imported here (the preflight runs on a login node without it).
 """
