@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from voxdiff.encodings.base import Encoding
-from voxdiff.errors import ConfigError, int_list, integer
+from voxdiff.errors import ConfigError, int_list, integer, plain  # noqa: F401 - plain: voxdiff.config.plain too
 from voxdiff.models.unet import UNetSpec, build_unet_from_spec, unet_io_channels, unet_spec
 
 #: model-config keys that are not arguments of the UNet
@@ -91,13 +91,6 @@ def compose(config_name: str = "train", overrides: Sequence[str] = ()) -> DictCo
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
-
-
-def plain(node: Any) -> Any:
-    """An OmegaConf node → plain Python containers (resolved)."""
-    if isinstance(node, (DictConfig,)) or OmegaConf.is_config(node):
-        return OmegaConf.to_container(node, resolve=True)
-    return node
 
 
 def select(cfg: Any, key: str, default: Any = None) -> Any:

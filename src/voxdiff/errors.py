@@ -13,6 +13,14 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+def plain(value: Any) -> Any:
+    """A config node (OmegaConf's ``DictConfig``/``ListConfig``, as Hydra passes them with ``_recursive_: false``)
+    as plain Python containers, resolved; anything else unchanged. The checks below take plain values."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot work.
 

@@ -19,20 +19,9 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from voxdiff.data.nifti import CACHE_MODES, IMAGE_NAME, MASK_NAME, DataError, NiftiDataset, find_subjects
 from voxdiff.data.phantom import PhantomDataset, check_volume_shape, subject_name
-from voxdiff.errors import ConfigError, integer, number, one_of
+from voxdiff.errors import ConfigError, integer, number, one_of, plain
 
 log = logging.getLogger(__name__)
-
-
-def _plain(value: Any) -> Any:
-    """OmegaConf containers → plain Python (lists/dicts); anything else unchanged."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        return value
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
 
 
 def split_subjects(names: Sequence[str], val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -102,11 +91,11 @@ class VolumeDataModule(L.LightningDataModule):
         pin_memory: bool = False,
     ) -> None:
         super().__init__()
-        self.volume_shape = check_volume_shape(_plain(volume_shape), key="data.volume_shape")
-        root = _plain(root)
+        self.volume_shape = check_volume_shape(plain(volume_shape), key="data.volume_shape")
+        root = plain(root)
         self.root: str | None = None if root is None else str(Path(str(root)).expanduser())
-        self.image_name = self._name("data.image_name", _plain(image_name))
-        self.mask_name = self._name("data.mask_name", _plain(mask_name))
+        self.image_name = self._name("data.image_name", plain(image_name))
+        self.mask_name = self._name("data.mask_name", plain(mask_name))
         self.num_subjects = integer("data.num_subjects", num_subjects, minimum=0,
                                     fix="set data.num_subjects to 2 or more")
         self.val_fraction = number("data.val_fraction", val_fraction, lo=0, hi=1, lo_open=True, hi_open=True,
@@ -116,7 +105,7 @@ class VolumeDataModule(L.LightningDataModule):
         self.num_workers = integer("data.num_workers", num_workers, minimum=0,
                                    fix="set data.num_workers to 0 (main process) or more")
         self.cache = str(one_of("data.cache", cache, CACHE_MODES, fix="e.g. data.cache=memory"))
-        cache_dir = _plain(cache_dir)
+        cache_dir = plain(cache_dir)
         self.cache_dir: str | None = None if cache_dir is None else str(Path(str(cache_dir)).expanduser())
         if self.cache == "disk" and self.root is not None and self.cache_dir is None:
             raise ConfigError(

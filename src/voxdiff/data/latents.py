@@ -45,7 +45,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from voxdiff.encodings.base import LearnedEncoding
-from voxdiff.errors import ConfigError, integer, number
+from voxdiff.errors import ConfigError, integer, number, plain
 
 INDEX_NAME = "index.json"
 FORMAT = "voxdiff-latents/1"
@@ -54,12 +54,6 @@ LATENT_KEYS = ("image_z", "mask_z")
 INDEX_KEYS = ("format", "volume_shape", "latent_shape", "factor", "latent_channels", "stage1", "subjects")
 #: the encoding of an index that does not name one (written before the index recorded it)
 DEFAULT_ENCODING = "voxdiff.encodings.VQVAELatent"
-
-
-def _plain(value: Any) -> Any:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def _safe(name: str) -> str:
@@ -383,17 +377,17 @@ class LatentDataModule(L.LightningDataModule):
         from voxdiff.data.datamodule import split_subjects
         from voxdiff.data.phantom import check_volume_shape
 
-        latent_dir = _plain(latent_dir)
+        latent_dir = plain(latent_dir)
         if latent_dir is None:
             raise ConfigError("data.latent_dir", None, "latent diffusion trains on a latent cache",
                               "make one (python cache_latents.py stage1_ckpt=<stage-1 checkpoint> out=DIR "
                               "data.volume_shape=[D,H,W]) and set data.latent_dir=DIR")
         self.latent_dir = Path(str(latent_dir)).expanduser()
-        self.volume_shape = check_volume_shape(_plain(volume_shape), key="data.volume_shape")
+        self.volume_shape = check_volume_shape(plain(volume_shape), key="data.volume_shape")
         number("data.val_fraction", val_fraction, lo=0, hi=1, lo_open=True, hi_open=True, example=0.25)
         for key, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
             integer(f"data.{key}", value, minimum=low, example=low)
-        self.index = check_latent_cache(self.latent_dir, self.volume_shape, _plain(stage1_checkpoint), factor,
+        self.index = check_latent_cache(self.latent_dir, self.volume_shape, plain(stage1_checkpoint), factor,
                                         latent_channels)
         names = list(self.index["subjects"])
         if len(names) < 2:

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from voxdiff.config import check_kind
+from voxdiff.config import check_kind, plain
 from voxdiff.encodings.vqvae import MODALITIES, SCALE_KEY, build_vqvae
 from voxdiff.lightning.optim import configure_adamw
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
@@ -62,13 +62,6 @@ def _phase(probe: PhaseProbe | None, name: str) -> Iterator[None]:
     yield
     if probe is not None:
         probe.end(name)
-
-
-def _plain(value: Any) -> Any:
-    """OmegaConf containers → plain Python (Hydra passes DictConfig with ``_recursive_: false``)."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 class VQVAESystem(L.LightningModule):
@@ -128,7 +121,7 @@ class VQVAESystem(L.LightningModule):
             raise ValueError(f"VQVAESystem is built from a stage-1 run's spec, not a {spec.kind} run's")
         settings = spec.stage1
         self.optim_settings = settings.optim
-        optim = _plain(optim) or {}
+        optim = plain(optim) or {}
         self.save_hyperparameters(
             {
                 "vqvae": settings.vqvae.as_dict(),

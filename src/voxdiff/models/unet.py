@@ -17,7 +17,7 @@ from typing import Any
 from monai.networks.nets import DiffusionModelUNet
 
 from voxdiff.encodings.base import Encoding
-from voxdiff.errors import ConfigError, int_list, integer
+from voxdiff.errors import ConfigError, int_list, integer, plain
 from voxdiff.models.checkpointing import GRANULARITIES, apply_gradient_checkpointing
 
 MODES = ("bravo", "seg")
@@ -57,18 +57,6 @@ def compile_backends() -> tuple[str, ...]:
     return tuple(torch._dynamo.list_backends(exclude_tags=()))
 
 
-def _plain(value: Any) -> Any:
-    """OmegaConf containers → plain Python (Hydra's ListConfig must not reach torch)."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(value, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
-    return value
-
-
 def unet_downsampling(levels: int) -> int:
     """Total spatial down-sampling of a UNet of ``levels`` levels: every input size must divide by it, or the skip
     connections do not match (:meth:`UNetSpec.check_input`, :mod:`voxdiff.preflight.rules`)."""
@@ -101,7 +89,7 @@ _CHECKPOINTING_CELLS = {"none": "0", "layer": "1"}  # the reference CSVs' 0/1; "
 
 
 def _per_level(key: str, value: Any, levels: int, kind: type, example: str) -> list:
-    value = _plain(value)
+    value = plain(value)
     if isinstance(value, (list, tuple)):
         if len(value) != levels:
             raise ConfigError(
@@ -256,7 +244,7 @@ def unet_spec(
     Raises:
         ConfigError: on the first argument that cannot work.
     """
-    channels = _plain(channels)
+    channels = plain(channels)
     if not isinstance(channels, (list, tuple)) or len(channels) < 2:
         raise ConfigError("model.channels", channels, "a UNet needs at least two levels",
                           "give one channel count per level, e.g. [64, 128, 256, 512]")
@@ -279,14 +267,14 @@ def unet_spec(
     for level, (c, att, h) in enumerate(zip(channels, attention, heads)):
         if level == levels - 1 and c % h:  # MONAI's middle block has attention at the coarsest width, always
             raise ConfigError(
-                "model.num_head_channels", _plain(num_head_channels),
+                "model.num_head_channels", plain(num_head_channels),
                 f"the middle block always has attention over the last level's {c} channels, in heads of {h}, "
                 "which does not divide",
                 f"use a head size that divides {c} (e.g. {next(d for d in (64, 32, 16, 8, 4, 2, 1) if c % d == 0)})",
             )
         if att and c % h:
             raise ConfigError(
-                "model.num_head_channels", _plain(num_head_channels),
+                "model.num_head_channels", plain(num_head_channels),
                 f"attention at level {level} splits its {c} channels into heads of {h}, which does not divide",
                 f"use a head size that divides {c} (e.g. {next(d for d in (64, 32, 16, 8, 4, 2, 1) if c % d == 0)}),"
                 f" or set model.attention_levels[{level}]=false",
