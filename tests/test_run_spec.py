@@ -214,3 +214,12 @@ def test_the_preflights_later_stages_read_the_spec_not_the_config():
         full.fits, full.per_gpu_peak_gib, full.need_gib, full.budget_gib, full.budget_source)
     assert bare.phases.describe() == full.phases.describe() and bare.needs.lines() == full.needs.lines()
     assert bare.needs.time.max_steps == 5000 and bare.needs.disk.where.name.endswith("preflight.disk_free_gib)")
+
+
+def test_a_value_two_checks_refuse_is_named_once():
+    """trainer.gradient_clip_val is checked with the trainer's keys and again as the step's clipping (a diffusion
+    run's recipe, and the run's own): one problem, not three lines saying the same."""
+    for override, key in (("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val"),
+                          ("trainer.gradient_clip_algorithm=foo", "trainer.gradient_clip_algorithm")):
+        _, problems = run_spec_problems(compose("train", ["experiment=demo", override]))
+        assert [p.key for p in problems] == [key]

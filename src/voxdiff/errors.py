@@ -57,7 +57,8 @@ class ConfigErrors(ConfigError):
 
 class Problems:
     """The problems of one validation pass: ``problems(check)`` runs ``check`` and keeps the :class:`ConfigError` it
-    raises (returning None), else returns its result; ``problems.raise_all()`` raises what was kept."""
+    raises (returning None; one per key and value), else returns its result; ``problems.raise_all()`` raises what
+    was kept."""
 
     def __init__(self, found: Iterable[ConfigError] = ()) -> None:
         self.found: list[ConfigError] = list(found)
@@ -66,7 +67,11 @@ class Problems:
         try:
             return check()
         except ConfigError as err:  # several problems of one check count one by one
-            self.found.extend(err.problems if isinstance(err, ConfigErrors) else [err])
+            for problem in err.problems if isinstance(err, ConfigErrors) else [err]:
+                # a value two checks refuse (trainer.gradient_clip_val: the trainer's keys, the step's clipping) is
+                # named once, by the first
+                if not any(p.key == problem.key and p.value == problem.value for p in self.found):
+                    self.found.append(problem)
             return None
 
     def raise_all(self) -> None:
