@@ -201,19 +201,20 @@ def test_what_the_run_asks_of_its_machines_is_in_the_spec(tmp_path):
     assert (no_best.resources.best_top_k, no_best.resources.keep_last) == (0, True)
 
 
-def test_the_preflights_later_stages_read_the_spec_not_the_config():
+def test_the_preflights_later_stages_read_the_spec_not_the_config(tiny_cfg):
     """Given its run spec, the preflight reads nothing more from the config than the run's name: the same verdict,
     peaks, disk, host memory and time from a config that holds only ``task_name``."""
     from omegaconf import OmegaConf
 
-    cfg = compose("preflight", ["experiment=exp11", "trainer.max_steps=5000", "preflight.disk_free_gib=100"])
+    cfg = tiny_cfg("trainer.max_steps=5000", "preflight.disk_free_gib=100", "data.cache=memory")
     spec = run_spec(cfg, check.PREDICTED_DEVICE)
     full = check.run_preflight(cfg, compile=False)
-    bare = check.run_preflight(OmegaConf.create({"task_name": "exp11"}), compile=False, run=spec)
+    bare = check.run_preflight(OmegaConf.create({"task_name": "demo"}), compile=False, run=spec)
     assert (bare.fits, bare.per_gpu_peak_gib, bare.need_gib, bare.budget_gib, bare.budget_source) == (
         full.fits, full.per_gpu_peak_gib, full.need_gib, full.budget_gib, full.budget_source)
     assert bare.phases.describe() == full.phases.describe() and bare.needs.lines() == full.needs.lines()
     assert bare.needs.time.max_steps == 5000 and bare.needs.disk.where.name.endswith("preflight.disk_free_gib)")
+    assert bare.needs.host is not None and bare.data == full.data  # data.cache=memory: the cached volumes
 
 
 def test_a_value_two_checks_refuse_is_named_once():

@@ -54,7 +54,7 @@ def test_the_verdict_traces_the_step_of_the_spec_resolved_for_the_runs_device(ti
 
     from voxdiff.run_spec import run_spec
 
-    cfg = compose("train", [*tiny_demo, "+preflight.gpu_memory_gib=3"])
+    cfg = compose("train", [*tiny_demo, "+preflight.gpu_memory_gib=3", "model.compile=false"])  # eager on a GPU too
     spec = run_spec(cfg)
     verdict = training_verdict(cfg, spec)
     assert (verdict.report.precision, verdict.report.attention, verdict.report.model_step) == (
