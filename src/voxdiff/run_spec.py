@@ -314,13 +314,13 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
 
             collect(lambda: check_io_channels(cfg, encoding))
         recipe = collect(lambda: recipe_from_config(cfg, "system"))
-        val_timesteps = plain(OmegaConf.select(cfg, "system.val_timesteps", default=4))
-        sampling = collect(lambda: sampling_settings(plain(OmegaConf.select(cfg, "system.sampling")), val_timesteps))
+        val_timesteps = select(cfg, "system.val_timesteps", 4)
+        sampling = collect(lambda: sampling_settings(select(cfg, "system.sampling"), val_timesteps))
     elif kind == "stage1":
         from voxdiff.encodings.vqvae import MODALITIES, stage1_settings
 
         def get(key: str, default: Any = None) -> Any:
-            return plain(OmegaConf.select(cfg, f"system.{key}", default=default))
+            return select(cfg, f"system.{key}", default)
 
         volume = get("volume_shape") if shapes_ok is not False else None
         stage1 = collect(lambda: stage1_settings(get("vqvae") or {}, get("optim"), get("loss"),

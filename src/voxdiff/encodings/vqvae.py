@@ -28,7 +28,7 @@ import torch
 from einops import rearrange
 
 from voxdiff.encodings.base import LearnedEncoding
-from voxdiff.errors import ConfigError, boolean, int_list, integer, number
+from voxdiff.errors import ConfigError, Problems, boolean, int_list, integer, number
 
 #: (stride, kernel, dilation, padding) of each down-sampling convolution: halves even sizes exactly
 DOWNSAMPLE = (2, 4, 1, 1)
@@ -202,7 +202,6 @@ def stage1_settings(
     Raises:
         ConfigError: the one problem, or :class:`~voxdiff.errors.ConfigErrors` naming every problem found.
     """
-    from voxdiff.errors import Problems, boolean
     from voxdiff.step.optim import optim_settings
 
     collect = Problems()
