@@ -315,7 +315,8 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
             collect(lambda: check_io_channels(cfg, encoding))
         recipe = collect(lambda: recipe_from_config(cfg, "system"))
         val_timesteps = select(cfg, "system.val_timesteps", 4)
-        sampling = collect(lambda: sampling_settings(select(cfg, "system.sampling"), val_timesteps))
+        drop = recipe.guidance.drop_prob if recipe is not None and recipe.guidance is not None else 0.0
+        sampling = collect(lambda: sampling_settings(select(cfg, "system.sampling"), val_timesteps, mode, drop))
     elif kind == "stage1":
         from voxdiff.encodings.vqvae import MODALITIES, stage1_settings
 
@@ -335,7 +336,7 @@ def system_spec(kind: str, hparams: Mapping[str, Any], device_type: str) -> Syst
 
     Args:
         kind: the system's run kind (``diffusion``: ``model``, ``encoding``, ``diffusion``, ``mode``, ``optim``,
-            ``ema``, ``sampling``, ``val_timesteps``, ``guard``; ``stage1``: ``vqvae``, ``optim``, ``loss``,
+            ``ema``, ``sampling``, ``val_timesteps``, ``guard``, ``guidance``; ``stage1``: ``vqvae``, ``optim``, ``loss``,
             ``modalities``, ``volume_shape``, ``codebook``).
         hparams: plain values (a Hydra node is converted).
 
@@ -343,7 +344,7 @@ def system_spec(kind: str, hparams: Mapping[str, Any], device_type: str) -> Syst
         ConfigError: the one problem, or :class:`~voxdiff.errors.ConfigErrors` naming every problem found.
     """
     values = {k: plain(v) for k, v in hparams.items()}
-    system = {k: values.get(k) for k in ("optim", "ema", "sampling", "guard", "vqvae", "loss", "modalities",
+    system = {k: values.get(k) for k in ("optim", "ema", "sampling", "guard", "guidance", "vqvae", "loss", "modalities",
                                           "volume_shape", "codebook") if values.get(k) is not None}
     if values.get("val_timesteps") is not None:
         system["val_timesteps"] = values["val_timesteps"]

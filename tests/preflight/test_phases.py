@@ -17,7 +17,7 @@ from voxdiff.errors import ConfigError
 from voxdiff.preflight.autocast import CudaAutocastEmulator
 from voxdiff.preflight.memory import EmulatedPrecision
 from voxdiff.preflight.phases import predict_phases, trace_sampling, trace_validation
-from voxdiff.step import TrainStep, system_recipe
+from voxdiff.step import EMA, TrainStep, system_recipe
 
 VOLUME = (16, 32, 32)
 
@@ -46,7 +46,7 @@ def _profiled(fn):
 
 def test_validation_under_the_ema_swap_matches_cpu_allocator(one_thread) -> None:
     """TrainStep.validation_loss (the system's validation_step) at 4 timesteps with the EMA swapped in: tracked
-    peak = the allocator's within 5 %; the swap's copy of the raw weights is in it."""
+    peak = the allocator's within 5 %; the swap holds one parameter aside at most, not a copy of the weights."""
     batch = {"image": (2, 1, *VOLUME), "mask": (2, 1, *VOLUME)}
     peaks = {}
     for ema in (True, False):
@@ -55,7 +55,7 @@ def test_validation_under_the_ema_swap_matches_cpu_allocator(one_thread) -> None
         peaks[ema] = trace.peak - trace.start_bytes
         assert peaks[ema] == pytest.approx(op_peak, rel=0.05)
     weights = sum(p.numel() * 4 for p in step.model.parameters())
-    assert peaks[True] - peaks[False] == pytest.approx(weights, rel=0.05)  # the swap holds the raw weights aside
+    assert abs(peaks[True] - peaks[False]) <= EMA.swap_bytes(step.model) < weights / 4
 
 
 def test_sampling_and_vqvae_decode_match_cpu_allocator(one_thread) -> None:
@@ -78,26 +78,37 @@ def gpu_run(monkeypatch):
 
 
 def test_exp11_phases_and_the_ema_swap(gpu_run) -> None:
-    """On the real exp11 (meta, seconds): every phase is predicted; without an EMA, validation holds neither the
-    average nor the swap's copy: two fp32 copies of the weights less."""
+    """On the real exp11 (meta, seconds): every phase is predicted; without an EMA, validation holds one fp32 copy of
+    the weights less (the average; its swap adds no copy: only its largest parameter)."""
     with_ema = predict_phases(compose("preflight", ["experiment=exp11"]))
     without = predict_phases(compose("preflight", ["experiment=exp11", "system.ema=false"]))
     assert with_ema.peak_phase in ("training", "validation", "sampling")
     assert with_ema.peak_allocated == max(with_ema.training, with_ema.validation, with_ema.sampling)
     assert with_ema.training == with_ema.training_report.peak_allocated
     weights = with_ema.training_report.param_bytes
-    assert with_ema.swap_bytes == pytest.approx(weights, rel=0.01) and without.swap_bytes == 0
-    assert with_ema.validation - without.validation == pytest.approx(2 * weights, rel=0.02)
+    assert 0 < with_ema.swap_bytes < weights / 10 and without.swap_bytes == 0
+    assert with_ema.validation - without.validation == pytest.approx(weights, rel=0.02)
     assert set(with_ema.parts) == {"condition", "sampling", "decode"} and "set by" in with_ema.describe()
 
 
 def test_latent_run_sampling_decodes_through_the_vqvae(gpu_run) -> None:
     """exp9_ldm_4x_bravo: decoding the samples through the VQ-VAE at full resolution holds more than encoding their
-    masks; sampling 2 masks under the EMA swap sets the run's peak, above the training step."""
+    masks; with the EMA swapped in place and one mask sampled at a time, neither validation nor sampling peaks
+    above the training step (before: validation +5.1 GiB for the swap's copy of the weights, sampling +6.7 GiB)."""
     rep = predict_phases(compose("preflight", ["experiment=exp9_ldm_4x_bravo"]))
     assert any("experiment=vqvae_4x" in n for n in rep.notes)
     assert rep.parts["decode"] > rep.parts["condition"]
-    assert rep.peak_phase == "sampling" and rep.sampling > rep.training
+    assert rep.peak_phase == "training" and rep.sampling < rep.training and rep.validation < rep.training
+    guided = predict_phases(compose("preflight", ["experiment=exp9_ldm_4x_bravo", "system.guidance.drop_prob=0.1",
+                                                  "system.sampling.guidance_scale=2"]))
+    assert guided.sample_batch == 2 * rep.sample_batch  # the conditional and unconditional halves, one batch
+    assert guided.parts["sampling"] > rep.parts["sampling"]
+
+
+@pytest.mark.parametrize("experiment", ["exp11", "exp11_1", "exp12", "exp12_1", "exp9_ldm_8x_bravo"])
+def test_no_shipped_experiment_validates_or_samples_above_its_training_step(gpu_run, experiment) -> None:
+    rep = predict_phases(compose("preflight", [f"experiment={experiment}"]))
+    assert rep.peak_phase == "training", rep.describe()
 
 
 def test_predict_phases_refuses_a_stage1_config() -> None:

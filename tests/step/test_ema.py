@@ -38,14 +38,41 @@ def test_swap_uses_the_average_and_restores_raw_weights_exactly():
             p.mul_(1.2345).add_(0.1)
     ema.update(m)
     raw = [p.detach().clone() for p in m.parameters()]
+    average = [s.clone() for s in ema.shadow]
     x = torch.randn(5, 4)
     with ema.swapped(m):
-        for p, s in zip(m.parameters(), ema.shadow):
+        for p, s in zip(m.parameters(), average):
             assert torch.equal(p, s)
         y_ema = m(x)
     for p, r in zip(m.parameters(), raw):
         assert torch.equal(p, r)  # bit for bit
+    for s, a in zip(ema.shadow, average):
+        assert torch.equal(s, a)  # and the average is the average again
     assert not torch.equal(y_ema, m(x))
+
+
+def test_the_swap_holds_one_parameter_aside_not_a_copy_of_the_model():
+    """The weights and the average trade places tensor by tensor: the largest tensor the swap makes is the
+    largest parameter (before, it cloned every parameter at once: a whole fp32 copy of the model)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.clone.default:
+                self.peak = max(self.peak, out.numel())
+            return out
+
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    ema = EMA(m, decay=0.5)
+    with Allocations() as seen:
+        with ema.swapped(m):
+            pass
+    assert seen.peak == 64 * 64 == EMA.swap_bytes(m) // 4
 
 
 def test_swap_restores_after_an_exception():

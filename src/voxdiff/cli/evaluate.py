@@ -3,7 +3,8 @@
 compose → validate → read the checkpoint (its step and SHA-256) → take the real volumes of a split (the
 validation subjects of the data config saved in the checkpoint, or ``data.root=DIR``) → then
 
-* a diffusion checkpoint: ``n`` samples with DDIM and the EMA weights, conditioned on those subjects' masks (in
+* a diffusion checkpoint: ``n`` samples with the run's sampler (DDIM, or Euler for rectified flow; with
+  ``guidance_scale``) and the EMA weights, conditioned on those subjects' masks (in
   turn, when ``n`` exceeds them), decoded through the encoding (as ``sample.py`` does) → diversity, paired
   fidelity, intensity statistics, MMD and Fréchet distances (:mod:`voxdiff.evaluation`);
 * a VQ-VAE (stage-1) checkpoint: reconstructions of the real images → SSIM, PSNR, MS-SSIM, codebook usage;
@@ -85,7 +86,7 @@ def _split(dm: Any, split: str):
     return dm.val_dataset if split == "val" else ConcatDataset([dm.val_dataset, dm.train_dataset])
 
 
-def _generate(cfg: DictConfig, system: Any, real: Any, device: Any, precision: Any
+def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any, precision: Any
               ) -> tuple[Any, list[int], list[Path]]:
     """``n`` samples conditioned on the real masks in turn; writes NIfTI + montage per sample."""
     import torch
@@ -97,12 +98,13 @@ def _generate(cfg: DictConfig, system: Any, real: Any, device: Any, precision: A
     n, out = int(cfg.n), Path(cfg.paths.output_dir) / "samples"
     sources = [i % len(real) for i in range(n)]
     generated, pngs = [], []
-    for b, idx in enumerate(tqdm(list(batches(n, int(cfg.batch_size))), desc="[voxdiff] DDIM", unit="batch")):
+    for b, idx in enumerate(tqdm(list(batches(n, int(cfg.batch_size))), desc=f"[voxdiff] {sampler.sampler}", unit="batch")):
         src = [sources[i] for i in idx]
         generator = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1_000_003 + b)
         with precision.autocast():
-            x = system.generate(real.masks[src], num_inference_steps=cfg.get("num_inference_steps"),
-                                generator=generator, use_ema=bool(cfg.use_ema), eta=cfg.get("eta")).float().cpu()
+            x = system.generate(real.masks[src], num_inference_steps=sampler.num_inference_steps,
+                                generator=generator, use_ema=bool(cfg.use_ema), eta=sampler.eta,
+                                guidance_scale=sampler.guidance_scale, batch_size=int(cfg.batch_size)).float().cpu()
         generated.append(x)
         names = [f"{real.subjects[s]}_s{i:03d}" for s, i in zip(src, idx)]
         pngs += save_samples(out, "eval", system.mode, x, real.masks[src], real.images[src], real.affines[src], names)
@@ -116,6 +118,7 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     from voxdiff.evaluation.pipeline import diffusion_figures, histogram_section, load_real, montage_section
 
     system, saved, precision = _load(cfg, device)
+    sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"))
     dataset = _split(_datamodule(saved, cfg), str(cfg.split))
     ms_ssim = MS_SSIM_PRESETS[cfg.ms_ssim]
     check_volume_shape(tuple(dataset[0]["image"].shape[1:]), ms_ssim)
@@ -123,7 +126,7 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     extractors, absent = build_extractors(cfg.get("random_features_seed"), cfg.get("stage1_ckpt"),
                                           plain(cfg.get("medicalnet")))
     t0 = time.perf_counter()
-    generated, sources, pngs = _generate(cfg, system, real, device, precision)
+    generated, sources, pngs = _generate(cfg, system, sampler, real, device, precision)
     t1 = time.perf_counter()
     print(f"[voxdiff] {len(generated)} samples in {t1 - t0:.1f} s; computing the figures", flush=True)
     figures, more_absent = diffusion_figures(real, generated, sources, system.mode, extractors,
@@ -132,14 +135,11 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     sections = [montage_section(pngs, int(cfg.montages), what)]
     if system.mode == "bravo":
         sections.append(histogram_section(real, generated, sources, int(cfg.histogram_bins)))
-    steps = (cfg.get("num_inference_steps") or system.sampling.num_inference_steps
-             or system.process.settings.num_inference_steps)
-    eta = cfg.get("eta") if cfg.get("eta") is not None else system.process.settings.eta
     return {
         "kind": "diffusion", "mode": system.mode, "figures": figures, "absent": {**absent, **more_absent},
         "sections": sections, "n_generated": len(generated), "real": real,
-        "sampling": {"sampler": "DDIM", "num_inference_steps": int(steps), "eta": float(eta),
-                     "use_ema": bool(cfg.use_ema), "seed": int(cfg.seed), "batch_size": int(cfg.batch_size),
+        "sampling": {"sampler": sampler.sampler, "num_inference_steps": sampler.num_inference_steps,
+                     "eta": sampler.eta, "guidance_scale": sampler.guidance_scale, "use_ema": bool(cfg.use_ema), "seed": int(cfg.seed), "batch_size": int(cfg.batch_size),
                      "conditioned_on": [real.subjects[s] for s in sources]},
         "feature_extractors": {e.name: e.label for e in extractors},
         "seconds": {"generation": round(t1 - t0, 2), "figures": round(time.perf_counter() - t1, 2)},
@@ -238,7 +238,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             "evaluated": record["evaluated_at"]}
     if result["sampling"]:
         s = result["sampling"]
-        meta["sampling"] = f"DDIM {s['num_inference_steps']} steps, eta {s['eta']}, EMA {s['use_ema']}, seed {s['seed']}"
+        eta = f", eta {s['eta']}" if s["eta"] is not None else ""
+        guide = f", guidance scale {s['guidance_scale']:g}" if s["guidance_scale"] != 1.0 else ""
+        meta["sampling"] = (f"{s['sampler']} {s['num_inference_steps']} steps{eta}{guide}, EMA {s['use_ema']}, "
+                            f"seed {s['seed']}")
     page = render_html(title, meta, record["figures"], record["absent"], [*result["sections"], loss])
     json_path, html_path = write_outputs(out_dir, record, page)
     print(f"[voxdiff] wrote {json_path} and {html_path}", flush=True)

@@ -2,7 +2,9 @@
 
 compose → validate → rebuild the run spec from the config stored in the checkpoint, for this device
 (:func:`voxdiff.checkpoint.rebuild_system`) → the system from it, with the checkpoint's weights → take ``n``
-masks (the validation subjects of the data config saved in the checkpoint, or ``data.root=DIR``) → DDIM with the EMA weights → decode → NIfTI with the source affine + PNG montage per sample,
+masks (the validation subjects of the data config saved in the checkpoint, or ``data.root=DIR``) → the run's sampler
+(DDIM, or Euler for rectified flow; ``guidance_scale`` for classifier-free guidance) with the EMA weights → decode →
+NIfTI with the source affine + PNG montage per sample,
 in this run's directory (``<paths.log_dir>/sample/<time>/samples``). In seg mode it writes generated masks.
 The precision is the trained one (``precision: null``): the checkpoint's ``trainer.precision`` decided for the
 sampling device by :func:`voxdiff.step.decide_precision`, as the Trainer decided it.
@@ -105,6 +107,7 @@ def sample(cfg: DictConfig) -> list[Path]:
     configure_cpu_threads()
     device = pick_device(cfg.device)
     system, saved, precision = _load(cfg, device)
+    sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"))
     dm = _datamodule(saved, cfg)
     dm.setup("fit")
     dataset = dm.val_dataset if cfg.split == "val" else ConcatDataset([dm.val_dataset, dm.train_dataset])
@@ -113,13 +116,15 @@ def sample(cfg: DictConfig) -> list[Path]:
         print(f"[voxdiff] only {n} subjects in split={cfg.split}; sampling {n}", flush=True)
     loader = DataLoader(Subset(dataset, list(range(n))), batch_size=int(cfg.batch_size), shuffle=False)
     out_dir = Path(cfg.paths.output_dir) / "samples"
-    print(f"[voxdiff] {system.mode} samples from {cfg.ckpt_path} (EMA: {cfg.use_ema}) into {out_dir}", flush=True)
+    print(f"[voxdiff] {system.mode} samples from {cfg.ckpt_path} ({sampler.describe()}, EMA: {cfg.use_ema}) into "
+          f"{out_dir}", flush=True)
     pngs: list[Path] = []
     for i, batch in enumerate(loader):
         generator = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1_000_003 + i)
         with precision.autocast():
-            generated = system.generate(batch["mask"], num_inference_steps=cfg.get("num_inference_steps"),
-                                        generator=generator, use_ema=bool(cfg.use_ema), eta=cfg.get("eta"))
+            generated = system.generate(batch["mask"], num_inference_steps=sampler.num_inference_steps,
+                                        generator=generator, use_ema=bool(cfg.use_ema), eta=sampler.eta,
+                                        guidance_scale=sampler.guidance_scale, batch_size=int(cfg.batch_size))
         pngs += save_samples(out_dir, "sample", system.mode, generated.cpu(), batch["mask"], batch.get("image"),
                              batch["affine"], batch["subject"])
         print(f"[voxdiff] {len(pngs)}/{n}: {pngs[-1]}", flush=True)

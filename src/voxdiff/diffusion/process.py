@@ -33,6 +33,7 @@ from einops import reduce
 from monai.networks.schedulers import DDIMScheduler, DDPMScheduler
 from torch import nn
 
+from voxdiff.diffusion.guidance import denoiser
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
@@ -41,8 +42,9 @@ SCHEDULES = ("linear_beta", "scaled_linear_beta", "sigmoid_beta", "cosine")
 
 @dataclass(frozen=True)
 class DiffusionSettings:
-    """The validated ``diffusion:`` config (``configs/diffusion/ddpm.yaml``)."""
+    """The validated ``diffusion:`` config of DDPM (``configs/diffusion/ddpm.yaml``)."""
 
+    process: str = "ddpm"  # the diffusion process (ddpm | rflow: voxdiff.diffusion.rflow)
     num_train_timesteps: int = 1000
     schedule: str = "scaled_linear_beta"  # a MONAI NoiseSchedules name
     beta_start: float = 0.0015  # ignored by the cosine schedule
@@ -57,8 +59,9 @@ class DiffusionSettings:
         return asdict(self)
 
 
-def diffusion_settings(cfg: Mapping[str, Any] | None = None, **overrides: Any) -> DiffusionSettings:
-    """Validate a plain ``diffusion:`` mapping; every failure names the ``diffusion.*`` key, the value and a fix.
+def ddpm_settings(cfg: Mapping[str, Any] | None = None, **overrides: Any) -> DiffusionSettings:
+    """Validate a plain ``diffusion:`` mapping of DDPM; every failure names the ``diffusion.*`` key, the value and a
+    fix (:func:`voxdiff.diffusion.diffusion_settings` picks the process).
 
     Raises:
         ConfigError: an unknown key or a value that cannot work.
@@ -70,6 +73,7 @@ def diffusion_settings(cfg: Mapping[str, Any] | None = None, **overrides: Any) -
         raise ConfigError(f"diffusion.{unknown[0]}", values[unknown[0]], "is not a diffusion setting",
                           f"remove it; the settings are {', '.join(sorted(known))}")
     s = DiffusionSettings(**values)
+    one_of("diffusion.process", s.process, ("ddpm",))
     t = integer("diffusion.num_train_timesteps", s.num_train_timesteps, minimum=1, example=1000)
     one_of("diffusion.schedule", s.schedule, SCHEDULES)
     number("diffusion.beta_start", s.beta_start, lo=0, hi=1, lo_open=True, example=0.0015)
@@ -98,7 +102,7 @@ class DiffusionProcess(nn.Module):
     module to the GPU but are not part of any checkpoint.
 
     Args:
-        settings: the validated diffusion settings (:func:`diffusion_settings`).
+        settings: the validated DDPM settings (:func:`ddpm_settings`).
         clip_range: while sampling, clip each predicted x₀ to ``[-clip_range, clip_range]`` (the range of encoded
             volumes in model range, :func:`voxdiff.diffusion.encoded_range`); None or ``settings.clip_sample =
             False`` turns clipping off.
@@ -206,6 +210,7 @@ class DiffusionProcess(nn.Module):
         generator: torch.Generator | None = None,
         device: torch.device | str | None = None,
         eta: float | None = None,
+        guidance_scale: float = 1.0,
     ) -> torch.Tensor:
         """Generate encodings with DDIM, starting from Gaussian noise.
 
@@ -217,6 +222,7 @@ class DiffusionProcess(nn.Module):
             generator: random generator of the initial noise (and of the DDIM noise when ``eta > 0``).
             device: where to generate (default: ``cond``'s device, else the CPU).
             eta: DDIM stochasticity (default: the configured ``eta``).
+            guidance_scale: classifier-free guidance (:func:`voxdiff.diffusion.guidance.denoiser`; 1: none).
 
         Returns:
             ``(B, C_out, d, h, w)`` float32 generated x₀ in model range.
@@ -226,10 +232,10 @@ class DiffusionProcess(nn.Module):
         device = torch.device(device) if device is not None else (cond.device if cond is not None else "cpu")
         scheduler = self.inference_scheduler
         scheduler.set_timesteps(steps)
+        denoise = denoiser(model, cond, guidance_scale)
         x = torch.randn(tuple(shape), generator=generator, device=device, dtype=torch.float32)
         for t in scheduler.timesteps.tolist():
-            x_in = x if cond is None else torch.cat([x, cond.to(x.dtype)], dim=1)
-            out = model(x_in, timesteps=torch.full((x.shape[0],), t, device=device, dtype=torch.long)).float()
+            out = denoise(x, torch.full((x.shape[0],), t, device=device, dtype=torch.long))
             x, _ = scheduler.step(out, t, x, eta=eta, generator=generator)
         return x
 

@@ -42,7 +42,7 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 from voxdiff.config import check_kind, plain
-from voxdiff.diffusion import DiffusionProcess, encoded_range
+from voxdiff.diffusion import build_process, encoded_range
 from voxdiff.lightning.callbacks import ProgressBar
 from voxdiff.lightning.optim import lightning_optimizers
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
@@ -55,7 +55,7 @@ from voxdiff.step import (
     accelerator_device,
     clip_settings,
 )
-from voxdiff.step.sampling import SamplingSettings
+from voxdiff.step.sampling import SamplerChoice, SamplingSettings, sampler_choice
 
 if TYPE_CHECKING:
     from voxdiff.run_spec import SystemSpec
@@ -80,6 +80,8 @@ class DiffusionSystem(L.LightningModule):
         val_timesteps: the validation loss of a batch is the mean over this many fixed, evenly spread timesteps
             (with fixed noise), so it is comparable from epoch to epoch.
         guard: ``system.guard`` (:class:`voxdiff.step.GuardSettings`): how often the non-finite guard is read.
+        guidance: ``system.guidance`` (:class:`voxdiff.diffusion.GuidanceSettings`): condition dropout for
+            classifier-free guidance; None: none.
         device_type: the device the system will run on (``cuda``, ``cpu``; default: ``cuda`` when one is
             present), which decides ``model.use_flash_attention=auto`` and ``model.compile=auto``. Not a
             hyper-parameter: the same checkpoint samples on another device.
@@ -106,18 +108,20 @@ class DiffusionSystem(L.LightningModule):
         sampling: Mapping[str, Any] | None = None,
         val_timesteps: int = 4,
         guard: Mapping[str, Any] | None = None,
+        guidance: Mapping[str, Any] | None = None,
         device_type: str | None = None,
         kind: str | None = None,
         spec: SystemSpec | None = None,
     ) -> None:
         super().__init__()
         check_kind(type(self), kind)
-        model, encoding, diffusion, optim, ema, sampling, guard = (
-            plain(x) for x in (model, encoding, diffusion, optim, ema, sampling, guard)
+        model, encoding, diffusion, optim, ema, sampling, guard, guidance = (
+            plain(x) for x in (model, encoding, diffusion, optim, ema, sampling, guard, guidance)
         )
         self.save_hyperparameters(
             {"model": model, "encoding": encoding, "diffusion": diffusion, "mode": mode, "optim": optim,
-             "ema": ema, "sampling": sampling, "val_timesteps": val_timesteps, "guard": guard, "kind": self.kind}
+             "ema": ema, "sampling": sampling, "val_timesteps": val_timesteps, "guard": guard, "guidance": guidance,
+             "kind": self.kind}
         )
         if spec is None:
             from voxdiff.run_spec import system_spec
@@ -134,7 +138,7 @@ class DiffusionSystem(L.LightningModule):
         self.spec = spec.unet
         self.model = build_unet_from_spec(self.spec)
         recipe = replace(spec.recipe, clip=None)  # the Trainer's clipping is set at the start of fit
-        self.process = DiffusionProcess(recipe.diffusion, clip_range=encoded_range(self.encoding))
+        self.process = build_process(recipe.diffusion, clip_range=encoded_range(self.encoding))
         compiled = (CompileSettings(self.spec.compile_mode, self.spec.compile_backend, model.get("compile", True))
                     if self.spec.compile else None)
         # the training step (a plain object, and so is its compiled forward: the checkpoint keys stay model.*)
@@ -274,16 +278,20 @@ class DiffusionSystem(L.LightningModule):
         generator: torch.Generator | None = None,
         use_ema: bool = True,
         eta: float | None = None,
+        guidance_scale: float | None = None,
+        batch_size: int | None = None,
     ) -> torch.Tensor:
-        """Generate volumes with DDIM from the EMA weights (by default).
+        """Generate volumes (DDIM, or Euler for rectified flow) from the EMA weights (by default).
 
         Args:
             mask: ``(B, 1, D, H, W)`` masks in {0, 1}: the condition in bravo mode; in seg mode only its shape is
                 used (B masks of that size are generated).
-            num_inference_steps: DDIM steps (default ``sampling.num_inference_steps``, else the diffusion's).
+            num_inference_steps: sampling steps (default ``sampling.num_inference_steps``, else the diffusion's).
             generator: generator of the initial noise (on this module's device).
             use_ema: sample with the EMA weights (swapped in and restored).
             eta: DDIM stochasticity (default: the diffusion config's).
+            guidance_scale: classifier-free guidance (default ``sampling.guidance_scale``; 1: none).
+            batch_size: masks sampled at once (default ``sampling.batch_size``).
 
         Returns:
             ``(B, 1, D, H, W)`` float32 on this module's device: images in [0, 1] (bravo) or masks in {0, 1} (seg).
@@ -292,8 +300,18 @@ class DiffusionSystem(L.LightningModule):
         if mask.dim() != 5 or mask.shape[1] != 1:
             raise ValueError(f"mask must be (B, 1, D, H, W), got {tuple(mask.shape)}")
         self.step.to(self.device)
+        scale = self.sampling.guidance_scale if guidance_scale is None else guidance_scale
         return self.step.generate(mask, self.spec.out_channels, num_inference_steps or self.sampling.num_inference_steps,
-                                  generator=generator, eta=eta, use_ema=use_ema)
+                                  generator=generator, eta=eta, use_ema=use_ema, guidance_scale=float(scale),
+                                  batch_size=batch_size or self.sampling.batch_size)
+
+    def sampler(self, num_inference_steps: Any = None, eta: Any = None, guidance_scale: Any = None) -> SamplerChoice:
+        """What :meth:`generate` runs with a command's own arguments (None: as trained); refuses those this model
+        cannot take (:func:`voxdiff.step.sampling.sampler_choice`)."""
+        guidance = self.step.recipe.guidance
+        return sampler_choice(self.process.settings, self.sampling, self.mode,
+                              guidance.drop_prob if guidance is not None else 0.0,
+                              num_inference_steps=num_inference_steps, eta=eta, guidance_scale=guidance_scale)
 
     def _fill_val_cache(self) -> None:
         """Cache validation masks straight from the data module when no validation has run yet."""

@@ -8,7 +8,8 @@ anything is built and
 * refuses *architectural* differences, naming every differing key: what defines the weights and what they
   predict — ``model.*`` (but ``gradient_checkpointing``, ``use_flash_attention`` and ``compile*``, which change
   memory and speed, not weights), ``encoding.*`` (but a learned encoding's weights file, ``checkpoint``),
-  ``mode``, ``diffusion.`` ``num_train_timesteps``, ``schedule``, ``beta_start``, ``beta_end``, ``prediction_type``; for a stage 1
+  ``mode``, ``diffusion.`` ``process``, ``num_train_timesteps``, ``schedule``, ``beta_start``, ``beta_end``,
+  ``prediction_type``; for a stage 1
   ``system.vqvae.*`` but ``use_checkpoint``, ``commitment_cost`` and ``decay``;
 * lists every other setting that changed since the checkpoint. They are all applied: most are read from the
   current config when the run is built; the optimizer's (``system.optim.*``, which Lightning would restore from the
@@ -36,8 +37,8 @@ from voxdiff.run_spec import RunSpec
 #: UNet arguments that change memory and speed, not the weights
 RUNTIME_MODEL_KEYS = ("use_flash_attention", "gradient_checkpointing", "compile", "compile_mode", "compile_backend",
                       "in_channels", "out_channels")
-#: diffusion settings that define what the UNet predicts
-PROCESS_KEYS = ("num_train_timesteps", "schedule", "beta_start", "beta_end", "prediction_type")
+#: diffusion settings that define what the UNet predicts (a key the other process does not have compares as absent)
+PROCESS_KEYS = ("process", "num_train_timesteps", "schedule", "beta_start", "beta_end", "prediction_type")
 #: VQ-VAE settings that do not change its weights' shapes
 VQVAE_TRAINING_KEYS = ("use_checkpoint", "commitment_cost", "decay")
 #: config keys not compared: where the run lives, and what derives from it
@@ -126,7 +127,7 @@ def architecture_differences(hparams: Mapping[str, Any], cfg: DictConfig, path: 
         old, new = asdict(old_spec.unet), asdict(spec.unet)
         out += [(f"model.{k}", old[k], new[k]) for k in old if k not in RUNTIME_MODEL_KEYS and old[k] != new[k]]
     old_d, new_d = asdict(old_spec.recipe.diffusion), asdict(spec.recipe.diffusion)
-    out += [(f"diffusion.{k}", old_d[k], new_d[k]) for k in PROCESS_KEYS if old_d[k] != new_d[k]]
+    out += [(f"diffusion.{k}", old_d.get(k), new_d.get(k)) for k in PROCESS_KEYS if old_d.get(k) != new_d.get(k)]
     return out
 
 

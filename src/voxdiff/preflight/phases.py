@@ -11,11 +11,12 @@ emulator, the fused-AdamW stand-in — running the code the system runs:
   optimizer step, so none are resident);
 * **validation**: :meth:`TrainStep.validation_loss` (what ``DiffusionSystem.validation_step`` calls) at
   ``data.batch_size`` and ``system.val_timesteps`` fixed timesteps, without gradients, in an autocast region, the
-  model in eval mode, with the EMA weights swapped in — the swap holds the raw weights aside, one more fp32 copy of
-  the parameters;
+  model in eval mode, with the EMA weights swapped in — the weights and the average trade places one tensor at a
+  time, so the swap holds one parameter aside, not a copy of the model;
 * **sampling**: :meth:`TrainStep.generate` (what ``DiffusionSystem.generate`` calls from ``write_samples``) for
-  ``system.sampling.num_masks`` masks in one batch: encoding the masks (``condition``), DDIM with the UNet
-  without gradients under the EMA swap (``sampling``; two DDIM steps are traced: each step holds the same), and
+  one chunk of ``system.sampling.batch_size`` masks (every chunk holds the same): encoding the masks (``condition``),
+  the sampler (DDIM, or Euler for rectified flow) with the UNet without gradients under the EMA swap, on twice the
+  chunk with classifier-free guidance (``sampling``; two steps are traced: each step holds the same), and
   ``decode`` through the encoding (the S2D/Haar inverse, or the VQ-VAE decoder of a latent run, in fp32).
 
 The run's peak is the largest of training, validation and sampling; :class:`PhasesReport` says which phase sets it.
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
-from voxdiff.diffusion import DiffusionProcess, encoded_range
+from voxdiff.diffusion import build_process, encoded_range
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES
 from voxdiff.preflight.attention import FlashAttentionEmulator
@@ -185,13 +186,16 @@ def trace_sampling(
     granularity: int | None = None,
     cuda_kernels: bool | None = None,
     resident: Iterable[torch.Tensor] = (),
+    guidance_scale: float = 1.0,
 ) -> PhaseTrace:
     """Trace sampling as ``DiffusionSystem.write_samples`` runs it: ``(B, 1, D, H, W)`` masks on the device, then
     :meth:`TrainStep.generate` in an autocast region (phases ``condition``, ``sampling``, ``decode``).
 
     Args:
         step: the training step after at least one optimizer step.
-        mask_shape: ``(B, 1, D, H, W)``: B = ``system.sampling.num_masks``.
+        mask_shape: ``(B, 1, D, H, W)``: B = one chunk of masks (``system.sampling.batch_size``, at most
+            ``num_masks``): every chunk holds the same.
+        guidance_scale: ``system.sampling.guidance_scale`` (not 1: the UNet runs on twice the chunk).
         out_channels: the UNet's output channels.
         num_inference_steps: DDIM steps to trace.
         attention, device_type, granularity, cuda_kernels, resident: as :func:`trace_validation`.
@@ -199,7 +203,7 @@ def trace_sampling(
     with _traced(step, resident, attention, device_type, granularity, cuda_kernels) as (rec, trace):
         mask = torch.rand(tuple(mask_shape), device=device_type).round_()  # {0, 1}, as the cached masks
         with step.precision.autocast.region():
-            out = step.generate(mask, out_channels, num_inference_steps, probe=rec)
+            out = step.generate(mask, out_channels, num_inference_steps, probe=rec, guidance_scale=guidance_scale)
         del mask, out
     return trace
 
@@ -214,9 +218,10 @@ class PhasesReport:
         sampling: peak of sampling: the largest of ``parts``.
         parts: ``condition`` (encoding the masks), ``sampling`` (DDIM), ``decode`` (through the encoding).
         resident: bytes alive between steps (weights, AdamW state, EMA, a latent run's VQ-VAE).
-        swap_bytes: the raw weights the EMA swap holds aside while validation and sampling run (0 without an EMA).
+        swap_bytes: what the EMA swap holds aside while it trades weights (its largest parameter; 0 without an EMA).
         val_batch, val_timesteps: ``data.batch_size`` and ``system.val_timesteps``.
-        sample_batch, inference_steps: ``system.sampling.num_masks`` and the DDIM steps configured (two traced).
+        sample_batch, inference_steps: the UNet's batch while sampling (a chunk of masks, twice that with guidance)
+            and the sampling steps configured (two traced).
         peak_allocated: the run's peak: the largest of training, validation and sampling.
         peak_phase: the phase that sets it (``training``, ``validation`` or ``sampling``).
         training_report: the training step's full report.
@@ -247,8 +252,8 @@ class PhasesReport:
         p = {k: v / GiB for k, v in self.parts.items()}
         return (f"training {self.training / GiB:.2f} GiB | validation {self.validation / GiB:.2f} GiB "
                 f"(B={self.val_batch}, {self.val_timesteps} timesteps, EMA swap +{self.swap_bytes / GiB:.2f}) | "
-                f"sampling {self.sampling / GiB:.2f} GiB (B={self.sample_batch}, {self.inference_steps} DDIM steps: "
-                f"condition {p['condition']:.2f}, DDIM {p['sampling']:.2f}, decode {p['decode']:.2f}) | "
+                f"sampling {self.sampling / GiB:.2f} GiB (B={self.sample_batch}, {self.inference_steps} steps: "
+                f"condition {p['condition']:.2f}, sampler {p['sampling']:.2f}, decode {p['decode']:.2f}) | "
                 f"peak {self.peak_allocated / GiB:.2f} GiB set by {self.peak_phase} on {self.gpu}")
 
 
@@ -300,7 +305,7 @@ def predict_phases(run: StepPlan | RunSpec | DictConfig, training: MemoryReport 
     model.train()
     dtype = AUTOCAST_DTYPES[plan.run.precision.name]
     autocast = CudaAutocastEmulator(dtype=dtype or torch.bfloat16, device_type="meta", enabled=dtype is not None)
-    process = DiffusionProcess(recipe.diffusion, clip_range=encoded_range(plan.encoding))  # as the system's
+    process = build_process(recipe.diffusion, clip_range=encoded_range(plan.encoding))  # as the system's
     step = TrainStep(model, recipe, encoding=plan.encoding, mode=plan.mode, process=process,
                      precision=EmulatedPrecision(autocast), device_type="cuda")
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -314,22 +319,24 @@ def predict_phases(run: StepPlan | RunSpec | DictConfig, training: MemoryReport 
     if "image_z" in val_batch and plan.run.resources.masks:  # latent batches carry the full-size mask
         val_batch["mask"] = (plan.batch["image_z"][0], 1, *plan.shapes.volume)
     validation = trace_validation(step, val_batch, val_timesteps, attention=attention, resident=resident)
-    mask_shape = (max(num_masks, 1), 1, *plan.shapes.volume)
+    sampling = plan.run.sampling
+    mask_shape = (max(min(num_masks, sampling.batch_size), 1), 1, *plan.shapes.volume)
     sample = trace_sampling(step, mask_shape, plan.spec.out_channels, min(steps, MAX_TRACED_DDIM_STEPS),
-                            attention=attention, resident=resident)
+                            attention=attention, resident=resident, guidance_scale=float(sampling.guidance_scale))
 
     ws = 2 * spec.cublas_workspace_bytes  # both cuBLAS handles exist once training has run a backward
     parts = {k: v + ws for k, v in sample.peaks.items()}
     peaks = {"training": training.peak_allocated, "validation": validation.peak + ws, "sampling": max(parts.values())}
     phase = max(peaks, key=peaks.get)
-    swap = sum(p.numel() * 4 for p in model.parameters() if p.is_floating_point()) if step.ema is not None else 0
+    swap = step.ema.swap_bytes(model) if step.ema is not None else 0
     if not num_masks:
         notes.append("system.sampling.num_masks=0: no samples are drawn during training (one traced, as sample.py "
                      "n=1 draws it)")
     return PhasesReport(
         training=peaks["training"], validation=peaks["validation"], sampling=peaks["sampling"], parts=parts,
         resident=validation.start_bytes, swap_bytes=swap, val_batch=plan.batch[next(iter(plan.batch))][0],
-        val_timesteps=val_timesteps, sample_batch=num_masks, inference_steps=steps,
+        val_timesteps=val_timesteps, sample_batch=mask_shape[0] * (1 if float(sampling.guidance_scale) == 1.0 else 2),
+        inference_steps=steps,
         peak_allocated=peaks[phase], peak_phase=phase, training_report=training, gpu=spec.name,
         trace_seconds=time.perf_counter() - t0, notes=tuple(notes),
     )

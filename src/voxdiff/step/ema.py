@@ -2,8 +2,8 @@
 
 Updated once per optimizer step (diffusers' ``EMAModel`` habit) by the training step's post-step hook, kept in
 fp32 on the model's device (one more parameter-sized copy on the GPU, which the preflight traces), saved in
-checkpoints by the system's ``on_save_checkpoint``. For sampling the averaged weights are swapped in and the raw
-ones restored afterwards, bit for bit (store → copy → use → restore).
+checkpoints by the system's ``on_save_checkpoint``. For validation and sampling the averaged weights and the raw
+ones trade places, one tensor at a time, and trade back afterwards, bit for bit: no second copy of the model.
 
 ``system.ema`` configures it: a mapping of :class:`EMASettings` (null or absent: the defaults) or ``false``
 for no EMA at all — in training, in the preflight's trace and in the measure mode alike (:func:`ema_settings`).
@@ -114,8 +114,24 @@ class EMA:
 
     @contextmanager
     def swapped(self, model: nn.Module) -> Iterator[nn.Module]:
-        """``with ema.swapped(model): ...`` runs with the averaged weights and restores the raw ones exactly."""
+        """``with ema.swapped(model): ...`` runs with the averaged weights and restores the raw ones exactly.
+
+        The weights and the average trade places one tensor at a time (the average holds the raw weights while
+        the block runs), so the swap costs one temporary of the largest parameter, not a copy of the model. A
+        model whose parameters are not fp32 (cast for inference) is written the average and gets a stored copy of
+        its raw weights back, so that the fp32 average never round-trips through a lower precision.
+        """
         params = self._params(model)
+        if params:
+            self.to(params[0].device)
+        pairs = list(zip(_local(params), _local(self.shadow)))  # FSDP: each rank its own shards
+        if all(p.dtype == s.dtype for p, s in pairs):
+            _exchange(pairs)
+            try:
+                yield model
+            finally:
+                _exchange(pairs)
+            return
         with torch.no_grad():
             stored = [p.detach().clone() for p in params]
             self.copy_to(model)
@@ -125,6 +141,11 @@ class EMA:
             with torch.no_grad():
                 for p, raw in zip(params, stored):
                     p.copy_(raw)
+
+    @staticmethod
+    def swap_bytes(model: nn.Module) -> int:
+        """The most memory the swap holds aside: the largest floating-point parameter, in fp32 bytes."""
+        return max((p.numel() * 4 for p in model.parameters() if p.is_floating_point()), default=0)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -143,6 +164,16 @@ class EMA:
             raise KeyError(f"the EMA state lacks {len(missing)} parameters, e.g. {missing[0]!r}")
         self.shadow = [_like(shadow[n].detach().float(), old) for n, old in zip(self.names, self.shadow)]
         self.num_updates = int(state["num_updates"])
+
+
+@torch.no_grad()
+def _exchange(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Exchange the values of each pair of same-dtype tensors in place, with one temporary at a time."""
+    for a, b in pairs:
+        tmp = a.detach().clone()
+        a.copy_(b)
+        b.copy_(tmp)
+        del tmp
 
 
 def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

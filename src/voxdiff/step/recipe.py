@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from voxdiff.config import select
-from voxdiff.diffusion import DiffusionSettings, diffusion_settings
+from voxdiff.diffusion import DiffusionSettings, GuidanceSettings, RFlowSettings, diffusion_settings, guidance_settings
 from voxdiff.errors import ConfigError, number
 from voxdiff.step.ema import EMASettings, ema_settings
 from voxdiff.step.guard import GuardSettings, guard_settings
@@ -73,7 +73,9 @@ class Recipe:
         guard: record a non-finite loss or gradient norm on the device and stop on it, checked every
             ``check_every_n_steps`` and before every checkpoint (:mod:`voxdiff.step.guard`); None: no guard.
         ema: EMA of the weights updated after every optimizer step, or None.
-        diffusion: the settings of :meth:`voxdiff.diffusion.DiffusionProcess.loss`; None: the seed's loss.
+        diffusion: the settings of the diffusion process whose loss it is (DDPM or rectified flow:
+            :func:`voxdiff.diffusion.diffusion_settings`); None: the seed's loss.
+        guidance: condition dropout for classifier-free guidance (:mod:`voxdiff.diffusion.guidance`); None: none.
     """
 
     name: str
@@ -82,7 +84,8 @@ class Recipe:
     clip: ClipSettings | None
     guard: GuardSettings | None
     ema: EMASettings | None
-    diffusion: DiffusionSettings | None
+    diffusion: DiffusionSettings | RFlowSettings | None
+    guidance: GuidanceSettings | None = None
 
     def __post_init__(self) -> None:
         if self.zero_grad_at not in ZERO_GRAD_AT:
@@ -111,9 +114,12 @@ def system_recipe(
     diffusion: Mapping[str, Any] | None,
     clip: ClipSettings | None = None,
     guard: Mapping[str, Any] | None = None,
+    guidance: Mapping[str, Any] | None = None,
+    mode: str = "bravo",
 ) -> Recipe:
-    """The step of the diffusion system from plain ``system.optim``, ``system.ema``, ``diffusion``, ``system.guard``
-    mappings and the trainer's clipping (validated here; raises ConfigError)."""
+    """The step of the diffusion system from plain ``system.optim``, ``system.ema``, ``diffusion``, ``system.guard``,
+    ``system.guidance`` mappings (for ``mode``) and the trainer's clipping (validated here; raises ConfigError)."""
+    drop = guidance_settings(guidance, mode)
     return Recipe(
         name="system",
         optim=optim_settings(optim),
@@ -122,6 +128,7 @@ def system_recipe(
         guard=guard_settings(guard),
         ema=ema_settings(ema),
         diffusion=diffusion_settings(diffusion or {}),
+        guidance=drop if drop.drop_prob > 0 else None,
     )
 
 
@@ -140,4 +147,4 @@ def recipe_from_config(cfg: DictConfig, name: str | None = None) -> Recipe:
                           "measurements)")
     clip = clip_settings(select(cfg, "trainer.gradient_clip_val"), select(cfg, "trainer.gradient_clip_algorithm"))
     return system_recipe(select(cfg, "system.optim"), select(cfg, "system.ema"), select(cfg, "diffusion"), clip,
-                         select(cfg, "system.guard"))
+                         select(cfg, "system.guard"), select(cfg, "system.guidance"), select(cfg, "mode", "bravo"))

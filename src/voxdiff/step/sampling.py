@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from voxdiff.diffusion.guidance import check_guidance_scale
 from voxdiff.errors import ConfigError, boolean, integer, settings_from
 
 
@@ -16,13 +17,17 @@ class SamplingSettings:
 
     every_n_epochs: int = 10  # 0: never (besides the end of training when final is true)
     num_masks: int = 2  # validation masks to sample from
-    num_inference_steps: int | None = None  # DDIM steps; None = diffusion.num_inference_steps
+    num_inference_steps: int | None = None  # sampling steps; None = diffusion.num_inference_steps
     seed: int = 0  # generator seed of the validation noise and of the sampling noise (same every epoch)
     final: bool = True  # also sample when training ends
+    guidance_scale: float = 1.0  # classifier-free guidance (needs system.guidance.drop_prob > 0); 1 = none
+    batch_size: int = 1  # masks sampled at once (the sampling peak is one such chunk's)
 
 
-def sampling_settings(sampling: Mapping[str, Any] | None, val_timesteps: Any = 4) -> SamplingSettings:
-    """Validate ``system.sampling`` (a plain mapping; None: the defaults) and ``system.val_timesteps``.
+def sampling_settings(sampling: Mapping[str, Any] | None, val_timesteps: Any = 4, mode: str = "bravo",
+                      drop_prob: float = 0.0) -> SamplingSettings:
+    """Validate ``system.sampling`` (a plain mapping; None: the defaults) and ``system.val_timesteps``, for a model of
+    ``mode`` trained with condition dropout ``drop_prob`` (``system.guidance.drop_prob``).
 
     Raises:
         ConfigError: naming the key, the value and a fix.
@@ -40,4 +45,49 @@ def sampling_settings(sampling: Mapping[str, Any] | None, val_timesteps: Any = 4
     if val_timesteps == 0:
         raise ConfigError("system.val_timesteps", 0, "must be positive", "e.g. system.val_timesteps=4")
     boolean("system.sampling.final", s.final, fix="use true")
+    check_guidance_scale("system.sampling.guidance_scale", s.guidance_scale, mode, drop_prob)
+    integer("system.sampling.batch_size", s.batch_size, minimum=1, example="1")
     return s
+
+
+@dataclass(frozen=True)
+class SamplerChoice:
+    """How ``sample.py`` / ``evaluate.py`` sample a trained model, resolved from their arguments and the run's
+    settings (what they print and what the evaluation report records)."""
+
+    sampler: str  # DDIM (ddpm) | Euler (rflow)
+    num_inference_steps: int
+    eta: float | None  # DDIM's; None for Euler
+    guidance_scale: float  # 1: none
+
+    def describe(self) -> str:
+        eta = f", eta {self.eta:g}" if self.eta is not None else ""
+        guide = f", guidance scale {self.guidance_scale:g}" if self.guidance_scale != 1.0 else ""
+        return f"{self.sampler} {self.num_inference_steps} steps{eta}{guide}"
+
+
+def sampler_choice(
+    diffusion: Any,
+    sampling: SamplingSettings,
+    mode: str,
+    drop_prob: float,
+    *,
+    num_inference_steps: Any = None,
+    eta: Any = None,
+    guidance_scale: Any = None,
+) -> SamplerChoice:
+    """The sampler a command runs: its own ``num_inference_steps``, ``eta`` and ``guidance_scale`` (None: as
+    trained — ``system.sampling``, then ``diffusion``) for the run's diffusion settings, mode and condition dropout.
+
+    Raises:
+        ConfigError: naming the command's key (``eta`` for rectified flow, a guidance scale the model cannot do).
+    """
+    rflow = diffusion.process == "rflow"
+    if rflow and eta is not None:
+        raise ConfigError("eta", eta, "rectified flow samples with deterministic Euler steps; there is no eta",
+                          "leave eta unset (null)")
+    steps = num_inference_steps or sampling.num_inference_steps or diffusion.num_inference_steps
+    scale = check_guidance_scale("guidance_scale", sampling.guidance_scale if guidance_scale is None else guidance_scale,
+                                 mode, drop_prob)
+    return SamplerChoice(sampler="Euler" if rflow else "DDIM", num_inference_steps=int(steps),
+                         eta=None if rflow else float(diffusion.eta if eta is None else eta), guidance_scale=scale)

@@ -36,7 +36,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from voxdiff.diffusion import DiffusionProcess, decode_volume, encode_batch, encode_volume
+from voxdiff.diffusion import build_process, decode_volume, encode_batch, encode_volume
+from voxdiff.diffusion.guidance import drop_condition
+from voxdiff.diffusion.processes import Process
 from voxdiff.diffusion.seed import seed_loss
 from voxdiff.encodings.base import Encoding, LearnedEncoding
 from voxdiff.encodings.identity import Identity
@@ -50,7 +52,7 @@ from voxdiff.step.recipe import Recipe
 __all__ = ["NonFiniteLossError", "PhaseProbe", "TrainStep", "batch_shapes"]
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"""``loss_fn(model, x0, cond) -> (loss, stats)``: :meth:`DiffusionProcess.loss` or the seed's loss."""
+"""``loss_fn(model, x0, cond) -> (loss, stats)``: the diffusion process's ``loss`` or the seed's loss."""
 
 
 class PhaseProbe(Protocol):
@@ -104,7 +106,7 @@ class TrainStep:
         *,
         encoding: Encoding | None = None,
         mode: str = "bravo",
-        process: DiffusionProcess | None = None,
+        process: Process | None = None,
         precision: PrecisionContext | None = None,
         device_type: str | None = None,
         compile: CompileSettings | None = None,
@@ -114,7 +116,7 @@ class TrainStep:
         self.encoding = encoding if encoding is not None else Identity()
         self.mode = mode
         if process is None and recipe.diffusion is not None:
-            process = DiffusionProcess(recipe.diffusion)
+            process = build_process(recipe.diffusion)
         self.process = process
         self.loss_fn: LossFn = process.loss if process is not None else seed_loss
         self._device_type = device_type
@@ -202,6 +204,8 @@ class TrainStep:
             CompileFailed: compiling the training forward failed (``model.compile``).
         """
         x0, cond = encode_batch(self.encoding, batch, self.mode)  # (B, C_out, d, h, w), (B, C_cond, ...) | None
+        if cond is not None and self.recipe.guidance is not None:  # classifier-free guidance: the null condition
+            cond = drop_condition(cond, self.recipe.guidance.drop_prob)
         if self.compiled is not None:
             self.compiled.start()
         with self.compile_errors():
@@ -307,49 +311,66 @@ class TrainStep:
         eta: float | None = None,
         use_ema: bool = True,
         probe: PhaseProbe | None = None,
+        guidance_scale: float = 1.0,
+        batch_size: int | None = None,
     ) -> torch.Tensor:
-        """DDIM samples decoded to volumes, with the EMA weights swapped in (by default), on ``mask``'s device.
+        """Samples (DDIM, or Euler for rectified flow) decoded to volumes, with the EMA weights swapped in (by
+        default), on ``mask``'s device.
 
         Args:
             mask: ``(B, 1, D, H, W)`` masks in {0, 1}: the condition in bravo mode; in seg mode only its shape is used.
             out_channels: channels the UNet predicts (those of the image encoding in bravo mode).
-            num_inference_steps: DDIM steps (None: the diffusion's).
-            generator: generator of the initial noise (on ``mask``'s device).
-            eta: DDIM stochasticity (None: the diffusion's).
-            use_ema: sample with the EMA weights (swapped in and restored).
-            probe: told where the ``condition`` (encoding the masks), ``sampling`` (DDIM) and ``decode`` phases
-                begin and end (the preflight's memory probe).
+            num_inference_steps: sampling steps (None: the diffusion's).
+            generator: generator of the initial noise (on ``mask``'s device), drawn from chunk by chunk.
+            eta: DDIM stochasticity (None: the diffusion's; rectified flow takes none).
+            use_ema: sample with the EMA weights (swapped in once for all chunks, and restored).
+            probe: told where the ``condition`` (encoding the masks), ``sampling`` (the sampler's loop) and
+                ``decode`` phases begin and end (the preflight's memory probe).
+            guidance_scale: classifier-free guidance (:mod:`voxdiff.diffusion.guidance`): 1 samples the conditional
+                model alone; any other scale runs the conditional and unconditional halves as one batch of 2×.
+            batch_size: masks sampled at once (None: all B); the peak memory is that of one chunk.
 
         Returns:
             ``(B, 1, D, H, W)`` float32: images in [0, 1] (bravo) or masks in {0, 1} (seg).
         """
         process = self._require_process("generate")
         probe = probe or _NoProbe()
+        chunk = batch_size or mask.shape[0]
+        was_training = self.model.training
+        self.model.eval()
+        outs = []
+        try:
+            with self.ema_weights() if use_ema else nullcontext():
+                for part in mask.split(chunk):
+                    outs.append(self._generate_chunk(process, part, out_channels, num_inference_steps, generator,
+                                                     eta, probe, guidance_scale))
+        finally:
+            self.model.train(was_training)
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _generate_chunk(self, process: Process, mask: torch.Tensor, out_channels: int, num_inference_steps: int | None,
+                        generator: torch.Generator | None, eta: float | None, probe: PhaseProbe,
+                        guidance_scale: float) -> torch.Tensor:
+        """:meth:`generate` of one chunk of masks ``(b, 1, D, H, W)`` (the model in eval mode, weights in place)."""
         probe.begin("condition")
         if self.mode == "bravo":
-            cond = encode_volume(self.encoding, mask)  # (B, C, d, h, w)
+            cond = encode_volume(self.encoding, mask)  # (b, C, d, h, w)
             spatial = tuple(cond.shape[2:])
         else:
             cond = None
             spatial = self.encoding.encoded_shape((1, *mask.shape[2:]))[1:]
         probe.end("condition")
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            probe.begin("sampling")
-            with self.ema_weights() if use_ema else nullcontext():
-                z = process.sample(self.model, (mask.shape[0], out_channels, *spatial), cond, num_inference_steps,
-                                   generator=generator, device=mask.device, eta=eta)
-            probe.end("sampling")
-        finally:
-            self.model.train(was_training)
+        probe.begin("sampling")
+        z = process.sample(self.model, (mask.shape[0], out_channels, *spatial), cond, num_inference_steps,
+                           generator=generator, device=mask.device, eta=eta, guidance_scale=guidance_scale)
+        probe.end("sampling")
         del cond
         probe.begin("decode")
         out = decode_volume(self.encoding, z, "image" if self.mode == "bravo" else "mask")
         probe.end("decode")
         return out
 
-    def _require_process(self, what: str) -> DiffusionProcess:
+    def _require_process(self, what: str) -> Process:
         if self.process is None:
             raise RuntimeError(f"TrainStep.{what} needs a diffusion process (the seed recipe's loss has none)")
         return self.process

@@ -1,0 +1,105 @@
+"""Classifier-free guidance (Ho & Salimans 2022): condition dropout in training, guided predictions in sampling.
+
+Training replaces the condition of each sample, with probability ``system.guidance.drop_prob``, by the *null
+condition*: an all-zero conditioning input. No real mask encodes to it: weight-free encodings see masks in
+{-1, 1}, so every encoded block of a mask has a non-zero entry (space-to-depth copies them, Haar is an invertible
+orthonormal map of them); a learned encoding's latent of a mask is whatever its encoder makes of a volume in [0, 1],
+which is not the all-zero tensor for any mask the tests have seen (``tests/diffusion/test_guidance.py``).
+
+Sampling with a scale ``s`` mixes the two predictions of the same noisy input::
+
+    out = uncond + s · (cond − uncond)
+
+``s = 1`` is the conditional prediction itself (the unconditional one is then not computed at all, so the sample
+is bit-for-bit the unguided one); ``s = 0`` is the unconditional model; ``s > 1`` pushes the sample towards what
+the condition implies. The conditional and unconditional halves run as one batched forward of ``2B`` samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from voxdiff.errors import ConfigError, number, settings_from
+
+Model = Callable[..., torch.Tensor]
+#: ``denoise(x, t) -> prediction``: ``x (B, C_out, d, h, w)`` the noisy sample, ``t (B,)`` its timesteps
+Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GuidanceSettings:
+    """``system.guidance``: how the condition is dropped while training."""
+
+    drop_prob: float = 0.0  # probability of the null condition per training sample (0: no guidance possible)
+
+
+def guidance_settings(values: Mapping[str, Any] | None, mode: str = "bravo") -> GuidanceSettings:
+    """Validate ``system.guidance`` (a plain mapping; None: the defaults) for ``mode``.
+
+    Raises:
+        ConfigError: naming the key, the value and a fix (``mode=seg`` has no condition to drop).
+    """
+    s = settings_from(GuidanceSettings, "system.guidance", values)
+    number("system.guidance.drop_prob", s.drop_prob, lo=0, hi=1, hi_open=True,
+           fix="use e.g. system.guidance.drop_prob=0.1 (MAISI's), or 0 for no condition dropout")
+    if mode == "seg" and s.drop_prob > 0:
+        raise ConfigError("system.guidance.drop_prob", s.drop_prob,
+                          "means nothing in mode=seg: masks are generated without a condition",
+                          "use system.guidance.drop_prob=0 with mode=seg")
+    return s
+
+
+def check_guidance_scale(key: str, scale: Any, mode: str, drop_prob: float) -> float:
+    """A guidance scale for a model of ``mode`` trained with condition dropout ``drop_prob``.
+
+    Raises:
+        ConfigError: not a number ≥ 0; any scale but 1 in ``mode=seg`` (no condition) or for a model trained
+            without condition dropout (its unconditional prediction was never trained).
+    """
+    s = number(key, scale, lo=0, fix=f"use e.g. {key}=2.0 (MAISI's), or 1 for no guidance")
+    if s != 1.0 and mode == "seg":
+        raise ConfigError(key, scale, "means nothing in mode=seg: masks are generated without a condition",
+                          f"use {key}=1 with mode=seg")
+    if s != 1.0 and drop_prob <= 0:
+        raise ConfigError(key, scale, "needs a model trained with condition dropout (system.guidance.drop_prob > 0); "
+                          "this one was trained with drop_prob=0, so it has no unconditional prediction",
+                          f"use {key}=1, or train with system.guidance.drop_prob=0.1")
+    return s
+
+
+def drop_condition(cond: torch.Tensor, drop_prob: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``cond (B, C_cond, d, h, w)`` with each sample replaced by the null condition (zeros) with ``drop_prob``."""
+    if drop_prob <= 0:
+        return cond
+    keep = torch.rand(cond.shape[0], device=cond.device, generator=generator) >= drop_prob  # (B,)
+    return cond * keep.to(cond.dtype).view(-1, *([1] * (cond.dim() - 1)))
+
+
+def denoiser(model: Model, cond: torch.Tensor | None, scale: float = 1.0) -> Denoiser:
+    """The model's (guided) prediction for noisy samples, as the samplers call it.
+
+    Args:
+        model: the UNet, called as ``model(x, timesteps=t)`` with ``x (N, C_out + C_cond, d, h, w)``.
+        cond: ``(B, C_cond, d, h, w)`` the clean condition, or None (seg mode).
+        scale: the guidance scale (1: the conditional prediction alone; see the module doc).
+
+    Returns:
+        ``denoise(x, t)`` giving ``(B, C_out, d, h, w)`` float32.
+    """
+    if cond is None:
+        return lambda x, t: model(x, timesteps=t).float()
+    if scale == 1.0:
+        return lambda x, t: model(torch.cat([x, cond.to(x.dtype)], dim=1), timesteps=t).float()
+    both = torch.cat([cond, torch.zeros_like(cond)], dim=0)  # (2B, C_cond, ...): conditional, then null
+
+    def guided(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        x2 = torch.cat([x, x], dim=0)  # (2B, C_out, ...)
+        out = model(torch.cat([x2, both.to(x.dtype)], dim=1), timesteps=torch.cat([t, t])).float()
+        c, u = out.chunk(2, dim=0)
+        return u + scale * (c - u)
+
+    return guided
