@@ -35,6 +35,16 @@ def test_settings_that_mean_nothing_for_rectified_flow_are_refused_naming_the_ke
     assert err.value.key == f"diffusion.{key}"
 
 
+def test_the_process_is_an_ordinary_module() -> None:
+    """MONAI's RFlowScheduler never initialises nn.Module: kept as a submodule it broke named_modules() (and with it
+    Lightning's set-up of a system that holds the process)."""
+    p = RectifiedFlow(RFlowSettings())
+    holder = torch.nn.Sequential(p)
+    assert [type(m).__name__ for m in holder.modules()] == ["Sequential", "RectifiedFlow"]
+    holder.to(torch.float64)
+    assert p.scheduler.num_train_timesteps == 1000
+
+
 def test_an_unknown_process_is_refused() -> None:
     with pytest.raises(ConfigError, match="diffusion.process"):
         diffusion_settings({"process": "sde"})

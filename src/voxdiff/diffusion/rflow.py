@@ -111,10 +111,13 @@ class RectifiedFlow(nn.Module):
         super().__init__()
         self.settings = settings if settings is not None else RFlowSettings()
         s = self.settings
-        self.scheduler = RFlowScheduler(
+        scheduler = RFlowScheduler(
             num_train_timesteps=s.num_train_timesteps, use_discrete_timesteps=True, sample_method="uniform",
             use_timestep_transform=s.timestep_transform, base_img_size_numel=s.base_numel, spatial_dim=3,
         )
+        # MONAI's RFlowScheduler is an nn.Module whose __init__ never runs nn.Module's (MONAI 1.6): registered as a
+        # submodule, it breaks named_modules(), .to() and Lightning. It holds no tensors, so it is kept unregistered.
+        object.__setattr__(self, "scheduler", scheduler)
 
     @property
     def num_train_timesteps(self) -> int:
