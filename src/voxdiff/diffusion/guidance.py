@@ -1,10 +1,11 @@
 """Classifier-free guidance (Ho & Salimans 2022): condition dropout in training, guided predictions in sampling.
 
 Training replaces the condition of each sample, with probability ``system.guidance.drop_prob``, by the *null
-condition*: an all-zero conditioning input. No real mask encodes to it: weight-free encodings see masks in
-{-1, 1}, so every encoded block of a mask has a non-zero entry (space-to-depth copies them, Haar is an invertible
-orthonormal map of them); a learned encoding's latent of a mask is whatever its encoder makes of a volume in [0, 1],
-which is not the all-zero tensor for any mask the tests have seen (``tests/diffusion/test_guidance.py``).
+condition*: an all-zero conditioning input. No real mask encodes to it with a weight-free encoding: those see masks
+in {-1, 1}, so every encoded voxel of a mask has a non-zero entry (space-to-depth copies them, Haar is an
+invertible orthonormal map of them; ``tests/diffusion/test_guidance.py``). A learned encoding's latent of a mask
+is its encoder's output for a volume in [0, 1]; nothing guarantees it is never all zero, but an encoder that mapped
+a mask to exactly zero in every channel of a voxel would be a degenerate one.
 
 Sampling with a scale ``s`` mixes the two predictions of the same noisy input::
 
