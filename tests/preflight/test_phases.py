@@ -105,6 +105,14 @@ def test_latent_run_sampling_decodes_through_the_vqvae(gpu_run) -> None:
     assert guided.parts["sampling"] > rep.parts["sampling"]
 
 
+def test_rectified_flow_with_guidance_is_predicted(gpu_run) -> None:
+    """exp11 with rectified flow and guidance: the trace runs the Euler sampler on twice the chunk (30 steps)."""
+    rep = predict_phases(compose("preflight", ["experiment=exp11", "diffusion=rflow", "system.guidance.drop_prob=0.1",
+                                               "system.sampling.guidance_scale=2"]))
+    assert rep.inference_steps == 30 and rep.sample_batch == 2 and rep.peak_phase == "training"
+    assert "30 steps" in rep.describe()
+
+
 @pytest.mark.parametrize("experiment", ["exp11", "exp11_1", "exp12", "exp12_1", "exp9_ldm_8x_bravo"])
 def test_no_shipped_experiment_validates_or_samples_above_its_training_step(gpu_run, experiment) -> None:
     rep = predict_phases(compose("preflight", [f"experiment={experiment}"]))
