@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from voxdiff.preflight.gpus import DEFAULT_GPU, GPUS
+from voxdiff.run.gpus import DEFAULT_GPU, GPUS
 from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN
 from voxdiff.preflight.sweep import (
     MODEL_FACTORY,

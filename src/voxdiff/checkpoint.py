@@ -29,7 +29,7 @@ from voxdiff.errors import ConfigError
 SAFE_GLOBALS: tuple[Any, ...] = ()
 
 #: where a training checkpoint keeps its run's resolved config, as plain data (the run spec's stored form,
-#: :func:`voxdiff.run_spec.stored_run_spec`; written by :class:`voxdiff.lightning.callbacks.ConfigInCheckpoint`)
+#: :func:`voxdiff.run.spec.stored_run_spec`; written by :class:`voxdiff.lightning.callbacks.ConfigInCheckpoint`)
 CONFIG_KEY = "voxdiff_config"
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
@@ -124,7 +124,7 @@ class Rebuilt(NamedTuple):
 
     system: Any  #: the Lightning system, with its weights, on the CPU in eval mode
     checkpoint: dict[str, Any]  #: the checkpoint as read
-    spec: Any  #: the run spec rebuilt from the stored config (:class:`voxdiff.run_spec.RunSpec`), or None
+    spec: Any  #: the run spec rebuilt from the stored config (:class:`voxdiff.run.spec.RunSpec`), or None
 
 
 def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path",
@@ -135,7 +135,7 @@ def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path"
     Never Lightning's ``load_from_checkpoint`` nor Hydra's ``instantiate`` of a stored ``_target_``: the system's
     constructor takes the stored plain values, and the encoding or data it names must be one of voxdiff's own. The
     system is built from the run spec's part, rebuilt from the run's stored config (:data:`CONFIG_KEY`,
-    :func:`voxdiff.run_spec.stored_run_spec`) for ``device_type``; its architecture must be the one the
+    :func:`voxdiff.run.spec.stored_run_spec`) for ``device_type``; its architecture must be the one the
     hyper-parameters recorded. A checkpoint without a stored config (written by hand, or by a test) is rebuilt from
     its hyper-parameters alone, and its spec is None.
 
@@ -198,7 +198,7 @@ def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path"
 def _stored_spec(record: Mapping[str, Any], device_type: str, precision: Any, path: str, key: str, fix: str) -> Any:
     """The run spec of a checkpoint's stored config for ``device_type``, run in ``precision`` (None: as trained)."""
     from voxdiff.errors import ConfigErrors
-    from voxdiff.run_spec import stored_run_spec
+    from voxdiff.run.spec import stored_run_spec
 
     record = dict(record)
     if precision is not None:

@@ -52,7 +52,7 @@ def test_the_verdict_traces_the_step_of_the_spec_resolved_for_the_runs_device(ti
     user's own made the verdict trace the GPU's flash attention instead)."""
     from dataclasses import replace
 
-    from voxdiff.run_spec import run_spec
+    from voxdiff.run.spec import run_spec
 
     cfg = compose("train", [*tiny_demo, "+preflight.gpu_memory_gib=3", "model.compile=false"])  # eager on a GPU too
     spec = run_spec(cfg)

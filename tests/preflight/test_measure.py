@@ -7,7 +7,7 @@ import torch
 
 from voxdiff.preflight.check import step_plan
 from voxdiff.preflight.measure import measured_step
-from voxdiff.run_spec import run_spec
+from voxdiff.run.spec import run_spec
 from voxdiff.step import ClipSettings
 
 

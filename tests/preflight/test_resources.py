@@ -135,7 +135,7 @@ def test_run_time_and_requeues():
 def _needs(cfg, **kw):
     from voxdiff.preflight.distributed import data_memory
     from voxdiff.preflight.resources import run_needs
-    from voxdiff.run_spec import run_spec
+    from voxdiff.run.spec import run_spec
 
     data = data_memory({k: cfg.data.get(k) for k in ("_target_", "volume_shape", "cache", "num_subjects")})
     args = dict(ema=True, data=data, sample_bytes=2 * 4 * 16**3, processes_per_node=1, world_size=1,

@@ -23,7 +23,7 @@ from voxdiff.config import compose, config_dir
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.check import PreflightResult, run_preflight
 from voxdiff.preflight.memory import GiB
-from voxdiff.run_spec import preflight_options, run_spec
+from voxdiff.run.spec import preflight_options, run_spec
 
 
 def _experiment_given(overrides: list[str]) -> bool:
@@ -109,7 +109,7 @@ def details(r: PreflightResult) -> str:
 
 
 def _sweep(cfg: DictConfig) -> int:
-    from voxdiff.preflight.gpus import resolve_gpu
+    from voxdiff.run.gpus import resolve_gpu
     from voxdiff.preflight.sweep import sweep
     from voxdiff.step import recipe_from_config
 

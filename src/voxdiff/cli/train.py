@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_DATA, EXIT_NO_FIT, EXIT_NONFINITE, EXIT_TERMINATED
 from voxdiff.config import check_name, config_dir, instantiate_config, plain
 from voxdiff.errors import ConfigError, Problems, boolean
-from voxdiff.run_spec import RunSpec, run_spec_problems
+from voxdiff.run.spec import RunSpec, run_spec_problems
 
 log = logging.getLogger("voxdiff.train")
 
@@ -38,7 +38,7 @@ class DoesNotFit(Exception):
 
 def validate(cfg: DictConfig) -> RunSpec:
     """The static checks of a training config, run before anything is built (no model, no data, no GPU): the run
-    spec (:func:`voxdiff.run_spec.run_spec_problems`: trainer, kind, strategy, GPU type, encoding and shapes, batch,
+    spec (:func:`voxdiff.run.spec.run_spec_problems`: trainer, kind, strategy, GPU type, encoding and shapes, batch,
     precision on this run's device, the UNet and its rules, the step, sampling; or the VQ-VAE), the run's own keys
     (``task_name``, ``overwrite``, ``ckpt_path``) and what the encoding needs now (a learned one: readable weights),
     every problem collected in one pass.

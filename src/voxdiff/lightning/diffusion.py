@@ -1,10 +1,10 @@
 """The Lightning system of a diffusion UNet: the training step's hooks, validation loss, samples, full resume.
 
 ``python train.py`` instantiates it from ``configs/system/diffusion.yaml`` (``_recursive_: false``) with the run
-spec's system part (:class:`voxdiff.run_spec.SystemSpec`: the encoding, the UNet's arguments resolved for the
+spec's system part (:class:`voxdiff.run.spec.SystemSpec`: the encoding, the UNet's arguments resolved for the
 device, the step's recipe, sampling), which it builds from; the model, encoding, diffusion and mode configs arrive
 as config nodes and are saved, as plain data, with ``save_hyperparameters`` (never modules). Rebuilt from a
-checkpoint without a spec, it resolves its part from those hyper-parameters (:func:`voxdiff.run_spec.system_spec`,
+checkpoint without a spec, it resolves its part from those hyper-parameters (:func:`voxdiff.run.spec.system_spec`,
 the same checks).
 
 The training step itself is :class:`voxdiff.step.TrainStep` (no Lightning in it), the same object the preflight
@@ -58,7 +58,7 @@ from voxdiff.step import (
 from voxdiff.step.sampling import SamplingSettings
 
 if TYPE_CHECKING:
-    from voxdiff.run_spec import SystemSpec
+    from voxdiff.run.spec import SystemSpec
 
 __all__ = ["DiffusionSystem", "NonFiniteLossError", "SamplingSettings"]
 
@@ -85,7 +85,7 @@ class DiffusionSystem(L.LightningModule):
             hyper-parameter: the same checkpoint samples on another device.
         kind: ``system.kind``, what the run trains (:func:`voxdiff.config.run_kind`): must be :attr:`kind`, which
             is saved among the hyper-parameters (what :func:`voxdiff.checkpoint.checkpoint_kind` reads).
-        spec: what to build, resolved from the same config by the run spec (:attr:`voxdiff.run_spec.RunSpec.system`,
+        spec: what to build, resolved from the same config by the run spec (:attr:`voxdiff.run.spec.RunSpec.system`,
             for ``device_type``); None: resolved here from the arguments above. Not a hyper-parameter.
 
     Config containers are converted to plain Python here; all of the above but ``device_type`` and ``spec`` is
@@ -120,7 +120,7 @@ class DiffusionSystem(L.LightningModule):
              "ema": ema, "sampling": sampling, "val_timesteps": val_timesteps, "guard": guard, "kind": self.kind}
         )
         if spec is None:
-            from voxdiff.run_spec import system_spec
+            from voxdiff.run.spec import system_spec
 
             spec = system_spec(self.kind, self.hparams, device_type or accelerator_device("auto"))
         elif spec.kind != self.kind:

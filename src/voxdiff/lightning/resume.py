@@ -31,7 +31,7 @@ from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind, load_file
 from voxdiff.config import plain
 from voxdiff.encodings import LearnedEncoding
 from voxdiff.errors import ConfigError, show_value
-from voxdiff.run_spec import RunSpec
+from voxdiff.run.spec import RunSpec
 
 #: UNet arguments that change memory and speed, not the weights
 RUNTIME_MODEL_KEYS = ("use_flash_attention", "gradient_checkpointing", "compile", "compile_mode", "compile_backend",
@@ -101,9 +101,9 @@ def architecture_differences(hparams: Mapping[str, Any], cfg: DictConfig, path: 
     """``(key, in the checkpoint, now)`` for every architectural setting that differs (see the module docstring).
 
     The stored side is the system part the checkpoint's hyper-parameters resolve to
-    (:func:`voxdiff.run_spec.system_spec`), the current side ``spec``'s (None: :func:`voxdiff.run_spec.run_spec` of
+    (:func:`voxdiff.run.spec.system_spec`), the current side ``spec``'s (None: :func:`voxdiff.run.spec.run_spec` of
     ``cfg``), both for the same device."""
-    from voxdiff.run_spec import run_spec, system_spec
+    from voxdiff.run.spec import run_spec, system_spec
 
     spec = spec if spec is not None else run_spec(cfg)
     try:
@@ -163,7 +163,7 @@ def check_resume(cfg: DictConfig, ckpt_path: str, spec: RunSpec | None = None) -
     Raises:
         ConfigError: the file cannot be read, is of the other system, or was trained with another architecture.
     """
-    from voxdiff.run_spec import run_spec
+    from voxdiff.run.spec import run_spec
 
     spec = spec if spec is not None else run_spec(cfg)
     ckpt = load_file(ckpt_path, "ckpt_path", _RESUME_FIX, mmap=True)

@@ -1,5 +1,5 @@
 """What a trace cannot see: the CUDA caching allocator's segments and the CUDA context (the cuBLAS workspaces of
-each GPU type: :mod:`voxdiff.preflight.gpus`).
+each GPU type: :mod:`voxdiff.run.gpus`).
 
 All sizes are bytes; GiB means 2**30 bytes.
 

@@ -35,13 +35,14 @@ from voxdiff.config import Shapes, select
 from voxdiff.encodings.base import Encoding
 from voxdiff.errors import ConfigError
 from voxdiff.models.unet import UNetSpec, build_unet_from_spec
-from voxdiff.preflight.distributed import DataMemory, Parallel, data_memory
-from voxdiff.preflight.gpus import DEFAULT_GPU, GPUS, GpuSpec
+from voxdiff.preflight.distributed import DataMemory, data_memory
+from voxdiff.run.gpus import DEFAULT_GPU, GPUS, GpuSpec
 from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
 from voxdiff.preflight.phases import PhasesReport, predict_phases
 from voxdiff.preflight.resources import RunNeeds, run_needs, step_cost
 from voxdiff.preflight.stage1 import Stage1Report, predict_stage1
-from voxdiff.run_spec import RunSpec, run_spec, run_spec_problems
+from voxdiff.run.parallel import Parallel
+from voxdiff.run.spec import RunSpec, run_spec, run_spec_problems
 from voxdiff.step import SEED, Recipe, batch_shapes
 
 PREDICTED_DEVICE = "cuda"
@@ -51,7 +52,7 @@ attention on: :meth:`voxdiff.models.UNetSpec.for_device`) and picks the optimize
 
 def gpu_budget_gib(run: RunSpec) -> tuple[float, str]:
     """The memory budget per GPU of ``run`` and where it comes from: ``preflight.gpu_memory_gib``, else the memory
-    of its GPU type (:func:`~voxdiff.preflight.gpus.resolve_gpu`)."""
+    of its GPU type (:func:`~voxdiff.run.gpus.resolve_gpu`)."""
     if run.preflight.gpu_memory_gib is not None:
         return run.preflight.gpu_memory_gib, "preflight.gpu_memory_gib"
     source = "default GPU" if run.gpu_source == "default" else run.gpu_source
@@ -69,7 +70,7 @@ class StepPlan:
         recipe: the step's recipe (``preflight.recipe``, default ``system``).
         batch: shapes of the tensors of one batch as the data module hands them over.
         mode: ``bravo`` or ``seg``.
-        run: the run's :class:`~voxdiff.run_spec.RunSpec` (resolved for :data:`PREDICTED_DEVICE`, or for the
+        run: the run's :class:`~voxdiff.run.spec.RunSpec` (resolved for :data:`PREDICTED_DEVICE`, or for the
             device a run starts on: :func:`voxdiff.preflight.host.training_verdict`), which the above are taken
             from; the precision traced is its ``precision``, the GPU its ``gpu``.
     """
@@ -97,7 +98,7 @@ def step_plan(run: RunSpec | DictConfig) -> StepPlan:
     the step of ``preflight.recipe``.
 
     Raises:
-        ConfigError: every problem of the run spec (:func:`voxdiff.run_spec.run_spec`).
+        ConfigError: every problem of the run spec (:func:`voxdiff.run.spec.run_spec`).
     """
     if not isinstance(run, RunSpec):
         run = run_spec(run, PREDICTED_DEVICE)
@@ -127,13 +128,13 @@ class PreflightResult:
     levels: int = 0
     params: int = 0
     report: MemoryReport | None = None
-    strategy: str = "single"  # single | ddp | fsdp (voxdiff.preflight.distributed.parallel_of)
+    strategy: str = "single"  # single | ddp | fsdp (voxdiff.run.parallel.parallel_of)
     world_size: int = 1
     per_gpu_peak_gib: float = 0.0  # predicted max_memory_allocated of one GPU (one rank of DDP/FSDP)
     need_gib: float = 0.0  # per_gpu_peak * (1 + margin) + CUDA context
     budget_gib: float = GPUS[DEFAULT_GPU].total_gib
     budget_source: str = "default"
-    gpu: GpuSpec | None = None  # the GPU predicted for (voxdiff.preflight.gpus.resolve_gpu)
+    gpu: GpuSpec | None = None  # the GPU predicted for (voxdiff.run.gpus.resolve_gpu)
     parallel: Parallel | None = None  # the strategy the trace is of (one rank of it)
     data: DataMemory | None = None  # host memory of the data module per rank (data.cache=memory, latents)
     fits: bool = False
@@ -160,7 +161,7 @@ def predict_memory(cfg: DictConfig | None = None, compile: bool | None = None,
                    plan: StepPlan | None = None) -> MemoryReport:
     """Trace two training steps of ``cfg`` on the meta device, as one GPU of its strategy runs them (one rank of a
     DDP or FSDP run: :mod:`voxdiff.preflight.distributed`), for the GPU type of its run spec
-    (:func:`~voxdiff.preflight.gpus.resolve_gpu`); see the module docstring for what is traced.
+    (:func:`~voxdiff.run.gpus.resolve_gpu`); see the module docstring for what is traced.
 
     Args:
         cfg: the run config (not needed when ``plan`` is given).
@@ -251,7 +252,7 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     ``phases=False`` leaves out validation and sampling, ``timing=False`` the step's FLOPs and time (a CPU run's
     verdict in ``train.py``: its peak is the training step's, and a GPU's time means nothing there).
 
-    ``run``: the config's run spec when it is already resolved (:func:`voxdiff.run_spec.run_spec`); by default it
+    ``run``: the config's run spec when it is already resolved (:func:`voxdiff.run.spec.run_spec`); by default it
     is resolved here for :data:`PREDICTED_DEVICE`, every configuration problem in one pass. Everything predicted
     is read from it; the fixes are resolved for its device."""
     problems: list[ConfigError] = []
@@ -332,3 +333,9 @@ def _stage1_preflight(cfg: DictConfig, run: RunSpec, result: PreflightResult, ma
     result.needs = run_needs(run, model, ema=False, data=None, sample_bytes=0, processes_per_node=1, world_size=1,
                              cost=None, gpu=run.gpu.name, compiled=False, env=os.environ)
     return result
+
+
+def static_problems(cfg: DictConfig) -> list[ConfigError]:
+    """Every problem of ``cfg`` as the preflight sees it: those of its run spec for the GPU it predicts
+    (:func:`voxdiff.run.spec.run_spec_problems`); empty when it is valid. Never raises for a config problem."""
+    return run_spec_problems(cfg, PREDICTED_DEVICE)[1]

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from voxdiff.preflight.check import PreflightResult, run_preflight
 from voxdiff.preflight.memory import GiB
-from voxdiff.run_spec import RunSpec, run_spec
+from voxdiff.run.spec import RunSpec, run_spec
 
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
@@ -46,12 +46,12 @@ def training_verdict(cfg: DictConfig, run: RunSpec | None = None) -> PreflightRe
 
     Args:
         cfg: the run's composed config.
-        run: its run spec resolved for the device it starts on (``train.py``'s, :func:`voxdiff.run_spec.run_spec`
+        run: its run spec resolved for the device it starts on (``train.py``'s, :func:`voxdiff.run.spec.run_spec`
             with no device: the precision decided there, ``model.compile``/``use_flash_attention=auto`` resolved
             there); else it is resolved here.
 
     Raises:
-        ConfigError: an unknown ``preflight.gpu`` (:func:`~voxdiff.preflight.gpus.resolve_gpu`), or any other
+        ConfigError: an unknown ``preflight.gpu`` (:func:`~voxdiff.run.gpus.resolve_gpu`), or any other
             problem of the run spec.
     """
     if run is None:

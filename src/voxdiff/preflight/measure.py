@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.memory import GiB, MemoryReport
-from voxdiff.run_spec import RunSpec
+from voxdiff.run.spec import RunSpec
 
 MEASURED_COLUMNS = ["model_gib", "fwd_gib", "bwd_gib", "total_gib", "steady_fwd_gib", "steady_bwd_gib",
                     "steady_total_gib", "reserved_gib", "oom"]
@@ -38,7 +38,7 @@ class CudaPhasePeaks:
 
 def measured_step(run: RunSpec) -> tuple[Any, dict[str, tuple[int, ...]]]:
     """The training step of :func:`~voxdiff.preflight.check.step_plan` on a real device, the run spec's
-    (:func:`voxdiff.run_spec.run_spec` resolved for it: the UNet's ``auto`` switches and the precision decided
+    (:func:`voxdiff.run.spec.run_spec` resolved for it: the UNet's ``auto`` switches and the precision decided
     there, the local GPU asked for bf16), with real autocast as its precision context and its optimizer configured.
 
     Returns:

@@ -41,12 +41,13 @@ from torch.distributed.tensor import DTensor
 from voxdiff.diffusion import DiffusionProcess
 from voxdiff.encodings.base import Encoding
 from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES, simulate_reserved
-from voxdiff.preflight.gpus import DEFAULT_GPU, GpuSpec, gpu_type
+from voxdiff.run.gpus import DEFAULT_GPU, GpuSpec, gpu_type
 from voxdiff.preflight.attention import FlashAttentionEmulator
 from voxdiff.preflight.autocast import CudaAutocastEmulator
 from voxdiff.preflight.compiled import CompiledModule, CompiledTraceError, compiled_profile
-from voxdiff.preflight.distributed import Parallel, fake_world, wrap_for_rank
+from voxdiff.preflight.distributed import fake_world, wrap_for_rank
 from voxdiff.preflight.tracker import StorageTracker, round_block
+from voxdiff.run.parallel import Parallel
 from voxdiff.step import OptimSettings, Recipe, TrainStep
 
 __all__ = [
@@ -135,7 +136,7 @@ class MemoryReport:
         model_step: how the model runs in the predicted step: ``eager``, ``compiled`` (``torch.compile``,
             inductor) or ``upper bound (eager)`` (compiled was asked, its prediction failed: see ``notes``).
         parallel: what the trace is of: ``one GPU``, or one rank of ``ddp×N`` / ``fsdp×N``
-            (:meth:`voxdiff.preflight.distributed.Parallel.describe`); ``param_bytes`` and ``ema_bytes`` are then
+            (:meth:`voxdiff.run.parallel.Parallel.describe`); ``param_bytes`` and ``ema_bytes`` are then
             this rank's (shards under FSDP).
     """
 
@@ -322,7 +323,7 @@ def predict_step_memory(
         attention: how ``F.scaled_dot_product_attention`` behaves on the GPU: ``"flash"`` (FlashAttention-2
             where it applies) or ``"materialised"`` (the math path). A model that computes attention itself
             (MONAI with ``use_flash_attention=False``) materialises the scores either way.
-        gpu: a :class:`~voxdiff.preflight.gpus.GpuSpec` or the name of one (:func:`~voxdiff.preflight.gpus.gpu_type`):
+        gpu: a :class:`~voxdiff.run.gpus.GpuSpec` or the name of one (:func:`~voxdiff.run.gpus.gpu_type`):
             its cuBLAS workspaces, and whether SDPA may take FlashAttention-2 there (sm80+).
         compile: predict the step with ``torch.compile(model)`` (inductor): the model's forward and backward as
             :mod:`voxdiff.preflight.compiled` plans them, the rest of the step traced as it runs. Where the

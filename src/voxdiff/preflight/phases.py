@@ -45,7 +45,7 @@ from voxdiff.preflight.memory import (
     _FusedAdamWOnMeta,
 )
 from voxdiff.preflight.tracker import StorageTracker
-from voxdiff.run_spec import RunSpec, run_spec
+from voxdiff.run.spec import RunSpec, run_spec
 from voxdiff.step import TrainStep
 
 if TYPE_CHECKING:

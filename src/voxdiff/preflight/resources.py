@@ -352,7 +352,7 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
     """Disk, host memory and time of a run.
 
     Args:
-        run: its :class:`~voxdiff.run_spec.RunSpec`: its ``resources`` (``paths.run_dir``, ``callbacks.best/last``,
+        run: its :class:`~voxdiff.run.spec.RunSpec`: its ``resources`` (``paths.run_dir``, ``callbacks.best/last``,
             ``data.*``, ``trainer.max_steps``, ``slurm``), its batch and volume, and its ``preflight`` options
             (``disk_free_gib`` / ``host_memory_gib`` to plan for another machine).
         model: the UNet on the meta device (its ``state_dict`` is what a checkpoint holds).

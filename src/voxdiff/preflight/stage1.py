@@ -53,7 +53,7 @@ from voxdiff.preflight.phases import (
     PhaseTrace,
     tracker_for,
 )
-from voxdiff.run_spec import RunSpec, run_spec
+from voxdiff.run.spec import RunSpec, run_spec
 from voxdiff.step import ClipSettings
 from voxdiff.step.optim import build_optimizer, optimizer_impl
 
@@ -262,7 +262,7 @@ def predict_stage1(cfg: DictConfig, run: RunSpec | None = None, cache_batch: int
     Args:
         cfg: a composed ``train``/``preflight`` config whose system is the VQ-VAE (its ``system`` node is the
             system built, from the run spec's part, as ``train.py`` builds it).
-        run: its run spec when already resolved (:func:`voxdiff.run_spec.run_spec`): the GPU type, the precision,
+        run: its run spec when already resolved (:func:`voxdiff.run.spec.run_spec`): the GPU type, the precision,
             the volume, the batch and the clipping are its; else it is resolved for a GPU here.
         cache_batch: ``cache_latents.py``'s ``batch_size`` (volumes encoded together; default 1).
 

@@ -4,11 +4,11 @@ import pytest
 
 import voxdiff.config as config
 import voxdiff.preflight.check as check
-import voxdiff.run_spec as run_spec_module
+import voxdiff.run.spec as run_spec_module
 from voxdiff.cli.train import validate
 from voxdiff.config import compose
 from voxdiff.errors import ConfigError, ConfigErrors
-from voxdiff.run_spec import run_spec, run_spec_problems
+from voxdiff.run.spec import run_spec, run_spec_problems
 
 
 def test_every_problem_of_every_part_is_found_in_one_pass():
@@ -102,7 +102,7 @@ def _hyper_parameters(cfg) -> dict:
 def test_a_systems_hyper_parameters_resolve_to_the_run_specs_system_part(experiment):
     from dataclasses import replace
 
-    from voxdiff.run_spec import system_spec
+    from voxdiff.run.spec import system_spec
 
     cfg = compose("train", [f"experiment={experiment}", "trainer.gradient_clip_val=0.5"])
     for device in ("cpu", "cuda"):
@@ -116,7 +116,7 @@ def test_a_systems_hyper_parameters_resolve_to_the_run_specs_system_part(experim
 
 
 def test_system_spec_collects_every_problem_of_the_hyper_parameters():
-    from voxdiff.run_spec import system_spec
+    from voxdiff.run.spec import system_spec
 
     hparams = _hyper_parameters(compose("train", ["experiment=demo"]))
     hparams["model"] = {**hparams["model"], "norm_num_groups": 7}
@@ -145,7 +145,7 @@ def test_the_diffusion_system_is_built_from_the_spec_it_is_given():
 
 def test_a_stage1_systems_part_is_its_vqvae():
     from voxdiff.config import plain
-    from voxdiff.run_spec import system_spec
+    from voxdiff.run.spec import system_spec
 
     cfg = compose("train", ["experiment=vqvae_demo"])
     part = system_spec("stage1", {"vqvae": plain(cfg.system.vqvae)}, "cpu")

@@ -136,7 +136,7 @@ def gpu_type(name: Any, key: str = GPU_KEY) -> GpuSpec:
             return spec
     raise ConfigError(key, name, "is not a GPU type the preflight knows",
                       f"use one of {_known()} (or the name torch reports for one of them), or add the type to "
-                      "GPUS in src/voxdiff/preflight/gpus.py")
+                      "GPUS in src/voxdiff/run/gpus.py")
 
 
 def local_gpu() -> GpuSpec | None:
