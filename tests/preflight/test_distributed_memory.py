@@ -20,7 +20,8 @@ from voxdiff.preflight.check import run_preflight
 from voxdiff.config import compose
 from voxdiff.preflight.distributed import data_memory, fake_world, wrap_for_rank
 from voxdiff.run.parallel import Parallel, parallel_of
-from voxdiff.preflight.memory import GiB, EmulatedPrecision, trace_training_step, unet_batch
+from voxdiff.preflight.memory import EmulatedPrecision, trace_training_step, unet_batch
+from voxdiff.units import GiB
 from voxdiff.step import TrainStep, system_recipe
 
 #: the system's step (EMA, clipping, the guard, gradients freed after the step), foreach AdamW as on a GPU

@@ -6,7 +6,7 @@ import os
 import pytest
 from voxdiff.config import compose
 from voxdiff.preflight.host import host_memory_bytes, training_verdict
-from voxdiff.preflight.memory import GiB
+from voxdiff.units import GiB
 
 HUGE = ["model.channels=[1536,3072,6144]", "model.num_res_blocks=3", "model.num_head_channels=64",
         "model.norm_num_groups=32"]  # 31 billion parameters

@@ -88,7 +88,8 @@ def test_the_step_of_a_row_is_named_never_assumed() -> None:
 def test_each_row_is_predicted_for_its_own_gpu(tmp_path: Path) -> None:
     """A row measured on an A100 40GB gets its 40 GiB budget and the A100's smaller cuBLAS workspaces; rows without
     a gpu cell take the configured GPU; an unknown GPU is that row's error."""
-    from voxdiff.run.gpus import GPUS, GiB
+    from voxdiff.run.gpus import GPUS
+    from voxdiff.units import GiB
 
     header = [*_HEADER, "gpu"]
     tiny = ["tiny", "4x8x8x8", "4", "2", "16 32", "0 1", "1 1", "16", "8", "0", ""]

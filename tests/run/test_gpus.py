@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from voxdiff.errors import ConfigError
-from voxdiff.run.gpus import DEFAULT_GPU, GPUS, GiB, MiB, gpu_type, resolve_gpu
+from voxdiff.run.gpus import DEFAULT_GPU, GPUS, gpu_type, resolve_gpu
+from voxdiff.units import GiB, MiB
 
 
 def _local_device(monkeypatch, name: str, total_bytes: int, capability: tuple[int, int]) -> None:

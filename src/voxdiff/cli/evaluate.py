@@ -148,7 +148,7 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
 
 def _vqvae(cfg: DictConfig, device: Any) -> dict[str, Any]:
 
-    from voxdiff.checkpoint import rebuild_system
+    from voxdiff.lightning.systems import rebuild_system
     from voxdiff.cli.sample import _CKPT_FIX, _datamodule
     from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, check_volume_shape
     from voxdiff.evaluation.pipeline import histogram_section, load_real, vqvae_figures, vqvae_reconstructions

@@ -22,8 +22,8 @@ from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_NO_FIT, EXIT_OK
 from voxdiff.config import compose, config_dir
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.check import PreflightResult, run_preflight
-from voxdiff.preflight.memory import GiB
 from voxdiff.run.spec import preflight_options, run_spec
+from voxdiff.units import GiB
 
 
 def _experiment_given(overrides: list[str]) -> bool:

@@ -60,7 +60,8 @@ def _load(cfg: DictConfig, device: Any) -> tuple[Any, dict[str, Any], Any]:
     """
     import torch
 
-    from voxdiff.checkpoint import CONFIG_KEY, rebuild_system
+    from voxdiff.checkpoint import CONFIG_KEY
+    from voxdiff.lightning.systems import rebuild_system
 
     device_type = torch.device(device).type
     system, checkpoint, spec = rebuild_system(str(cfg.ckpt_path), "diffusion", _CKPT_FIX, device_type=device_type,

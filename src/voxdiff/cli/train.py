@@ -100,7 +100,7 @@ def prepare(cfg: DictConfig, run_dir: Path, spec: RunSpec) -> tuple[str | None, 
     """
     from voxdiff.lightning.resume import check_resume
     from voxdiff.preflight.host import training_verdict
-    from voxdiff.run_dir import claim, process_rank
+    from voxdiff.cli.run_dir import claim, process_rank
 
     if process_rank() == 0:
         for note in claim(run_dir, cfg.get("ckpt_path"), bool(cfg.get("overwrite", False))):
@@ -166,7 +166,7 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
         instantiate_callbacks,
         instantiate_loggers,
     )
-    from voxdiff.run_dir import process_rank
+    from voxdiff.cli.run_dir import process_rank
 
     _one_console_log()
     L.seed_everything(int(cfg.seed) + process_rank(), workers=True)  # DDP broadcasts rank 0's initial weights
@@ -233,7 +233,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     from voxdiff.data.nifti import DataError
     from voxdiff.lightning.diffusion import NonFiniteLossError
-    from voxdiff.run_dir import release
+    from voxdiff.cli.run_dir import release
 
     run_dir = Path(cfg.paths.output_dir)
     try:

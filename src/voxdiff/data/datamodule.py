@@ -173,7 +173,7 @@ class VolumeDataModule(L.LightningDataModule):
 
         from voxdiff.data.nifti import _stamp
         from voxdiff.data.shared import launch_rank, one_writes
-        from voxdiff.lightning.checkpoint_io import atomic_write
+        from voxdiff.files import atomic_write
 
         records = [r for ds in (self.train_dataset, self.val_dataset) for r in ds.records]
         files = sorted((r["subject"], *[(str(r[k]), _stamp(str(r[k]))) for k in ("image", "mask")]) for r in records)

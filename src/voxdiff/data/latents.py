@@ -62,7 +62,7 @@ def _safe(name: str) -> str:
 
 def _atomic_write(path: Path, write) -> None:  # noqa: ANN001 - write(file object)
     """Write ``path`` so that readers never see half a file (the checkpoints' atomic writer)."""
-    from voxdiff.lightning.checkpoint_io import atomic_write
+    from voxdiff.files import atomic_write
 
     atomic_write(path, write)
 
@@ -307,7 +307,7 @@ class LatentDataset(Dataset):
     def _load(self, i: int) -> dict[str, torch.Tensor]:
         if i in self._memory:
             return self._memory[i]
-        from voxdiff.checkpoint import load_file
+        from voxdiff.files import load_file
 
         path = self.cache_dir / self.index["subjects"][self.subjects[i]]
         record = load_file(path, "data.latent_dir", "rewrite the cache with python cache_latents.py (the command "

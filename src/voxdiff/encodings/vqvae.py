@@ -201,12 +201,12 @@ class Stage1Checkpoint:
 def read_stage1_checkpoint(path: str | Path, key: str = "encoding.checkpoint") -> Stage1Checkpoint:
     """Read a stage-1 checkpoint written by ``python train.py experiment=vqvae_4x`` (or vqvae_8x, vqvae_demo).
 
-    Only tensors and plain data are unpickled (:func:`voxdiff.checkpoint.load_file`).
+    Only tensors and plain data are unpickled (:func:`voxdiff.files.load_file`).
 
     Raises:
         ConfigError: no such file, unreadable, or not a voxdiff VQ-VAE checkpoint (named as ``key``).
     """
-    from voxdiff.checkpoint import load_file
+    from voxdiff.files import load_file
 
     path = Path(path)
     ckpt = load_file(path, key, "train stage 1 first (python train.py experiment=vqvae_4x) and pass its "

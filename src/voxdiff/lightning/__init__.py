@@ -15,9 +15,10 @@ from voxdiff.lightning.callbacks import (
     ProgressBar,
     StepsPerSecond,
 )
-from voxdiff.lightning.checkpoint_io import AtomicCheckpointIO, atomic_torch_save
+from voxdiff.lightning.checkpoint_io import AtomicCheckpointIO
 from voxdiff.lightning.diffusion import DiffusionSystem, NonFiniteLossError
 from voxdiff.lightning.trainer import build_trainer, resolve_precision
+from voxdiff.files import atomic_torch_save
 
 __all__ = [
     "AtomicCheckpointIO",

@@ -27,10 +27,11 @@ from typing import Any
 import lightning as L
 from omegaconf import DictConfig
 
-from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind, load_file
+from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind
 from voxdiff.config import plain
 from voxdiff.encodings import LearnedEncoding
 from voxdiff.errors import ConfigError, show_value
+from voxdiff.files import load_file
 from voxdiff.run.spec import RunSpec
 
 #: UNet arguments that change memory and speed, not the weights

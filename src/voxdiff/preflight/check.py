@@ -37,13 +37,14 @@ from voxdiff.errors import ConfigError
 from voxdiff.models.unet import UNetSpec, build_unet_from_spec
 from voxdiff.preflight.distributed import DataMemory, data_memory
 from voxdiff.run.gpus import DEFAULT_GPU, GPUS, GpuSpec
-from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
+from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, MemoryReport, predict_step_memory
 from voxdiff.preflight.phases import PhasesReport, predict_phases
 from voxdiff.preflight.resources import RunNeeds, run_needs, step_cost
 from voxdiff.preflight.stage1 import Stage1Report, predict_stage1
 from voxdiff.run.parallel import Parallel
 from voxdiff.run.spec import RunSpec, run_spec, run_spec_problems
 from voxdiff.step import SEED, Recipe, batch_shapes
+from voxdiff.units import GiB
 
 PREDICTED_DEVICE = "cuda"
 """The device the preflight predicts a run on: a GPU. It resolves the model's ``auto`` switches for it (SDPA

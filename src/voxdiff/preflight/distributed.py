@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from voxdiff.run.parallel import Parallel
+from voxdiff.units import memory_size
 
 
 @contextlib.contextmanager
@@ -158,17 +159,13 @@ class DataMemory:
 
     def describe(self, parallel: Parallel) -> str:
         """One line: per rank and per node (the ranks on one node), or per subject when they cannot be counted."""
-        each = f"{_size(self.per_subject_bytes)} per subject ({self.what})"
+        each = f"{memory_size(self.per_subject_bytes)} per subject ({self.what})"
         if self.per_rank_bytes is None:
             return f"{each}; every rank caches every subject (the data folder is not readable here to count them)"
         node = self.per_rank_bytes * parallel.processes_per_node
-        return (f"{_size(self.per_rank_bytes)} of host memory per rank: {self.subjects} subjects × {each}"
-                + (f"; {_size(node)} per node ({parallel.processes_per_node} ranks, each caches every subject)"
+        return (f"{memory_size(self.per_rank_bytes)} of host memory per rank: {self.subjects} subjects × {each}"
+                + (f"; {memory_size(node)} per node ({parallel.processes_per_node} ranks, each caches every subject)"
                    if parallel.processes_per_node > 1 else ""))
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def data_memory(data: Mapping[str, Any], latent_shape: tuple[int, ...] | None = None) -> DataMemory | None:

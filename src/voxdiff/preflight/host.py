@@ -21,8 +21,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from voxdiff.preflight.check import PreflightResult, run_preflight
-from voxdiff.preflight.memory import GiB
 from voxdiff.run.spec import RunSpec, run_spec
+from voxdiff.units import GiB
 
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 from voxdiff.errors import ConfigError
-from voxdiff.preflight.memory import GiB, MemoryReport
+from voxdiff.preflight.memory import MemoryReport
 from voxdiff.run.spec import RunSpec
+from voxdiff.units import GiB
 
 MEASURED_COLUMNS = ["model_gib", "fwd_gib", "bwd_gib", "total_gib", "steady_fwd_gib", "steady_bwd_gib",
                     "steady_total_gib", "reserved_gib", "oom"]

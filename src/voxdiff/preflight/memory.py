@@ -49,11 +49,11 @@ from voxdiff.preflight.distributed import fake_world, wrap_for_rank
 from voxdiff.preflight.tracker import StorageTracker, round_block
 from voxdiff.run.parallel import Parallel
 from voxdiff.step import OptimSettings, Recipe, TrainStep
+from voxdiff.units import GiB
 
 __all__ = [
     "DEFAULT_SAFETY_MARGIN",
     "EmulatedPrecision",
-    "GiB",
     "MemoryReport",
     "StepPeaks",
     "TraceResult",
@@ -61,8 +61,6 @@ __all__ = [
     "trace_training_step",
     "unet_batch",
 ]
-
-GiB = 2**30
 
 AttentionMode = Literal["materialised", "flash"]
 

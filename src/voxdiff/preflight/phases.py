@@ -40,13 +40,13 @@ from voxdiff.preflight.attention import FlashAttentionEmulator
 from voxdiff.preflight.autocast import CudaAutocastEmulator
 from voxdiff.preflight.memory import (
     EmulatedPrecision,
-    GiB,
     MemoryReport,
     _FusedAdamWOnMeta,
 )
 from voxdiff.preflight.tracker import StorageTracker
 from voxdiff.run.spec import RunSpec, run_spec
 from voxdiff.step import TrainStep
+from voxdiff.units import GiB
 
 if TYPE_CHECKING:
     from voxdiff.preflight.check import StepPlan

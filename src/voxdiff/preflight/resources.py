@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from voxdiff.slurm import parse_slurm_memory, parse_slurm_time, read_site_env, slurm_job_memory
+from voxdiff.units import size
 
 PER_TENSOR_BYTES = 280
 """Zip local and central headers of one tensor record, and its key in the pickled structure (calibrated on a
@@ -83,14 +84,6 @@ def free_bytes(path: str | Path) -> tuple[int, Path]:
     while not where.exists() and where != where.parent:
         where = where.parent
     return shutil.disk_usage(where).free, where
-
-
-def size(nbytes: float) -> str:
-    """Bytes in the unit a user reads off ``df -h``-like figures (decimal GB/MB/kB)."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{int(nbytes)} B"
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from voxdiff.encodings.vqvae import (
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES, simulate_reserved
 from voxdiff.preflight.autocast import CudaAutocastEmulator
-from voxdiff.preflight.memory import EmulatedPrecision, GiB, _FusedAdamWOnMeta
+from voxdiff.preflight.memory import EmulatedPrecision, _FusedAdamWOnMeta
 from voxdiff.preflight.phases import (
     AUTOCAST_DTYPES,
     PhaseRecorder,
@@ -56,6 +56,7 @@ from voxdiff.preflight.phases import (
 from voxdiff.run.spec import RunSpec, run_spec
 from voxdiff.step import ClipSettings
 from voxdiff.step.optim import build_optimizer, optimizer_impl
+from voxdiff.units import GiB
 
 __all__ = ["Stage1Report", "attach_meta_autoencoder", "latent_stage1_spec", "predict_stage1", "trace_cache_pass",
            "trace_stage1_step"]

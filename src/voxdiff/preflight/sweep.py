@@ -34,10 +34,11 @@ from torch import nn
 from voxdiff.errors import ConfigError
 from voxdiff.models.unet import UNetSpec, row_flag
 from voxdiff.run.gpus import DEFAULT_GPU, GpuSpec, gpu_type
-from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
+from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, MemoryReport, predict_step_memory
 from voxdiff.step import RECIPES, SEED, Recipe
 from voxdiff.step.optim import OPTIMIZER_IMPLS
 from voxdiff.step.recipe import ZERO_GRAD_AT
+from voxdiff.units import GiB
 
 __all__ = [
     "MODEL_FACTORY",

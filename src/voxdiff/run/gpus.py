@@ -25,12 +25,9 @@ from typing import Any
 import torch
 
 from voxdiff.errors import ConfigError
+from voxdiff.units import GiB, KiB, MiB
 
 __all__ = ["DEFAULT_GPU", "GPUS", "GPU_KEY", "GpuSpec", "gpu_type", "local_gpu", "resolve_gpu"]
-
-MiB = 2**20
-GiB = 2**30
-KiB = 2**10
 
 GPU_KEY = "preflight.gpu"
 DEFAULT_GPU = "H100"
