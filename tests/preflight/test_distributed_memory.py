@@ -18,9 +18,11 @@ from cpu_allocator import profiler_peaks
 from voxdiff.preflight.autocast import CudaAutocastEmulator
 from voxdiff.preflight.check import run_preflight
 from voxdiff.config import compose
-from voxdiff.preflight.distributed import data_memory, fake_world, wrap_for_rank
+from voxdiff.preflight.distributed import fake_world, wrap_for_rank
+from voxdiff.preflight.resources import data_memory
 from voxdiff.run.parallel import Parallel, parallel_of
-from voxdiff.preflight.memory import EmulatedPrecision, trace_training_step, unet_batch
+from voxdiff.preflight.memory import trace_training_step, unet_batch
+from voxdiff.preflight.world import EmulatedPrecision
 from voxdiff.units import GiB
 from voxdiff.step import TrainStep, system_recipe
 

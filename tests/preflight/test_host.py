@@ -1,11 +1,12 @@
-"""train.py's memory verdict on its own machine (voxdiff.preflight.host): the host's memory for a CPU run, split
+"""train.py's memory verdict on its own machine (voxdiff.preflight.check.training_verdict): the host's memory for a CPU run, split
 among its processes; a budget of the user's own replaces it."""
 
 import os
 
 import pytest
 from voxdiff.config import compose
-from voxdiff.preflight.host import host_memory_bytes, training_verdict
+from voxdiff.preflight.check import training_verdict
+from voxdiff.preflight.resources import host_memory_bytes
 from voxdiff.units import GiB
 
 HUGE = ["model.channels=[1536,3072,6144]", "model.num_res_blocks=3", "model.num_head_channels=64",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from voxdiff.preflight.check import step_plan
+from voxdiff.preflight.memory import step_plan
 from voxdiff.preflight.measure import measured_step
 from voxdiff.run.spec import run_spec
 from voxdiff.step import ClipSettings

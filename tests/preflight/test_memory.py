@@ -23,7 +23,8 @@ from voxdiff.preflight.autocast import (
     CUDA_PROMOTE_OPS,
     CudaAutocastEmulator,
 )
-from voxdiff.preflight.memory import EmulatedPrecision, trace_training_step, unet_batch
+from voxdiff.preflight.memory import trace_training_step, unet_batch
+from voxdiff.preflight.world import EmulatedPrecision
 from voxdiff.models import apply_gradient_checkpointing
 from voxdiff.preflight.tracker import StorageTracker
 from voxdiff.step import SEED, EMASettings, OptimSettings, TrainStep

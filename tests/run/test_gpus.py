@@ -83,7 +83,7 @@ def test_the_gpu_sets_budget_precision_and_flash_of_the_preflight(tiny_cfg, monk
 
 
 def test_a100_workspaces_are_smaller_than_h100s(tiny_cfg, monkeypatch):
-    from voxdiff.preflight.check import predict_memory
+    from voxdiff.preflight.memory import predict_memory
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     h100, a100 = predict_memory(tiny_cfg()), predict_memory(tiny_cfg("preflight.gpu=A100"))

@@ -4,6 +4,7 @@ import pytest
 
 import voxdiff.config as config
 import voxdiff.preflight.check as check
+import voxdiff.preflight.memory as memory
 import voxdiff.run.spec as run_spec_module
 from voxdiff.cli.train import validate
 from voxdiff.config import compose
@@ -80,7 +81,7 @@ def test_the_preflight_builds_the_encoding_once_and_the_unet_once_per_use(monkey
 
     monkeypatch.setattr(run_spec_module, "build_encoding", counting("encoding", config.build_encoding))
     monkeypatch.setattr(config, "build_encoding", counting("encoding", config.build_encoding))
-    monkeypatch.setattr(check, "build_unet_from_spec", counting("unet", check.build_unet_from_spec))
+    monkeypatch.setattr(memory, "build_unet_from_spec", counting("unet", memory.build_unet_from_spec))
     result = check.run_preflight(compose("preflight", ["experiment=demo", "preflight.disk_free_gib=1000"]),
                                  compile=False, suggest=False)
     assert result.ok and result.phases is not None
@@ -207,7 +208,7 @@ def test_the_preflights_later_stages_read_the_spec_not_the_config(tiny_cfg):
     from omegaconf import OmegaConf
 
     cfg = tiny_cfg("trainer.max_steps=5000", "preflight.disk_free_gib=100", "data.cache=memory")
-    spec = run_spec(cfg, check.PREDICTED_DEVICE)
+    spec = run_spec(cfg, memory.PREDICTED_DEVICE)
     full = check.run_preflight(cfg, compile=False)
     bare = check.run_preflight(OmegaConf.create({"task_name": "demo"}), compile=False, run=spec)
     assert (bare.fits, bare.per_gpu_peak_gib, bare.need_gib, bare.budget_gib, bare.budget_source) == (

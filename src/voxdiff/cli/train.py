@@ -99,7 +99,7 @@ def prepare(cfg: DictConfig, run_dir: Path, spec: RunSpec) -> tuple[str | None, 
         DoesNotFit: the training step does not fit this machine's memory.
     """
     from voxdiff.lightning.resume import check_resume
-    from voxdiff.preflight.host import training_verdict
+    from voxdiff.preflight.check import training_verdict
     from voxdiff.cli.run_dir import claim, process_rank
 
     if process_rank() == 0:

@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,7 +33,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from voxdiff.run.parallel import Parallel
-from voxdiff.units import memory_size
 
 
 @contextlib.contextmanager
@@ -135,83 +133,3 @@ def _bucket_as_reduced(state, bucket):  # type: ignore[no-untyped-def]  # DDP ch
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
-
-
-@dataclass(frozen=True)
-class DataMemory:
-    """Host memory that a rank's data module holds (``data.cache=memory``, a latent cache ``in_memory``): every
-    rank loads the whole data set, train and validation subjects alike.
-
-    Attributes:
-        per_subject_bytes: bytes one cached subject takes.
-        subjects: how many are cached, or None when the data folder cannot be read here.
-        what: what one subject holds.
-    """
-
-    per_subject_bytes: int
-    subjects: int | None
-    what: str
-
-    @property
-    def per_rank_bytes(self) -> int | None:
-        """Bytes one rank holds, or None when the subjects cannot be counted here."""
-        return None if self.subjects is None else self.per_subject_bytes * self.subjects
-
-    def describe(self, parallel: Parallel) -> str:
-        """One line: per rank and per node (the ranks on one node), or per subject when they cannot be counted."""
-        each = f"{memory_size(self.per_subject_bytes)} per subject ({self.what})"
-        if self.per_rank_bytes is None:
-            return f"{each}; every rank caches every subject (the data folder is not readable here to count them)"
-        node = self.per_rank_bytes * parallel.processes_per_node
-        return (f"{memory_size(self.per_rank_bytes)} of host memory per rank: {self.subjects} subjects × {each}"
-                + (f"; {memory_size(node)} per node ({parallel.processes_per_node} ranks, each caches every subject)"
-                   if parallel.processes_per_node > 1 else ""))
-
-
-def data_memory(data: Mapping[str, Any], latent_shape: tuple[int, ...] | None = None) -> DataMemory | None:
-    """What a rank's data module keeps in host memory, from the plain ``data:`` config; None when it keeps
-    nothing (``data.cache=none|disk``, a latent cache with ``in_memory: false``).
-
-    Args:
-        data: the ``data:`` config.
-        latent_shape: ``(C, d, h, w)`` of one modality's latents (a latent cache).
-    """
-    import math
-
-    target = str(data.get("_target_", ""))
-    voxels = math.prod(int(v) for v in data.get("volume_shape") or (0,))
-    if target.endswith("LatentDataModule"):
-        if not data.get("in_memory", True) or latent_shape is None:
-            return None
-        per = 2 * 4 * math.prod(latent_shape) + (voxels + 7) // 8 * bool(data.get("masks", True)) + 16 * 8
-        return DataMemory(per, _latent_subjects(data.get("latent_dir")),
-                          "image and mask latents, float32; the bit-packed mask; the affine")
-    if data.get("cache", "none") != "memory":
-        return None
-    per = 2 * 4 * voxels  # image and mask, (1, D, H, W) float32 each (the MONAI pipeline's output)
-    return DataMemory(per, _volume_subjects(data), "image and mask, float32")
-
-
-def _volume_subjects(data: Mapping[str, Any]) -> int | None:
-    root = data.get("root")
-    if root is None:  # the phantom, or subjects made from a template
-        return int(data.get("num_subjects") or 0) or None
-    from voxdiff.data.nifti import find_subjects
-
-    from voxdiff.data.nifti import DataError
-
-    try:
-        return len(find_subjects(root, data.get("image_name") or "bravo.nii.gz",
-                                 data.get("mask_name") or "seg.nii.gz", validate=False))
-    except (DataError, OSError):  # not readable from here (another machine's path): per subject only
-        return None
-
-
-def _latent_subjects(latent_dir: Any) -> int | None:
-    import json
-    from pathlib import Path
-
-    try:
-        return len(json.loads((Path(str(latent_dir)) / "index.json").read_text())["subjects"])
-    except (OSError, ValueError, KeyError, TypeError):  # no cache (yet) here
-        return None

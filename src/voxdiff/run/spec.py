@@ -112,7 +112,7 @@ class PreflightOptions:
     host_memory_gib: float | None = None
 
 
-#: the ``data:`` keys the host memory of the data module depends on (:func:`voxdiff.preflight.distributed.data_memory`)
+#: the ``data:`` keys the host memory of the data module depends on (:func:`voxdiff.preflight.resources.data_memory`)
 DATA_MEMORY_KEYS = ("_target_", "volume_shape", "cache", "root", "num_subjects", "image_name", "mask_name",
                     "in_memory", "masks", "latent_dir")
 
