@@ -110,7 +110,7 @@ def details(r: PreflightResult) -> str:
 
 def _sweep(cfg: DictConfig) -> int:
     from voxdiff.run.gpus import resolve_gpu
-    from voxdiff.preflight.sweep import sweep
+    from voxdiff.benchmarks.sweep import sweep
     from voxdiff.step import recipe_from_config
 
     p = cfg.preflight
@@ -133,7 +133,7 @@ def _sweep(cfg: DictConfig) -> int:
 
 
 def _measure(cfg: DictConfig, result: PreflightResult) -> None:
-    from voxdiff.preflight.measure import measure_steps, reference_row, write_rows
+    from voxdiff.benchmarks.measure import measure_steps, reference_row, write_rows
 
     run = run_spec(cfg, "cuda")  # on this GPU node: the local GPU's precision
     measured = measure_steps(run, int(cfg.preflight.measure_steps))

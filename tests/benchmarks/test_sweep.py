@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from voxdiff.preflight.sweep import PRED_COLUMNS, MODEL_FACTORY, parse_row, predict_row, sweep
+from voxdiff.benchmarks.sweep import PRED_COLUMNS, MODEL_FACTORY, parse_row, predict_row, sweep
 from voxdiff.step import SEED, system_recipe
 
 
@@ -177,7 +177,7 @@ def test_reference_parameter_counts() -> None:
 def test_h100_reference_peaks_meet_the_bar(h100_csv: Path, tmp_path: Path) -> None:
     """Every 7th row of reference/h100_measured.csv (16 of 113, all four tables, three that died): the seed
     recipe's predicted peaks per phase against the H100's, and the fit/OOM verdict against what the runs did."""
-    from voxdiff.preflight.sweep import compare_phases
+    from voxdiff.benchmarks.sweep import compare_phases
 
     rows = list(csv.DictReader(open(h100_csv, newline="")))[::7]
     src = tmp_path / "sample.csv"
