@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 from voxdiff.errors import ConfigError
-from voxdiff.preflight.memory import MemoryReport
+from voxdiff.models.unet import build_unet_from_spec
+from voxdiff.preflight.memory import MemoryReport, step_plan
 from voxdiff.run.spec import RunSpec
+from voxdiff.step import TrainStep
 from voxdiff.units import GiB
 
 MEASURED_COLUMNS = ["model_gib", "fwd_gib", "bwd_gib", "total_gib", "steady_fwd_gib", "steady_bwd_gib",
@@ -45,10 +47,6 @@ def measured_step(run: RunSpec) -> tuple[Any, dict[str, tuple[int, ...]]]:
     Returns:
         ``(step, batch)``: a :class:`voxdiff.step.TrainStep` and the shapes of the batch it trains on.
     """
-    from voxdiff.models.unet import build_unet_from_spec
-    from voxdiff.preflight.memory import step_plan
-    from voxdiff.step import TrainStep
-
     plan = step_plan(run)
     device_type = run.device_type
     with torch.device(device_type):

@@ -32,9 +32,10 @@ from typing import Any
 from torch import nn
 
 from voxdiff.errors import ConfigError
+from voxdiff.models import build_unet_from_spec
 from voxdiff.models.unet import UNetSpec, row_flag
-from voxdiff.run.gpus import DEFAULT_GPU, GpuSpec, gpu_type
 from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, MemoryReport, predict_step_memory
+from voxdiff.run.gpus import DEFAULT_GPU, GpuSpec, gpu_type
 from voxdiff.step import RECIPES, SEED, Recipe
 from voxdiff.step.optim import OPTIMIZER_IMPLS
 from voxdiff.step.recipe import ZERO_GRAD_AT
@@ -132,8 +133,6 @@ def build_monai_unet(cfg: UNetRow) -> nn.Module:
     """MONAI ``DiffusionModelUNet(spatial_dims=3, ...)`` for a row, through voxdiff's model factory and its
     gradient-checkpointing policy (``preserve_rng_state=False`` keeps the trace off the CUDA RNG — these blocks
     draw no random numbers)."""
-    from voxdiff.models import build_unet_from_spec
-
     return build_unet_from_spec(cfg.spec, preserve_rng_state=False)
 
 

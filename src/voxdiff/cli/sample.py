@@ -21,9 +21,10 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from voxdiff.checkpoint import CONFIG_KEY
 from voxdiff.cli.devices import check_device, pick_device
 from voxdiff.cli.exit_codes import refusals
-from voxdiff.config import config_dir, plain, require
+from voxdiff.config import config_dir, plain, require, voxdiff_class
 from voxdiff.errors import ConfigError, integer, one_of
 
 SPLITS = ("val", "all")
@@ -60,7 +61,7 @@ def _load(cfg: DictConfig, device: Any) -> tuple[Any, dict[str, Any], Any]:
     """
     import torch
 
-    from voxdiff.checkpoint import CONFIG_KEY
+    # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
     from voxdiff.lightning.systems import rebuild_system
 
     device_type = torch.device(device).type
@@ -78,8 +79,6 @@ def _no_run_config(cfg: DictConfig) -> ConfigError:
 
 def _datamodule(saved: dict[str, Any], cfg: DictConfig):
     import lightning as L
-
-    from voxdiff.config import voxdiff_class
 
     data = dict(saved.get("data") or {})
     if not data:
@@ -100,6 +99,7 @@ def sample(cfg: DictConfig) -> list[Path]:
     import torch
     from torch.utils.data import ConcatDataset, DataLoader, Subset
 
+    # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
     from voxdiff.lightning.samples import save_samples
     from voxdiff.lightning.trainer import configure_cpu_threads
 

@@ -29,6 +29,7 @@ from einops import rearrange
 
 from voxdiff.encodings.base import LearnedEncoding
 from voxdiff.errors import ConfigError, boolean, int_list, integer, number
+from voxdiff.files import load_file
 
 #: (stride, kernel, dilation, padding) of each down-sampling convolution: halves even sizes exactly
 DOWNSAMPLE = (2, 4, 1, 1)
@@ -206,8 +207,6 @@ def read_stage1_checkpoint(path: str | Path, key: str = "encoding.checkpoint") -
     Raises:
         ConfigError: no such file, unreadable, or not a voxdiff VQ-VAE checkpoint (named as ``key``).
     """
-    from voxdiff.files import load_file
-
     path = Path(path)
     ckpt = load_file(path, key, "train stage 1 first (python train.py experiment=vqvae_4x) and pass its "
                      "<run dir>/checkpoints/last.ckpt")

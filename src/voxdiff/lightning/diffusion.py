@@ -44,9 +44,13 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from voxdiff.config import check_kind, plain
 from voxdiff.diffusion import DiffusionProcess, encoded_range
 from voxdiff.lightning.callbacks import ProgressBar
+from voxdiff.lightning.distributed import ema_checkpoint_state, shard_system
 from voxdiff.lightning.optim import lightning_optimizers
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
+from voxdiff.lightning.samples import save_samples
+from voxdiff.models.sharding import is_sharded
 from voxdiff.models.unet import build_unet_from_spec
+from voxdiff.run.spec import system_spec
 from voxdiff.step import (
     EMA,
     CompileSettings,
@@ -120,8 +124,6 @@ class DiffusionSystem(L.LightningModule):
              "ema": ema, "sampling": sampling, "val_timesteps": val_timesteps, "guard": guard, "kind": self.kind}
         )
         if spec is None:
-            from voxdiff.run.spec import system_spec
-
             spec = system_spec(self.kind, self.hparams, device_type or accelerator_device("auto"))
         elif spec.kind != self.kind:
             raise ValueError(f"DiffusionSystem is built from a diffusion run's spec, not a {spec.kind} run's")
@@ -159,8 +161,6 @@ class DiffusionSystem(L.LightningModule):
         """``trainer=fsdp`` (a device mesh): shard the UNet per resnet/attention block, the EMA with it
         (:func:`voxdiff.lightning.distributed.shard_system`); other strategies: nothing."""
         if self.device_mesh is not None:
-            from voxdiff.lightning.distributed import shard_system
-
             shard_system(self, self.device_mesh)
 
     def on_fit_start(self) -> None:
@@ -309,15 +309,12 @@ class DiffusionSystem(L.LightningModule):
     def write_samples(self, tag: str) -> list[Path]:
         """Sample from the cached validation masks (EMA weights, DDIM), save NIfTI + montage, log the montage.
         Rank 0 writes; under FSDP every rank runs the sharded UNet with it (each forward gathers from all ranks)."""
-        from voxdiff.models.sharding import is_sharded
-
         if not self.sampling.num_masks or not (self.trainer.is_global_zero or is_sharded(self.model)):
             return []
         self._fill_val_cache()
         if not self._val_cache:
             log.warning("no validation masks to sample from: no samples written")
             return []
-        from voxdiff.lightning.samples import save_samples
 
         out_dir = Path(self.trainer.default_root_dir) / "samples"
         masks = torch.cat([c["mask"] for c in self._val_cache])
@@ -342,8 +339,6 @@ class DiffusionSystem(L.LightningModule):
         # checkpoint on disk stays the last good one
         self.step.check_guard(" (checked before writing a checkpoint)")
         if self.ema is not None:  # full tensors (gathered from the shards under FSDP)
-            from voxdiff.lightning.distributed import ema_checkpoint_state
-
             checkpoint["ema"] = ema_checkpoint_state(self.ema, self.model)
         checkpoint["rng_states"] = gather_rng_states()
 

@@ -32,6 +32,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from voxdiff.config import check_kind
 from voxdiff.models.sharding import is_sharded, shard_unet
+from voxdiff.step.ema import EMA
 
 
 def parameter_checksum(module: torch.nn.Module) -> torch.Tensor:
@@ -88,8 +89,6 @@ def shard_system(system: Any, mesh: Any) -> None:
 
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    from voxdiff.step.ema import EMA
 
     model = system.model
     if is_sharded(model):

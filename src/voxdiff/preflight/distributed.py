@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from voxdiff.models.sharding import shard_unet
 from voxdiff.run.parallel import Parallel
 
 
@@ -122,8 +123,6 @@ def wrap_for_rank(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
             ddp.register_comm_hook(None, _bucket_as_reduced)  # reduces the bucket in place (no allocation)
         return ddp
     if parallel.strategy == "fsdp":
-        from voxdiff.models.sharding import shard_unet
-
         return shard_unet(model, mesh)
     return model
 

@@ -249,8 +249,10 @@ def _volume_subjects(data: Mapping[str, Any]) -> int | None:
     root = data.get("root")
     if root is None:  # the phantom, or subjects made from a template
         return int(data.get("num_subjects") or 0) or None
-    # deferred: voxdiff.data.nifti imports monai.transforms, which only a config with data.root needs here
+    # deferred: importing voxdiff.data imports Lightning (its data modules), which the preflight runs without
     from voxdiff.data.nifti import DataError, find_subjects
+
+    # deferred: voxdiff.data.nifti imports monai.transforms, which only a config with data.root needs here
 
     try:
         return len(find_subjects(root, data.get("image_name") or "bravo.nii.gz",
