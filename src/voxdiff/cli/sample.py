@@ -1,14 +1,14 @@
 """``python sample.py ckpt_path=PATH [n=4] ...``: generate volumes from a training checkpoint.
 
 compose → validate → rebuild the run spec from the config stored in the checkpoint, for this device
-(:func:`voxdiff.checkpoint.rebuild_system`) → the system from it, with the checkpoint's weights → take ``n``
+(:func:`voxdiff.lightning.systems.rebuild_system`) → the system from it, with the checkpoint's weights → take ``n``
 masks (the validation subjects of the data config saved in the checkpoint, or ``data.root=DIR``) → DDIM with the EMA weights → decode → NIfTI with the source affine + PNG montage per sample,
 in this run's directory (``<paths.log_dir>/sample/<time>/samples``). In seg mode it writes generated masks.
 The precision is the trained one (``precision: null``): the checkpoint's ``trainer.precision`` decided for the
 sampling device by :func:`voxdiff.step.decide_precision`, as the Trainer decided it.
 
 Exit codes (:mod:`voxdiff.cli.exit_codes`): 0 done; 2 the config or the checkpoint was refused; 5 the data was
-refused. The checkpoint is read as data (:func:`voxdiff.checkpoint.load_file`) and the run is rebuilt from its
+refused. The checkpoint is read as data (:func:`voxdiff.files.load_file`) and the run is rebuilt from its
 plain values through voxdiff's own builders: a ``_target_`` stored in it is never called unless it names one of
 voxdiff's own encoding or data classes.
 """
