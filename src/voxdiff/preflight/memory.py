@@ -22,6 +22,14 @@ With ``compile=True`` the model in the step is a stand-in for ``torch.compile(mo
 the rank as the model would be (DDP); an FSDP rank, and a model the compiled trace refuses, are traced eagerly (the
 report's ``model_step``: ``upper bound (eager)``).
 
+A run's step (:func:`predict_memory`) is made from its run spec as :func:`step_plan` says: the UNet of the spec
+(with its checkpointing policy), the recipe of ``preflight.recipe`` (``system``: the run's own — the configured
+diffusion loss, AdamW as ``system.optim`` sets it, ``trainer.gradient_clip_val`` and the non-finite guard, the EMA,
+gradients freed after the optimizer step; ``seed``: the reference measurements' step), the batch the data module
+hands over (``data.batch_size`` volumes, or latents for a learned encoding), and the precision
+:func:`voxdiff.step.decide_precision` picks for the GPU (:data:`PREDICTED_DEVICE`). The measure mode
+(:mod:`voxdiff.benchmarks.measure`) runs the same plan on a GPU.
+
 Units: every ``*_bytes`` value is in bytes; the ``*_gib`` properties divide by 2**30.
 """
 

@@ -192,7 +192,7 @@ def predict_phases(run: StepPlan | RunSpec | DictConfig, training: MemoryReport 
         run: the step's plan (:func:`~voxdiff.preflight.memory.step_plan`), or the run spec it is made from, or a
             composed ``train``/``preflight`` config (resolved for the GPU predicted). Its run spec gives the
             system's recipe, the UNet, the strategy, the GPU type (cuBLAS workspaces) and the precision.
-        training: the training step's report when it is already predicted (:func:`~voxdiff.preflight.check.
+        training: the training step's report when it is already predicted (:func:`~voxdiff.preflight.memory.
             predict_memory`; the compiled one, for a compiled run); else it is predicted here.
 
     Raises:
