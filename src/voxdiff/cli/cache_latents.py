@@ -95,7 +95,7 @@ def cache(cfg: DictConfig) -> dict[str, Any]:
     rank 0 writes the one cache)."""
     from torch.utils.data import ConcatDataset
 
-    # deferred: the latent cache's data stack costs seconds at start-up; a refused config exits before
+    # deferred: voxdiff.data.latents imports Lightning (seconds at start-up); a refused config exits before
     from voxdiff.data.latents import INDEX_NAME, write_latent_cache
     from voxdiff.data.shared import launch_rank
 

@@ -22,8 +22,7 @@ from typing import Any, NoReturn
 import hydra
 from omegaconf import DictConfig
 
-from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_DATA, EXIT_NONFINITE, EXIT_NO_FIT, EXIT_TERMINATED
-from voxdiff.cli.preflight import details
+from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_DATA, EXIT_NO_FIT, EXIT_NONFINITE, EXIT_TERMINATED
 from voxdiff.cli.run_dir import claim, process_rank, release
 from voxdiff.config import check_name, config_dir, instantiate_config, plain
 from voxdiff.data.nifti import DataError
@@ -102,6 +101,7 @@ def prepare(cfg: DictConfig, run_dir: Path, spec: RunSpec) -> tuple[str | None, 
         DoesNotFit: the training step does not fit this machine's memory.
     """
     # deferred: Lightning and the preflight's trace engine cost seconds at start-up; a refused config exits before
+    from voxdiff.cli.preflight import details
     from voxdiff.lightning.resume import check_resume
     from voxdiff.preflight.check import training_verdict
 

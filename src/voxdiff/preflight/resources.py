@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from voxdiff.config import config_dir
+from voxdiff.data.nifti import DataError, find_subjects
 from voxdiff.errors import ConfigError
 from voxdiff.run.parallel import Parallel
 from voxdiff.slurm import parse_slurm_memory, parse_slurm_time, read_site_env, slurm_job_memory
@@ -249,9 +250,6 @@ def _volume_subjects(data: Mapping[str, Any]) -> int | None:
     root = data.get("root")
     if root is None:  # the phantom, or subjects made from a template
         return int(data.get("num_subjects") or 0) or None
-    # deferred: importing voxdiff.data imports Lightning (its data modules), which the preflight runs without
-    from voxdiff.data.nifti import DataError, find_subjects
-
     # deferred: voxdiff.data.nifti imports monai.transforms, which only a config with data.root needs here
 
     try:
