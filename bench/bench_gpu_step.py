@@ -219,7 +219,7 @@ def describe_step(system: Any) -> str:
 
 def predicted_gib(cfg: Any) -> dict[str, Any]:
     """The preflight's prediction of the voxdiff step's peak (steady and first step), GiB."""
-    from voxdiff.preflight.check import predict_memory
+    from voxdiff.preflight.memory import predict_memory
 
     report = predict_memory(cfg)
     return {"pred_peak_gib": report.peak_allocated / GiB, "pred_note": "; ".join(report.notes)[:200]}

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from voxdiff.preflight.gpus import DEFAULT_GPU, GPUS
+from voxdiff.run.gpus import DEFAULT_GPU, GPUS
 from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN
-from voxdiff.preflight.sweep import (
+from voxdiff.benchmarks.sweep import (
     MODEL_FACTORY,
     PRED_COLUMNS,
     compare_phases,
@@ -180,7 +180,7 @@ def _document(out: list[dict[str, str]], seconds: list[float], budget_gib: float
         "on one H100 80GB (peak `torch.cuda.max_memory_allocated()` of each phase after a reset at its start, steps",
         "1-3, batch 1, bf16 autocast), with the step of voxdiff's `seed` recipe (`voxdiff.step.SEED`: the seed's",
         "loss, foreach AdamW, gradients freed after the forward and before backward, no EMA, no clipping). The",
-        "predictions trace that same recipe: `voxdiff.preflight.sweep.predict_row(row, SEED)`, the UNet built on",
+        "predictions trace that same recipe: `voxdiff.benchmarks.sweep.predict_row(row, SEED)`, the UNet built on",
         "the meta device. Nothing is fitted to this table. GiB = 2**30 bytes.",
         "",
         "Phases: `forward`, `backward`, `optimizer` (`optimizer.step()`); `step1` is the peak of the first step,",

@@ -40,7 +40,7 @@ def cost(row: dict[str, str]):
 
     from voxdiff.preflight.memory import unet_batch
     from voxdiff.preflight.resources import step_cost
-    from voxdiff.preflight.sweep import MODEL_FACTORY, parse_row
+    from voxdiff.benchmarks.sweep import MODEL_FACTORY, parse_row
 
     cfg = parse_row(row)
     with torch.device("meta"):

@@ -60,8 +60,8 @@ def measure_one(row: dict[str, str], opts: dict[str, Any]) -> dict[str, Any]:
     from torch.utils.flop_counter import FlopCounterMode
 
     from voxdiff.preflight.memory import unet_batch
-    from voxdiff.preflight.measure import CudaPhasePeaks
-    from voxdiff.preflight.sweep import MODEL_FACTORY, parse_row
+    from voxdiff.benchmarks.measure import CudaPhasePeaks
+    from voxdiff.benchmarks.sweep import MODEL_FACTORY, parse_row
     from voxdiff.step import SEED, TrainStep, decide_precision
     from voxdiff.step.optim import OptimSettings
 
@@ -132,7 +132,7 @@ def expected_gib(row: dict[str, str]) -> float:
     """What the row is expected to take, GiB: the measured peak of the reference's step (foreach AdamW,
     materialised attention, eager: an upper bound for the variants) where the row has one, else the preflight's
     prediction of that step; 79 where neither is known (the row then runs alone)."""
-    from voxdiff.preflight.sweep import predict_row
+    from voxdiff.benchmarks.sweep import predict_row
     from voxdiff.step import SEED
 
     known = [row.get("step1_gib"), row.get("steady_gib")]

@@ -61,7 +61,7 @@ def edit(path: Path, old: str, new: str) -> None:
 
 
 def test_a_new_gpu_type_is_one_entry(copy):
-    edit(copy / "src/voxdiff/preflight/gpus.py", "GPUS: dict[str, GpuSpec] = {spec.name: spec for spec in (\n",
+    edit(copy / "src/voxdiff/run/gpus.py", "GPUS: dict[str, GpuSpec] = {spec.name: spec for spec in (\n",
          "GPUS: dict[str, GpuSpec] = {spec.name: spec for spec in (\n"
          '    _entry("B200", 183359, (10, 0), ("NVIDIA B200",), "B200 180GB"),\n')
     out = run_in(copy, """
@@ -72,7 +72,7 @@ def test_a_new_gpu_type_is_one_entry(copy):
         print(r.budget_gib)
     """)
     assert float(out) == pytest.approx(183359 / 1024)  # the new entry's memory is the budget
-    assert changed(copy) == ["src/voxdiff/preflight/gpus.py"]
+    assert changed(copy) == ["src/voxdiff/run/gpus.py"]
 
 
 def test_a_new_loss_weighting_is_the_diffusion_module_and_its_config(copy):
@@ -180,7 +180,7 @@ def test_a_new_weight_free_encoding_is_its_module_its_config_and_a_test(copy):
         import torch
         from voxdiff.config import build_encoding, compose
         from voxdiff.preflight.check import run_preflight
-        from voxdiff.preflight.rules import static_problems
+        from voxdiff.preflight.check import static_problems
         cfg = compose("preflight", ["experiment=demo", "encoding=negated", "preflight.disk_free_gib=1000"])
         assert not static_problems(cfg)
         r = run_preflight(cfg, suggest=False, compile=False)  # the training step traced with the new encoding

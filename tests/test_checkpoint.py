@@ -215,7 +215,7 @@ def test_every_torch_load_in_the_project_is_weights_only():
 
 
 def test_load_file_names_the_problem(tmp_path):
-    from voxdiff.checkpoint import load_file
+    from voxdiff.files import load_file
     from voxdiff.errors import ConfigError
 
     good = tmp_path / "good.ckpt"
@@ -233,7 +233,8 @@ def test_load_file_names_the_problem(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- checkpoint kinds
 def test_checkpoint_kinds_are_the_run_kinds():
-    from voxdiff.checkpoint import KINDS, system_class
+    from voxdiff.checkpoint import KINDS
+    from voxdiff.lightning.systems import system_class
     from voxdiff.config import RUN_KINDS
 
     assert set(KINDS) == {*RUN_KINDS, "unknown"}
@@ -264,7 +265,8 @@ def test_the_recorded_kind_is_read_not_guessed_from_the_keys(diffusion_dict):
 def test_a_checkpoint_without_a_recorded_kind_is_recognised_and_loads_as_before(
         diffusion_ckpt, vqvae_ckpt, without_kind, repo, tmp_path):
     """Compatibility: checkpoints written before the kind was recorded are recognised by their structure."""
-    from voxdiff.checkpoint import checkpoint_kind, rebuild_system
+    from voxdiff.checkpoint import checkpoint_kind
+    from voxdiff.lightning.systems import rebuild_system
 
     assert checkpoint_kind(torch.load(repo / "tests" / "fixtures" / "pre_step_tiny.ckpt", weights_only=True,
                                       mmap=True)) == "diffusion"  # written by voxdiff 9134779
@@ -285,7 +287,7 @@ DIFFUSION_TEXT = "a diffusion-UNet checkpoint (DiffusionSystem, system=diffusion
 @pytest.mark.parametrize("style", ["recorded", "old"])
 def test_a_checkpoint_of_the_other_kind_is_refused_naming_both_kinds(style, diffusion_ckpt, vqvae_ckpt, without_kind,
                                                                      tmp_path):
-    from voxdiff.checkpoint import rebuild_system
+    from voxdiff.lightning.systems import rebuild_system
     from voxdiff.errors import ConfigError
 
     for given, needed, words in ((vqvae_ckpt, "diffusion", f"is {STAGE1_TEXT}; this command needs {DIFFUSION_TEXT}"),
@@ -298,7 +300,7 @@ def test_a_checkpoint_of_the_other_kind_is_refused_naming_both_kinds(style, diff
 
 
 def test_a_recorded_kind_without_its_hyper_parameters_is_refused(tmp_path):
-    from voxdiff.checkpoint import rebuild_system
+    from voxdiff.lightning.systems import rebuild_system
     from voxdiff.errors import ConfigError
 
     path = tmp_path / "bare.ckpt"
@@ -317,7 +319,8 @@ def _tampered(source: Path, out: Path, edit) -> Path:
 
 
 def test_a_diffusion_system_is_rebuilt_from_the_run_spec_its_checkpoint_stores(diffusion_ckpt):
-    from voxdiff.checkpoint import CONFIG_KEY, rebuild_system
+    from voxdiff.checkpoint import CONFIG_KEY
+    from voxdiff.lightning.systems import rebuild_system
 
     system, checkpoint, spec = rebuild_system(diffusion_ckpt, "diffusion", "fix", device_type="cpu")
     record = checkpoint[CONFIG_KEY]
@@ -328,7 +331,8 @@ def test_a_diffusion_system_is_rebuilt_from_the_run_spec_its_checkpoint_stores(d
 
 
 def test_a_trained_precision_this_device_cannot_run_is_refused_naming_the_precision_key(diffusion_ckpt, tmp_path):
-    from voxdiff.checkpoint import CONFIG_KEY, rebuild_system
+    from voxdiff.checkpoint import CONFIG_KEY
+    from voxdiff.lightning.systems import rebuild_system
 
     def fp16(data):
         data[CONFIG_KEY]["trainer"]["precision"] = "16-mixed"
@@ -344,7 +348,7 @@ def test_a_trained_precision_this_device_cannot_run_is_refused_naming_the_precis
 
 @pytest.mark.parametrize("part", ["model", "mode"])
 def test_hyper_parameters_that_disagree_with_the_stored_config_are_refused(part, diffusion_ckpt, tmp_path):
-    from voxdiff.checkpoint import rebuild_system
+    from voxdiff.lightning.systems import rebuild_system
 
     def edit(data):
         hparams = data["hyper_parameters"]
@@ -358,7 +362,8 @@ def test_hyper_parameters_that_disagree_with_the_stored_config_are_refused(part,
 
 
 def test_a_stored_config_the_run_spec_refuses_names_the_file_and_the_key(diffusion_ckpt, tmp_path):
-    from voxdiff.checkpoint import CONFIG_KEY, rebuild_system
+    from voxdiff.checkpoint import CONFIG_KEY
+    from voxdiff.lightning.systems import rebuild_system
 
     path = _tampered(diffusion_ckpt, tmp_path / "no_shape.ckpt",
                      lambda data: data[CONFIG_KEY]["data"].pop("volume_shape"))
@@ -369,7 +374,7 @@ def test_a_stored_config_the_run_spec_refuses_names_the_file_and_the_key(diffusi
 
 
 def test_a_stage1_checkpoint_is_rebuilt_from_its_stored_run_and_must_agree_with_it(vqvae_ckpt, tmp_path):
-    from voxdiff.checkpoint import rebuild_system
+    from voxdiff.lightning.systems import rebuild_system
 
     system, checkpoint, spec = rebuild_system(vqvae_ckpt, "stage1", "fix", device_type="cpu")
     assert spec.kind == "stage1" and system.spec == spec.vqvae and system.optim_settings == spec.stage1.optim

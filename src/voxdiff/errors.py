@@ -40,7 +40,7 @@ class ConfigError(ValueError):
 
 
 class ConfigErrors(ConfigError):
-    """Several configuration problems found in one pass (:func:`voxdiff.run_spec.run_spec`).
+    """Several configuration problems found in one pass (:func:`voxdiff.run.spec.run_spec`).
 
     ``key``, ``value``, ``problem`` and ``fix`` are the first problem's; the message names every problem, one line
     each; ``problems`` holds them all.

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from voxdiff.checkpoint import load_file
+from voxdiff.files import load_file
 from voxdiff.cli.sample import sample, validate
 from voxdiff.cli.train import train
 from voxdiff.config import compose

@@ -69,7 +69,7 @@ def test_sample_and_evaluate_take_a_guidance_scale(rflow_run, tmp_path) -> None:
 
 
 def test_guided_and_unguided_samples_differ_and_scale_1_is_the_plain_sample(rflow_run, tmp_path) -> None:
-    from voxdiff.checkpoint import rebuild_system
+    from voxdiff.lightning.systems import rebuild_system
 
     system, _, _ = rebuild_system(str(rflow_run), "diffusion", "", device_type="cpu")
     mask = torch.zeros(1, 1, 24, 24, 24)

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from voxdiff.config import build_encoding, compose
 from voxdiff.encodings import Encoding, HaarWavelet, Identity, SpaceToDepth
 from voxdiff.errors import ConfigError
-from voxdiff.preflight.rules import static_problems
+from voxdiff.preflight.check import static_problems
 
 
 class Negate(Encoding):

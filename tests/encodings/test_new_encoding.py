@@ -16,7 +16,7 @@ import voxdiff.encodings
 from voxdiff.cli.train import train, validate
 from voxdiff.config import build_encoding, compose, config_dir, shapes
 from voxdiff.errors import ConfigError
-from voxdiff.preflight.rules import static_problems
+from voxdiff.preflight.check import static_problems
 
 #: the new module, as a user would write it: space-to-depth with the block order mirrored and the sign flipped
 MODULE = '''

@@ -69,7 +69,7 @@ def small_disk(tmp_path):
 
 
 def test_a_checkpoint_too_large_for_the_disk_is_refused_before_writing(small_disk):
-    from voxdiff.lightning.checkpoint_io import CheckpointWriteError
+    from voxdiff.files import CheckpointWriteError
 
     path = small_disk / "last.ckpt"
     atomic_torch_save({"step": 1, "w": torch.ones(64 * 1024)}, path)  # 256 KiB: fits
@@ -86,7 +86,7 @@ def test_a_disk_that_fills_up_during_the_write_is_reported_not_enforce_fail(smal
     names the folder and the free space, not PyTorch's zip-writer internals; nothing is left behind."""
     import shutil
 
-    from voxdiff.lightning.checkpoint_io import CheckpointWriteError
+    from voxdiff.files import CheckpointWriteError
 
     path = small_disk / "last.ckpt"
     atomic_torch_save({"step": 1, "w": torch.ones(64 * 1024)}, path)
@@ -94,6 +94,6 @@ def test_a_disk_that_fills_up_during_the_write_is_reported_not_enforce_fail(smal
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=10**12) if p == small_disk else real(p))
     with pytest.raises(CheckpointWriteError, match=rf"no space left on {small_disk}: the checkpoint needs 4\.2 MB, "
-                                                   r"[\d.]+ [kMG]?B free"):  # as disk_usage says
+                                                   r"[\d.]+ [kMGT]?B free"):  # as disk_usage says
         atomic_torch_save({"step": 2, "w": torch.zeros(1024 * 1024)}, path)
     assert path.read_bytes() == old and os.listdir(small_disk) == ["last.ckpt"]

@@ -8,7 +8,8 @@ import torch
 
 from voxdiff.config import build_encoding, build_model
 from voxdiff.errors import ConfigError
-from voxdiff.preflight.check import predict_memory, run_preflight
+from voxdiff.preflight.check import run_preflight
+from voxdiff.preflight.memory import predict_memory
 from voxdiff.preflight.tracker import round_block
 
 

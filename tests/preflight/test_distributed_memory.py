@@ -18,8 +18,12 @@ from cpu_allocator import profiler_peaks
 from voxdiff.preflight.autocast import CudaAutocastEmulator
 from voxdiff.preflight.check import run_preflight
 from voxdiff.config import compose
-from voxdiff.preflight.distributed import Parallel, data_memory, fake_world, parallel_of, wrap_for_rank
-from voxdiff.preflight.memory import GiB, EmulatedPrecision, trace_training_step, unet_batch
+from voxdiff.preflight.distributed import fake_world, wrap_for_rank
+from voxdiff.preflight.resources import data_memory
+from voxdiff.run.parallel import Parallel, parallel_of
+from voxdiff.preflight.memory import trace_training_step, unet_batch
+from voxdiff.preflight.world import EmulatedPrecision
+from voxdiff.units import GiB
 from voxdiff.step import TrainStep, system_recipe
 
 #: the system's step (EMA, clipping, the guard, gradients freed after the step), foreach AdamW as on a GPU

@@ -1,12 +1,13 @@
-"""train.py's memory verdict on its own machine (voxdiff.preflight.host): the host's memory for a CPU run, split
+"""train.py's memory verdict on its own machine (voxdiff.preflight.check.training_verdict): the host's memory for a CPU run, split
 among its processes; a budget of the user's own replaces it."""
 
 import os
 
 import pytest
 from voxdiff.config import compose
-from voxdiff.preflight.host import host_memory_bytes, training_verdict
-from voxdiff.preflight.memory import GiB
+from voxdiff.preflight.check import training_verdict
+from voxdiff.preflight.resources import host_memory_bytes
+from voxdiff.units import GiB
 
 HUGE = ["model.channels=[1536,3072,6144]", "model.num_res_blocks=3", "model.num_head_channels=64",
         "model.norm_num_groups=32"]  # 31 billion parameters
@@ -52,7 +53,7 @@ def test_the_verdict_traces_the_step_of_the_spec_resolved_for_the_runs_device(ti
     user's own made the verdict trace the GPU's flash attention instead)."""
     from dataclasses import replace
 
-    from voxdiff.run_spec import run_spec
+    from voxdiff.run.spec import run_spec
 
     cfg = compose("train", [*tiny_demo, "+preflight.gpu_memory_gib=3", "model.compile=false"])  # eager on a GPU too
     spec = run_spec(cfg)

@@ -15,7 +15,7 @@ from voxdiff.encodings import SpaceToDepth, VQVAELatent
 from voxdiff.encodings.vqvae import Stage1Checkpoint, build_vqvae, vqvae_spec
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.autocast import CudaAutocastEmulator
-from voxdiff.preflight.memory import EmulatedPrecision
+from voxdiff.preflight.world import EmulatedPrecision
 from voxdiff.preflight.phases import predict_phases, trace_sampling, trace_validation
 from voxdiff.step import EMA, TrainStep, system_recipe
 

@@ -133,9 +133,9 @@ def test_run_time_and_requeues():
 
 # ------------------------------------------------------------------------------------------------ run_needs(run)
 def _needs(cfg, **kw):
-    from voxdiff.preflight.distributed import data_memory
+    from voxdiff.preflight.resources import data_memory
     from voxdiff.preflight.resources import run_needs
-    from voxdiff.run_spec import run_spec
+    from voxdiff.run.spec import run_spec
 
     data = data_memory({k: cfg.data.get(k) for k in ("_target_", "volume_shape", "cache", "num_subjects")})
     args = dict(ema=True, data=data, sample_bytes=2 * 4 * 16**3, processes_per_node=1, world_size=1,
@@ -189,7 +189,7 @@ def test_run_needs_reports_a_latent_runs_cache_bytes(tiny_cfg):
 
     cfg = tiny_cfg()
     volume = tuple(cfg.data.volume_shape)
-    from voxdiff.preflight.distributed import DataMemory
+    from voxdiff.preflight.resources import DataMemory
 
     one = _needs(cfg, latent_shape=(4, 2, 2, 2), data=None)  # no cache here to count the subjects: one's bytes
     assert one.disk.latent_cache == latent_cache_nbytes(1, (4, 2, 2, 2), volume)

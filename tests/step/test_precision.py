@@ -12,7 +12,7 @@ import torch
 from voxdiff.config import compose
 from voxdiff.errors import ConfigError
 from voxdiff.lightning import resolve_precision
-from voxdiff.preflight.check import predict_memory
+from voxdiff.preflight.memory import predict_memory
 from voxdiff.step import Precision, decide_precision
 
 FIXTURE = "tests/fixtures/pre_step_tiny.ckpt"

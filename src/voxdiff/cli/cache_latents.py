@@ -23,8 +23,9 @@ from omegaconf import DictConfig, open_dict
 
 from voxdiff.cli.devices import pick_device
 from voxdiff.cli.exit_codes import refusals
-from voxdiff.config import config_dir, instantiate_config, plain, require, select
-from voxdiff.errors import ConfigError, Problems, integer, int_list
+from voxdiff.config import compose, config_dir, instantiate_config, plain, require, run_kind, select, voxdiff_class
+from voxdiff.encodings import Encoding, LearnedEncoding
+from voxdiff.errors import ConfigError, Problems, int_list, integer
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,6 @@ def validate(cfg: DictConfig) -> CacheSpec:
     Raises:
         ConfigError: the one problem, or :class:`~voxdiff.errors.ConfigErrors` naming every problem found.
     """
-    from voxdiff.config import voxdiff_class
-    from voxdiff.encodings import LearnedEncoding
-
     require(cfg, "stage1_ckpt", "out", fix="python cache_latents.py stage1_ckpt=<stage-1 run>/checkpoints/last.ckpt "
             "out=DIR (train stage 1 first: python train.py experiment=vqvae_4x)")
     collect = Problems()
@@ -97,8 +95,8 @@ def cache(cfg: DictConfig) -> dict[str, Any]:
     rank 0 writes the one cache)."""
     from torch.utils.data import ConcatDataset
 
+    # deferred: voxdiff.data.latents imports Lightning (seconds at start-up); a refused config exits before
     from voxdiff.data.latents import INDEX_NAME, write_latent_cache
-
     from voxdiff.data.shared import launch_rank
 
     spec = validate(cfg)
@@ -133,9 +131,6 @@ def cache(cfg: DictConfig) -> dict[str, Any]:
 def latent_experiments(encoding_class: type, factor: int) -> list[str]:
     """The diffusion experiments (``configs/experiment/*.yaml``) whose encoding is ``encoding_class`` with this
     ``factor``: those that train on this cache."""
-    from voxdiff.config import compose, run_kind, voxdiff_class
-    from voxdiff.encodings import Encoding
-
     out = []
     for path in sorted((config_dir() / "experiment").glob("*.yaml")):
         cfg = compose("train", [f"experiment={path.stem}"])

@@ -25,10 +25,25 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind
 from voxdiff.cli.devices import pick_device
 from voxdiff.cli.exit_codes import refusals
+from voxdiff.cli.sample import _CKPT_FIX, _datamodule, _load, validate as validate_sampling
 from voxdiff.config import config_dir, plain
 from voxdiff.errors import ConfigError, integer
+from voxdiff.evaluation.features import build_extractors, file_sha256
+from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, check_volume_shape, describe
+from voxdiff.evaluation.pipeline import (
+    batches,
+    diffusion_figures,
+    histogram_section,
+    load_real,
+    montage_section,
+    vqvae_figures,
+    vqvae_reconstructions,
+)
+from voxdiff.evaluation.report import data_uri, loss_curve_png, read_loss_log, render_html, write_outputs
+from voxdiff.viz import save_montage
 
 
 def eval_dir(ckpt_path: Any, out_dir: Any, log_dir: Any, stamp: str) -> str:
@@ -53,15 +68,11 @@ def validate(cfg: DictConfig) -> None:
     Raises:
         ConfigError: naming the key, the value and a fix.
     """
-    from voxdiff.cli.sample import validate as validate_sampling
-
     validate_sampling(cfg)
     if cfg.n < 2:
         raise ConfigError("n", cfg.n, "diversity and distribution figures need at least 2 samples", "e.g. n=8")
     for key, minimum in (("montages", 0), ("histogram_bins", 2)):
         integer(key, cfg.get(key), minimum=minimum, example=max(minimum, 4))
-    from voxdiff.evaluation.metrics import MS_SSIM_PRESETS
-
     if cfg.get("ms_ssim") not in MS_SSIM_PRESETS:
         raise ConfigError("ms_ssim", cfg.get("ms_ssim"), "unknown MS-SSIM settings",
                           f"use one of {', '.join(MS_SSIM_PRESETS)} (voxdiff: any axis >= 20; wdm: WDM's, axes >= 112)")
@@ -92,7 +103,7 @@ def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any
     import torch
     from tqdm.auto import tqdm
 
-    from voxdiff.evaluation.pipeline import batches
+    # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
     from voxdiff.lightning.samples import save_samples
 
     n, out = int(cfg.n), Path(cfg.paths.output_dir) / "samples"
@@ -112,11 +123,6 @@ def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any
 
 
 def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
-    from voxdiff.cli.sample import _datamodule, _load
-    from voxdiff.evaluation.features import build_extractors
-    from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, check_volume_shape
-    from voxdiff.evaluation.pipeline import diffusion_figures, histogram_section, load_real, montage_section
-
     system, saved, precision = _load(cfg, device)
     sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"))
     dataset = _split(_datamodule(saved, cfg), str(cfg.split))
@@ -148,13 +154,8 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
 
 def _vqvae(cfg: DictConfig, device: Any) -> dict[str, Any]:
 
-    from voxdiff.checkpoint import rebuild_system
-    from voxdiff.cli.sample import _CKPT_FIX, _datamodule
-    from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, check_volume_shape
-    from voxdiff.evaluation.pipeline import histogram_section, load_real, vqvae_figures, vqvae_reconstructions
-    from voxdiff.evaluation.report import data_uri
-    from voxdiff.checkpoint import CONFIG_KEY
-    from voxdiff.viz import save_montage
+    # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
+    from voxdiff.lightning.systems import rebuild_system
 
     system, checkpoint, _ = rebuild_system(str(cfg.ckpt_path), "stage1", _CKPT_FIX)
     system, saved = system.to(device), checkpoint.get(CONFIG_KEY, {})
@@ -191,11 +192,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """
     import torch
 
-    from voxdiff.checkpoint import KINDS, checkpoint_kind
-    from voxdiff.cli.sample import _CKPT_FIX
-    from voxdiff.evaluation.features import file_sha256
-    from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, describe
-    from voxdiff.evaluation.report import data_uri, loss_curve_png, read_loss_log, render_html, write_outputs
+    # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
     from voxdiff.lightning.trainer import configure_cpu_threads
 
     configure_cpu_threads()

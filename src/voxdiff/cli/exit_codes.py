@@ -63,6 +63,7 @@ TABLE: tuple[ExitCode, ...] = (
 def refusals() -> Iterator[None]:
     """Around a command's work: bad input becomes one line on stderr and its exit code, never a traceback
     (``ConfigError`` → :data:`EXIT_CONFIG`, ``DataError`` → :data:`EXIT_DATA`)."""
+    # deferred: python -m voxdiff.cli.exit_codes (slurm/job.sh) prints the table without importing torch
     from voxdiff.data.nifti import DataError
     from voxdiff.errors import ConfigError
 

@@ -18,12 +18,16 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from voxdiff.benchmarks.measure import measure_steps, reference_row, write_rows
+from voxdiff.benchmarks.sweep import sweep
 from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_NO_FIT, EXIT_OK
 from voxdiff.config import compose, config_dir
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.check import PreflightResult, run_preflight
-from voxdiff.preflight.memory import GiB
-from voxdiff.run_spec import preflight_options, run_spec
+from voxdiff.run.gpus import resolve_gpu
+from voxdiff.run.spec import preflight_options, run_spec
+from voxdiff.step import recipe_from_config
+from voxdiff.units import GiB
 
 
 def _experiment_given(overrides: list[str]) -> bool:
@@ -109,10 +113,6 @@ def details(r: PreflightResult) -> str:
 
 
 def _sweep(cfg: DictConfig) -> int:
-    from voxdiff.preflight.gpus import resolve_gpu
-    from voxdiff.preflight.sweep import sweep
-    from voxdiff.step import recipe_from_config
-
     p = cfg.preflight
     if not p.out:
         raise ConfigError("preflight.out", p.out, "sweep mode writes a CSV", "add preflight.out=OUT.csv")
@@ -133,8 +133,6 @@ def _sweep(cfg: DictConfig) -> int:
 
 
 def _measure(cfg: DictConfig, result: PreflightResult) -> None:
-    from voxdiff.preflight.measure import measure_steps, reference_row, write_rows
-
     run = run_spec(cfg, "cuda")  # on this GPU node: the local GPU's precision
     measured = measure_steps(run, int(cfg.preflight.measure_steps))
     row = reference_row(run, result.name, measured, result.report)

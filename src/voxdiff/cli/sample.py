@@ -1,7 +1,7 @@
 """``python sample.py ckpt_path=PATH [n=4] ...``: generate volumes from a training checkpoint.
 
 compose → validate → rebuild the run spec from the config stored in the checkpoint, for this device
-(:func:`voxdiff.checkpoint.rebuild_system`) → the system from it, with the checkpoint's weights → take ``n``
+(:func:`voxdiff.lightning.systems.rebuild_system`) → the system from it, with the checkpoint's weights → take ``n``
 masks (the validation subjects of the data config saved in the checkpoint, or ``data.root=DIR``) → the run's sampler
 (DDIM, or Euler for rectified flow; ``guidance_scale`` for classifier-free guidance) with the EMA weights → decode →
 NIfTI with the source affine + PNG montage per sample,
@@ -10,7 +10,7 @@ The precision is the trained one (``precision: null``): the checkpoint's ``train
 sampling device by :func:`voxdiff.step.decide_precision`, as the Trainer decided it.
 
 Exit codes (:mod:`voxdiff.cli.exit_codes`): 0 done; 2 the config or the checkpoint was refused; 5 the data was
-refused. The checkpoint is read as data (:func:`voxdiff.checkpoint.load_file`) and the run is rebuilt from its
+refused. The checkpoint is read as data (:func:`voxdiff.files.load_file`) and the run is rebuilt from its
 plain values through voxdiff's own builders: a ``_target_`` stored in it is never called unless it names one of
 voxdiff's own encoding or data classes.
 """
@@ -23,9 +23,10 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from voxdiff.checkpoint import CONFIG_KEY
 from voxdiff.cli.devices import check_device, pick_device
 from voxdiff.cli.exit_codes import refusals
-from voxdiff.config import config_dir, plain, require
+from voxdiff.config import config_dir, plain, require, voxdiff_class
 from voxdiff.errors import ConfigError, integer, one_of
 
 SPLITS = ("val", "all")
@@ -62,7 +63,8 @@ def _load(cfg: DictConfig, device: Any) -> tuple[Any, dict[str, Any], Any]:
     """
     import torch
 
-    from voxdiff.checkpoint import CONFIG_KEY, rebuild_system
+    # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
+    from voxdiff.lightning.systems import rebuild_system
 
     device_type = torch.device(device).type
     system, checkpoint, spec = rebuild_system(str(cfg.ckpt_path), "diffusion", _CKPT_FIX, device_type=device_type,
@@ -79,8 +81,6 @@ def _no_run_config(cfg: DictConfig) -> ConfigError:
 
 def _datamodule(saved: dict[str, Any], cfg: DictConfig):
     import lightning as L
-
-    from voxdiff.config import voxdiff_class
 
     data = dict(saved.get("data") or {})
     if not data:
@@ -101,6 +101,7 @@ def sample(cfg: DictConfig) -> list[Path]:
     import torch
     from torch.utils.data import ConcatDataset, DataLoader, Subset
 
+    # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
     from voxdiff.lightning.samples import save_samples
     from voxdiff.lightning.trainer import configure_cpu_threads
 

@@ -23,9 +23,11 @@ import hydra
 from omegaconf import DictConfig
 
 from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_DATA, EXIT_NO_FIT, EXIT_NONFINITE, EXIT_TERMINATED
+from voxdiff.cli.run_dir import claim, process_rank, release
 from voxdiff.config import check_name, config_dir, instantiate_config, plain
+from voxdiff.data.nifti import DataError
 from voxdiff.errors import ConfigError, Problems, boolean
-from voxdiff.run_spec import RunSpec, run_spec_problems
+from voxdiff.run.spec import RunSpec, run_spec_problems
 
 log = logging.getLogger("voxdiff.train")
 
@@ -38,7 +40,7 @@ class DoesNotFit(Exception):
 
 def validate(cfg: DictConfig) -> RunSpec:
     """The static checks of a training config, run before anything is built (no model, no data, no GPU): the run
-    spec (:func:`voxdiff.run_spec.run_spec_problems`: trainer, kind, strategy, GPU type, encoding and shapes, batch,
+    spec (:func:`voxdiff.run.spec.run_spec_problems`: trainer, kind, strategy, GPU type, encoding and shapes, batch,
     precision on this run's device, the UNet and its rules, the step, sampling; or the VQ-VAE), the run's own keys
     (``task_name``, ``overwrite``, ``ckpt_path``) and what the encoding needs now (a learned one: readable weights),
     every problem collected in one pass.
@@ -98,9 +100,10 @@ def prepare(cfg: DictConfig, run_dir: Path, spec: RunSpec) -> tuple[str | None, 
         ConfigError: the run directory, or the checkpoint, is refused.
         DoesNotFit: the training step does not fit this machine's memory.
     """
+    # deferred: Lightning and the preflight's trace engine cost seconds at start-up; a refused config exits before
+    from voxdiff.cli.preflight import details
     from voxdiff.lightning.resume import check_resume
-    from voxdiff.preflight.host import training_verdict
-    from voxdiff.run_dir import claim, process_rank
+    from voxdiff.preflight.check import training_verdict
 
     if process_rank() == 0:
         for note in claim(run_dir, cfg.get("ckpt_path"), bool(cfg.get("overwrite", False))):
@@ -113,8 +116,6 @@ def prepare(cfg: DictConfig, run_dir: Path, spec: RunSpec) -> tuple[str | None, 
         plan = check_resume(cfg, ckpt_path, spec)
     verdict = training_verdict(cfg, spec)
     if verdict is not None and not verdict.ok:
-        from voxdiff.cli.preflight import details
-
         if verdict.fits:  # the memory fits; the disk or the host memory does not
             raise DoesNotFit(f"does not fit: {verdict.misfits[0]}; nothing was built\n{details(verdict)}")
         raise DoesNotFit(
@@ -152,6 +153,7 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     Returns:
         ``{"run_dir", "metrics", "last_checkpoint", "best_checkpoint"}`` (metrics as floats).
     """
+    # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
     import lightning as L
     import torch
     from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -166,7 +168,6 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
         instantiate_callbacks,
         instantiate_loggers,
     )
-    from voxdiff.run_dir import process_rank
 
     _one_console_log()
     L.seed_everything(int(cfg.seed) + process_rank(), workers=True)  # DDP broadcasts rank 0's initial weights
@@ -229,11 +230,10 @@ def _exit(code: int, message: str, prefix: str = "config error") -> NoReturn:
 def train(cfg: DictConfig) -> dict[str, Any]:
     """validate → prepare → run, with the exits of the command line: every refusal and every stop prints one clear
     message (no traceback) and exits with its code (:mod:`voxdiff.cli.exit_codes`)."""
+    # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from voxdiff.data.nifti import DataError
     from voxdiff.lightning.diffusion import NonFiniteLossError
-    from voxdiff.run_dir import release
 
     run_dir = Path(cfg.paths.output_dir)
     try:

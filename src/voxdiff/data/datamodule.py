@@ -17,9 +17,11 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from voxdiff.data.nifti import CACHE_MODES, IMAGE_NAME, MASK_NAME, DataError, NiftiDataset, find_subjects
+from voxdiff.data.nifti import CACHE_MODES, IMAGE_NAME, MASK_NAME, DataError, NiftiDataset, _stamp, find_subjects
 from voxdiff.data.phantom import PhantomDataset, check_volume_shape, subject_name
+from voxdiff.data.shared import launch_rank, one_writes
 from voxdiff.errors import ConfigError, integer, number, one_of, plain
+from voxdiff.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -170,10 +172,6 @@ class VolumeDataModule(L.LightningDataModule):
         naming these subjects' files (path, size, time); the other ranks wait for the marker, then load them from
         the cache."""
         import json
-
-        from voxdiff.data.nifti import _stamp
-        from voxdiff.data.shared import launch_rank, one_writes
-        from voxdiff.lightning.checkpoint_io import atomic_write
 
         records = [r for ds in (self.train_dataset, self.val_dataset) for r in ds.records]
         files = sorted((r["subject"], *[(str(r[k]), _stamp(str(r[k]))) for k in ("image", "mask")]) for r in records)

@@ -44,8 +44,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from voxdiff.config import voxdiff_class
+from voxdiff.data.datamodule import split_subjects
+from voxdiff.data.phantom import check_volume_shape
 from voxdiff.encodings.base import LearnedEncoding
 from voxdiff.errors import ConfigError, integer, number, plain
+from voxdiff.files import atomic_write, load_file
 
 INDEX_NAME = "index.json"
 FORMAT = "voxdiff-latents/1"
@@ -62,8 +66,6 @@ def _safe(name: str) -> str:
 
 def _atomic_write(path: Path, write) -> None:  # noqa: ANN001 - write(file object)
     """Write ``path`` so that readers never see half a file (the checkpoints' atomic writer)."""
-    from voxdiff.lightning.checkpoint_io import atomic_write
-
     atomic_write(path, write)
 
 
@@ -271,8 +273,6 @@ def check_latent_cache(
 def index_encoding(index: Mapping[str, Any], key: str, cache_dir: str | Path) -> type[LearnedEncoding]:
     """The :class:`~voxdiff.encodings.LearnedEncoding` class that made a cache (its index's ``encoding``; only
     voxdiff's own encoding classes are imported)."""
-    from voxdiff.config import voxdiff_class
-
     target = index.get("encoding", DEFAULT_ENCODING)
     cls, _ = voxdiff_class({"_target_": target}, f"{key} ({cache_dir}/{INDEX_NAME}: encoding)", LearnedEncoding,
                            ("voxdiff.encodings",), "rewrite the cache with python cache_latents.py")
@@ -307,7 +307,6 @@ class LatentDataset(Dataset):
     def _load(self, i: int) -> dict[str, torch.Tensor]:
         if i in self._memory:
             return self._memory[i]
-        from voxdiff.checkpoint import load_file
 
         path = self.cache_dir / self.index["subjects"][self.subjects[i]]
         record = load_file(path, "data.latent_dir", "rewrite the cache with python cache_latents.py (the command "
@@ -374,8 +373,6 @@ class LatentDataModule(L.LightningDataModule):
         pin_memory: bool = False,
     ) -> None:
         super().__init__()
-        from voxdiff.data.datamodule import split_subjects
-        from voxdiff.data.phantom import check_volume_shape
 
         latent_dir = plain(latent_dir)
         if latent_dir is None:

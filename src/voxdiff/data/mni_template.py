@@ -33,7 +33,10 @@ from typing import Any
 import numpy as np
 
 from voxdiff.data.datamodule import VolumeDataModule
+from voxdiff.data.shared import one_writes
 from voxdiff.errors import ConfigError, integer, number, one_of
+from voxdiff.files import atomic_write
+from voxdiff.viz import save_nifti
 
 TEMPLATES = ("mni152_2009", "colin27")
 #: where Debian's mricron-data installs Colin27
@@ -146,10 +149,6 @@ def subject_folder(out_dir: str | os.PathLike[str], template: str, voxel_mm: flo
 
     In a multi-process run the node's rank 0 writes them and the other ranks wait for ``settings.json``, written
     last (:func:`voxdiff.data.shared.one_writes`); every file is written atomically."""
-    from voxdiff.data.shared import one_writes
-    from voxdiff.lightning.checkpoint_io import atomic_write
-    from voxdiff.viz import save_nifti
-
     settings = _settings(template, voxel_mm, num_subjects, seed)
     root = subject_root(out_dir, template, voxel_mm, num_subjects, seed)
 

@@ -24,13 +24,14 @@ from voxdiff.diffusion.process import (
     DiffusionSettings,
     min_snr_weight,
 )
-from voxdiff.diffusion.processes import PROCESSES, build_process, diffusion_settings
+from voxdiff.diffusion.processes import PROCESSES, Process, build_process, diffusion_settings
 from voxdiff.diffusion.rflow import RectifiedFlow, RFlowSettings
 
 __all__ = [
     "MODES",
     "PREDICTION_TYPES",
     "PROCESSES",
+    "Process",
     "SCHEDULES",
     "DiffusionProcess",
     "DiffusionSettings",

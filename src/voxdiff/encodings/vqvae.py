@@ -28,7 +28,8 @@ import torch
 from einops import rearrange
 
 from voxdiff.encodings.base import LearnedEncoding
-from voxdiff.errors import ConfigError, Problems, boolean, int_list, integer, number
+from voxdiff.errors import ConfigError, boolean, int_list, integer, number
+from voxdiff.files import load_file
 
 #: (stride, kernel, dilation, padding) of each down-sampling convolution: halves even sizes exactly
 DOWNSAMPLE = (2, 4, 1, 1)
@@ -81,7 +82,7 @@ class VQVAESpec:
         )
 
 
-def _as_list(value: Any) -> Any:
+def as_list(value: Any) -> Any:
     """Sequences (tuples, Hydra's ListConfig) → a plain list; anything else unchanged."""
     if isinstance(value, Sequence) and not isinstance(value, str) or type(value).__name__ == "ListConfig":
         return list(value)
@@ -115,8 +116,8 @@ def vqvae_spec(
         use_checkpoint: MONAI's activation checkpointing (``use_checkpointing``) of the encoder and the decoder.
         key: the config node these values come from, for the error messages.
     """
-    channels = _as_list(channels)
-    num_res_channels = _as_list(num_res_channels)
+    channels = as_list(channels)
+    num_res_channels = as_list(num_res_channels)
     integer(f"{key}.factor", factor, minimum=1, example=4)
     if factor < 2 or factor & (factor - 1):
         raise ConfigError(f"{key}.factor", factor, "a VQ-VAE down-samples by stride-2 levels: a power of two ≥ 2",
@@ -161,82 +162,6 @@ def vqvae_spec(
     )
 
 
-#: batch keys a stage 1 trains on (``system.modalities``), and its reconstruction losses (``system.loss``)
-MODALITIES = ("image", "mask")
-RECONSTRUCTION_LOSSES = ("mse", "l1")
-
-
-@dataclass(frozen=True)
-class Stage1Settings:
-    """How stage 1 trains (``configs/system/vqvae.yaml``), validated: what
-    :class:`voxdiff.lightning.vqvae.VQVAESystem` is built from and saves as plain hyper-parameters.
-
-    Attributes:
-        vqvae: the architecture.
-        optim: AdamW and its schedule (:class:`voxdiff.step.OptimSettings`).
-        loss: ``{"reconstruction": "mse" | "l1", "quantization_weight": float}``.
-        modalities: batch keys stacked into the autoencoder's batch.
-        volume_shape: ``(D, H, W)`` of the training volumes (each divisible by the factor), or None.
-        codebook: ``{"init_from_data": bool, "dead_code_fraction": float in [0, 1)}``.
-    """
-
-    vqvae: VQVAESpec
-    optim: Any  # voxdiff.step.OptimSettings
-    loss: dict[str, Any]
-    modalities: tuple[str, ...]
-    volume_shape: tuple[int, int, int] | None
-    codebook: dict[str, Any]
-
-
-def stage1_settings(
-    vqvae: Mapping[str, Any],
-    optim: Mapping[str, Any] | None = None,
-    loss: Mapping[str, Any] | None = None,
-    modalities: Sequence[str] = MODALITIES,
-    volume_shape: Sequence[int] | None = None,
-    codebook: Mapping[str, Any] | None = None,
-) -> Stage1Settings:
-    """Validate ``system.vqvae``, ``.optim``, ``.loss``, ``.modalities``, ``.volume_shape`` and ``.codebook`` of a
-    stage-1 run (plain values; missing keys of ``loss`` and ``codebook`` take their defaults).
-
-    Raises:
-        ConfigError: the one problem, or :class:`~voxdiff.errors.ConfigErrors` naming every problem found.
-    """
-    from voxdiff.step.optim import optim_settings
-
-    collect = Problems()
-    spec = collect(lambda: vqvae_spec(**dict(vqvae or {})))
-    optim_ = collect(lambda: optim_settings(optim or {}))
-    loss = {"reconstruction": "mse", "quantization_weight": 1.0, **dict(loss or {})}
-    codebook = {"init_from_data": True, "dead_code_fraction": 0.03, **dict(codebook or {})}
-    modalities = tuple(_as_list(modalities) or ())
-    if loss["reconstruction"] not in RECONSTRUCTION_LOSSES:
-        collect.found.append(ConfigError("system.loss.reconstruction", loss["reconstruction"],
-                                         "unknown reconstruction loss",
-                                         f"use one of {', '.join(RECONSTRUCTION_LOSSES)}"))
-    collect(lambda: number("system.loss.quantization_weight", loss["quantization_weight"], lo=0,
-                           fix="use 1.0 (the weight of the VQ loss)"))
-    if not modalities or not set(modalities) <= set(MODALITIES) or len(set(modalities)) != len(modalities):
-        collect.found.append(ConfigError("system.modalities", list(modalities),
-                                         f"must be distinct batch keys out of {MODALITIES}",
-                                         "use [image, mask] (one shared VQ-VAE for both)"))
-    collect(lambda: boolean("system.codebook.init_from_data", codebook["init_from_data"], fix="use true"))
-    collect(lambda: number("system.codebook.dead_code_fraction", codebook["dead_code_fraction"], lo=0, hi=1,
-                           hi_open=True, fix="use 0.03 (or 0 to turn dead-code restarts off)"))
-    shape = None
-    if volume_shape is not None:
-        shape = tuple(int(v) for v in _as_list(volume_shape))
-        for axis, size in zip(("depth", "height", "width"), shape):
-            if spec is not None and size % spec.factor:
-                collect.found.append(ConfigError(
-                    "data.volume_shape", list(shape), f"the {axis} {size} is not divisible by the VQ-VAE factor "
-                    f"{spec.factor}", f"pad or crop the {axis} to a multiple of {spec.factor}"))
-                break
-    collect.raise_all()
-    return Stage1Settings(vqvae=spec, optim=optim_, loss=loss, modalities=modalities, volume_shape=shape,
-                          codebook=codebook)
-
-
 def build_vqvae(spec: VQVAESpec) -> torch.nn.Module:
     """MONAI's ``VQVAE(spatial_dims=3, in_channels=1, out_channels=1, ...)`` of a validated spec.
 
@@ -277,13 +202,11 @@ class Stage1Checkpoint:
 def read_stage1_checkpoint(path: str | Path, key: str = "encoding.checkpoint") -> Stage1Checkpoint:
     """Read a stage-1 checkpoint written by ``python train.py experiment=vqvae_4x`` (or vqvae_8x, vqvae_demo).
 
-    Only tensors and plain data are unpickled (:func:`voxdiff.checkpoint.load_file`).
+    Only tensors and plain data are unpickled (:func:`voxdiff.files.load_file`).
 
     Raises:
         ConfigError: no such file, unreadable, or not a voxdiff VQ-VAE checkpoint (named as ``key``).
     """
-    from voxdiff.checkpoint import load_file
-
     path = Path(path)
     ckpt = load_file(path, key, "train stage 1 first (python train.py experiment=vqvae_4x) and pass its "
                      "<run dir>/checkpoints/last.ckpt")

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from voxdiff.encodings.vqvae import build_vqvae, read_stage1_checkpoint
 from voxdiff.errors import ConfigError
 
 #: MedicalNet ResNet depths MONAI builds
@@ -174,8 +175,6 @@ class VQVAEFeatures(FeatureExtractor):
     """
 
     def __init__(self, checkpoint: str | Path) -> None:
-        from voxdiff.encodings.vqvae import build_vqvae, read_stage1_checkpoint
-
         stage1 = read_stage1_checkpoint(checkpoint, key="stage1_ckpt")
         ae = build_vqvae(replace(stage1.spec, use_checkpoint=False))
         ae.load_state_dict(stage1.state)

@@ -5,8 +5,7 @@ callbacks and the Trainer factory. The training step they drive (optimizer, EMA,
 
 from __future__ import annotations
 
-from typing import Any
-
+from voxdiff.files import atomic_torch_save
 from voxdiff.lightning.callbacks import (
     ConfigInCheckpoint,
     HoldAtStep,
@@ -15,9 +14,10 @@ from voxdiff.lightning.callbacks import (
     ProgressBar,
     StepsPerSecond,
 )
-from voxdiff.lightning.checkpoint_io import AtomicCheckpointIO, atomic_torch_save
+from voxdiff.lightning.checkpoint_io import AtomicCheckpointIO
 from voxdiff.lightning.diffusion import DiffusionSystem, NonFiniteLossError
 from voxdiff.lightning.trainer import build_trainer, resolve_precision
+from voxdiff.lightning.vqvae import VQVAESystem
 
 __all__ = [
     "AtomicCheckpointIO",
@@ -35,11 +35,3 @@ __all__ = [
     "resolve_precision",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    # the stage-1 system lives in its own module (configs/system/vqvae.yaml: voxdiff.lightning.VQVAESystem)
-    if name == "VQVAESystem":
-        from voxdiff.lightning.vqvae import VQVAESystem
-
-        return VQVAESystem
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,16 +1,16 @@
 """The Lightning system of a diffusion UNet: the training step's hooks, validation loss, samples, full resume.
 
 ``python train.py`` instantiates it from ``configs/system/diffusion.yaml`` (``_recursive_: false``) with the run
-spec's system part (:class:`voxdiff.run_spec.SystemSpec`: the encoding, the UNet's arguments resolved for the
+spec's system part (:class:`voxdiff.run.spec.SystemSpec`: the encoding, the UNet's arguments resolved for the
 device, the step's recipe, sampling), which it builds from; the model, encoding, diffusion and mode configs arrive
 as config nodes and are saved, as plain data, with ``save_hyperparameters`` (never modules). Rebuilt from a
-checkpoint without a spec, it resolves its part from those hyper-parameters (:func:`voxdiff.run_spec.system_spec`,
+checkpoint without a spec, it resolves its part from those hyper-parameters (:func:`voxdiff.run.spec.system_spec`,
 the same checks).
 
 The training step itself is :class:`voxdiff.step.TrainStep` (no Lightning in it), the same object the preflight
 traces and the measure mode runs; the hooks below only hand it over to Lightning's loop::
 
-    training_step               → step.loss (encode_batch → DiffusionProcess.loss, compiled with model.compile →
+    training_step               → step.loss (encode_batch → the process's loss, compiled with model.compile →
                                   guard record)
     optimizer_zero_grad         → step.zero_grad_before_backward (nothing: the system frees them after the step)
     backward                    → loss.backward() (compiler failures named: step.compile_errors)
@@ -44,9 +44,13 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from voxdiff.config import check_kind, plain
 from voxdiff.diffusion import build_process, encoded_range
 from voxdiff.lightning.callbacks import ProgressBar
+from voxdiff.lightning.distributed import ema_checkpoint_state, shard_system
 from voxdiff.lightning.optim import lightning_optimizers
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
+from voxdiff.lightning.samples import save_samples
+from voxdiff.models.sharding import is_sharded
 from voxdiff.models.unet import build_unet_from_spec
+from voxdiff.run.spec import system_spec
 from voxdiff.step import (
     EMA,
     CompileSettings,
@@ -58,7 +62,7 @@ from voxdiff.step import (
 from voxdiff.step.sampling import SamplerChoice, SamplingSettings, sampler_choice
 
 if TYPE_CHECKING:
-    from voxdiff.run_spec import SystemSpec
+    from voxdiff.run.spec import SystemSpec
 
 __all__ = ["DiffusionSystem", "NonFiniteLossError", "SamplingSettings"]
 
@@ -87,7 +91,7 @@ class DiffusionSystem(L.LightningModule):
             hyper-parameter: the same checkpoint samples on another device.
         kind: ``system.kind``, what the run trains (:func:`voxdiff.config.run_kind`): must be :attr:`kind`, which
             is saved among the hyper-parameters (what :func:`voxdiff.checkpoint.checkpoint_kind` reads).
-        spec: what to build, resolved from the same config by the run spec (:attr:`voxdiff.run_spec.RunSpec.system`,
+        spec: what to build, resolved from the same config by the run spec (:attr:`voxdiff.run.spec.RunSpec.system`,
             for ``device_type``); None: resolved here from the arguments above. Not a hyper-parameter.
 
     Config containers are converted to plain Python here; all of the above but ``device_type`` and ``spec`` is
@@ -124,8 +128,6 @@ class DiffusionSystem(L.LightningModule):
              "kind": self.kind}
         )
         if spec is None:
-            from voxdiff.run_spec import system_spec
-
             spec = system_spec(self.kind, self.hparams, device_type or accelerator_device("auto"))
         elif spec.kind != self.kind:
             raise ValueError(f"DiffusionSystem is built from a diffusion run's spec, not a {spec.kind} run's")
@@ -163,8 +165,6 @@ class DiffusionSystem(L.LightningModule):
         """``trainer=fsdp`` (a device mesh): shard the UNet per resnet/attention block, the EMA with it
         (:func:`voxdiff.lightning.distributed.shard_system`); other strategies: nothing."""
         if self.device_mesh is not None:
-            from voxdiff.lightning.distributed import shard_system
-
             shard_system(self, self.device_mesh)
 
     def on_fit_start(self) -> None:
@@ -327,15 +327,12 @@ class DiffusionSystem(L.LightningModule):
     def write_samples(self, tag: str) -> list[Path]:
         """Sample from the cached validation masks (EMA weights, DDIM), save NIfTI + montage, log the montage.
         Rank 0 writes; under FSDP every rank runs the sharded UNet with it (each forward gathers from all ranks)."""
-        from voxdiff.models.sharding import is_sharded
-
         if not self.sampling.num_masks or not (self.trainer.is_global_zero or is_sharded(self.model)):
             return []
         self._fill_val_cache()
         if not self._val_cache:
             log.warning("no validation masks to sample from: no samples written")
             return []
-        from voxdiff.lightning.samples import save_samples
 
         out_dir = Path(self.trainer.default_root_dir) / "samples"
         masks = torch.cat([c["mask"] for c in self._val_cache])
@@ -360,8 +357,6 @@ class DiffusionSystem(L.LightningModule):
         # checkpoint on disk stays the last good one
         self.step.check_guard(" (checked before writing a checkpoint)")
         if self.ema is not None:  # full tensors (gathered from the shards under FSDP)
-            from voxdiff.lightning.distributed import ema_checkpoint_state
-
             checkpoint["ema"] = ema_checkpoint_state(self.ema, self.model)
         checkpoint["rng_states"] = gather_rng_states()
 

@@ -32,6 +32,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from voxdiff.config import check_kind
 from voxdiff.models.sharding import is_sharded, shard_unet
+from voxdiff.step.ema import EMA
 
 
 def parameter_checksum(module: torch.nn.Module) -> torch.Tensor:
@@ -88,8 +89,6 @@ def shard_system(system: Any, mesh: Any) -> None:
 
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    from voxdiff.step.ema import EMA
 
     model = system.model
     if is_sharded(model):
@@ -161,7 +160,7 @@ class ShardedUNetStrategy(SharedSamplerSeed, ModelParallelStrategy):
     with one data-parallel dimension over every process of every node, i.e. FSDP over the whole world (Lightning's
     default shards within a node and replicates across nodes through a second, tensor-parallel dimension that
     voxdiff does not use), writing one checkpoint file (``save_distributed_checkpoint=False``; a folder of shards
-    is refused by :func:`voxdiff.run_spec.validate_trainer`: voxdiff's resume, ``ckpt_path=auto``,
+    is refused by :func:`voxdiff.run.spec.validate_trainer`: voxdiff's resume, ``ckpt_path=auto``,
     ``sample.py`` and ``evaluate.py`` read one file, as data only, and the shards' metadata is a pickle), with
     :class:`SharedSamplerSeed`. The sharding itself happens in ``DiffusionSystem.configure_model``
     (:func:`shard_system`). Other arguments are Lightning's."""

@@ -24,6 +24,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from voxdiff.lightning.callbacks import LastCheckpoint
+
 
 def slurm_job_id() -> str | None:
     """This process's Slurm job (``<array job>_<task>`` for an array task), or None outside a batch job."""
@@ -54,8 +56,6 @@ def requeue_slurm_job(job: str) -> str:
 
 
 def _resume_path(trainer: L.Trainer) -> Path:
-    from voxdiff.lightning.callbacks import LastCheckpoint
-
     for cb in trainer.checkpoint_callbacks:
         if isinstance(cb, LastCheckpoint) and cb.dirpath:
             return Path(cb.dirpath) / f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"

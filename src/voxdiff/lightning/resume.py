@@ -28,11 +28,12 @@ from typing import Any
 import lightning as L
 from omegaconf import DictConfig
 
-from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind, load_file
-from voxdiff.config import plain
+from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind
+from voxdiff.config import encoding_configs, plain
 from voxdiff.encodings import LearnedEncoding
 from voxdiff.errors import ConfigError, show_value
-from voxdiff.run_spec import RunSpec
+from voxdiff.files import load_file
+from voxdiff.run.spec import RunSpec, run_spec, system_spec
 
 #: UNet arguments that change memory and speed, not the weights
 RUNTIME_MODEL_KEYS = ("use_flash_attention", "gradient_checkpointing", "compile", "compile_mode", "compile_backend",
@@ -79,9 +80,6 @@ def _cli(value: Any) -> str:
 
 def _kind_fix(kind: str, path: str) -> str:
     if kind == "stage1":
-        from voxdiff.config import encoding_configs
-        from voxdiff.encodings import LearnedEncoding
-
         learned = "|".join(encoding_configs(LearnedEncoding))
         return (f"to train latent diffusion on this stage 1, pass it as encoding.checkpoint={path} "
                 f"(a latent experiment: encoding={learned} data=latents, with a cache from python cache_latents.py "
@@ -102,10 +100,8 @@ def architecture_differences(hparams: Mapping[str, Any], cfg: DictConfig, path: 
     """``(key, in the checkpoint, now)`` for every architectural setting that differs (see the module docstring).
 
     The stored side is the system part the checkpoint's hyper-parameters resolve to
-    (:func:`voxdiff.run_spec.system_spec`), the current side ``spec``'s (None: :func:`voxdiff.run_spec.run_spec` of
+    (:func:`voxdiff.run.spec.system_spec`), the current side ``spec``'s (None: :func:`voxdiff.run.spec.run_spec` of
     ``cfg``), both for the same device."""
-    from voxdiff.run_spec import run_spec, system_spec
-
     spec = spec if spec is not None else run_spec(cfg)
     try:
         old_spec = system_spec(spec.kind, hparams, spec.device_type)
@@ -164,8 +160,6 @@ def check_resume(cfg: DictConfig, ckpt_path: str, spec: RunSpec | None = None) -
     Raises:
         ConfigError: the file cannot be read, is of the other system, or was trained with another architecture.
     """
-    from voxdiff.run_spec import run_spec
-
     spec = spec if spec is not None else run_spec(cfg)
     ckpt = load_file(ckpt_path, "ckpt_path", _RESUME_FIX, mmap=True)
     kind, wanted = checkpoint_kind(ckpt), spec.kind

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from voxdiff.viz import save_montage, save_nifti
+
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", str(name)).strip("_") or "sample"
@@ -43,8 +45,6 @@ def save_samples(
         affines: ``B`` voxel-to-world ``(4, 4)`` matrices of the source volumes.
         subjects: ``B`` subject names.
     """
-    from voxdiff.viz import save_montage, save_nifti
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pngs = []

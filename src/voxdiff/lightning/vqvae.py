@@ -41,13 +41,16 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from voxdiff.config import check_kind, plain
-from voxdiff.encodings.vqvae import MODALITIES, SCALE_KEY, build_vqvae
+from voxdiff.encodings.vqvae import SCALE_KEY, build_vqvae
 from voxdiff.lightning.optim import configure_adamw
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
+from voxdiff.run.spec import system_spec
+from voxdiff.run.stage1 import MODALITIES
 from voxdiff.step import PhaseProbe
+from voxdiff.viz import save_montage
 
 if TYPE_CHECKING:
-    from voxdiff.run_spec import SystemSpec
+    from voxdiff.run.spec import SystemSpec
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +91,8 @@ class VQVAESystem(L.LightningModule):
             N(0, 1) vectors far from the encoder's outputs and collapses to one or two codes without these.
         kind: ``system.kind``, what the run trains (:func:`voxdiff.config.run_kind`): must be :attr:`kind`, which
             is saved among the hyper-parameters (what :func:`voxdiff.checkpoint.checkpoint_kind` reads).
-        spec: the run spec's system part (:attr:`voxdiff.run_spec.RunSpec.system`, its
-            :class:`~voxdiff.encodings.vqvae.Stage1Settings` validated with the rest of the config); None: the
+        spec: the run spec's system part (:attr:`voxdiff.run.spec.RunSpec.system`, its
+            :class:`~voxdiff.run.stage1.Stage1Settings` validated with the rest of the config); None: the
             arguments above are validated here the same way. Not a hyper-parameter.
     """
 
@@ -112,8 +115,6 @@ class VQVAESystem(L.LightningModule):
         super().__init__()
         check_kind(type(self), kind)
         if spec is None:  # resolved here from the arguments, by the run spec's checks
-            from voxdiff.run_spec import system_spec
-
             given = {"vqvae": vqvae, "optim": optim, "loss": loss, "modalities": modalities,
                      "volume_shape": volume_shape, "codebook": codebook}
             spec = system_spec(self.kind, {k: v for k, v in given.items() if v is not None}, "cpu")
@@ -312,8 +313,6 @@ class VQVAESystem(L.LightningModule):
             self._save_montage()
 
     def _save_montage(self) -> Path:
-        from voxdiff.viz import save_montage
-
         m = self._montage
         columns = {k: v for k, v in m.items() if k not in ("subject", "psnr")}
         title = f"VQ-VAE {self.spec.factor}x, epoch {self.current_epoch}, step {self.global_step}, {m['subject']}"

@@ -4,8 +4,8 @@ node).
 The entry point is :func:`predict_step_memory`, which traces the training step (:class:`voxdiff.step.TrainStep`
 of a named :class:`voxdiff.step.Recipe`) of a model on the ``meta`` device (CUDA autocast and FlashAttention
 emulated) and returns a :class:`MemoryReport`; with ``compile=True`` the model runs as ``torch.compile`` would run it
-(:mod:`voxdiff.preflight.compiled`). :func:`voxdiff.preflight.check.predict_memory` does it for a run
-config, :func:`voxdiff.preflight.sweep.sweep` over a CSV of UNet configurations.
+(:mod:`voxdiff.preflight.compiled`). :func:`voxdiff.preflight.memory.predict_memory` does it for a run
+spec, :func:`voxdiff.benchmarks.sweep.sweep` over a CSV of UNet configurations.
 """
 
 from voxdiff.preflight.memory import (

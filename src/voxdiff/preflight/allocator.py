@@ -1,5 +1,5 @@
 """What a trace cannot see: the CUDA caching allocator's segments and the CUDA context (the cuBLAS workspaces of
-each GPU type: :mod:`voxdiff.preflight.gpus`).
+each GPU type: :mod:`voxdiff.run.gpus`).
 
 All sizes are bytes; GiB means 2**30 bytes.
 
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import bisect
 
+from voxdiff.units import GiB, MiB
+
 __all__ = [
     "CUDA_CONTEXT_BYTES",
     "K_LARGE_BUFFER",
@@ -34,9 +36,6 @@ __all__ = [
     "segment_size",
     "simulate_reserved",
 ]
-
-MiB = 2**20
-GiB = 2**30
 
 K_SMALL_SIZE = 1 * MiB  # largest "small" request
 K_SMALL_BUFFER = 2 * MiB  # small-pool segment size

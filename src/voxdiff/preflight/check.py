@@ -1,23 +1,15 @@
-"""Preflight of one configuration: static rules, then the memory of the training step that ``train.py`` runs.
+"""The preflight's verdict on one configuration: every configuration problem, then whether the run fits its GPU,
+its disk and its nodes' memory, and fixes where it does not.
 
-The traced step is the trainer's own object, :class:`voxdiff.step.TrainStep`, made as :func:`step_plan` says:
-the UNet from :func:`voxdiff.config.build_model` (with its checkpointing policy), the recipe of
-``preflight.recipe`` (``system``: :func:`voxdiff.step.recipe_from_config` — the configured diffusion loss, AdamW
-as ``system.optim`` sets it, ``trainer.gradient_clip_val`` and the non-finite guard, the EMA as ``system.ema``
-says, gradients freed after the optimizer step), the batch the data module hands over (``data.batch_size``
-volumes, or latents for a learned encoding), and the precision :func:`voxdiff.step.decide_precision` picks for the
-GPU. The measure mode (:mod:`voxdiff.preflight.measure`) runs the same plan on a GPU. Nothing here needs a GPU;
-:func:`run_preflight` takes ~1 s per configuration on a laptop CPU (more when it suggests fixes).
-
-Under ``trainer=ddp`` / ``trainer=fsdp`` (more than one process) the step is traced as one rank runs it — DDP's
-buckets, FSDP's shards, the all-gathered unit in flight, the sharded AdamW state and EMA
-(:mod:`voxdiff.preflight.distributed`) — and the per-GPU peak is that rank's. The host memory of the data
-module per rank (and node) is reported beside it.
-
-A run that compiles its model (``model.compile``: ``auto`` is on for the GPU predicted) is predicted compiled
-(:mod:`voxdiff.preflight.compiled`: 10-25 s the first time for a full-size UNet, then read from its cache), a DDP
-rank too; an FSDP rank, a gradient-checkpointed model, the fixes and ``run_preflight(compile=False)`` are traced
-eagerly, an upper bound that the report names (``model_step``).
+:func:`run_preflight` (``preflight.py``) resolves the run spec once (:func:`voxdiff.run.spec.run_spec_problems`, for
+the GPU predicted: :data:`~voxdiff.preflight.memory.PREDICTED_DEVICE`), then reads everything from it: the training
+step's peak (:func:`voxdiff.preflight.memory.predict_memory`), validation and sampling
+(:func:`voxdiff.preflight.phases.predict_phases`) or a stage 1 (:func:`voxdiff.preflight.stage1.predict_stage1`),
+disk, host memory and time (:func:`voxdiff.preflight.resources.run_needs`); the verdict is on the largest peak
+against the GPU's budget. A config that does not fit gets fixes, each a config override resolved into a spec of its
+own and traced eagerly (an upper bound of its compiled step). :func:`training_verdict` runs the same for
+``train.py`` on the machine it starts on. Nothing here needs a GPU: ~1 s per configuration on a laptop CPU (more
+when it suggests fixes, 10-25 s for a compiled step's first trace).
 """
 
 from __future__ import annotations
@@ -32,78 +24,25 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from voxdiff.config import Shapes, select
-from voxdiff.encodings.base import Encoding
 from voxdiff.errors import ConfigError
-from voxdiff.models.unet import UNetSpec, build_unet_from_spec
-from voxdiff.preflight.distributed import DataMemory, Parallel, data_memory
-from voxdiff.preflight.gpus import DEFAULT_GPU, GPUS, GpuSpec
-from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
+from voxdiff.encodings.vqvae import build_vqvae
+from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, PREDICTED_DEVICE, MemoryReport, predict_memory, step_plan
 from voxdiff.preflight.phases import PhasesReport, predict_phases
-from voxdiff.preflight.resources import RunNeeds, run_needs, step_cost
+from voxdiff.preflight.resources import DataMemory, RunNeeds, data_memory, host_memory_bytes, run_needs, step_cost
 from voxdiff.preflight.stage1 import Stage1Report, predict_stage1
-from voxdiff.run_spec import RunSpec, run_spec, run_spec_problems
-from voxdiff.step import SEED, Recipe, batch_shapes
-
-PREDICTED_DEVICE = "cuda"
-"""The device the preflight predicts a run on: a GPU. It resolves the model's ``auto`` switches for it (SDPA
-attention on: :meth:`voxdiff.models.UNetSpec.for_device`) and picks the optimizer torch runs there (fused AdamW)."""
+from voxdiff.run.gpus import DEFAULT_GPU, GPUS, GpuSpec
+from voxdiff.run.parallel import Parallel
+from voxdiff.run.spec import RunSpec, run_spec, run_spec_problems
+from voxdiff.units import GiB
 
 
 def gpu_budget_gib(run: RunSpec) -> tuple[float, str]:
     """The memory budget per GPU of ``run`` and where it comes from: ``preflight.gpu_memory_gib``, else the memory
-    of its GPU type (:func:`~voxdiff.preflight.gpus.resolve_gpu`)."""
+    of its GPU type (:func:`~voxdiff.run.gpus.resolve_gpu`)."""
     if run.preflight.gpu_memory_gib is not None:
         return run.preflight.gpu_memory_gib, "preflight.gpu_memory_gib"
     source = "default GPU" if run.gpu_source == "default" else run.gpu_source
     return run.gpu.total_gib, f"{source} {run.gpu.name}"
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What the training step of a config is made of, for the trace (:func:`predict_memory`) and the measure mode.
-
-    Attributes:
-        encoding: the encoding (volumes → UNet input).
-        shapes: the encoded shapes.
-        spec: the UNet's validated arguments, resolved for :data:`PREDICTED_DEVICE`.
-        recipe: the step's recipe (``preflight.recipe``, default ``system``).
-        batch: shapes of the tensors of one batch as the data module hands them over.
-        mode: ``bravo`` or ``seg``.
-        run: the run's :class:`~voxdiff.run_spec.RunSpec` (resolved for :data:`PREDICTED_DEVICE`, or for the
-            device a run starts on: :func:`voxdiff.preflight.host.training_verdict`), which the above are taken
-            from; the precision traced is its ``precision``, the GPU its ``gpu``.
-    """
-
-    encoding: Encoding
-    shapes: Shapes
-    spec: UNetSpec
-    recipe: Recipe
-    batch: dict[str, tuple[int, ...]]
-    mode: str
-    run: RunSpec
-
-    def build_model(self):
-        """The UNet of the plan (call under ``torch.device("meta")`` to build it at no cost)."""
-        return build_unet_from_spec(self.spec, preserve_rng_state=False)
-
-    @property
-    def input_shape(self) -> tuple[int, ...]:
-        """``(B, C_in, d, h, w)`` of the UNet input."""
-        return (next(iter(self.batch.values()))[0], *self.shapes.unet_input)
-
-
-def step_plan(run: RunSpec | DictConfig) -> StepPlan:
-    """The :class:`StepPlan` of a diffusion run: its spec (a config is resolved for :data:`PREDICTED_DEVICE`) with
-    the step of ``preflight.recipe``.
-
-    Raises:
-        ConfigError: every problem of the run spec (:func:`voxdiff.run_spec.run_spec`).
-    """
-    if not isinstance(run, RunSpec):
-        run = run_spec(run, PREDICTED_DEVICE)
-    recipe = SEED if run.preflight.recipe == "seed" else run.recipe
-    return StepPlan(run.encoding, run.shapes, run.unet, recipe,
-                    batch_shapes(run.encoding, run.shapes.volume, run.batch_size), run.mode, run)
 
 
 @dataclass
@@ -127,13 +66,13 @@ class PreflightResult:
     levels: int = 0
     params: int = 0
     report: MemoryReport | None = None
-    strategy: str = "single"  # single | ddp | fsdp (voxdiff.preflight.distributed.parallel_of)
+    strategy: str = "single"  # single | ddp | fsdp (voxdiff.run.parallel.parallel_of)
     world_size: int = 1
     per_gpu_peak_gib: float = 0.0  # predicted max_memory_allocated of one GPU (one rank of DDP/FSDP)
     need_gib: float = 0.0  # per_gpu_peak * (1 + margin) + CUDA context
     budget_gib: float = GPUS[DEFAULT_GPU].total_gib
     budget_source: str = "default"
-    gpu: GpuSpec | None = None  # the GPU predicted for (voxdiff.preflight.gpus.resolve_gpu)
+    gpu: GpuSpec | None = None  # the GPU predicted for (voxdiff.run.gpus.resolve_gpu)
     parallel: Parallel | None = None  # the strategy the trace is of (one rank of it)
     data: DataMemory | None = None  # host memory of the data module per rank (data.cache=memory, latents)
     fits: bool = False
@@ -154,39 +93,6 @@ class PreflightResult:
     @property
     def ok(self) -> bool:
         return not self.problems and (self.fits or not self.modelled) and not self.misfits
-
-
-def predict_memory(cfg: DictConfig | None = None, compile: bool | None = None,
-                   plan: StepPlan | None = None) -> MemoryReport:
-    """Trace two training steps of ``cfg`` on the meta device, as one GPU of its strategy runs them (one rank of a
-    DDP or FSDP run: :mod:`voxdiff.preflight.distributed`), for the GPU type of its run spec
-    (:func:`~voxdiff.preflight.gpus.resolve_gpu`); see the module docstring for what is traced.
-
-    Args:
-        cfg: the run config (not needed when ``plan`` is given).
-        compile: whether to trace a compiled run's step compiled (default) or eagerly (False: seconds instead of
-            a compiled trace; the report's ``model_step`` is then ``upper bound (eager)``). Whether the run compiles
-            is ``model.compile`` as a GPU run resolves it (``auto`` and ``true`` compile:
-            :meth:`voxdiff.models.UNetSpec.for_device`), in ``model.compile_mode``; a backend other than inductor
-            (``aot_eager``) is predicted as the eager step.
-        plan: the step's plan when already made (:func:`step_plan`), else it is made here.
-
-    Raises:
-        ConfigError: every problem of the run spec (:func:`step_plan`).
-    """
-    plan = plan or step_plan(cfg)
-    spec = plan.spec
-    compiles = spec.compile and spec.compile_backend == "inductor"
-    report = predict_step_memory(
-        plan.build_model, plan.input_shape, plan.recipe,
-        batch=plan.batch, encoding=plan.encoding, mode=plan.mode, precision=plan.run.precision.name,
-        attention="flash" if plan.spec.use_flash_attention else "materialised", gpu=plan.run.gpu,
-        parallel=plan.run.parallel, compile=compiles and compile is not False, compile_mode=spec.compile_mode,
-    )
-    if compiles and compile is False:
-        return replace(report, model_step="upper bound (eager)", notes=(*report.notes, (
-            "the run compiles its model (model.compile); its step was traced eagerly here, an upper bound")))
-    return report
 
 
 def _need(peak_bytes: float, report: MemoryReport, margin: float) -> float:
@@ -251,7 +157,7 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     ``phases=False`` leaves out validation and sampling, ``timing=False`` the step's FLOPs and time (a CPU run's
     verdict in ``train.py``: its peak is the training step's, and a GPU's time means nothing there).
 
-    ``run``: the config's run spec when it is already resolved (:func:`voxdiff.run_spec.run_spec`); by default it
+    ``run``: the config's run spec when it is already resolved (:func:`voxdiff.run.spec.run_spec`); by default it
     is resolved here for :data:`PREDICTED_DEVICE`, every configuration problem in one pass. Everything predicted
     is read from it; the fixes are resolved for its device."""
     problems: list[ConfigError] = []
@@ -313,8 +219,6 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
 def _stage1_preflight(cfg: DictConfig, run: RunSpec, result: PreflightResult, margin: float) -> PreflightResult:
     """A VQ-VAE stage 1: its training step and its latent-cache pass traced (:mod:`voxdiff.preflight.stage1`), the
     larger against the GPU's budget; its checkpoints against the run directory's disk."""
-    from voxdiff.encodings.vqvae import build_vqvae
-
     try:
         stage1 = predict_stage1(cfg, run)
     except ConfigError as err:
@@ -331,4 +235,51 @@ def _stage1_preflight(cfg: DictConfig, run: RunSpec, result: PreflightResult, ma
         model = build_vqvae(run.vqvae)
     result.needs = run_needs(run, model, ema=False, data=None, sample_bytes=0, processes_per_node=1, world_size=1,
                              cost=None, gpu=run.gpu.name, compiled=False, env=os.environ)
+    return result
+
+
+def static_problems(cfg: DictConfig) -> list[ConfigError]:
+    """Every problem of ``cfg`` as the preflight sees it: those of its run spec for the GPU it predicts
+    (:func:`voxdiff.run.spec.run_spec_problems`); empty when it is valid. Never raises for a config problem."""
+    return run_spec_problems(cfg, PREDICTED_DEVICE)[1]
+
+
+def training_verdict(cfg: DictConfig, run: RunSpec | None = None) -> PreflightResult | None:
+    """The preflight's verdict for this run on this machine; None when the step is not modelled (a VQ-VAE
+    stage 1).
+
+    ``train.py`` calls it before anything is built: the same traced step as ``preflight.py``
+    (:func:`run_preflight`), against the local GPU's memory for a GPU run and against the host's memory
+    (:func:`~voxdiff.preflight.resources.host_memory_bytes`) for a CPU run — the traced peak of a CPU step (fp32,
+    the precision a CPU run uses, and the attention it computes: ``model.use_flash_attention=auto`` is off there) is
+    the bytes its tensors hold; the CUDA context and the allocator's rounding that the prediction adds make it a
+    slight over-estimate there. The step traced is the one of the run spec resolved for the device the run starts
+    on (``train.py``'s), not a GPU's. A model far too large for the machine (29 billion parameters on a 24 GiB host)
+    is refused in about a second with the preflight's fixes, instead of failing in the allocator after a minute of
+    building. A budget of the user's own, ``+preflight.gpu_memory_gib=N`` (and ``+preflight.safety_margin=M``),
+    replaces the machine's: the prediction's error is up to 34% on the measured rows, so a config at the edge can
+    be started on purpose.
+
+    Args:
+        cfg: the run's composed config.
+        run: its run spec resolved for the device it starts on (``train.py``'s, :func:`voxdiff.run.spec.run_spec`
+            with no device: the precision decided there, ``model.compile``/``use_flash_attention=auto`` resolved
+            there); else it is resolved here.
+
+    Raises:
+        ConfigError: an unknown ``preflight.gpu`` (:func:`~voxdiff.run.gpus.resolve_gpu`), or any other
+            problem of the run spec.
+    """
+    if run is None:
+        run = run_spec(cfg)
+    if run.kind != "diffusion":
+        return None
+    on_host = run.device_type == "cpu" and run.preflight.gpu_memory_gib is None
+    processes = run.parallel.processes_per_node
+    if on_host:  # a CPU run, and no budget of the user's own (+preflight.gpu_memory_gib=N)
+        run = replace(run, preflight=replace(run.preflight, gpu_memory_gib=host_memory_bytes() / processes / GiB))
+    result = run_preflight(cfg, name=str(cfg.get("task_name", "")), suggest=True, phases=not on_host,
+                           timing=not on_host, run=run)
+    if on_host:
+        result.budget_source = "host memory" + (f" shared by {processes} processes" if processes > 1 else "")
     return result

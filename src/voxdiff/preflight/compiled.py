@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 
+from voxdiff.models import checkpointed_modules
 from voxdiff.preflight.attention import flash_backward_temporary_bytes
 from voxdiff.preflight.autocast import CudaAutocastEmulator
 from voxdiff.preflight.tracker import BLOCK_BYTES, round_block
@@ -184,8 +185,6 @@ def trace_compiled(
     from torch._inductor.compile_fx import partition_fn
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from voxdiff.models import checkpointed_modules
 
     if checkpointed_modules(model):
         raise CompiledTraceError("gradient checkpointing inside a compiled model is not traced")

@@ -25,63 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from voxdiff.config import strategy_kind
-
-
-@dataclass(frozen=True)
-class Parallel:
-    """How a run is spread over GPUs, as far as one rank's memory is concerned.
-
-    Attributes:
-        strategy: ``single`` (one process, or a strategy the preflight does not model), ``ddp`` or ``fsdp``.
-        world_size: processes (GPUs) over all nodes.
-        processes_per_node: processes on one node (host memory per node).
-        gradient_as_bucket_view: DDP's gradients are views into its all-reduce buckets.
-        bucket_cap_mb: DDP's bucket size in MiB.
-    """
-
-    strategy: str = "single"
-    world_size: int = 1
-    processes_per_node: int = 1
-    gradient_as_bucket_view: bool = True
-    bucket_cap_mb: float = 25.0
-
-    @property
-    def distributed(self) -> bool:
-        """More than one process, with a strategy whose ranks the preflight traces."""
-        return self.strategy != "single" and self.world_size > 1
-
-    def describe(self) -> str:
-        """``one GPU``, ``fsdp×4`` or ``ddp×2 (gradient_as_bucket_view=..., bucket_cap_mb=...)``."""
-        if self.strategy == "ddp":
-            return (f"ddp×{self.world_size} (gradient_as_bucket_view={str(self.gradient_as_bucket_view).lower()}, "
-                    f"bucket_cap_mb={self.bucket_cap_mb:g})")
-        return f"{self.strategy}×{self.world_size}" if self.distributed else "one GPU"
-
-
-def parallel_of(trainer: Mapping[str, Any]) -> Parallel:
-    """The :class:`Parallel` of a plain ``trainer:`` config: the strategy's kind
-    (:func:`voxdiff.config.strategy_kind`: ``trainer.strategy.kind`` of ``trainer=ddp`` / ``trainer=fsdp``; a
-    strategy name as Lightning registers it, ``auto`` counting as DDP with torch's defaults; others, e.g.
-    ``deepspeed``, are traced as one GPU)."""
-    strategy = trainer.get("strategy") or "auto"
-    name = strategy_kind(strategy)
-    # a strategy named, not configured: Lightning's DDP, i.e. DistributedDataParallel's own default
-    options = dict(strategy) if isinstance(strategy, Mapping) else {"gradient_as_bucket_view": False}
-    devices = trainer.get("devices", 1)
-    per_node = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
-    per_node = max(1, per_node)
-    world = per_node * max(1, int(trainer.get("num_nodes") or 1))
-    return Parallel(name if world > 1 else "single", world, per_node,
-                    bool(options.get("gradient_as_bucket_view", True)), float(options.get("bucket_cap_mb", 25.0)))
+from voxdiff.models.sharding import shard_unet
+from voxdiff.run.parallel import Parallel
 
 
 @contextlib.contextmanager
@@ -171,8 +123,6 @@ def wrap_for_rank(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
             ddp.register_comm_hook(None, _bucket_as_reduced)  # reduces the bucket in place (no allocation)
         return ddp
     if parallel.strategy == "fsdp":
-        from voxdiff.models.sharding import shard_unet
-
         return shard_unet(model, mesh)
     return model
 
@@ -182,87 +132,3 @@ def _bucket_as_reduced(state, bucket):  # type: ignore[no-untyped-def]  # DDP ch
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
-
-
-@dataclass(frozen=True)
-class DataMemory:
-    """Host memory that a rank's data module holds (``data.cache=memory``, a latent cache ``in_memory``): every
-    rank loads the whole data set, train and validation subjects alike.
-
-    Attributes:
-        per_subject_bytes: bytes one cached subject takes.
-        subjects: how many are cached, or None when the data folder cannot be read here.
-        what: what one subject holds.
-    """
-
-    per_subject_bytes: int
-    subjects: int | None
-    what: str
-
-    @property
-    def per_rank_bytes(self) -> int | None:
-        """Bytes one rank holds, or None when the subjects cannot be counted here."""
-        return None if self.subjects is None else self.per_subject_bytes * self.subjects
-
-    def describe(self, parallel: Parallel) -> str:
-        """One line: per rank and per node (the ranks on one node), or per subject when they cannot be counted."""
-        each = f"{_size(self.per_subject_bytes)} per subject ({self.what})"
-        if self.per_rank_bytes is None:
-            return f"{each}; every rank caches every subject (the data folder is not readable here to count them)"
-        node = self.per_rank_bytes * parallel.processes_per_node
-        return (f"{_size(self.per_rank_bytes)} of host memory per rank: {self.subjects} subjects × {each}"
-                + (f"; {_size(node)} per node ({parallel.processes_per_node} ranks, each caches every subject)"
-                   if parallel.processes_per_node > 1 else ""))
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-
-
-def data_memory(data: Mapping[str, Any], latent_shape: tuple[int, ...] | None = None) -> DataMemory | None:
-    """What a rank's data module keeps in host memory, from the plain ``data:`` config; None when it keeps
-    nothing (``data.cache=none|disk``, a latent cache with ``in_memory: false``).
-
-    Args:
-        data: the ``data:`` config.
-        latent_shape: ``(C, d, h, w)`` of one modality's latents (a latent cache).
-    """
-    import math
-
-    target = str(data.get("_target_", ""))
-    voxels = math.prod(int(v) for v in data.get("volume_shape") or (0,))
-    if target.endswith("LatentDataModule"):
-        if not data.get("in_memory", True) or latent_shape is None:
-            return None
-        per = 2 * 4 * math.prod(latent_shape) + (voxels + 7) // 8 * bool(data.get("masks", True)) + 16 * 8
-        return DataMemory(per, _latent_subjects(data.get("latent_dir")),
-                          "image and mask latents, float32; the bit-packed mask; the affine")
-    if data.get("cache", "none") != "memory":
-        return None
-    per = 2 * 4 * voxels  # image and mask, (1, D, H, W) float32 each (the MONAI pipeline's output)
-    return DataMemory(per, _volume_subjects(data), "image and mask, float32")
-
-
-def _volume_subjects(data: Mapping[str, Any]) -> int | None:
-    root = data.get("root")
-    if root is None:  # the phantom, or subjects made from a template
-        return int(data.get("num_subjects") or 0) or None
-    from voxdiff.data.nifti import find_subjects
-
-    from voxdiff.data.nifti import DataError
-
-    try:
-        return len(find_subjects(root, data.get("image_name") or "bravo.nii.gz",
-                                 data.get("mask_name") or "seg.nii.gz", validate=False))
-    except (DataError, OSError):  # not readable from here (another machine's path): per subject only
-        return None
-
-
-def _latent_subjects(latent_dir: Any) -> int | None:
-    import json
-    from pathlib import Path
-
-    try:
-        return len(json.loads((Path(str(latent_dir)) / "index.json").read_text())["subjects"])
-    except (OSError, ValueError, KeyError, TypeError):  # no cache (yet) here
-        return None

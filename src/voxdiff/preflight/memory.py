@@ -22,6 +22,14 @@ With ``compile=True`` the model in the step is a stand-in for ``torch.compile(mo
 the rank as the model would be (DDP); an FSDP rank, and a model the compiled trace refuses, are traced eagerly (the
 report's ``model_step``: ``upper bound (eager)``).
 
+A run's step (:func:`predict_memory`) is made from its run spec as :func:`step_plan` says: the UNet of the spec
+(with its checkpointing policy), the recipe of ``preflight.recipe`` (``system``: the run's own — the configured
+diffusion loss, AdamW as ``system.optim`` sets it, ``trainer.gradient_clip_val`` and the non-finite guard, the EMA,
+gradients freed after the optimizer step; ``seed``: the reference measurements' step), the batch the data module
+hands over (``data.batch_size`` volumes, or latents for a learned encoding), and the precision
+:func:`voxdiff.step.decide_precision` picks for the GPU (:data:`PREDICTED_DEVICE`). The measure mode
+(:mod:`voxdiff.benchmarks.measure`) runs the same plan on a GPU.
+
 Units: every ``*_bytes`` value is in bytes; the ``*_gib`` properties divide by 2**30.
 """
 
@@ -30,38 +38,46 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import torch
+from omegaconf import DictConfig
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from voxdiff.diffusion import DiffusionProcess
+from voxdiff.config import Shapes
+from voxdiff.diffusion import Process
 from voxdiff.encodings.base import Encoding
+from voxdiff.models.unet import UNetSpec, build_unet_from_spec
 from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES, simulate_reserved
-from voxdiff.preflight.gpus import DEFAULT_GPU, GpuSpec, gpu_type
 from voxdiff.preflight.attention import FlashAttentionEmulator
 from voxdiff.preflight.autocast import CudaAutocastEmulator
 from voxdiff.preflight.compiled import CompiledModule, CompiledTraceError, compiled_profile
-from voxdiff.preflight.distributed import Parallel, fake_world, wrap_for_rank
+from voxdiff.preflight.distributed import fake_world, wrap_for_rank
 from voxdiff.preflight.tracker import StorageTracker, round_block
-from voxdiff.step import OptimSettings, Recipe, TrainStep
+from voxdiff.preflight.world import EmulatedPrecision, meta_step, tracker_for
+from voxdiff.run.gpus import DEFAULT_GPU, GpuSpec, gpu_type
+from voxdiff.run.parallel import Parallel
+from voxdiff.run.spec import RunSpec, run_spec
+from voxdiff.step import SEED, Recipe, TrainStep, batch_shapes
+from voxdiff.step.precision import AUTOCAST_DTYPES
+from voxdiff.units import GiB
 
 __all__ = [
     "DEFAULT_SAFETY_MARGIN",
-    "EmulatedPrecision",
-    "GiB",
+    "PREDICTED_DEVICE",
     "MemoryReport",
+    "StepPlan",
     "StepPeaks",
     "TraceResult",
+    "predict_memory",
     "predict_step_memory",
+    "step_plan",
     "trace_training_step",
     "unet_batch",
 ]
-
-GiB = 2**30
 
 AttentionMode = Literal["materialised", "flash"]
 
@@ -70,7 +86,6 @@ DEFAULT_SAFETY_MARGIN = 0.10
 ``MemTracker`` tests accept +-10 % of ``max_memory_allocated``, and the reference measurements of one
 configuration vary by up to 15 % between runs; 10 % covers the former and most of the latter."""
 
-_AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": None}
 _COMPILE_MODES_MODELLED = (None, "default", "max-autotune-no-cudagraphs")
 _ATTENTION = ("materialised", "flash")
 
@@ -135,7 +150,7 @@ class MemoryReport:
         model_step: how the model runs in the predicted step: ``eager``, ``compiled`` (``torch.compile``,
             inductor) or ``upper bound (eager)`` (compiled was asked, its prediction failed: see ``notes``).
         parallel: what the trace is of: ``one GPU``, or one rank of ``ddp×N`` / ``fsdp×N``
-            (:meth:`voxdiff.preflight.distributed.Parallel.describe`); ``param_bytes`` and ``ema_bytes`` are then
+            (:meth:`voxdiff.run.parallel.Parallel.describe`); ``param_bytes`` and ``ema_bytes`` are then
             this rank's (shards under FSDP).
     """
 
@@ -203,73 +218,6 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-class EmulatedPrecision:
-    """The precision context of a traced :class:`~voxdiff.step.TrainStep`: CUDA autocast emulated on meta tensors.
-
-    The forward runs in an emulated autocast region; the backward keeps the emulation active for the whole
-    backward pass (``torch.utils.checkpoint`` recomputation re-enters autocast, as on the GPU); there is no loss
-    scaler (fp16 AMP's ``GradScaler`` holds a few scalars and unscales in place).
-    """
-
-    scales_loss = False
-
-    def __init__(self, autocast: CudaAutocastEmulator) -> None:
-        self.autocast = autocast
-
-    def forward(self) -> Any:
-        return self.autocast.region()
-
-    def backward(self, loss: Tensor) -> None:
-        with self.autocast.backward_region():
-            _run_backward(loss)
-
-    def unscale(self, optimizer: Any) -> None:
-        pass
-
-    def step(self, optimizer: Any) -> None:
-        optimizer.step()
-
-
-class _FusedAdamWOnMeta:
-    """Stand-in for ``torch.optim.AdamW(fused=True)``, which refuses meta tensors.
-
-    It allocates what the fused optimizer allocates (``exp_avg`` and ``exp_avg_sq`` like the parameter, and a
-    0-dim fp32 ``step`` per parameter on the device on the first step) and updates with the real
-    ``torch._fused_adamw_`` kernel, which works in place (no temporaries).
-    """
-
-    def __init__(self, params: Iterable[nn.Parameter], settings: OptimSettings) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        self.param_groups = [{"params": self.params}]
-        self.settings = settings
-        self.state: dict[nn.Parameter, dict[str, Tensor]] = {}
-
-    @torch.no_grad()
-    def step(self) -> None:
-        ps = [p for p in self.params if p.grad is not None]
-        for p in ps:
-            if p not in self.state:
-                self.state[p] = {
-                    "step": torch.zeros((), dtype=torch.float32, device=p.device),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                }
-        if not ps:
-            return
-        st = [self.state[p] for p in ps]
-        s = self.settings
-        torch._foreach_add_([x["step"] for x in st], 1)
-        torch._fused_adamw_(
-            ps, [p.grad for p in ps], [x["exp_avg"] for x in st], [x["exp_avg_sq"] for x in st], [],
-            [x["step"] for x in st], lr=s.lr, beta1=s.betas[0], beta2=s.betas[1], weight_decay=s.weight_decay,
-            eps=s.eps, amsgrad=False, maximize=False,
-        )  # fmt: skip
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
-
 def unet_batch(input_shape: Sequence[int], out_channels: int) -> tuple[dict[str, tuple[int, ...]], str]:
     """A batch of encodings for a bare UNet of input ``(B, C_in, *spatial)``: ``image_z`` (the ``out_channels``
     the UNet denoises) and ``mask_z`` (the other ``C_in - C_out`` channels, the condition) in bravo mode; ``mask_z``
@@ -295,7 +243,7 @@ def predict_step_memory(
     batch: Mapping[str, Sequence[int]] | None = None,
     encoding: Encoding | None = None,
     mode: str | None = None,
-    process: DiffusionProcess | None = None,
+    process: Process | None = None,
     precision: str = "bf16-mixed",
     attention: AttentionMode = "materialised",
     gpu: str | GpuSpec = DEFAULT_GPU,
@@ -322,7 +270,7 @@ def predict_step_memory(
         attention: how ``F.scaled_dot_product_attention`` behaves on the GPU: ``"flash"`` (FlashAttention-2
             where it applies) or ``"materialised"`` (the math path). A model that computes attention itself
             (MONAI with ``use_flash_attention=False``) materialises the scores either way.
-        gpu: a :class:`~voxdiff.preflight.gpus.GpuSpec` or the name of one (:func:`~voxdiff.preflight.gpus.gpu_type`):
+        gpu: a :class:`~voxdiff.run.gpus.GpuSpec` or the name of one (:func:`~voxdiff.run.gpus.gpu_type`):
             its cuBLAS workspaces, and whether SDPA may take FlashAttention-2 there (sm80+).
         compile: predict the step with ``torch.compile(model)`` (inductor): the model's forward and backward as
             :mod:`voxdiff.preflight.compiled` plans them, the rest of the step traced as it runs. Where the
@@ -340,7 +288,7 @@ def predict_step_memory(
     Raises:
         ValueError: on an unknown precision or attention mode, or a malformed ``input_shape``.
     """
-    _check_choice("precision", precision, tuple(_AUTOCAST_DTYPES))
+    _check_choice("precision", precision, tuple(AUTOCAST_DTYPES))
     _check_choice("attention", attention, _ATTENTION)
     shape = tuple(int(s) for s in input_shape)
     if len(shape) < 3 or any(s <= 0 for s in shape):
@@ -350,7 +298,7 @@ def predict_step_memory(
     notes: list[str] = []
 
     parallel = parallel or Parallel()
-    dtype = _AUTOCAST_DTYPES[precision]
+    dtype = AUTOCAST_DTYPES[precision]
 
     def built() -> nn.Module:
         with torch.device("meta"):
@@ -363,13 +311,7 @@ def predict_step_memory(
 
     def traced(stepped: nn.Module) -> tuple[nn.Module, TrainStep, TraceResult]:
         stepped = wrap_for_rank(stepped, parallel, mesh)  # DDP's buckets, FSDP's shards: what this rank holds
-        autocast = CudaAutocastEmulator(dtype=dtype or torch.bfloat16, device_type="meta", enabled=dtype is not None)
-        # the meta tensors stand for a GPU: the step decides its optimizer implementation for "cuda"
-        step = TrainStep(stepped, recipe, encoding=encoding, mode=mode or "bravo", process=process,
-                         precision=EmulatedPrecision(autocast), device_type="cuda")
-        trainable = [p for p in stepped.parameters() if p.requires_grad]
-        optimizer = _FusedAdamWOnMeta(trainable, recipe.optim) if step.optimizer_impl == "fused" else None
-        step.configure_optimizer(optimizer=optimizer)
+        step = meta_step(stepped, recipe, precision, encoding=encoding, mode=mode or "bravo", process=process)
         return stepped, step, trace_training_step(step, batch, attention=attention, device_type="meta", steps=2,
                                                   capability=gpu_spec.capability)
 
@@ -446,6 +388,93 @@ def predict_step_memory(
     )
 
 
+# ------------------------------------------------------------------------------------------- the step of a run
+PREDICTED_DEVICE = "cuda"
+"""The device the preflight predicts a run on: a GPU. It resolves the model's ``auto`` switches for it (SDPA
+attention on: :meth:`voxdiff.models.UNetSpec.for_device`) and picks the optimizer torch runs there (fused AdamW)."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the training step of a config is made of, for the trace (:func:`predict_memory`) and the measure mode.
+
+    Attributes:
+        encoding: the encoding (volumes → UNet input).
+        shapes: the encoded shapes.
+        spec: the UNet's validated arguments, resolved for :data:`PREDICTED_DEVICE`.
+        recipe: the step's recipe (``preflight.recipe``, default ``system``).
+        batch: shapes of the tensors of one batch as the data module hands them over.
+        mode: ``bravo`` or ``seg``.
+        run: the run's :class:`~voxdiff.run.spec.RunSpec` (resolved for :data:`PREDICTED_DEVICE`, or for the
+            device a run starts on: :func:`voxdiff.preflight.check.training_verdict`), which the above are taken
+            from; the precision traced is its ``precision``, the GPU its ``gpu``.
+    """
+
+    encoding: Encoding
+    shapes: Shapes
+    spec: UNetSpec
+    recipe: Recipe
+    batch: dict[str, tuple[int, ...]]
+    mode: str
+    run: RunSpec
+
+    def build_model(self):
+        """The UNet of the plan (call under ``torch.device("meta")`` to build it at no cost)."""
+        return build_unet_from_spec(self.spec, preserve_rng_state=False)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """``(B, C_in, d, h, w)`` of the UNet input."""
+        return (next(iter(self.batch.values()))[0], *self.shapes.unet_input)
+
+
+def step_plan(run: RunSpec | DictConfig) -> StepPlan:
+    """The :class:`StepPlan` of a diffusion run: its spec (a config is resolved for :data:`PREDICTED_DEVICE`) with
+    the step of ``preflight.recipe``.
+
+    Raises:
+        ConfigError: every problem of the run spec (:func:`voxdiff.run.spec.run_spec`).
+    """
+    if not isinstance(run, RunSpec):
+        run = run_spec(run, PREDICTED_DEVICE)
+    recipe = SEED if run.preflight.recipe == "seed" else run.recipe
+    return StepPlan(run.encoding, run.shapes, run.unet, recipe,
+                    batch_shapes(run.encoding, run.shapes.volume, run.batch_size), run.mode, run)
+
+
+def predict_memory(cfg: DictConfig | None = None, compile: bool | None = None,
+                   plan: StepPlan | None = None) -> MemoryReport:
+    """Trace two training steps of ``cfg`` on the meta device, as one GPU of its strategy runs them (one rank of a
+    DDP or FSDP run: :mod:`voxdiff.preflight.distributed`), for the GPU type of its run spec
+    (:func:`~voxdiff.run.gpus.resolve_gpu`); see the module docstring for what is traced.
+
+    Args:
+        cfg: the run config (not needed when ``plan`` is given).
+        compile: whether to trace a compiled run's step compiled (default) or eagerly (False: seconds instead of
+            a compiled trace; the report's ``model_step`` is then ``upper bound (eager)``). Whether the run compiles
+            is ``model.compile`` as a GPU run resolves it (``auto`` and ``true`` compile:
+            :meth:`voxdiff.models.UNetSpec.for_device`), in ``model.compile_mode``; a backend other than inductor
+            (``aot_eager``) is predicted as the eager step.
+        plan: the step's plan when already made (:func:`step_plan`), else it is made here.
+
+    Raises:
+        ConfigError: every problem of the run spec (:func:`step_plan`).
+    """
+    plan = plan or step_plan(cfg)
+    spec = plan.spec
+    compiles = spec.compile and spec.compile_backend == "inductor"
+    report = predict_step_memory(
+        plan.build_model, plan.input_shape, plan.recipe,
+        batch=plan.batch, encoding=plan.encoding, mode=plan.mode, precision=plan.run.precision.name,
+        attention="flash" if plan.spec.use_flash_attention else "materialised", gpu=plan.run.gpu,
+        parallel=plan.run.parallel, compile=compiles and compile is not False, compile_mode=spec.compile_mode,
+    )
+    if compiles and compile is False:
+        return replace(report, model_step="upper bound (eager)", notes=(*report.notes, (
+            "the run compiles its model (model.compile); its step was traced eagerly here, an upper bound")))
+    return report
+
+
 def _rank_bytes(tensor: Tensor) -> int:
     """Bytes of ``tensor`` on this rank, as the caching allocator counts them (a DTensor: its local shard)."""
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -507,13 +536,7 @@ def trace_training_step(
     """
     if not isinstance(step.precision, EmulatedPrecision):
         raise TypeError("trace_training_step needs a TrainStep whose precision context is an EmulatedPrecision")
-    on_meta = device_type == "meta"  # meta stands for CUDA: apply the CUDA allocator's rounding and kernels
-    tracker = StorageTracker(
-        device_type=device_type,
-        record_events=True,
-        granularity=granularity or (512 if on_meta else 1),
-        kernel_temporaries=None if (on_meta if cuda_kernels is None else cuda_kernels) else {},
-    )
+    tracker = tracker_for(device_type, granularity, cuda_kernels)  # meta stands for CUDA: its rounding, its kernels
     autocast = step.precision.autocast
     flash = FlashAttentionEmulator(capability) if attention == "flash" else None
     probe = _PhasePeaks(tracker)
@@ -546,22 +569,6 @@ class _PhasePeaks:
     def finish_step(self) -> None:
         self.steps.append(StepPeaks(self.current["forward"], self.current["backward"], self.current["optimizer"]))
         self.current = {}
-
-
-def _run_backward(loss: Tensor) -> None:
-    """``loss.backward()`` that keeps the emulation modes active for the whole backward pass.
-
-    ``Tensor.backward`` and ``torch.autograd.backward`` dispatch through ``__torch_function__``, and a
-    TorchFunctionMode is popped while it handles a call: the backward (and the recomputation that
-    ``torch.utils.checkpoint`` runs inside it) would then run without CUDA-autocast emulation, whereas on the
-    GPU checkpoint re-enters autocast for the recomputation. Calling the autograd engine directly, as
-    ``torch.autograd.backward`` does after its ``__torch_function__`` check, avoids that.
-    """
-    from torch.autograd.graph import _engine_run_backward
-
-    _engine_run_backward(
-        (loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True, accumulate_grad=True
-    )
 
 
 def _describe_attention(

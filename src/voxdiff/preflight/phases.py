@@ -29,94 +29,27 @@ import contextlib
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
 from voxdiff.diffusion import build_process, encoded_range
+from voxdiff.encodings.base import LearnedEncoding
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES
 from voxdiff.preflight.attention import FlashAttentionEmulator
-from voxdiff.preflight.autocast import CudaAutocastEmulator
-from voxdiff.preflight.memory import (
-    EmulatedPrecision,
-    GiB,
-    MemoryReport,
-    _FusedAdamWOnMeta,
-)
-from voxdiff.preflight.tracker import StorageTracker
-from voxdiff.run_spec import RunSpec, run_spec
+from voxdiff.preflight.memory import PREDICTED_DEVICE, MemoryReport, StepPlan, predict_memory, step_plan
+from voxdiff.preflight.stage1 import attach_meta_autoencoder, latent_stage1_spec
+from voxdiff.preflight.world import PhaseRecorder, PhaseTrace, meta_step, tracker_for
+from voxdiff.run.spec import RunSpec, run_spec
 from voxdiff.step import TrainStep
+from voxdiff.units import GiB
 
-if TYPE_CHECKING:
-    from voxdiff.preflight.check import StepPlan
-
-__all__ = ["PhaseRecorder", "PhaseTrace", "PhasesReport", "predict_phases", "trace_sampling", "trace_validation",
-           "tracker_for"]
+__all__ = ["PhasesReport", "predict_phases", "trace_sampling", "trace_validation"]
 
 #: DDIM steps traced for sampling: every step holds the same tensors, so the peak is reached by the second
 MAX_TRACED_DDIM_STEPS = 2
-AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": None}
-
-
-def tracker_for(device_type: str, granularity: int | None = None, cuda_kernels: bool | None = None) -> StorageTracker:
-    """A tracker as the step's trace makes it: on ``meta`` (standing for a GPU) the CUDA allocator's 512 B rounding
-    and the CUDA kernels' temporaries; elsewhere (real CPU tensors, checked against the CPU allocator) neither."""
-    on_meta = device_type == "meta"
-    kernels = on_meta if cuda_kernels is None else cuda_kernels
-    return StorageTracker(device_type=device_type, record_events=True, granularity=granularity or (512 if on_meta else 1),
-                          kernel_temporaries=None if kernels else {})
-
-
-class PhaseRecorder:
-    """A :class:`~voxdiff.step.PhaseProbe` that keeps the tracker's peak of every named phase, per step (a phase that
-    occurs twice in a step keeps the larger peak)."""
-
-    def __init__(self, tracker: StorageTracker) -> None:
-        self.tracker = tracker
-        self.current: dict[str, int] = {}
-        self.steps: list[dict[str, int]] = []
-        self.open: str | None = None
-
-    def begin(self, phase: str) -> None:
-        self.tracker.begin_phase(f"{phase}{len(self.steps) + 1}")
-        self.open = phase
-
-    def end(self, phase: str) -> None:
-        self.current[phase] = max(self.current.get(phase, 0), self.tracker.end_phase().peak)
-        self.open = None
-
-    def switch(self, phase: str) -> None:
-        """End the open phase (if any) and begin ``phase`` (e.g. from an autograd hook in the middle of backward)."""
-        if self.open is not None:
-            self.end(self.open)
-        self.begin(phase)
-
-    def finish_step(self) -> dict[str, int]:
-        """Close the step: its phase peaks are appended to :attr:`steps` and returned."""
-        self.steps.append(self.current)
-        self.current = {}
-        return self.steps[-1]
-
-
-@dataclass
-class PhaseTrace:
-    """Raw result of a traced phase: peaks per named phase and the live bytes at the start (no workspaces).
-
-    Attributes:
-        peaks: phase name -> peak live bytes (``max_memory_allocated`` after a reset at the phase start).
-        start_bytes: live bytes when tracing began (what was resident: weights, optimizer state, EMA, ...).
-        events: the allocation/free sequence for :func:`voxdiff.preflight.allocator.simulate_reserved`.
-    """
-
-    peaks: dict[str, int]
-    start_bytes: int
-    events: list[tuple[int, int, int]]
-
-    @property
-    def peak(self) -> int:
-        return max(self.peaks.values())
 
 
 def _flash(attention: str) -> Any:
@@ -152,14 +85,14 @@ def trace_validation(
 ) -> PhaseTrace:
     """Trace one validation step: :meth:`TrainStep.validation_loss` of a batch of these shapes (drawn on
     ``device_type`` inside the trace, as Lightning moves it there), without gradients, the model in eval mode, in an
-    autocast region of the step's :class:`~voxdiff.preflight.memory.EmulatedPrecision`.
+    autocast region of the step's :class:`~voxdiff.preflight.world.EmulatedPrecision`.
 
     Args:
         step: the training step after at least one optimizer step (its AdamW state exists).
         batch: shapes of the validation batch's tensors.
         val_timesteps: ``system.val_timesteps``.
         attention: ``"flash"`` to emulate FlashAttention-2 for SDPA calls, else ``"materialised"``.
-        device_type, granularity, cuda_kernels: as :func:`tracker_for`.
+        device_type, granularity, cuda_kernels: as :func:`~voxdiff.preflight.world.tracker_for`.
         resident: tensors on the device besides the step's own (e.g. a latent run's VQ-VAE).
     """
     was_training = step.model.training
@@ -261,20 +194,15 @@ def predict_phases(run: StepPlan | RunSpec | DictConfig, training: MemoryReport 
     """Predict the peaks of training, validation and sampling of a diffusion run on one GPU, without one.
 
     Args:
-        run: the step's plan (:func:`~voxdiff.preflight.check.step_plan`), or the run spec it is made from, or a
+        run: the step's plan (:func:`~voxdiff.preflight.memory.step_plan`), or the run spec it is made from, or a
             composed ``train``/``preflight`` config (resolved for the GPU predicted). Its run spec gives the
             system's recipe, the UNet, the strategy, the GPU type (cuBLAS workspaces) and the precision.
-        training: the training step's report when it is already predicted (:func:`~voxdiff.preflight.check.
+        training: the training step's report when it is already predicted (:func:`~voxdiff.preflight.memory.
             predict_memory`; the compiled one, for a compiled run); else it is predicted here.
 
     Raises:
         ConfigError: not a diffusion config, or a setting the step cannot work with (as the preflight's).
     """
-    from voxdiff.preflight.check import PREDICTED_DEVICE, StepPlan, predict_memory, step_plan
-    from voxdiff.preflight.stage1 import attach_meta_autoencoder, latent_stage1_spec
-
-    from voxdiff.encodings.base import LearnedEncoding
-
     plan = run if isinstance(run, StepPlan) else None
     if plan is None and not isinstance(run, RunSpec):
         run = run_spec(run, PREDICTED_DEVICE)
@@ -303,16 +231,10 @@ def predict_phases(run: StepPlan | RunSpec | DictConfig, training: MemoryReport 
     with torch.device("meta"):
         model = plan.build_model()
     model.train()
-    dtype = AUTOCAST_DTYPES[plan.run.precision.name]
-    autocast = CudaAutocastEmulator(dtype=dtype or torch.bfloat16, device_type="meta", enabled=dtype is not None)
     process = build_process(recipe.diffusion, clip_range=encoded_range(plan.encoding))  # as the system's
-    step = TrainStep(model, recipe, encoding=plan.encoding, mode=plan.mode, process=process,
-                     precision=EmulatedPrecision(autocast), device_type="cuda")
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    step.configure_optimizer(optimizer=_FusedAdamWOnMeta(trainable, recipe.optim)
-                             if step.optimizer_impl == "fused" else None)
+    step = meta_step(model, recipe, plan.run.precision.name, encoding=plan.encoding, mode=plan.mode, process=process)
     attention = "flash" if plan.spec.use_flash_attention else "materialised"
-    with _flash(attention), autocast:  # one training step: the AdamW state and the EMA exist from here on
+    with _flash(attention), step.precision.autocast:  # one training step: the AdamW state and the EMA exist from here on
         step.run({k: torch.randn(s, device="meta") for k, s in plan.batch.items()})
 
     val_batch = dict(plan.batch)

@@ -1,7 +1,8 @@
 """What a run needs beside GPU memory: disk for its checkpoints and latent cache, host memory for its data, and time.
 
-Pure functions of plain values (sizes, counts, the model built on the meta device); :mod:`voxdiff.preflight.check`
-gathers them from a config. Sizes are bytes.
+Pure functions of plain values (sizes, counts, the model built on the meta device) and of the run spec
+(:func:`run_needs`); :mod:`voxdiff.preflight.check` gathers them into its verdict. The one home of what a run asks of
+its disk, its nodes' memory and its time. Sizes are bytes.
 
 * **Disk.** :func:`checkpoint_nbytes` is the size of one checkpoint file from the state that will be saved: the
   module's ``state_dict`` (float32 weights and buffers), the EMA's float32 shadow of every floating parameter, and
@@ -9,9 +10,9 @@ gathers them from a config. Sizes are bytes.
   :data:`PER_TENSOR_BYTES` of zip headers and pickled keys, plus :data:`FIXED_BYTES` of loops, callbacks, RNG states
   and the config. Against a real checkpoint of a CPU run it is within 1% (``tests/preflight/test_resources.py``).
   An atomic write keeps the old file until the new one is complete, so writing needs two checkpoints of room.
-* **Host memory.** The data a rank caches (:class:`voxdiff.preflight.distributed.DataMemory`) times the ranks of
+* **Host memory.** The data a rank caches (:class:`DataMemory`, :func:`data_memory`) times the ranks of
   one node, plus the batches DataLoader workers hold in flight, against the node's memory, Slurm's allocation, or
-  ``preflight.host_memory_gib``.
+  ``preflight.host_memory_gib``; this machine's is :func:`host_memory_bytes` (the cgroup's limit where lower).
 * **Time.** :func:`step_cost` counts the FLOPs (``torch.utils.flop_counter``) and the operator calls of one
   forward+backward on the meta device; :data:`STEP_THROUGHPUT` turns them into seconds on a GPU whose efficiency
   was measured, as ``tflop / tflops + ops * op_us``; ``bench/fit_step_time.py`` fits the two constants from
@@ -20,7 +21,9 @@ gathers them from a config. Sizes are bytes.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -29,7 +32,13 @@ from typing import Any
 
 import torch
 
+from voxdiff.config import config_dir
+from voxdiff.data.nifti import DataError, find_subjects
+from voxdiff.errors import ConfigError
+from voxdiff.run.parallel import Parallel
 from voxdiff.slurm import parse_slurm_memory, parse_slurm_time, read_site_env, slurm_job_memory
+from voxdiff.step import SEED, TrainStep, decide_precision
+from voxdiff.units import GiB, memory_size, size
 
 PER_TENSOR_BYTES = 280
 """Zip local and central headers of one tensor record, and its key in the pickled structure (calibrated on a
@@ -83,14 +92,6 @@ def free_bytes(path: str | Path) -> tuple[int, Path]:
     while not where.exists() and where != where.parent:
         where = where.parent
     return shutil.disk_usage(where).free, where
-
-
-def size(nbytes: float) -> str:
-    """Bytes in the unit a user reads off ``df -h``-like figures (decimal GB/MB/kB)."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{int(nbytes)} B"
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,95 @@ class HostNeed:
                 + ("fits" if self.fits else "DOES NOT FIT"))
 
 
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine, or the cgroup's limit (a container, a Slurm allocation) if lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in _CGROUP_LIMITS:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return int(total)
+
+
+@dataclass(frozen=True)
+class DataMemory:
+    """Host memory that a rank's data module holds (``data.cache=memory``, a latent cache ``in_memory``): every
+    rank loads the whole data set, train and validation subjects alike.
+
+    Attributes:
+        per_subject_bytes: bytes one cached subject takes.
+        subjects: how many are cached, or None when the data folder cannot be read here.
+        what: what one subject holds.
+    """
+
+    per_subject_bytes: int
+    subjects: int | None
+    what: str
+
+    @property
+    def per_rank_bytes(self) -> int | None:
+        """Bytes one rank holds, or None when the subjects cannot be counted here."""
+        return None if self.subjects is None else self.per_subject_bytes * self.subjects
+
+    def describe(self, parallel: Parallel) -> str:
+        """One line: per rank and per node (the ranks on one node), or per subject when they cannot be counted."""
+        each = f"{memory_size(self.per_subject_bytes)} per subject ({self.what})"
+        if self.per_rank_bytes is None:
+            return f"{each}; every rank caches every subject (the data folder is not readable here to count them)"
+        node = self.per_rank_bytes * parallel.processes_per_node
+        return (f"{memory_size(self.per_rank_bytes)} of host memory per rank: {self.subjects} subjects × {each}"
+                + (f"; {memory_size(node)} per node ({parallel.processes_per_node} ranks, each caches every subject)"
+                   if parallel.processes_per_node > 1 else ""))
+
+
+def data_memory(data: Mapping[str, Any], latent_shape: tuple[int, ...] | None = None) -> DataMemory | None:
+    """What a rank's data module keeps in host memory, from the plain ``data:`` config; None when it keeps
+    nothing (``data.cache=none|disk``, a latent cache with ``in_memory: false``).
+
+    Args:
+        data: the ``data:`` config.
+        latent_shape: ``(C, d, h, w)`` of one modality's latents (a latent cache).
+    """
+    target = str(data.get("_target_", ""))
+    voxels = math.prod(int(v) for v in data.get("volume_shape") or (0,))
+    if target.endswith("LatentDataModule"):
+        if not data.get("in_memory", True) or latent_shape is None:
+            return None
+        per = 2 * 4 * math.prod(latent_shape) + (voxels + 7) // 8 * bool(data.get("masks", True)) + 16 * 8
+        return DataMemory(per, _latent_subjects(data.get("latent_dir")),
+                          "image and mask latents, float32; the bit-packed mask; the affine")
+    if data.get("cache", "none") != "memory":
+        return None
+    per = 2 * 4 * voxels  # image and mask, (1, D, H, W) float32 each (the MONAI pipeline's output)
+    return DataMemory(per, _volume_subjects(data), "image and mask, float32")
+
+
+def _volume_subjects(data: Mapping[str, Any]) -> int | None:
+    root = data.get("root")
+    if root is None:  # the phantom, or subjects made from a template
+        return int(data.get("num_subjects") or 0) or None
+    # deferred: voxdiff.data.nifti imports monai.transforms, which only a config with data.root needs here
+
+    try:
+        return len(find_subjects(root, data.get("image_name") or "bravo.nii.gz",
+                                 data.get("mask_name") or "seg.nii.gz", validate=False))
+    except (DataError, OSError):  # not readable from here (another machine's path): per subject only
+        return None
+
+
+def _latent_subjects(latent_dir: Any) -> int | None:
+    try:
+        return len(json.loads((Path(str(latent_dir)) / "index.json").read_text())["subjects"])
+    except (OSError, ValueError, KeyError, TypeError):  # no cache (yet) here
+        return None
+
+
 def worker_bytes(sample_bytes: int, batch_size: int, num_workers: int, prefetch_factor: int | None,
                  ranks_per_node: int) -> int:
     """Bytes of the batches DataLoader workers hold ahead on one node (none when loading in the main process)."""
@@ -218,8 +308,6 @@ def step_cost(model: torch.nn.Module, batch: Mapping[str, tuple[int, ...]], mode
     from dataclasses import replace
 
     from torch.utils.flop_counter import FlopCounterMode
-
-    from voxdiff.step import SEED, TrainStep, decide_precision
 
     step = TrainStep(model, replace(SEED, zero_grad_at="after_step"), encoding=encoding, mode=mode,
                      precision=decide_precision("32-true", "cpu").context(), device_type="cpu")
@@ -338,8 +426,6 @@ def slurm_site(resources: Mapping[str, Any] | None) -> dict[str, str] | None:
     """The Slurm job of an experiment: ``slurm/site.env`` under the experiment's ``slurm:`` overrides
     (``resources``), or None when the experiment has no job (``slurm: null``) or the repository's
     ``slurm/site.env`` is not here."""
-    from voxdiff.config import config_dir
-
     site = config_dir().parent / "slurm" / "site.env"
     if resources is None or not site.is_file():
         return None
@@ -352,12 +438,12 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
     """Disk, host memory and time of a run.
 
     Args:
-        run: its :class:`~voxdiff.run_spec.RunSpec`: its ``resources`` (``paths.run_dir``, ``callbacks.best/last``,
+        run: its :class:`~voxdiff.run.spec.RunSpec`: its ``resources`` (``paths.run_dir``, ``callbacks.best/last``,
             ``data.*``, ``trainer.max_steps``, ``slurm``), its batch and volume, and its ``preflight`` options
             (``disk_free_gib`` / ``host_memory_gib`` to plan for another machine).
         model: the UNet on the meta device (its ``state_dict`` is what a checkpoint holds).
         ema: whether the checkpoint holds the EMA's shadow.
-        data: the data module's cached bytes per rank (:class:`~voxdiff.preflight.distributed.DataMemory`) or None.
+        data: the data module's cached bytes per rank (:class:`DataMemory`) or None.
         sample_bytes: bytes of one training sample as the DataLoader hands it over (what workers hold ahead).
         processes_per_node, world_size: ranks on one node, and in all (each rank is one GPU).
         cost: the step's FLOPs and operator calls (None: no time prediction).
@@ -366,11 +452,8 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
         env: the process environment (a running Slurm job's memory).
         latent_shape: ``(C, d, h, w)`` of one modality's latents, for a run on a latent cache (its bytes on disk).
     """
-    from voxdiff.errors import ConfigError
-
     misfits: list[ConfigError] = []
     warnings: list[str] = []
-    gib = 2**30
 
     # disk: the checkpoints, under the run directory
     needs, options = run.resources, run.preflight
@@ -381,7 +464,7 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
         free, where = free_bytes(run_dir)
         configured = options.disk_free_gib
         if configured is not None:
-            free, where = int(float(configured) * gib), Path(f"{run_dir} (preflight.disk_free_gib)")
+            free, where = int(float(configured) * GiB), Path(f"{run_dir} (preflight.disk_free_gib)")
         cache = subjects = None
         if latent_shape is not None:
             subjects = getattr(data, "subjects", None)
@@ -406,15 +489,13 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
         job = slurm_job_memory(env)
         site = slurm_site(needs.slurm)
         if configured is not None:
-            budget, source = int(float(configured) * gib), "preflight.host_memory_gib"
+            budget, source = int(float(configured) * GiB), "preflight.host_memory_gib"
         elif job is not None:
             budget, source = job, "this Slurm job's allocation"
         elif site is not None and site.get("MEM_PER_GPU"):
             budget = parse_slurm_memory(site["MEM_PER_GPU"]) * processes_per_node
             source = f"Slurm --mem-per-gpu={site['MEM_PER_GPU']} x {processes_per_node} GPU(s) per node"
         else:
-            from voxdiff.preflight.host import host_memory_bytes
-
             budget, source = host_memory_bytes(), "this machine"
         workers = worker_bytes(sample_bytes, run.batch_size, needs.num_workers, needs.prefetch_factor,
                                processes_per_node)

@@ -46,16 +46,19 @@ from voxdiff.encodings.vqvae import (
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES, simulate_reserved
 from voxdiff.preflight.autocast import CudaAutocastEmulator
-from voxdiff.preflight.memory import EmulatedPrecision, GiB, _FusedAdamWOnMeta
-from voxdiff.preflight.phases import (
-    AUTOCAST_DTYPES,
+from voxdiff.preflight.memory import PREDICTED_DEVICE
+from voxdiff.preflight.world import (
+    EmulatedPrecision,
     PhaseRecorder,
     PhaseTrace,
+    emulated_precision,
+    meta_optimizer,
     tracker_for,
 )
-from voxdiff.run_spec import RunSpec, run_spec
+from voxdiff.run.spec import RunSpec, run_spec
 from voxdiff.step import ClipSettings
-from voxdiff.step.optim import build_optimizer, optimizer_impl
+from voxdiff.step.optim import optimizer_impl
+from voxdiff.units import GiB
 
 __all__ = ["Stage1Report", "attach_meta_autoencoder", "latent_stage1_spec", "predict_stage1", "trace_cache_pass",
            "trace_stage1_step"]
@@ -102,12 +105,12 @@ def trace_stage1_step(
         optimizer: AdamW over the system's trainable parameters (the stand-in for fused AdamW on meta).
         precision: the emulated precision context (forward region, backward with recomputation in autocast).
         clip: ``trainer.gradient_clip_val`` / ``gradient_clip_algorithm``.
-        device_type, granularity, cuda_kernels: as :func:`voxdiff.preflight.phases.tracker_for`.
+        device_type, granularity, cuda_kernels: as :func:`voxdiff.preflight.world.tracker_for`.
         steps: steps to trace (the second is the steady state: AdamW state and the previous gradients live
             through its forward).
 
     Returns:
-        One :class:`~voxdiff.preflight.phases.PhaseTrace` per step (phases :data:`STAGE1_PHASES`); ``start_bytes``
+        One :class:`~voxdiff.preflight.world.PhaseTrace` per step (phases :data:`STAGE1_PHASES`); ``start_bytes``
         of each is the live bytes when the trace began, ``events`` the whole trace's sequence (on the last).
     """
     system.codebook_initialised = torch.tensor(True)  # the steady state: started on the first batch of a run
@@ -155,7 +158,7 @@ def trace_cache_pass(
     Args:
         encoding: a :class:`~voxdiff.encodings.VQVAELatent` with its autoencoder attached, on ``device_type``.
         volume: ``(B, 1, D, H, W)``: B = ``cache_latents.py``'s ``batch_size``.
-        device_type, granularity, cuda_kernels: as :func:`voxdiff.preflight.phases.tracker_for`.
+        device_type, granularity, cuda_kernels: as :func:`voxdiff.preflight.world.tracker_for`.
     """
     ae = encoding.autoencoder
     tracker = tracker_for(device_type, granularity, cuda_kernels)
@@ -262,15 +265,13 @@ def predict_stage1(cfg: DictConfig, run: RunSpec | None = None, cache_batch: int
     Args:
         cfg: a composed ``train``/``preflight`` config whose system is the VQ-VAE (its ``system`` node is the
             system built, from the run spec's part, as ``train.py`` builds it).
-        run: its run spec when already resolved (:func:`voxdiff.run_spec.run_spec`): the GPU type, the precision,
+        run: its run spec when already resolved (:func:`voxdiff.run.spec.run_spec`): the GPU type, the precision,
             the volume, the batch and the clipping are its; else it is resolved for a GPU here.
         cache_batch: ``cache_latents.py``'s ``batch_size`` (volumes encoded together; default 1).
 
     Raises:
         ConfigError: not a stage-1 config, or a setting that cannot work (named key, value and fix).
     """
-    from voxdiff.preflight.check import PREDICTED_DEVICE
-
     run = run or run_spec(cfg, PREDICTED_DEVICE)
     if run.kind != "stage1":
         raise ConfigError("system.kind", run.kind, "is not a VQ-VAE stage 1", "use experiment=vqvae_4x or "
@@ -283,13 +284,10 @@ def predict_stage1(cfg: DictConfig, run: RunSpec | None = None, cache_batch: int
     system.train()
     batch = {m: (bs, 1, *vol) for m in system.hparams.modalities}
     precision = run.precision.name
-    dtype = AUTOCAST_DTYPES[precision]
-    autocast = CudaAutocastEmulator(dtype=dtype or torch.bfloat16, device_type="meta", enabled=dtype is not None)
     trainable = [p for p in system.vqvae.parameters() if p.requires_grad]
     impl = optimizer_impl(system.optim_settings, "cuda")  # meta stands for a GPU
-    optimizer = (_FusedAdamWOnMeta(trainable, system.optim_settings) if impl == "fused"
-                 else build_optimizer(trainable, system.optim_settings, impl))
-    steps = trace_stage1_step(system, batch, optimizer, EmulatedPrecision(autocast), run.clip)
+    optimizer = meta_optimizer(trainable, system.optim_settings, impl)
+    steps = trace_stage1_step(system, batch, optimizer, emulated_precision(precision), run.clip)
 
     encoding = attach_meta_autoencoder(VQVAELatent(system.spec.factor, system.spec.latent_channels), system.spec)
     cache = trace_cache_pass(encoding, (cache_batch, 1, *vol))

@@ -24,7 +24,8 @@ from voxdiff.errors import ConfigError
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 _ALIASES = {"32": "32-true", "32-true": "32-true", "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed",
             "16": "16-mixed", "16-mixed": "16-mixed"}  # fmt: skip
-_DTYPES = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+#: the autocast dtype of each precision (None: full fp32, no autocast)
+AUTOCAST_DTYPES = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 def accelerator_device(accelerator: Any) -> str:
@@ -55,7 +56,7 @@ class Precision:
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         """The lower-precision dtype of autocast, None for full fp32."""
-        return _DTYPES[self.name]
+        return AUTOCAST_DTYPES[self.name]
 
     @property
     def scales_loss(self) -> bool:

@@ -11,7 +11,7 @@ Three drivers run it:
   and ``step()``;
 * the preflight traces :meth:`TrainStep.run` on meta tensors, with its CUDA-autocast emulator as the precision
   context (``voxdiff.preflight.memory``);
-* ``preflight.measure=true`` runs :meth:`TrainStep.run` on a GPU (``voxdiff.preflight.measure``).
+* ``preflight.measure=true`` runs :meth:`TrainStep.run` on a GPU (``voxdiff.benchmarks.measure``).
 
 One step (:meth:`TrainStep.run`), in Lightning's order::
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from voxdiff.preflight.sweep import PRED_COLUMNS, MODEL_FACTORY, parse_row, predict_row, sweep
+from voxdiff.benchmarks.sweep import PRED_COLUMNS, MODEL_FACTORY, parse_row, predict_row, sweep
 from voxdiff.step import SEED, system_recipe
 
 
@@ -88,7 +88,8 @@ def test_the_step_of_a_row_is_named_never_assumed() -> None:
 def test_each_row_is_predicted_for_its_own_gpu(tmp_path: Path) -> None:
     """A row measured on an A100 40GB gets its 40 GiB budget and the A100's smaller cuBLAS workspaces; rows without
     a gpu cell take the configured GPU; an unknown GPU is that row's error."""
-    from voxdiff.preflight.gpus import GPUS, GiB
+    from voxdiff.run.gpus import GPUS
+    from voxdiff.units import GiB
 
     header = [*_HEADER, "gpu"]
     tiny = ["tiny", "4x8x8x8", "4", "2", "16 32", "0 1", "1 1", "16", "8", "0", ""]
@@ -176,7 +177,7 @@ def test_reference_parameter_counts() -> None:
 def test_h100_reference_peaks_meet_the_bar(h100_csv: Path, tmp_path: Path) -> None:
     """Every 7th row of reference/h100_measured.csv (16 of 113, all four tables, three that died): the seed
     recipe's predicted peaks per phase against the H100's, and the fit/OOM verdict against what the runs did."""
-    from voxdiff.preflight.sweep import compare_phases
+    from voxdiff.benchmarks.sweep import compare_phases
 
     rows = list(csv.DictReader(open(h100_csv, newline="")))[::7]
     src = tmp_path / "sample.csv"

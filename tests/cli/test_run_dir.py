@@ -1,4 +1,4 @@
-"""The run directory (voxdiff.run_dir): one run at a time, stale locks replaced, no fresh run over checkpoints,
+"""The run directory (voxdiff.cli.run_dir): one run at a time, stale locks replaced, no fresh run over checkpoints,
 stale temporary files of interrupted checkpoint writes removed — and a refused run leaves the running one's
 ``.hydra/`` record alone."""
 
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 from voxdiff.errors import ConfigError
-from voxdiff.run_dir import LOCK_NAME, checkpoints_in, claim, release
+from voxdiff.cli.run_dir import LOCK_NAME, checkpoints_in, claim, release
 
 
 def _dead_pid() -> int:
@@ -112,7 +112,7 @@ def test_a_second_train_py_on_a_running_runs_directory_stops_before_hydra_writes
 
 def test_the_temporary_file_of_a_checkpoint_write_killed_by_sigkill_is_removed(tmp_path):
     """The real writer (atomic_write), killed with SIGKILL mid-write, leaves its temp file; the next run removes it."""
-    code = ("import os, sys; from voxdiff.lightning.checkpoint_io import atomic_write; "
+    code = ("import os, sys; from voxdiff.files import atomic_write; "
             "atomic_write(sys.argv[1], lambda f: (f.write(b'partial'), f.flush(), os.kill(os.getpid(), 9)))")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "checkpoints" / "last.ckpt")])
     assert proc.returncode == -9

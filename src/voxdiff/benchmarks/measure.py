@@ -1,7 +1,7 @@
 """Measure the real peak GPU memory of training steps, beside the prediction (``preflight.measure=true``).
 
-Runs the step that :func:`voxdiff.preflight.check.predict_memory` traces — the same
-:class:`voxdiff.step.TrainStep`, made from the same :func:`~voxdiff.preflight.check.step_plan` (model factory,
+Runs the step that :func:`voxdiff.preflight.memory.predict_memory` traces — the same
+:class:`voxdiff.step.TrainStep`, made from the same :func:`~voxdiff.preflight.memory.step_plan` (model factory,
 recipe: loss, AdamW, gradient order, clipping and the guard, EMA; the batch of the data module) — with real CUDA
 autocast as its precision context, on a CUDA GPU, resetting the peak statistics at each phase, and writes rows in
 the format of ``reference/measured_vram.csv`` plus the prediction, so anyone with a GPU can extend the reference.
@@ -15,8 +15,11 @@ from typing import Any
 
 import torch
 from voxdiff.errors import ConfigError
-from voxdiff.preflight.memory import GiB, MemoryReport
-from voxdiff.run_spec import RunSpec
+from voxdiff.models.unet import build_unet_from_spec
+from voxdiff.preflight.memory import MemoryReport, step_plan
+from voxdiff.run.spec import RunSpec
+from voxdiff.step import TrainStep
+from voxdiff.units import GiB
 
 MEASURED_COLUMNS = ["model_gib", "fwd_gib", "bwd_gib", "total_gib", "steady_fwd_gib", "steady_bwd_gib",
                     "steady_total_gib", "reserved_gib", "oom"]
@@ -37,17 +40,13 @@ class CudaPhasePeaks:
 
 
 def measured_step(run: RunSpec) -> tuple[Any, dict[str, tuple[int, ...]]]:
-    """The training step of :func:`~voxdiff.preflight.check.step_plan` on a real device, the run spec's
-    (:func:`voxdiff.run_spec.run_spec` resolved for it: the UNet's ``auto`` switches and the precision decided
+    """The training step of :func:`~voxdiff.preflight.memory.step_plan` on a real device, the run spec's
+    (:func:`voxdiff.run.spec.run_spec` resolved for it: the UNet's ``auto`` switches and the precision decided
     there, the local GPU asked for bf16), with real autocast as its precision context and its optimizer configured.
 
     Returns:
         ``(step, batch)``: a :class:`voxdiff.step.TrainStep` and the shapes of the batch it trains on.
     """
-    from voxdiff.models.unet import build_unet_from_spec
-    from voxdiff.preflight.check import step_plan
-    from voxdiff.step import TrainStep
-
     plan = step_plan(run)
     device_type = run.device_type
     with torch.device(device_type):

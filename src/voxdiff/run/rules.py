@@ -1,6 +1,6 @@
 """The UNet's rules of a configuration, before any tracing or building: each failure names key, value and a fix.
 
-:func:`voxdiff.run_spec.run_spec_problems` runs them with the rest of a config's checks, every failure reported:
+:func:`voxdiff.run.spec.run_spec_problems` runs them with the rest of a config's checks, every failure reported:
 
 1. the volume divides by the encoding's factor (``data.volume_shape`` vs ``encoding``: the encoding's own check,
    through :func:`voxdiff.config.shapes`);
@@ -72,11 +72,3 @@ def check_io_channels(cfg: DictConfig, encoding: Encoding) -> None:
                 f"mode={cfg.mode} with {encoding.label} has {want} channels ({what})",
                 f"remove model.{key} (it follows from the encoding and the mode) or set it to {want}",
             )
-
-
-def static_problems(cfg: DictConfig) -> list[ConfigError]:
-    """Every problem of ``cfg`` as the preflight sees it: those of its run spec for the GPU it predicts
-    (:func:`voxdiff.run_spec.run_spec_problems`); empty when it is valid. Never raises for a config problem."""
-    from voxdiff.run_spec import run_spec_problems
-
-    return run_spec_problems(cfg, "cuda")[1]

@@ -32,12 +32,14 @@ from typing import Any
 from torch import nn
 
 from voxdiff.errors import ConfigError
+from voxdiff.models import build_unet_from_spec
 from voxdiff.models.unet import UNetSpec, row_flag
-from voxdiff.preflight.gpus import DEFAULT_GPU, GpuSpec, gpu_type
-from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, GiB, MemoryReport, predict_step_memory
+from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, MemoryReport, predict_step_memory
+from voxdiff.run.gpus import DEFAULT_GPU, GpuSpec, gpu_type
 from voxdiff.step import RECIPES, SEED, Recipe
 from voxdiff.step.optim import OPTIMIZER_IMPLS
 from voxdiff.step.recipe import ZERO_GRAD_AT
+from voxdiff.units import GiB
 
 __all__ = [
     "MODEL_FACTORY",
@@ -131,13 +133,11 @@ def build_monai_unet(cfg: UNetRow) -> nn.Module:
     """MONAI ``DiffusionModelUNet(spatial_dims=3, ...)`` for a row, through voxdiff's model factory and its
     gradient-checkpointing policy (``preserve_rng_state=False`` keeps the trace off the CUDA RNG — these blocks
     draw no random numbers)."""
-    from voxdiff.models import build_unet_from_spec
-
     return build_unet_from_spec(cfg.spec, preserve_rng_state=False)
 
 
 def row_gpu(row: Mapping[str, Any], gpu: GpuSpec | str | None = None) -> GpuSpec:
-    """The GPU of a row: its ``gpu`` column (a type of :data:`~voxdiff.preflight.gpus.GPUS` or the name torch reports
+    """The GPU of a row: its ``gpu`` column (a type of :data:`~voxdiff.run.gpus.GPUS` or the name torch reports
     for one, as the reference CSVs record it) when set, else ``gpu``, else the default GPU.
 
     Raises:
@@ -294,7 +294,7 @@ def sweep(
         recipe, system: the training step traced for each row (see :func:`row_recipe`).
         build_model: row -> module, overrides :data:`MODEL_FACTORY`.
         budget_gib: device memory budget in GiB; None: each row's GPU's memory (:func:`row_gpu`).
-        gpu: the GPU of rows without a ``gpu`` column (default :data:`~voxdiff.preflight.gpus.DEFAULT_GPU`).
+        gpu: the GPU of rows without a ``gpu`` column (default :data:`~voxdiff.run.gpus.DEFAULT_GPU`).
         safety_margin: fraction added to the predicted peak before comparing with the budget.
         plot_path: PNG of parameters vs predicted peak; ``""`` puts it next to ``out_csv`` with suffix
             ``.png``, ``None`` skips the plot.

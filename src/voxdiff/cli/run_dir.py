@@ -11,7 +11,7 @@
    ``hpc_ckpt_*.ckpt``), and a run that continues *another* run's checkpoint there: ``ckpt_path=auto`` resumes
    this directory's run, ``overwrite=true`` starts over in it.
 3. removes the temporary files an interrupted atomic checkpoint write left (``.<name>.ckpt.<random>.tmp``, see
-   :func:`voxdiff.lightning.checkpoint_io.atomic_write`), and says so.
+   :func:`voxdiff.files.atomic_write`), and says so.
 
 ``python train.py`` claims the directory in :class:`RunDirGuard`, a Hydra callback that runs before Hydra writes
 ``.hydra/`` into it, so a refused run does not even overwrite the running one's config record; in-process
@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from voxdiff.cli.exit_codes import EXIT_CONFIG
+from voxdiff.config import check_name
 from voxdiff.errors import ConfigError
 
 LOCK_NAME = ".voxdiff.lock"
@@ -239,9 +241,6 @@ class RunDirGuard(_HydraCallback):
     """
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        from voxdiff.cli.exit_codes import EXIT_CONFIG
-        from voxdiff.config import check_name
-
         try:
             check_name("task_name", config.get("task_name"))
             if "overwrite" in config and process_rank() == 0:

@@ -4,8 +4,8 @@ import pytest
 
 from voxdiff.config import compose
 from voxdiff.errors import ConfigErrors
-from voxdiff.preflight.rules import static_problems
-from voxdiff.run_spec import run_spec
+from voxdiff.preflight.check import static_problems
+from voxdiff.run.spec import run_spec
 
 
 def _problems(*overrides):

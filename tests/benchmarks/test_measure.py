@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from voxdiff.preflight.check import step_plan
-from voxdiff.preflight.measure import measured_step
-from voxdiff.run_spec import run_spec
+from voxdiff.preflight.memory import step_plan
+from voxdiff.benchmarks.measure import measured_step
+from voxdiff.run.spec import run_spec
 from voxdiff.step import ClipSettings
 
 
@@ -42,8 +42,8 @@ def test_a_measured_row_is_written_in_the_sweep_format(tiny_cfg):
     reads back the UNet that was measured."""
     from voxdiff.config import model_spec
     from voxdiff.models import UNetSpec
-    from voxdiff.preflight.measure import reference_row
-    from voxdiff.preflight.sweep import parse_row
+    from voxdiff.benchmarks.measure import reference_row
+    from voxdiff.benchmarks.sweep import parse_row
 
     cfg = tiny_cfg("model.num_head_channels=[8,8,16]")
     row = reference_row(run_spec(cfg, "cuda"), "tiny", {"fwd_gib": 0.5}, None)

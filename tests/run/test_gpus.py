@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from voxdiff.errors import ConfigError
-from voxdiff.preflight.gpus import DEFAULT_GPU, GPUS, GiB, MiB, gpu_type, resolve_gpu
+from voxdiff.run.gpus import DEFAULT_GPU, GPUS, gpu_type, resolve_gpu
+from voxdiff.units import GiB, MiB
 
 
 def _local_device(monkeypatch, name: str, total_bytes: int, capability: tuple[int, int]) -> None:
@@ -58,7 +59,7 @@ def test_without_a_config_or_a_device_the_default(tiny_cfg, monkeypatch):
 
 def test_an_unknown_gpu_is_refused_with_the_known_types(tiny_cfg):
     with pytest.raises(ConfigError, match=r"preflight.gpu=B300: is not a GPU type .* H100, H200, A100, A100-40GB, "
-                                          r"L40S, A6000, V100 .*src/voxdiff/preflight/gpus.py"):
+                                          r"L40S, A6000, V100 .*src/voxdiff/run/gpus.py"):
         resolve_gpu(tiny_cfg("preflight.gpu=B300"))
 
 
@@ -82,7 +83,7 @@ def test_the_gpu_sets_budget_precision_and_flash_of_the_preflight(tiny_cfg, monk
 
 
 def test_a100_workspaces_are_smaller_than_h100s(tiny_cfg, monkeypatch):
-    from voxdiff.preflight.check import predict_memory
+    from voxdiff.preflight.memory import predict_memory
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     h100, a100 = predict_memory(tiny_cfg()), predict_memory(tiny_cfg("preflight.gpu=A100"))

@@ -25,12 +25,9 @@ from typing import Any
 import torch
 
 from voxdiff.errors import ConfigError
+from voxdiff.units import GiB, KiB, MiB
 
 __all__ = ["DEFAULT_GPU", "GPUS", "GPU_KEY", "GpuSpec", "gpu_type", "local_gpu", "resolve_gpu"]
-
-MiB = 2**20
-GiB = 2**30
-KiB = 2**10
 
 GPU_KEY = "preflight.gpu"
 DEFAULT_GPU = "H100"
@@ -136,7 +133,7 @@ def gpu_type(name: Any, key: str = GPU_KEY) -> GpuSpec:
             return spec
     raise ConfigError(key, name, "is not a GPU type the preflight knows",
                       f"use one of {_known()} (or the name torch reports for one of them), or add the type to "
-                      "GPUS in src/voxdiff/preflight/gpus.py")
+                      "GPUS in src/voxdiff/run/gpus.py")
 
 
 def local_gpu() -> GpuSpec | None:

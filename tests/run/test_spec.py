@@ -4,11 +4,12 @@ import pytest
 
 import voxdiff.config as config
 import voxdiff.preflight.check as check
-import voxdiff.run_spec as run_spec_module
+import voxdiff.preflight.memory as memory
+import voxdiff.run.spec as run_spec_module
 from voxdiff.cli.train import validate
 from voxdiff.config import compose
 from voxdiff.errors import ConfigError, ConfigErrors
-from voxdiff.run_spec import run_spec, run_spec_problems
+from voxdiff.run.spec import run_spec, run_spec_problems
 
 
 def test_every_problem_of_every_part_is_found_in_one_pass():
@@ -80,7 +81,7 @@ def test_the_preflight_builds_the_encoding_once_and_the_unet_once_per_use(monkey
 
     monkeypatch.setattr(run_spec_module, "build_encoding", counting("encoding", config.build_encoding))
     monkeypatch.setattr(config, "build_encoding", counting("encoding", config.build_encoding))
-    monkeypatch.setattr(check, "build_unet_from_spec", counting("unet", check.build_unet_from_spec))
+    monkeypatch.setattr(memory, "build_unet_from_spec", counting("unet", memory.build_unet_from_spec))
     result = check.run_preflight(compose("preflight", ["experiment=demo", "preflight.disk_free_gib=1000"]),
                                  compile=False, suggest=False)
     assert result.ok and result.phases is not None
@@ -102,7 +103,7 @@ def _hyper_parameters(cfg) -> dict:
 def test_a_systems_hyper_parameters_resolve_to_the_run_specs_system_part(experiment):
     from dataclasses import replace
 
-    from voxdiff.run_spec import system_spec
+    from voxdiff.run.spec import system_spec
 
     cfg = compose("train", [f"experiment={experiment}", "trainer.gradient_clip_val=0.5"])
     for device in ("cpu", "cuda"):
@@ -116,7 +117,7 @@ def test_a_systems_hyper_parameters_resolve_to_the_run_specs_system_part(experim
 
 
 def test_system_spec_collects_every_problem_of_the_hyper_parameters():
-    from voxdiff.run_spec import system_spec
+    from voxdiff.run.spec import system_spec
 
     hparams = _hyper_parameters(compose("train", ["experiment=demo"]))
     hparams["model"] = {**hparams["model"], "norm_num_groups": 7}
@@ -145,7 +146,7 @@ def test_the_diffusion_system_is_built_from_the_spec_it_is_given():
 
 def test_a_stage1_systems_part_is_its_vqvae():
     from voxdiff.config import plain
-    from voxdiff.run_spec import system_spec
+    from voxdiff.run.spec import system_spec
 
     cfg = compose("train", ["experiment=vqvae_demo"])
     part = system_spec("stage1", {"vqvae": plain(cfg.system.vqvae)}, "cpu")
@@ -207,7 +208,7 @@ def test_the_preflights_later_stages_read_the_spec_not_the_config(tiny_cfg):
     from omegaconf import OmegaConf
 
     cfg = tiny_cfg("trainer.max_steps=5000", "preflight.disk_free_gib=100", "data.cache=memory")
-    spec = run_spec(cfg, check.PREDICTED_DEVICE)
+    spec = run_spec(cfg, memory.PREDICTED_DEVICE)
     full = check.run_preflight(cfg, compile=False)
     bare = check.run_preflight(OmegaConf.create({"task_name": "demo"}), compile=False, run=spec)
     assert (bare.fits, bare.per_gpu_peak_gib, bare.need_gib, bare.budget_gib, bare.budget_source) == (

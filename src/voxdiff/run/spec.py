@@ -41,6 +41,10 @@ from voxdiff.config import (
 from voxdiff.encodings.base import Encoding
 from voxdiff.errors import ConfigError, Problems, boolean, integer, number, one_of, raise_all
 from voxdiff.models.unet import UNetSpec
+from voxdiff.run.gpus import resolve_gpu
+from voxdiff.run.parallel import parallel_of
+from voxdiff.run.rules import check_io_channels, check_unet_divisibility
+from voxdiff.run.stage1 import MODALITIES, stage1_settings
 from voxdiff.step.precision import Precision, accelerator_device, decide_precision
 from voxdiff.step.recipe import RECIPES, ClipSettings, Recipe, clip_settings, recipe_from_config
 from voxdiff.step.sampling import SamplingSettings, sampling_settings
@@ -80,7 +84,7 @@ class SystemSpec:
     recipe: Recipe | None = None
     sampling: SamplingSettings | None = None
     val_timesteps: int = 0
-    stage1: Any = None  # voxdiff.encodings.vqvae.Stage1Settings
+    stage1: Any = None  # voxdiff.run.stage1.Stage1Settings
 
     @property
     def vqvae(self) -> Any:
@@ -108,7 +112,7 @@ class PreflightOptions:
     host_memory_gib: float | None = None
 
 
-#: the ``data:`` keys the host memory of the data module depends on (:func:`voxdiff.preflight.distributed.data_memory`)
+#: the ``data:`` keys the host memory of the data module depends on (:func:`voxdiff.preflight.resources.data_memory`)
 DATA_MEMORY_KEYS = ("_target_", "volume_shape", "cache", "root", "num_subjects", "image_name", "mask_name",
                     "in_memory", "masks", "latent_dir")
 
@@ -155,7 +159,7 @@ class RunSpec:
             (``trainer.accelerator``), or the GPU the preflight predicts.
         precision: ``trainer.precision`` decided on that device (:func:`voxdiff.step.decide_precision`).
         parallel: the strategy, world size and DDP bucket options (one rank of it is what a GPU holds).
-        gpu: the GPU type (:func:`voxdiff.preflight.gpus.resolve_gpu`) and where it came from (``preflight.gpu``,
+        gpu: the GPU type (:func:`voxdiff.run.gpus.resolve_gpu`) and where it came from (``preflight.gpu``,
             ``local GPU``, ``default``).
         clip: the trainer's gradient clipping (``trainer.gradient_clip_val``/``_algorithm``; None: none), as both
             systems' steps clip (a diffusion run's :attr:`recipe` holds it too).
@@ -168,8 +172,8 @@ class RunSpec:
     batch_size: int
     device_type: str
     precision: Precision
-    parallel: Any  # voxdiff.preflight.distributed.Parallel
-    gpu: Any  # voxdiff.preflight.gpus.GpuSpec
+    parallel: Any  # voxdiff.run.parallel.Parallel
+    gpu: Any  # voxdiff.run.gpus.GpuSpec
     gpu_source: str
     clip: ClipSettings | None = None
     preflight: PreflightOptions = PreflightOptions()
@@ -197,12 +201,9 @@ def run_spec_problems(cfg: DictConfig, device_type: str | None = None) -> tuple[
     The checks, in order: ``trainer`` (:func:`validate_trainer`); ``system.kind``; the strategy (FSDP trains a
     diffusion UNet only); the GPU type; the encoding; the volume and its encoded shapes; the batch; the precision
     on the device; then for a diffusion run the UNet's arguments, the divisibility of the encoded volume by its
-    levels and its in/out channels (:mod:`voxdiff.preflight.rules`), the step's recipe and validation sampling;
+    levels and its in/out channels (:mod:`voxdiff.run.rules`), the step's recipe and validation sampling;
     for a stage 1 the VQ-VAE's arguments.
     """
-    from voxdiff.preflight.distributed import parallel_of
-    from voxdiff.preflight.gpus import resolve_gpu
-
     collect = Problems()
     trainer = cfg.get("trainer") or {}  # read key by key: a key may interpolate Hydra's run-time values
     collect(lambda: validate_trainer(trainer))
@@ -307,19 +308,13 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
         if encoding is not None:
             unet = collect(lambda: model_spec(cfg, encoding, device))
             if unet is not None and shapes_ok:
-                from voxdiff.preflight.rules import check_unet_divisibility
-
                 collect(lambda: check_unet_divisibility(cfg, encoding))
-            from voxdiff.preflight.rules import check_io_channels
-
             collect(lambda: check_io_channels(cfg, encoding))
         recipe = collect(lambda: recipe_from_config(cfg, "system"))
         val_timesteps = select(cfg, "system.val_timesteps", 4)
         drop = recipe.guidance.drop_prob if recipe is not None and recipe.guidance is not None else 0.0
         sampling = collect(lambda: sampling_settings(select(cfg, "system.sampling"), val_timesteps, mode, drop))
     elif kind == "stage1":
-        from voxdiff.encodings.vqvae import MODALITIES, stage1_settings
-
         def get(key: str, default: Any = None) -> Any:
             return select(cfg, f"system.{key}", default)
 
