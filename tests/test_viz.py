@@ -5,7 +5,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
-from voxdiff.viz import mid_planes, save_montage, save_nifti
+from voxdiff.viz import lesion_centre, mid_planes, save_montage, save_nifti
 
 SHAPE = (16, 24, 20)
 
@@ -53,6 +53,18 @@ def test_mid_planes_orientation():
     assert planes["axial"].shape == (h, d) and planes["axial"][5, 3] == 1.0
     assert planes["coronal"].shape == (w, d) and planes["coronal"][7, 4] == 1.0
     assert planes["sagittal"].shape == (w, h) and planes["sagittal"][11, 9] == 1.0
+
+
+def test_the_planes_pass_through_the_largest_lesion():
+    """A sample's montage cuts through its mask's largest lesion, wherever it is, not through the middle."""
+    mask = np.zeros((20, 24, 28), np.float32)
+    mask[2:4, 3:5, 4:6] = 1  # a small lesion
+    mask[12:17, 15:20, 20:25] = 1  # the largest, centred at (14, 17, 22)
+    assert lesion_centre(mask) == (14, 17, 22)
+    assert lesion_centre(np.zeros((4, 4, 4))) is None
+    planes = mid_planes(mask, lesion_centre(mask))
+    assert planes["axial"].sum() == planes["coronal"].sum() == planes["sagittal"].sum() == 25
+    assert mid_planes(mask)["axial"].sum() == 0  # the mid-planes miss both lesions
 
 
 @pytest.mark.parametrize("suffix", [".nii.gz", ".nii"])

@@ -1,9 +1,11 @@
-"""Pictures and volumes for people: a mid-plane montage PNG and NIfTI export, both written atomically.
+"""Pictures and volumes for people: a three-plane montage PNG and NIfTI export, both written atomically.
 
 Volumes are ``(D, H, W)`` (or ``(1, D, H, W)``) in RAS voxel order, as produced by :mod:`voxdiff.data`:
 axis 0 left→right, axis 1 posterior→anterior, axis 2 inferior→superior. The montage shows, per column, the
-axial (fixed axis 2), coronal (fixed axis 1) and sagittal (fixed axis 0) mid-planes in neurological
-convention (the subject's right on the picture's right, anterior/superior up), assuming isotropic voxels.
+axial (fixed axis 2), coronal (fixed axis 1) and sagittal (fixed axis 0) planes in neurological convention (the
+subject's right on the picture's right, anterior/superior up), assuming isotropic voxels: the mid-planes, or the
+planes through a given voxel — the samples' montages cut through the largest lesion of their mask
+(:func:`lesion_centre`), so that a reader sees whether the lesion was drawn where the mask puts it.
 """
 
 from __future__ import annotations
@@ -32,22 +34,44 @@ def _as_volume(volume: np.ndarray | torch.Tensor, name: str) -> np.ndarray:
     return array
 
 
-def mid_planes(volume: np.ndarray | torch.Tensor) -> dict[str, np.ndarray]:
-    """The three mid-planes of a volume, oriented for ``imshow(..., origin="lower")``.
+def mid_planes(volume: np.ndarray | torch.Tensor,
+               centre: tuple[int, int, int] | None = None) -> dict[str, np.ndarray]:
+    """The three planes of a volume through ``centre`` (None: the mid-planes), oriented for
+    ``imshow(..., origin="lower")``.
 
     Args:
         volume: ``(D, H, W)`` or ``(1, D, H, W)``.
+        centre: ``(d, h, w)`` voxel the planes pass through, clipped to the volume.
 
     Returns:
         ``{"axial": (H, D), "coronal": (W, D), "sagittal": (W, H)}`` float32 arrays (rows = vertical axis).
     """
     v = _as_volume(volume, "volume")
     d, h, w = v.shape
+    cd, ch, cw = centre if centre is not None else (d // 2, h // 2, w // 2)
+    cd, ch, cw = min(max(cd, 0), d - 1), min(max(ch, 0), h - 1), min(max(cw, 0), w - 1)
     return {
-        "axial": v[:, :, w // 2].T,
-        "coronal": v[:, h // 2, :].T,
-        "sagittal": v[d // 2, :, :].T,
+        "axial": v[:, :, cw].T,
+        "coronal": v[:, ch, :].T,
+        "sagittal": v[cd, :, :].T,
     }
+
+
+def lesion_centre(mask: np.ndarray | torch.Tensor) -> tuple[int, int, int] | None:
+    """The voxel at the centre of mass of the largest connected lesion of a mask (None for an empty mask).
+
+    Args:
+        mask: ``(D, H, W)`` or ``(1, D, H, W)``, lesion where > 0.5.
+    """
+    from scipy import ndimage  # deferred: only montages of masks need it
+
+    m = _as_volume(mask, "mask") > 0.5
+    labels, n = ndimage.label(m)
+    if n == 0:
+        return None
+    sizes = np.bincount(labels.ravel())[1:]
+    largest = labels == (int(np.argmax(sizes)) + 1)
+    return tuple(int(round(c)) for c in ndimage.center_of_mass(largest))  # type: ignore[return-value]
 
 
 def _atomic_target(path: str | os.PathLike[str], suffix: str) -> tuple[Path, str]:
@@ -63,8 +87,10 @@ def save_montage(
     path: str | os.PathLike[str],
     columns: Mapping[str, np.ndarray | torch.Tensor],
     title: str | None = None,
+    centre: tuple[int, int, int] | None = None,
 ) -> Path:
-    """Write a PNG montage: one column per volume, rows = axial, coronal, sagittal mid-planes.
+    """Write a PNG montage: one column per volume, rows = axial, coronal, sagittal planes (through ``centre``, a
+    ``(d, h, w)`` voxel of every column's volume; None: the mid-planes).
 
     Every panel uses the grey colour map with a fixed [0, 1] window (images are in [0, 1], masks in {0, 1}),
     so columns and successive montages are comparable; values outside are clipped by the display only.
@@ -84,7 +110,7 @@ def save_montage(
 
     if not columns:
         raise ValueError("save_montage needs at least one column")
-    planes = {name: mid_planes(_as_volume(vol, name)) for name, vol in columns.items()}
+    planes = {name: mid_planes(_as_volume(vol, name), centre) for name, vol in columns.items()}
     n = len(planes)
     # size each row by its tallest panel, each column by its widest (planes keep their voxel aspect)
     col_w = [max(p[k].shape[1] for k in PLANES) for p in planes.values()]

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from voxdiff.viz import save_montage, save_nifti
+from voxdiff.viz import lesion_centre, save_montage, save_nifti
 
 
 def _safe(name: str) -> str:
@@ -59,5 +59,9 @@ def save_samples(
         else:
             columns = {"real mask": masks[i, 0], "generated mask": generated[i, 0]}
         columns = {k: v.float().cpu() for k, v in columns.items() if v is not None}
-        pngs.append(save_montage(out / f"{stem}.png", columns, title=f"{tag}  {subjects[i]}  ({mode})"))
+        # bravo: the planes through the mask's largest lesion, where the generated one should be
+        centre = lesion_centre(masks[i, 0]) if mode == "bravo" else None
+        where = "through the largest lesion" if centre is not None else "mid-planes"
+        pngs.append(save_montage(out / f"{stem}.png", columns, title=f"{tag}  {subjects[i]}  ({mode}, {where})",
+                                 centre=centre))
     return pngs
