@@ -21,3 +21,4 @@ bench:
 	bash scripts/setup_env.sh test
 	$(PY) bench/bench_preflight.py
 	$(PY) bench/bench_system.py
+	$(PY) bench/bench_sampling.py
