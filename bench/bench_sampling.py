@@ -32,8 +32,8 @@ SAMPLERS = [
 
 def _system(overrides: list[str], process: str, device: str):
     diffusion = "diffusion=rflow" if process == "rflow" else "diffusion=ddpm"
-    extra = [] if process == "ddpm" else ["~diffusion.prediction_type", "~diffusion.min_snr_gamma",
-                                          "~diffusion.eta", "~diffusion.num_inference_steps"]
+    # the demo sets DDPM keys (x0 prediction, eta): rectified flow takes its own values of them
+    extra = [] if process == "ddpm" else ["diffusion.prediction_type=velocity", "diffusion.eta=null"]
     cfg = compose("train", ["experiment=demo", diffusion, *extra, "system.guidance.drop_prob=0.1",
                             f"trainer.accelerator={'gpu' if device == 'cuda' else 'cpu'}", *overrides])
     torch.manual_seed(0)
