@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from einops import reduce
 
 from voxdiff.encodings.base import Encoding, LearnedEncoding
 
@@ -85,6 +86,25 @@ def encode_batch(
     if mode == "bravo":
         return encoded("image"), encoded("mask")
     return encoded("mask"), None
+
+
+def check_pair(x0: torch.Tensor, cond: torch.Tensor | None) -> None:
+    """``x0 (B, C_out, d, h, w)`` and ``cond (B, C_cond, d, h, w) | None`` as every process's loss takes them.
+
+    Raises:
+        ValueError: x0 is not 5-D, or cond differs from it in batch or space.
+    """
+    if x0.dim() != 5:
+        raise ValueError(f"x0 must be (B, C, d, h, w), got shape {tuple(x0.shape)}")
+    if cond is not None and (cond.shape[0] != x0.shape[0] or cond.shape[2:] != x0.shape[2:]):
+        raise ValueError(f"cond {tuple(cond.shape)} does not match x0 {tuple(x0.shape)} in batch or space")
+
+
+def per_sample_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` fp32 mean squared error of each sample (the UNet's prediction against the process's target)."""
+    if pred.shape != target.shape:
+        raise ValueError(f"the UNet returned {tuple(pred.shape)}, the target is {tuple(target.shape)}")
+    return reduce((pred.float() - target) ** 2, "b ... -> b", "mean")
 
 
 def encoded_range(encoding: Encoding) -> float | None:

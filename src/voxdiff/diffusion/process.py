@@ -29,10 +29,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from einops import reduce
 from monai.networks.schedulers import DDIMScheduler, DDPMScheduler
 from torch import nn
 
+from voxdiff.diffusion.batch import check_pair, per_sample_mse
 from voxdiff.diffusion.guidance import denoiser
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
@@ -180,10 +180,7 @@ class DiffusionProcess(nn.Module):
             ``(loss, stats)``: ``loss`` a float32 scalar with grad; ``stats`` detached tensors ``mse`` (unweighted
             mean squared error, scalar) and ``timesteps`` ``(B,)``.
         """
-        if x0.dim() != 5:
-            raise ValueError(f"x0 must be (B, C, d, h, w), got shape {tuple(x0.shape)}")
-        if cond is not None and (cond.shape[0] != x0.shape[0] or cond.shape[2:] != x0.shape[2:]):
-            raise ValueError(f"cond {tuple(cond.shape)} does not match x0 {tuple(x0.shape)} in batch or space")
+        check_pair(x0, cond)
         x0 = x0.float()
         b = x0.shape[0]
         t = timesteps if timesteps is not None else self.sample_timesteps(b, x0.device, generator)
@@ -193,9 +190,7 @@ class DiffusionProcess(nn.Module):
         x_in = x_t if cond is None else torch.cat([x_t, cond.to(x_t.dtype)], dim=1)  # (B, C_out + C_cond, ...)
         pred = model(x_in, timesteps=t).float()  # fp32 from here on, whatever the autocast
         target = self.target(x0, noise, t)
-        if pred.shape != target.shape:
-            raise ValueError(f"the UNet returned {tuple(pred.shape)}, the target is {tuple(target.shape)}")
-        per_sample = reduce((pred - target) ** 2, "b ... -> b", "mean")  # (B,)
+        per_sample = per_sample_mse(pred, target)  # (B,)
         weights = self.loss_weights.to(per_sample.device)[t]  # (B,)
         loss = (weights * per_sample).mean()
         return loss, {"mse": per_sample.detach().mean(), "timesteps": t.detach()}

@@ -23,11 +23,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from einops import reduce
 from monai.networks.schedulers import RFlowScheduler
 from monai.networks.schedulers.rectified_flow import timestep_transform
 from torch import nn
 
+from voxdiff.diffusion.batch import check_pair, per_sample_mse
 from voxdiff.diffusion.guidance import denoiser
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
@@ -157,10 +157,7 @@ class RectifiedFlow(nn.Module):
 
         ``timesteps`` given (the validation loss's fixed grid) are used as they are, untransformed.
         """
-        if x0.dim() != 5:
-            raise ValueError(f"x0 must be (B, C, d, h, w), got shape {tuple(x0.shape)}")
-        if cond is not None and (cond.shape[0] != x0.shape[0] or cond.shape[2:] != x0.shape[2:]):
-            raise ValueError(f"cond {tuple(cond.shape)} does not match x0 {tuple(x0.shape)} in batch or space")
+        check_pair(x0, cond)
         x0 = x0.float()
         t = timesteps.float() if timesteps is not None else self.sample_timesteps(x0, generator)  # (B,)
         if noise is None:
@@ -169,9 +166,7 @@ class RectifiedFlow(nn.Module):
         x_in = x_t if cond is None else torch.cat([x_t, cond.to(x_t.dtype)], dim=1)  # (B, C_out + C_cond, ...)
         pred = model(x_in, timesteps=t).float()
         target = x0 - noise
-        if pred.shape != target.shape:
-            raise ValueError(f"the UNet returned {tuple(pred.shape)}, the target is {tuple(target.shape)}")
-        per_sample = reduce((pred - target) ** 2, "b ... -> b", "mean")  # (B,)
+        per_sample = per_sample_mse(pred, target)  # (B,)
         loss = per_sample.mean()
         return loss, {"mse": per_sample.detach().mean(), "timesteps": t.detach()}
 
