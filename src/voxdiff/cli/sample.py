@@ -27,7 +27,7 @@ from voxdiff.checkpoint import CONFIG_KEY
 from voxdiff.cli.devices import check_device, pick_device
 from voxdiff.cli.exit_codes import refusals
 from voxdiff.config import config_dir, plain, require, voxdiff_class
-from voxdiff.errors import ConfigError, integer, one_of
+from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
 SPLITS = ("val", "all")
 _CKPT_FIX = "point it at a training checkpoint, e.g. ckpt_path=<run dir>/checkpoints/last.ckpt"
@@ -49,6 +49,11 @@ def validate(cfg: DictConfig) -> None:
     if steps is not None:
         integer("num_inference_steps", steps, minimum=1, fix="e.g. num_inference_steps=50, or null for the run's")
     one_of("split", cfg.split, SPLITS)
+    boolean("use_ema", cfg.get("use_ema"), fix="use use_ema=true (the EMA weights) or use_ema=false (the raw ones)")
+    if cfg.get("guidance_scale") is not None:  # what this model can do is checked once it is loaded
+        number("guidance_scale", cfg.guidance_scale, lo=0, fix="e.g. guidance_scale=2, 1 for none, or null as trained")
+    if cfg.get("eta") is not None:
+        number("eta", cfg.eta, lo=0, hi=1, fix="use eta=0 (deterministic DDIM) to 1, or null as trained")
     check_device(cfg.device)
 
 
