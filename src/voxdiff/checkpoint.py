@@ -47,3 +47,20 @@ def checkpoint_kind(checkpoint: Mapping[str, Any]) -> str:
     if "vqvae" in hparams:
         return "stage1"
     return "unknown"
+
+
+def non_finite_tensor(checkpoint: Mapping[str, Any]) -> str | None:
+    """The name of the first weight of a checkpoint that holds a NaN or an infinity — in its ``state_dict``, then
+    in its EMA weights (``ema.shadow``) — or None when every one is finite. Sampling, evaluating or resuming from
+    such weights would only spread them; the guard never writes them, so a file that has them was damaged or
+    written by something else."""
+    import torch  # deferred: reading a checkpoint's kind needs no torch
+
+    parts = (("state_dict", checkpoint.get("state_dict")),
+             ("ema.shadow", (checkpoint.get("ema") or {}).get("shadow") if isinstance(checkpoint.get("ema"), Mapping)
+              else None))
+    for where, tensors in parts:
+        for name, t in (tensors or {}).items():
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return f"{where}.{name}"
+    return None

@@ -93,6 +93,12 @@ ROWS = [
     ("sample_guidance_scale_negative", SAMPLE, ["ckpt_path={diffusion}", "guidance_scale=-1"], CONFIG,
      ["guidance_scale=-1", "Fix:"]),
     ("sample_eta_too_large", SAMPLE, ["ckpt_path={diffusion}", "eta=3"], CONFIG, ["eta=3", "Fix:"]),
+    ("sample_nan_weights", SAMPLE, ["ckpt_path={nan_weights}"], CONFIG,
+     ["nan_weights.ckpt", "state_dict.model.", "NaN or infinite", "Fix:"]),
+    ("evaluate_inf_ema_weights", EVALUATE, ["ckpt_path={inf_ema}"], CONFIG,
+     ["inf_ema.ckpt", "ema.shadow.", "NaN or infinite"]),
+    ("resume_nan_weights", TRAIN, ["ckpt_path={nan_weights}"], CONFIG,
+     ["nan_weights.ckpt", "NaN or infinite", "earlier checkpoint"]),
     ("sample_empty", SAMPLE, ["ckpt_path={empty}"], CONFIG, ["empty.ckpt", "is empty"]),
     ("sample_garbage", SAMPLE, ["ckpt_path={garbage}"], CONFIG, ["garbage.ckpt", "not a PyTorch checkpoint"]),
     ("sample_truncated", SAMPLE, ["ckpt_path={truncated}"], CONFIG, ["truncated.ckpt", "truncated or corrupt"]),
@@ -148,6 +154,16 @@ def files(tmp_path_factory, diffusion_ckpt, vqvae_ckpt, reference_csv):
     (tmp / "garbage.ckpt").write_bytes(np.random.default_rng(0).bytes(4096))
     data = diffusion_ckpt.read_bytes()
     (tmp / "truncated.ckpt").write_bytes(data[: len(data) // 2])
+    import torch
+
+    poisoned = torch.load(diffusion_ckpt, map_location="cpu", weights_only=True)
+    name = next(k for k, v in poisoned["state_dict"].items() if v.is_floating_point())
+    poisoned["state_dict"][name] = poisoned["state_dict"][name].clone().fill_(float("nan"))
+    torch.save(poisoned, tmp / "nan_weights.ckpt")
+    poisoned_ema = torch.load(diffusion_ckpt, map_location="cpu", weights_only=True)
+    first = next(iter(poisoned_ema["ema"]["shadow"]))
+    poisoned_ema["ema"]["shadow"][first] = poisoned_ema["ema"]["shadow"][first].clone().fill_(float("inf"))
+    torch.save(poisoned_ema, tmp / "inf_ema.ckpt")
     shutil.copy(vqvae_ckpt, tmp / "vqvae.ckpt")
     (tmp / "used_run" / "checkpoints").mkdir(parents=True)
     shutil.copy(diffusion_ckpt, tmp / "used_run" / "checkpoints" / "last.ckpt")
@@ -176,6 +192,8 @@ def files(tmp_path_factory, diffusion_ckpt, vqvae_ckpt, reference_csv):
         "truncated": str(tmp / "truncated.ckpt"),
         "vqvae": str(tmp / "vqvae.ckpt"),
         "diffusion": str(diffusion_ckpt),
+        "nan_weights": str(tmp / "nan_weights.ckpt"),
+        "inf_ema": str(tmp / "inf_ema.ckpt"),
         "used_run": str(tmp / "used_run"),
         "locked_run": str(tmp / "locked_run"),
         "nan_data": _write_subjects(tmp / "nan_data", _nan_image),

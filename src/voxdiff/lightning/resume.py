@@ -28,7 +28,7 @@ from typing import Any
 import lightning as L
 from omegaconf import DictConfig
 
-from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind
+from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind, non_finite_tensor
 from voxdiff.config import encoding_configs, plain
 from voxdiff.encodings import LearnedEncoding
 from voxdiff.errors import ConfigError, show_value
@@ -166,6 +166,11 @@ def check_resume(cfg: DictConfig, ckpt_path: str, spec: RunSpec | None = None) -
     if kind != wanted:
         raise ConfigError("ckpt_path", ckpt_path, f"is {KINDS[kind]}, but this run trains {_RUNS[wanted]}",
                           _kind_fix(kind, ckpt_path))
+    bad = non_finite_tensor(ckpt)
+    if bad is not None:
+        raise ConfigError("ckpt_path", ckpt_path, f"its weight {bad} holds NaN or infinite values, which training "
+                          "cannot continue from", "resume from an earlier checkpoint of the run (every checkpoint "
+                          "voxdiff writes is finite), or start over with overwrite=true")
     hparams = ckpt["hyper_parameters"]
     diffs = architecture_differences(hparams, cfg, ckpt_path, spec)
     if diffs:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind
+from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind, non_finite_tensor
 from voxdiff.errors import ConfigError, ConfigErrors
 from voxdiff.files import load_file
 from voxdiff.lightning.diffusion import DiffusionSystem
@@ -69,6 +69,9 @@ def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path"
     found = checkpoint_kind(checkpoint)
     if found != kind:
         raise ConfigError(key, str(path), f"is {KINDS[found]}; this command needs {KINDS[kind]}", fix)
+    bad = non_finite_tensor(checkpoint)
+    if bad is not None:
+        raise ConfigError(key, str(path), f"its weight {bad} holds NaN or infinite values", fix)
     hparams = checkpoint["hyper_parameters"]
     accepted = inspect.signature(cls.__init__).parameters
     args = {k: hparams[k] for k in accepted if k in hparams and k != "spec"}
