@@ -144,6 +144,7 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     return {
         "kind": "diffusion", "mode": system.mode, "figures": figures, "absent": {**absent, **more_absent},
         "sections": sections, "n_generated": len(generated), "real": real,
+        "sampler": sampler,
         "sampling": {"sampler": sampler.sampler, "num_inference_steps": sampler.num_inference_steps,
                      "eta": sampler.eta, "guidance_scale": sampler.guidance_scale, "use_ema": bool(cfg.use_ema), "seed": int(cfg.seed), "batch_size": int(cfg.batch_size),
                      "conditioned_on": [real.subjects[s] for s in sources]},
@@ -235,10 +236,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             "evaluated": record["evaluated_at"]}
     if result["sampling"]:
         s = result["sampling"]
-        eta = f", eta {s['eta']}" if s["eta"] is not None else ""
-        guide = f", guidance scale {s['guidance_scale']:g}" if s["guidance_scale"] != 1.0 else ""
-        meta["sampling"] = (f"{s['sampler']} {s['num_inference_steps']} steps{eta}{guide}, EMA {s['use_ema']}, "
-                            f"seed {s['seed']}")
+        meta["sampling"] = f"{result['sampler'].describe()}, EMA {s['use_ema']}, seed {s['seed']}"
     page = render_html(title, meta, record["figures"], record["absent"], [*result["sections"], loss])
     json_path, html_path = write_outputs(out_dir, record, page)
     print(f"[voxdiff] wrote {json_path} and {html_path}", flush=True)

@@ -135,6 +135,11 @@ class DiffusionProcess(nn.Module):
     def num_train_timesteps(self) -> int:
         return self.settings.num_train_timesteps
 
+    @property
+    def weighted(self) -> bool:
+        """Whether the loss weights the MSE (min-SNR-γ): then the plain MSE is worth logging beside it."""
+        return self.settings.min_snr_gamma is not None
+
     def sample_timesteps(self, batch: int, device: torch.device, generator: torch.Generator | None = None):
         """Uniform training timesteps ``(B,)`` int64 in ``[0, T)``."""
         return torch.randint(0, self.num_train_timesteps, (batch,), device=device, generator=generator)

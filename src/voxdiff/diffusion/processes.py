@@ -5,7 +5,8 @@
   ``configs/diffusion/rflow.yaml``).
 
 Both have the same interface: ``loss(model, x0, cond, generator, timesteps, noise)``, ``sample(model, shape, cond,
-num_inference_steps, generator, device, eta, guidance_scale)``, ``num_train_timesteps`` and ``settings``.
+num_inference_steps, generator, device, eta, guidance_scale)``, ``num_train_timesteps``, ``weighted`` (whether the
+loss weights its MSE) and ``settings``.
 """
 
 from __future__ import annotations

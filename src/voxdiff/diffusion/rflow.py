@@ -100,7 +100,8 @@ def rflow_settings(cfg: Mapping[str, Any] | None = None, **overrides: Any) -> RF
 
 class RectifiedFlow(nn.Module):
     """Rectified-flow training loss and Euler sampling for one UNet: the same interface as
-    :class:`voxdiff.diffusion.DiffusionProcess` (``loss``, ``sample``, ``num_train_timesteps``, ``settings``).
+    :class:`voxdiff.diffusion.DiffusionProcess` (``loss``, ``sample``, ``num_train_timesteps``, ``weighted``,
+    ``settings``).
 
     Args:
         settings: :func:`rflow_settings`.
@@ -122,6 +123,9 @@ class RectifiedFlow(nn.Module):
     @property
     def num_train_timesteps(self) -> int:
         return self.settings.num_train_timesteps
+
+    #: the loss is the plain velocity MSE (no weighting to log apart)
+    weighted = False
 
     def sample_timesteps(self, x0: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Training timesteps ``(B,)`` float32 in ``[0, T)`` for encodings ``x0 (B, C, d, h, w)`` (see module doc).

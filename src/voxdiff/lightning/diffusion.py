@@ -182,7 +182,7 @@ class DiffusionSystem(L.LightningModule):
         b = stats["timesteps"].shape[0]
         # device tensors for the logger, which reads them at its logging steps only
         self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, batch_size=b)
-        if getattr(self.process.settings, "min_snr_gamma", None) is not None:  # weighted: the plain MSE too
+        if self.process.weighted:  # the plain MSE beside the weighted loss
             self.log("train/mse", stats["mse"], on_step=True, on_epoch=False, batch_size=b)
         if self.global_step == 0 or (self.global_step + 1) % self.trainer.log_every_n_steps == 0:
             ProgressBar.show(self.trainer, "loss", loss.item())  # the bar's number: one sync, at logging steps only
