@@ -1,13 +1,14 @@
 """Sampling time per volume: DDIM-50 against rectified-flow Euler-30, with and without classifier-free guidance,
 measured in one process and reported as ratios against DDIM-50 unguided.
 
-    python bench/bench_sampling.py [--repeats 3] [--device auto|cpu|cuda] [override ...]
+    python bench/bench_sampling.py [--experiment demo] [--repeats 3] [--device auto|cpu|cuda] [override ...]
 
 Each sampler runs ``TrainStep.generate`` (what ``sample.py``, ``evaluate.py`` and validation sampling run: mask
 encoding, the sampler's loop with the EMA weights swapped in, decoding) on the same masks with the same UNet — the
-demo's (``experiment=demo``: S2D of a 48×64×64 phantom into a 7.2M-parameter 3-level UNet) unless overrides say
-otherwise. The weights are untrained: a step's cost does not depend on them. The samplers alternate ``--repeats``
-times so drift in the machine's load hits all of them; the median per volume is reported.
+demo's (``experiment=demo``: S2D of a 48×64×64 phantom into a 7.2M-parameter 3-level UNet) unless ``--experiment``
+or overrides say otherwise (a latent experiment needs its trained stage 1 to decode and is not for this bench). The
+weights are untrained: a step's cost does not depend on them. The samplers alternate ``--repeats`` times so drift in
+the machine's load hits all of them; the median per volume is reported.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ SAMPLERS = [
 ]
 
 
-def _system(overrides: list[str], process: str, device: str):
+def _system(experiment: str, overrides: list[str], process: str, device: str):
     diffusion = "diffusion=rflow" if process == "rflow" else "diffusion=ddpm"
-    # the demo sets DDPM keys (x0 prediction, eta): rectified flow takes its own values of them
+    # an experiment may set DDPM keys (the demo: x0 prediction, eta): rectified flow takes its own values of them
     extra = [] if process == "ddpm" else ["diffusion.prediction_type=velocity", "diffusion.eta=null"]
-    cfg = compose("train", ["experiment=demo", diffusion, *extra, "system.guidance.drop_prob=0.1",
+    cfg = compose("train", [f"experiment={experiment}", diffusion, *extra, "system.guidance.drop_prob=0.1",
                             f"trainer.accelerator={'gpu' if device == 'cuda' else 'cpu'}", *overrides])
     torch.manual_seed(0)
     return instantiate(cfg.system).to(device), cfg
@@ -42,6 +43,7 @@ def _system(overrides: list[str], process: str, device: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--experiment", default="demo")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--masks", type=int, default=2, help="volumes per sampling call")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -49,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    systems = {p: _system(args.overrides, p, device) for p in ("ddpm", "rflow")}
+    systems = {p: _system(args.experiment, args.overrides, p, device) for p in ("ddpm", "rflow")}
     shape = tuple(systems["ddpm"][1].data.volume_shape)
     masks = (torch.rand(args.masks, 1, *shape, generator=torch.Generator().manual_seed(0)) > 0.9).float().to(device)
     times: dict[str, list[float]] = {label: [] for label, *_ in SAMPLERS}
@@ -67,7 +69,8 @@ def main() -> None:
             times[label].append((time.perf_counter() - t0) / args.masks)
     base = statistics.median(times[SAMPLERS[0][0]])
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-    print(f"sampling time per volume, {shape} volumes, {args.masks} per call, median of {args.repeats}, on {name}")
+    print(f"sampling time per volume, experiment={args.experiment}, {shape} volumes, {args.masks} per call, "
+          f"median of {args.repeats}, on {name}")
     print(f"{'sampler':<22} {'s/volume':>9} {'vs DDIM-50':>11}")
     for label, *_ in SAMPLERS:
         m = statistics.median(times[label])

@@ -129,6 +129,39 @@ def test_training_improves_reconstruction_psnr(tmp_path):
     assert list(encoding.state_dict()) == [] and list(encoding.parameters()) == []  # kept out of the module tree
 
 
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_fused_adamw_under_bf16_clips_its_gradients(tmp_path, algorithm):
+    """Fused AdamW (the default on a GPU) with bf16 and a clip value: Lightning's clipping refuses such an optimizer
+    ("does not allow for gradient clipping", seen on an H200 at stage 1's first step); the system clips itself.
+    The gradients the optimizer steps with are clipped, and the norm before clipping is logged."""
+    L.seed_everything(0)
+    clip = 1e-4
+    data = VolumeDataModule([16, 32, 32], num_subjects=4, val_fraction=0.25, batch_size=2)
+    system = VQVAESystem(vqvae=TINY, optim={"lr": 1e-3, "fused": True}, volume_shape=[16, 32, 32])
+    seen: list[tuple[float, float]] = []  # (total norm, largest element) of the gradients optimizer.step() used
+
+    class Watch(L.Callback):  # Lightning runs the closure (backward, clipping) inside step(): look after it
+        def on_train_start(self, trainer, module) -> None:
+            def after_step(optimizer, args, kwargs) -> None:
+                grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+                seen.append((float(torch.nn.utils.get_total_norm(grads)), max(float(g.abs().max()) for g in grads)))
+
+            trainer.optimizers[0].register_step_post_hook(after_step)
+
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", precision="bf16-mixed", gradient_clip_val=clip,
+                        gradient_clip_algorithm=algorithm, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, callbacks=[Watch()], default_root_dir=tmp_path)
+    trainer.fit(system, datamodule=data)
+    assert trainer.optimizers[0].defaults["fused"] is True and len(seen) == 2
+    logged = float(trainer.callback_metrics["train/grad_norm"])
+    if algorithm == "norm":
+        assert logged > 100 * clip  # the norm before clipping: an untrained VQ-VAE's is far above the clip value
+        assert all(norm <= clip * 1.001 for norm, _ in seen), seen
+    else:
+        assert all(largest <= clip for _, largest in seen), seen
+
+
 def test_encoding_refuses_a_checkpoint_of_another_factor(tmp_path):
     system = VQVAESystem(vqvae=TINY)
     path = tmp_path / "s1.ckpt"

@@ -47,6 +47,8 @@ from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
 from voxdiff.run.spec import system_spec
 from voxdiff.run.stage1 import MODALITIES
 from voxdiff.step import PhaseProbe
+from voxdiff.step.optim import clip_gradients
+from voxdiff.step.recipe import clip_settings
 from voxdiff.viz import save_montage
 
 if TYPE_CHECKING:
@@ -238,6 +240,17 @@ class VQVAESystem(L.LightningModule):
         self.log("train/perplexity", self.vqvae.quantizer.perplexity.float(), batch_size=bs)
         self.log("train/dead_codes", float(self._restart_dead_codes(out["z"])), batch_size=bs)
         return out["loss"]
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Clip as the Trainer says (``trainer.gradient_clip_val``), through :func:`voxdiff.step.optim.
+        clip_gradients`: Lightning's own clipping refuses fused AdamW, the default on a GPU."""
+        clip = clip_settings(gradient_clip_val, gradient_clip_algorithm)
+        if clip is None:
+            return
+        norm = clip_gradients([p for group in optimizer.param_groups for p in group["params"]], clip.value,
+                              clip.algorithm)
+        self.log("train/grad_norm", norm.detach(), on_step=True, on_epoch=False, batch_size=1)
 
     def configure_optimizers(self) -> dict[str, Any]:
         # the codebook is EMA-updated, not optimised (build_optimizer skips parameters without requires_grad)

@@ -57,7 +57,7 @@ from voxdiff.preflight.world import (
 )
 from voxdiff.run.spec import RunSpec, run_spec
 from voxdiff.step import ClipSettings
-from voxdiff.step.optim import optimizer_impl
+from voxdiff.step.optim import clip_gradients, optimizer_impl
 from voxdiff.units import GiB
 
 __all__ = ["Stage1Report", "attach_meta_autoencoder", "latent_stage1_spec", "predict_stage1", "trace_cache_pass",
@@ -68,14 +68,10 @@ STAGE1_PHASES = ("encoder", "quantizer", "decoder", "loss", "decoder_backward", 
 
 
 def _clip(params: list[torch.Tensor], clip: ClipSettings | None) -> None:
-    """Lightning's gradient clipping (its precision plugin's ``clip_gradients``) of the optimizer's parameters."""
-    if clip is None:
-        return
-    grads = [p for p in params if p.grad is not None]
-    if clip.algorithm == "value":
-        torch.nn.utils.clip_grad_value_(grads, clip.value)
-    else:
-        torch.nn.utils.clip_grad_norm_(grads, clip.value)
+    """The stage-1 system's gradient clipping (:func:`voxdiff.step.optim.clip_gradients`) of the optimizer's
+    parameters."""
+    if clip is not None:
+        clip_gradients(params, clip.value, clip.algorithm)
 
 
 def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:

@@ -166,6 +166,26 @@ class WarmupCosine:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def clip_gradients(params: Iterable[torch.Tensor], value: float | None, algorithm: str = "norm") -> torch.Tensor:
+    """Clip the gradients of ``params`` (``trainer.gradient_clip_val`` / ``gradient_clip_algorithm``) in place,
+    without a host sync, and return their total 2-norm before clipping (a device scalar).
+
+    Every system clips through this rather than through Lightning's precision plugin, which refuses an optimizer
+    that unscales its own gradients (fused AdamW, voxdiff's default on a GPU) whenever a clip value is set.
+    ``norm``: scale every gradient by ``min(1, value / total norm)``; ``value``: clamp each element to
+    ``[-value, value]`` (the norm returned is then that of the clamped gradients); ``value=None``: the norm alone.
+    """
+    params = [p for p in params if p.grad is not None]
+    if value is not None and algorithm == "value":
+        torch.nn.utils.clip_grad_value_(params, value)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):  # a DTensor (FSDP's sharded gradients): the norm over every shard
+        norm = norm.full_tensor()
+    if value is not None and algorithm == "norm":
+        torch.nn.utils.clip_grads_with_norm_(params, value, norm)
+    return norm
+
+
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, settings: OptimSettings,
                        total_steps: float) -> torch.optim.lr_scheduler.LambdaLR:
     """``LambdaLR`` with :class:`WarmupCosine`, stepped once per optimizer step.

@@ -45,7 +45,7 @@ from voxdiff.encodings.identity import Identity
 from voxdiff.step.compiling import CompiledForward, CompileSettings
 from voxdiff.step.ema import EMA
 from voxdiff.step.guard import FiniteGuard, NonFiniteLossError
-from voxdiff.step.optim import build_lr_scheduler, build_optimizer, optimizer_impl, params_device_type
+from voxdiff.step.optim import build_lr_scheduler, build_optimizer, clip_gradients, optimizer_impl, params_device_type
 from voxdiff.step.precision import Precision, PrecisionContext
 from voxdiff.step.recipe import Recipe
 
@@ -234,15 +234,11 @@ class TrainStep:
         guard = self.guard is not None and not self.loss_scaled
         if self.clip is None and not guard:
             return None
-        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        grads = [p.grad for p in params]
-        if self.clip is not None and self.clip.algorithm == "value":
-            torch.nn.utils.clip_grad_value_(params, self.clip.value)
-        norm = torch.nn.utils.get_total_norm(grads)
-        if hasattr(norm, "full_tensor"):  # a DTensor (FSDP's sharded gradients): the norm over every shard
-            norm = norm.full_tensor()
-        if self.clip is not None and self.clip.algorithm == "norm":
-            torch.nn.utils.clip_grads_with_norm_(params, self.clip.value, norm)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self.clip is None:  # the guard alone: the norm, nothing clipped
+            norm = clip_gradients(params, None)
+        else:
+            norm = clip_gradients(params, self.clip.value, self.clip.algorithm)
         if guard:
             self.guard.record("gradient norm", norm, self.steps_done if step is None else step)
         return norm
