@@ -28,7 +28,10 @@ Limits of the emulation (documented rather than hidden):
   VQ-VAE encoding run in fp32 inside ``torch.autocast(..., enabled=False)`` — are honoured for the ``cuda`` device
   and the emulated one: while the mode is active, ``torch.autocast`` opens an emulated region (a disabled one
   casts nothing until it exits); other device types get the real ``torch.autocast``.
-* Autocast's cache of bf16 weight copies lives until the outermost emulated region exits, as in ATen.
+* Autocast's cache of bf16 weight copies lives until the outermost emulated region exits, as in ATen, and is not
+  used under ``torch.inference_mode()`` (ATen casts the weights afresh at every op there: each copy dies with its
+  op). Lightning runs validation, and the sampling at its end, in inference mode; ``sample.py`` runs under
+  ``torch.no_grad()``, where the cache is used.
   During backward (where only recomputation by ``torch.utils.checkpoint`` issues Python-level calls), the
   cache is off: on the GPU each recomputed segment re-enters autocast as its own outermost region, so its
   weight casts die with the segment's saved tensors.
@@ -203,6 +206,7 @@ class CudaAutocastEmulator(TorchFunctionMode):
             return t
         can_cache = (
             not self._in_backward
+            and not torch.is_inference_mode_enabled()
             and to == self.dtype
             and t.dtype == torch.float32
             and t.requires_grad

@@ -59,15 +59,16 @@ def _flash(attention: str) -> Any:
 @contextlib.contextmanager
 def _traced(step: TrainStep, resident: Iterable[torch.Tensor], attention: str, device_type: str,
             granularity: int | None, cuda_kernels: bool | None) -> Iterator[tuple[PhaseRecorder, PhaseTrace]]:
-    """Track what runs inside (no gradients, the step's autocast emulation, flash attention if asked) from the step's
-    resident tensors on; the :class:`PhaseTrace` yielded is filled in when the block exits."""
+    """Track what runs inside (in inference mode, as Lightning's validation loop runs — the sampling at its end too:
+    no gradients and no autocast weight cache; the step's autocast emulation; flash attention if asked) from the
+    step's resident tensors on; the :class:`PhaseTrace` yielded is filled in when the block exits."""
     tracker = tracker_for(device_type, granularity, cuda_kernels)
     rec = PhaseRecorder(tracker)
     trace = PhaseTrace({}, 0, [])
     with tracker:
         tracker.track_all([*step.tensors(), *resident])
         trace.start_bytes = tracker.live
-        with _flash(attention), step.precision.autocast, torch.no_grad():
+        with _flash(attention), step.precision.autocast, torch.inference_mode():
             yield rec, trace
     trace.peaks, trace.events = rec.finish_step(), tracker.events
 
