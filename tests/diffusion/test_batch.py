@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from voxdiff.diffusion import decode_volume, encode_batch, encode_volume, encoded_range
+from voxdiff.diffusion.batch import mask_loss_weights, per_sample_mse
 from voxdiff.encodings import HaarWavelet, Identity, SpaceToDepth
 
 
@@ -69,3 +70,31 @@ def test_encoded_ranges():
     # the bound is attained: a constant volume of ones has a Haar low-pass of 2√2
     ones = torch.ones(1, 1, 2, 2, 2)
     assert HaarWavelet().encode(ones).abs().max() == pytest.approx(2 * math.sqrt(2))
+
+
+def test_mask_loss_weights_pool_the_full_size_mask_onto_the_encodings_grid():
+    """diffusion.mask_weight: an element of the encoding weighs 1 + w where its block touches the mask, else 1, for
+    a volume batch (encoded here) and for a latent batch that carries its full-size mask."""
+    mask = torch.zeros(1, 1, 4, 8, 8)
+    mask[0, 0, 1, 2, 3] = 1.0  # one voxel: the 2×2×2 block (0, 1, 1) of a space-to-depth ×2 encoding
+    batch = {"image": torch.rand(1, 1, 4, 8, 8), "mask": mask}
+    x0, _ = encode_batch(SpaceToDepth(2), batch, "bravo")
+    w = mask_loss_weights(batch, x0, 9.0)
+    assert w.shape == (1, 1, 2, 4, 4)
+    assert w[0, 0, 0, 1, 1] == 10.0 and float(w.sum()) == 10.0 + (w.numel() - 1)
+    latent = {"image_z": torch.randn(1, 4, 1, 2, 2), "mask_z": torch.randn(1, 4, 1, 2, 2), "mask": mask}
+    assert mask_loss_weights(latent, latent["image_z"], 1.0).shape == (1, 1, 1, 2, 2)
+    with pytest.raises(ValueError, match="diffusion.mask_weight .* no"):
+        mask_loss_weights({"image_z": latent["image_z"], "mask_z": latent["mask_z"]}, latent["image_z"], 1.0)
+
+
+def test_weighted_mse_is_the_plain_one_without_a_mask_and_leans_on_the_masked_error():
+    g = torch.Generator().manual_seed(0)
+    pred, target = torch.randn(2, 3, 2, 4, 4, generator=g), torch.randn(2, 3, 2, 4, 4, generator=g)
+    ones = torch.ones(2, 1, 2, 4, 4)
+    torch.testing.assert_close(per_sample_mse(pred, target, ones), per_sample_mse(pred, target))
+    w = ones.clone()
+    w[:, :, 0, 0, 0] = 11.0
+    err = (pred - target) ** 2
+    expected = (err * w).sum(dim=(1, 2, 3, 4)) / (w.sum(dim=(1, 2, 3, 4)) * 3)
+    torch.testing.assert_close(per_sample_mse(pred, target, w), expected)

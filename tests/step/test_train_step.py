@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from voxdiff.config import build_encoding, model_spec
 from voxdiff.diffusion import DiffusionProcess, diffusion_settings
+from voxdiff.errors import ConfigError
 from voxdiff.lightning.trainer import build_trainer
 from voxdiff.models.unet import build_unet_from_spec
 from voxdiff.step import SEED, NonFiniteLossError, TrainStep, clip_settings, system_recipe
@@ -171,3 +172,28 @@ def test_a_nonfinite_gradient_norm_is_caught_with_every_step_checked():
 def test_run_needs_an_optimizer():
     with pytest.raises(RuntimeError, match="configure_optimizer"):
         _tiny_step(SEED).run(_batch())
+
+
+@pytest.mark.parametrize("process", ["ddpm", "rflow"])
+def test_the_mask_weight_reaches_the_loss(process):
+    """diffusion.mask_weight=w: the step's loss is the MSE with the mask's elements counted 1 + w times (the same
+    timesteps and noise give the plain loss with w=0), and the logged mse stays the plain one."""
+    g = torch.Generator().manual_seed(1)
+    mask = torch.zeros(1, 1, 16, 16, 16)
+    mask[..., 4:8, 4:8, 4:8] = 1.0
+    batch = {"image_z": torch.randn(1, 2, 8, 8, 8, generator=g), "mask_z": torch.randn(1, 2, 8, 8, 8, generator=g),
+             "mask": mask}
+    losses = {}
+    for w in (0.0, 20.0):
+        step = _tiny_step(system_recipe({}, False, {"process": process, "mask_weight": w}))
+        torch.manual_seed(3)  # the same timesteps and noise
+        losses[w] = step.loss(batch)
+    plain, weighted = losses[0.0], losses[20.0]
+    torch.testing.assert_close(weighted[1]["mse"], plain[1]["mse"])
+    assert float(weighted[0].detach()) != pytest.approx(float(plain[0].detach()), rel=1e-3)
+    step = _tiny_step(system_recipe({}, False, {"process": process, "mask_weight": 20.0}))
+    torch.manual_seed(3)
+    empty, _ = step.loss({**batch, "mask": torch.zeros_like(mask)})  # no lesion: every weight is 1
+    torch.testing.assert_close(empty, plain[0])
+    with pytest.raises(ConfigError, match="diffusion.mask_weight"):
+        system_recipe({}, False, {"process": process, "mask_weight": -1})

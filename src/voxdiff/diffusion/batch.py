@@ -19,9 +19,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from einops import reduce
 
 from voxdiff.encodings.base import Encoding, LearnedEncoding
+from voxdiff.errors import number
 
 MODES = ("bravo", "seg")
 #: batch keys of the volumes, and of their pre-encoded latents (a latent cache)
@@ -100,11 +102,56 @@ def check_pair(x0: torch.Tensor, cond: torch.Tensor | None) -> None:
         raise ValueError(f"cond {tuple(cond.shape)} does not match x0 {tuple(x0.shape)} in batch or space")
 
 
-def per_sample_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``(B,)`` fp32 mean squared error of each sample (the UNet's prediction against the process's target)."""
+def per_sample_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``(B,)`` fp32 mean squared error of each sample (the UNet's prediction against the process's target).
+
+    Args:
+        weights: ``(B, 1, d, h, w)`` weights of each location's squared error, shared by the channels
+            (:func:`mask_loss_weights`); the mean is then weighted (divided by the weights' sum), so a batch with no
+            mask voxel has the plain MSE. None: the plain mean.
+    """
     if pred.shape != target.shape:
         raise ValueError(f"the UNet returned {tuple(pred.shape)}, the target is {tuple(target.shape)}")
-    return reduce((pred.float() - target) ** 2, "b ... -> b", "mean")
+    squared = (pred.float() - target) ** 2
+    if weights is None:
+        return reduce(squared, "b ... -> b", "mean")
+    weighted = reduce(squared * weights, "b ... -> b", "sum")
+    return weighted / (reduce(weights, "b ... -> b", "sum") * pred.shape[1])
+
+
+def check_mask_weight(value: Any) -> float:
+    """Validate ``diffusion.mask_weight`` (both processes): a finite number ≥ 0.
+
+    Raises:
+        ConfigError: naming the key, the value and a fix.
+    """
+    return number("diffusion.mask_weight", value, lo=0,
+                  fix="use 0 for the plain loss, or e.g. diffusion.mask_weight=10 to count lesion voxels 11 times")
+
+
+def mask_loss_weights(batch: Mapping[str, Any], x0: torch.Tensor, mask_weight: float) -> torch.Tensor:
+    """``(B, 1, d, h, w)`` fp32 weights of the loss (``diffusion.mask_weight``): ``1 + mask_weight`` where the block
+    of voxels that an element of the encoding ``x0 (B, C, d, h, w)`` stands for touches the mask, else 1.
+
+    The batch's full-size mask ``(B, 1, D, H, W)`` (volume batches, and latent batches that carry it) is max-pooled
+    to the encoding's grid, whatever the encoding: a lesion smaller than a block still weights the whole block.
+
+    Raises:
+        ValueError: the batch carries no full-size ``mask``, or its size is not a multiple of the encoding's.
+    """
+    mask = batch.get("mask")
+    if mask is None:
+        raise ValueError("diffusion.mask_weight weights the loss by the full-size mask, and this batch has none "
+                         f"(keys: {sorted(batch)}): rebuild the latent cache with its masks, or set "
+                         "diffusion.mask_weight=0")
+    full, grid = tuple(mask.shape[2:]), tuple(x0.shape[2:])
+    if len(full) != 3 or any(f % g for f, g in zip(full, grid)):
+        raise ValueError(f"the mask {tuple(mask.shape)} does not tile the encoding's grid {grid}")
+    kernel = tuple(f // g for f, g in zip(full, grid))
+    m = mask.to(x0.device, torch.float32)
+    if kernel != (1, 1, 1):
+        m = F.max_pool3d(m, kernel_size=kernel, stride=kernel)  # (B, 1, d, h, w)
+    return 1.0 + mask_weight * (m > 0.5).float()
 
 
 def encoded_range(encoding: Encoding) -> float | None:

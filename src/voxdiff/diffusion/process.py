@@ -32,7 +32,7 @@ import torch
 from monai.networks.schedulers import DDIMScheduler, DDPMScheduler
 from torch import nn
 
-from voxdiff.diffusion.batch import check_pair, per_sample_mse
+from voxdiff.diffusion.batch import check_mask_weight, check_pair, per_sample_mse
 from voxdiff.diffusion.guidance import denoiser
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
@@ -54,6 +54,7 @@ class DiffusionSettings:
     num_inference_steps: int = 50  # DDIM steps when sampling
     eta: float = 0.0  # DDIM stochasticity (0 = deterministic DDIM)
     clip_sample: bool = True  # clip the predicted x0 to the range of encoded volumes while sampling
+    mask_weight: float = 0.0  # the loss counts 1 + this where the mask is (voxdiff.diffusion.batch.mask_loss_weights)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,6 +93,7 @@ def ddpm_settings(cfg: Mapping[str, Any] | None = None, **overrides: Any) -> Dif
                           f"use at most {t} (e.g. 50)")
     number("diffusion.eta", s.eta, lo=0, hi=1, fix="use diffusion.eta=0.0 (deterministic DDIM)")
     boolean("diffusion.clip_sample", s.clip_sample, fix="use true")
+    check_mask_weight(s.mask_weight)
     return s
 
 
@@ -137,8 +139,9 @@ class DiffusionProcess(nn.Module):
 
     @property
     def weighted(self) -> bool:
-        """Whether the loss weights the MSE (min-SNR-γ): then the plain MSE is worth logging beside it."""
-        return self.settings.min_snr_gamma is not None
+        """Whether the loss weights the MSE (min-SNR-γ, the mask's weight): then the plain MSE is worth logging
+        beside it."""
+        return self.settings.min_snr_gamma is not None or self.settings.mask_weight > 0
 
     def sample_timesteps(self, batch: int, device: torch.device, generator: torch.Generator | None = None):
         """Uniform training timesteps ``(B,)`` int64 in ``[0, T)``."""
@@ -165,6 +168,7 @@ class DiffusionProcess(nn.Module):
         generator: torch.Generator | None = None,
         timesteps: torch.Tensor | None = None,
         noise: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The training loss of one batch: THE function that the Lightning system and the preflight both run.
 
@@ -180,6 +184,8 @@ class DiffusionProcess(nn.Module):
             generator: random generator for timesteps and noise (None: the global RNG).
             timesteps: ``(B,)`` fixed timesteps instead of random ones (tests, preflight).
             noise: ``(B, C_out, d, h, w)`` fixed noise instead of random noise.
+            weights: ``(B, 1, d, h, w)`` weights of each location's squared error
+                (:func:`voxdiff.diffusion.batch.mask_loss_weights`, ``diffusion.mask_weight``); None: unweighted.
 
         Returns:
             ``(loss, stats)``: ``loss`` a float32 scalar with grad; ``stats`` detached tensors ``mse`` (unweighted
@@ -196,8 +202,8 @@ class DiffusionProcess(nn.Module):
         pred = model(x_in, timesteps=t).float()  # fp32 from here on, whatever the autocast
         target = self.target(x0, noise, t)
         per_sample = per_sample_mse(pred, target)  # (B,)
-        weights = self.loss_weights.to(per_sample.device)[t]  # (B,)
-        loss = (weights * per_sample).mean()
+        weighted = per_sample if weights is None else per_sample_mse(pred, target, weights)  # (B,)
+        loss = (self.loss_weights.to(per_sample.device)[t] * weighted).mean()
         return loss, {"mse": per_sample.detach().mean(), "timesteps": t.detach()}
 
     @torch.no_grad()

@@ -27,7 +27,7 @@ from monai.networks.schedulers import RFlowScheduler
 from monai.networks.schedulers.rectified_flow import timestep_transform
 from torch import nn
 
-from voxdiff.diffusion.batch import check_pair, per_sample_mse
+from voxdiff.diffusion.batch import check_mask_weight, check_pair, per_sample_mse
 from voxdiff.diffusion.guidance import denoiser
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
@@ -57,6 +57,7 @@ class RFlowSettings:
     timestep_transform: bool = True  # MONAI's resolution-dependent shift of the timesteps
     base_numel: int = 32 * 32 * 32  # the voxel count of the encoding at which the transform is the identity
     num_inference_steps: int = 30  # Euler steps when sampling
+    mask_weight: float = 0.0  # the loss counts 1 + this where the mask is (voxdiff.diffusion.batch.mask_loss_weights)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,6 +96,7 @@ def rflow_settings(cfg: Mapping[str, Any] | None = None, **overrides: Any) -> RF
     if steps > t:
         raise ConfigError("diffusion.num_inference_steps", steps,
                           f"cannot take more Euler steps than the {t} training timesteps", f"use at most {t} (e.g. 30)")
+    check_mask_weight(s.mask_weight)
     return s
 
 
@@ -124,8 +126,10 @@ class RectifiedFlow(nn.Module):
     def num_train_timesteps(self) -> int:
         return self.settings.num_train_timesteps
 
-    #: the loss is the plain velocity MSE (no weighting to log apart)
-    weighted = False
+    @property
+    def weighted(self) -> bool:
+        """Whether the loss weights the MSE (the mask's weight): then the plain MSE is worth logging beside it."""
+        return self.settings.mask_weight > 0
 
     def sample_timesteps(self, x0: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Training timesteps ``(B,)`` float32 in ``[0, T)`` for encodings ``x0 (B, C, d, h, w)`` (see module doc).
@@ -155,6 +159,7 @@ class RectifiedFlow(nn.Module):
         generator: torch.Generator | None = None,
         timesteps: torch.Tensor | None = None,
         noise: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The training loss of one batch, as :meth:`voxdiff.diffusion.DiffusionProcess.loss` (same arguments and
         returns): the MSE of the predicted velocity against ``x0 − noise`` in fp32.
@@ -171,7 +176,7 @@ class RectifiedFlow(nn.Module):
         pred = model(x_in, timesteps=t).float()
         target = x0 - noise
         per_sample = per_sample_mse(pred, target)  # (B,)
-        loss = per_sample.mean()
+        loss = (per_sample if weights is None else per_sample_mse(pred, target, weights)).mean()
         return loss, {"mse": per_sample.detach().mean(), "timesteps": t.detach()}
 
     @torch.no_grad()

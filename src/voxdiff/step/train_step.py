@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from voxdiff.diffusion import build_process, decode_volume, encode_batch, encode_volume
+from voxdiff.diffusion.batch import mask_loss_weights
 from voxdiff.diffusion.guidance import drop_condition
 from voxdiff.diffusion.processes import Process
 from voxdiff.diffusion.seed import seed_loss
@@ -204,12 +205,16 @@ class TrainStep:
             CompileFailed: compiling the training forward failed (``model.compile``).
         """
         x0, cond = encode_batch(self.encoding, batch, self.mode)  # (B, C_out, d, h, w), (B, C_cond, ...) | None
+        extra = {}
+        mask_weight = getattr(self.recipe.diffusion, "mask_weight", 0.0)
+        if mask_weight:  # the mask's voxels count more (B, 1, d, h, w); computed before the condition is dropped
+            extra["weights"] = mask_loss_weights(batch, x0, mask_weight)
         if cond is not None and self.recipe.guidance is not None:  # classifier-free guidance: the null condition
             cond = drop_condition(cond, self.recipe.guidance.drop_prob)
         if self.compiled is not None:
             self.compiled.start()
         with self.compile_errors():
-            loss, stats = self.loss_fn(self.train_model, x0, cond)
+            loss, stats = self.loss_fn(self.train_model, x0, cond, **extra)
         if self.guard is not None:
             self.guard.record("loss", loss, self.steps_done if step is None else step)
         return loss, stats
