@@ -54,7 +54,8 @@ def test_lesions_are_drawn_inside_white_matter():
 
 
 def test_the_config_group_builds_it(tmp_path):
-    cfg = compose("train", ["experiment=demo", "data=mni_template", f"paths.cache_dir={tmp_path}"])
+    cfg = compose("train", ["experiment=demo", "data=mni_template", "data.volume_shape=[48,64,64]",
+                            f"paths.cache_dir={tmp_path}"])  # the README's command: the brain fits 48x64x64 at 3 mm
     assert cfg.data._target_.endswith("MNITemplateDataModule") and list(cfg.data.volume_shape) == [48, 64, 64]
     with pytest.raises(ConfigError) as e:
         MNITemplateDataModule(SHAPE, template="talairach", out_dir=tmp_path)

@@ -38,7 +38,7 @@ from voxdiff.config import (
     shapes,
     strategy_kind,
 )
-from voxdiff.encodings.base import Encoding
+from voxdiff.encodings.base import Encoding, LearnedEncoding
 from voxdiff.errors import ConfigError, Problems, boolean, integer, number, one_of, raise_all
 from voxdiff.models.unet import UNetSpec
 from voxdiff.run.gpus import resolve_gpu
@@ -311,6 +311,12 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
                 collect(lambda: check_unet_divisibility(cfg, encoding))
             collect(lambda: check_io_channels(cfg, encoding))
         recipe = collect(lambda: recipe_from_config(cfg, "system"))
+        mask_weight = getattr(recipe.diffusion, "mask_weight", 0.0) if recipe is not None else 0.0
+        if mask_weight and isinstance(encoding, LearnedEncoding) and not select(cfg, "data.masks", True):
+            collect.found.append(ConfigError(
+                "data.masks", False, f"diffusion.mask_weight={mask_weight:g} weights the loss by the full-size mask, "
+                "which a latent batch carries only with data.masks=true", "set data.masks=true, or "
+                "diffusion.mask_weight=0"))
         val_timesteps = select(cfg, "system.val_timesteps", 4)
         drop = recipe.guidance.drop_prob if recipe is not None and recipe.guidance is not None else 0.0
         sampling = collect(lambda: sampling_settings(select(cfg, "system.sampling"), val_timesteps, mode, drop))
