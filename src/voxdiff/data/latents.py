@@ -401,11 +401,15 @@ class LatentDataModule(L.LightningDataModule):
         pin_memory: DataLoader ``pin_memory``.
     """
 
+    #: the arguments that name a folder or a file (read): a command that rebuilds this module from a checkpoint's
+    #: stored config takes them from its own command line, never from the file (:mod:`voxdiff.cli.checkpoint_paths`)
+    path_args: tuple[str, ...] = ("latent_dir", "stage1_checkpoint")
+
     def __init__(
         self,
         latent_dir: str | os.PathLike[str] | None,
         volume_shape: Sequence[int],
-        stage1_checkpoint: str | None,
+        stage1_checkpoint: str | os.PathLike[str] | None,
         factor: int,
         latent_channels: int,
         val_fraction: float = 0.25,
