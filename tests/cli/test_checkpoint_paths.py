@@ -372,3 +372,35 @@ def test_no_path_a_checkpoint_stores_is_written_to_or_read(run, phantom_ckpt, la
     assert not _files(forbidden), _files(forbidden)
     outside = [p for p in _files(tmp_path) if p != ckpt and p.relative_to(tmp_path).parts[0] not in ("sample", "eval")]
     assert not outside, outside
+
+
+# ------------------------------------------------------------------------- train.py: a resumed checkpoint
+
+
+def test_a_resumed_checkpoint_never_names_a_file_for_lightning_to_delete(tiny_demo, tmp_path):
+    """Lightning restores a ModelCheckpoint's file paths from the checkpoint and deletes the file it replaces: the
+    paths a checkpoint names that are not inside the run's checkpoint folder (``<dirpath>/../../x`` passes
+    Lightning's own test, which reads the text) are dropped before they are restored."""
+    run = tmp_path / "run"
+    first = train(compose("train", [*tiny_demo, f"paths.output_dir={run}"]))
+    precious = tmp_path / "precious.ckpt"
+    precious.write_bytes(b"a file the user keeps")
+    sneaky = str(run / "checkpoints" / ".." / ".." / "precious.ckpt")
+
+    def edit(data):
+        states = data["callbacks"]
+        assert any(k.startswith("LastCheckpoint") for k in states) and any("val/loss" in k for k in states)
+        for key, state in states.items():
+            if key.startswith("LastCheckpoint"):
+                state["last_model_path"] = sneaky
+            elif "val/loss" in key:
+                state.update(best_k_models={sneaky: torch.tensor(float("inf"))}, kth_best_model_path=sneaky,
+                             best_model_path=sneaky, kth_value=torch.tensor(float("inf")),
+                             best_model_score=torch.tensor(float("inf")))
+
+    last = Path(first["last_checkpoint"])
+    _tampered(last, last, edit=edit)
+    second = train(compose("train", [*tiny_demo, f"paths.output_dir={run}", "ckpt_path=auto", "trainer.max_steps=4",
+                                     "trainer.check_val_every_n_epoch=1"]))
+    assert precious.read_bytes() == b"a file the user keeps"
+    assert Path(second["last_checkpoint"]).parent == run / "checkpoints"
