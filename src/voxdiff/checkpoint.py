@@ -4,7 +4,9 @@ resolved config (:data:`CONFIG_KEY`).
 A checkpoint is read as data (:func:`voxdiff.files.load_file`), and the config stored in it is never handed to
 Hydra's ``instantiate`` as it is: runs are rebuilt from its plain values through voxdiff's own builders
 (:func:`voxdiff.lightning.systems.rebuild_system`; :func:`voxdiff.config.instantiate_voxdiff` accepts only voxdiff's
-own classes).
+own classes). Nor does a path stored in it decide what a command reads or writes: :func:`stored_weights_path` finds
+the stage-1 weights file a latent run names, which :func:`without_weights_path` takes out of what the system is
+rebuilt from (``sample.py`` and ``evaluate.py`` read the weights their user names, :mod:`voxdiff.cli.checkpoint_paths`).
 """
 
 from __future__ import annotations
@@ -64,3 +66,28 @@ def non_finite_tensor(checkpoint: Mapping[str, Any]) -> str | None:
             if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 return f"{where}.{name}"
     return None
+
+
+def stored_weights_path(checkpoint: Mapping[str, Any]) -> str | None:
+    """The weights file of the learned encoding a diffusion checkpoint names (a latent run's stage-1 checkpoint:
+    its stored config's ``encoding.checkpoint``, else its hyper-parameters'), or None. A path on the machine that
+    trained it: a command reads it only where its user confirms it (:mod:`voxdiff.cli.checkpoint_paths`)."""
+    for node in ((checkpoint.get(CONFIG_KEY) or {}).get("encoding"),
+                 (checkpoint.get("hyper_parameters") or {}).get("encoding")):
+        if isinstance(node, Mapping) and node.get("checkpoint") not in (None, ""):
+            return str(node["checkpoint"])
+    return None
+
+
+def without_weights_path(node: Any) -> Any:
+    """A copy of a stored ``encoding`` node (or of a config holding one as ``encoding`` or ``system.encoding``) with
+    the weights file it names (``checkpoint``) set to None; anything else is returned as it is."""
+    if not isinstance(node, Mapping):
+        return node
+    out = dict(node)
+    if "checkpoint" in out and "_target_" in out:  # an encoding node
+        out["checkpoint"] = None
+    for key in ("encoding", "system"):
+        if isinstance(out.get(key), Mapping):
+            out[key] = without_weights_path(out[key])
+    return out

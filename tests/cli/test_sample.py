@@ -1,5 +1,6 @@
-"""``sample.py``: from a checkpoint and the data config saved in it (or ``data.root``) to NIfTI files with the
-source affine and montages, in bravo and seg mode; training on a NIfTI folder along the way."""
+"""``sample.py``: from a checkpoint and the data the command names (``data.root``, or the checkpoint's folder with
+``data.from_checkpoint=true``) to NIfTI files with the source affine and montages, in bravo and seg mode; training
+on a NIfTI folder along the way. What a checkpoint's paths may not decide: tests/cli/test_checkpoint_paths.py."""
 
 import nibabel as nib
 import numpy as np
@@ -44,9 +45,9 @@ def _sample(out, *overrides):
     return sample(cfg)
 
 
-def test_samples_from_the_checkpoints_data_config(nifti_run, tmp_path):
+def test_samples_from_the_checkpoints_data_folder_when_confirmed(nifti_run, tmp_path):
     _, ckpt = nifti_run
-    pngs = _sample(tmp_path, f"ckpt_path={ckpt}", "n=4")  # 3 subjects → 1 validation subject
+    pngs = _sample(tmp_path, f"ckpt_path={ckpt}", "n=4", "data.from_checkpoint=true")  # 3 subjects → 1 validation
     assert len(pngs) == 1
     niftis = sorted((tmp_path / "samples").glob("*_generated.nii.gz"))
     assert len(niftis) == 1

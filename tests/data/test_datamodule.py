@@ -184,3 +184,25 @@ def test_disk_cache_is_filled_by_one_rank_and_read_by_the_others(tmp_path, monke
     (t0, m0, x0), (t1, m1, x1) = done[0], done[1]
     assert t1 >= t0 and m0 == m1 and len(m0) == 1 and x0 == x1
     assert len(list((tmp_path / "cache").rglob("*.pt"))) == 3
+
+
+def test_every_data_module_declares_the_arguments_that_name_a_path():
+    """``sample.py`` and ``evaluate.py`` rebuild a data module from a checkpoint without its ``path_args``
+    (voxdiff.cli.checkpoint_paths): every argument that names a folder or a file must be among them (#29)."""
+    import importlib
+    import inspect
+    import pkgutil
+    import re
+
+    import lightning as L
+    import voxdiff.data
+
+    classes = {obj for info in pkgutil.iter_modules(voxdiff.data.__path__)
+               for obj in vars(importlib.import_module(f"voxdiff.data.{info.name}")).values()
+               if isinstance(obj, type) and issubclass(obj, L.LightningDataModule)
+               and obj.__module__.startswith("voxdiff.data")}
+    assert {c.__name__ for c in classes} >= {"VolumeDataModule", "MNITemplateDataModule", "LatentDataModule"}
+    for cls in classes:
+        for name, p in inspect.signature(cls.__init__).parameters.items():
+            if "PathLike" in str(p.annotation) or re.search(r"(^|_)(root|dir|path|checkpoint|file)$", name):
+                assert name in cls.path_args, f"{cls.__name__}({name}) names a path: add it to {cls.__name__}.path_args"

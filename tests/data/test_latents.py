@@ -261,3 +261,72 @@ def test_the_cache_takes_any_learned_encoding_through_the_protocol(phantoms, tmp
 def test_a_weight_free_encoding_is_refused_by_the_cache_writer(phantoms, tmp_path):
     with pytest.raises(TypeError, match="needs a LearnedEncoding .* got SpaceToDepth, which is weight-free"):
         write_latent_cache(SpaceToDepth(2), phantoms, tmp_path / "cache", SHAPE)
+
+
+# ------------------------------------------------------------------ a cache reads only the files inside itself (#29)
+
+
+def _leaving(cache, tmp_path, how):
+    """A copy of ``cache`` whose first index entry leaves the folder ``how``; returns (copy, subject, entry)."""
+    copy, outside = tmp_path / "cache", tmp_path / "outside"
+    shutil.copytree(cache, copy)
+    outside.mkdir()
+    index = json.loads((copy / INDEX_NAME).read_text())
+    subject, rel = next(iter(index["subjects"].items()))
+    shutil.copy(copy / rel, outside / "x.pt")  # a valid latent file, so only where it is can be refused
+    entry = {"absolute": str(outside / "x.pt"), "dotdot": "../outside/x.pt", "symlink": "latents/link.pt",
+             "symlinked folder": "linked/x.pt"}[how]
+    if how == "symlink":
+        (copy / "latents" / "link.pt").symlink_to(outside / "x.pt")
+    if how == "symlinked folder":
+        (copy / "linked").symlink_to(outside, target_is_directory=True)
+    index["subjects"][subject] = entry
+    (copy / INDEX_NAME).write_text(json.dumps(index))
+    return copy, subject, entry
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "symlink", "symlinked folder"])
+def test_an_index_entry_that_leaves_the_cache_is_refused(cache, stage1, tmp_path, how):
+    copy, subject, entry = _leaving(cache, tmp_path, how)
+    with pytest.raises(ConfigError) as e:
+        _module(copy, stage1)
+    message = str(e.value)
+    assert e.value.key == "data.latent_dir" and e.value.value == str(copy)
+    assert str(copy / INDEX_NAME) in message and repr(subject) in message and repr(entry) in message
+    assert "python cache_latents.py" in e.value.fix
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "symlink"])
+def test_a_dataset_never_reads_a_file_outside_its_cache(cache, tmp_path, how):
+    """The dataset checks each file again when it reads it (a link made after the cache was checked)."""
+    from voxdiff.data.latents import LatentDataset
+
+    copy, subject, entry = _leaving(cache, tmp_path, how)
+    dataset = LatentDataset(copy, json.loads((copy / INDEX_NAME).read_text()), [subject])
+    with pytest.raises(ConfigError) as e:
+        dataset[0]
+    assert e.value.key == "data.latent_dir" and repr(entry) in str(e.value)
+
+
+def test_the_cache_writer_names_its_files_inside_the_cache(stage1, phantoms, tmp_path):
+    """Index entries are names relative to the cache folder, whatever the subjects are called."""
+    from pathlib import Path, PurePosixPath
+
+    class Hostile(torch.utils.data.Dataset):
+        names = ("../../evil", "/etc/passwd", "a/../../b")
+
+        def __len__(self):
+            return len(self.names)
+
+        def __getitem__(self, i):
+            return {**phantoms[i], "subject": self.names[i]}
+
+    out = tmp_path / "cache"
+    index = write_latent_cache(VQVAELatent(4, 4, checkpoint=str(stage1)), Hostile(), out, SHAPE)
+    assert set(index["subjects"]) == set(Hostile.names)
+    for rel in index["subjects"].values():
+        path = PurePosixPath(rel)
+        assert not path.is_absolute() and ".." not in path.parts and path.parts[0] == "latents", rel
+        assert (out / rel).resolve().parent == (out / "latents").resolve()
+    assert sorted(p.name for p in Path(tmp_path).iterdir()) == ["cache"]
+    assert len(_module(out, stage1).train_subjects) == 2

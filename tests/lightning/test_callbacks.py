@@ -66,3 +66,23 @@ def test_poison_batch_replaces_volumes_at_its_step_only():
     cb.on_train_batch_start(SimpleNamespace(global_step=2), None, batch, 0)
     assert torch.isnan(batch["image"]).all() and torch.isnan(batch["mask"]).all()
     assert torch.isfinite(cache).all()  # a data cache is never poisoned
+
+
+def test_a_checkpoint_callbacks_stored_paths_are_kept_only_inside_its_folder(tmp_path):
+    """What a ModelCheckpoint restores and may later delete (#29): only local paths without '..' that resolve inside
+    the callback's folder are kept; the others are dropped and named."""
+    from voxdiff.lightning.callbacks import paths_inside
+
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (folder / "link").symlink_to(tmp_path / "outside", target_is_directory=True)
+    good = str(folder / "best-step0000004.ckpt")
+    bad = [str(folder / ".." / ".." / "precious.ckpt"), str(tmp_path / "outside" / "x.ckpt"),
+           str(folder / "link" / "x.ckpt"), "s3://bucket/x.ckpt", "relative/x.ckpt"]
+    state = {"dirpath": str(folder), "best_model_path": bad[0], "kth_best_model_path": good, "last_model_path": bad[3],
+             "best_k_models": {good: torch.tensor(1.0), **{p: torch.tensor(2.0) for p in bad}}, "monitor": "val/loss"}
+    dropped = paths_inside(state, folder)
+    assert state["best_k_models"] == {good: torch.tensor(1.0)} and state["kth_best_model_path"] == good
+    assert state["best_model_path"] == "" and state["last_model_path"] == "" and state["monitor"] == "val/loss"
+    assert sorted(dropped) == sorted(set(bad))

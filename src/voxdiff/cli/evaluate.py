@@ -1,7 +1,10 @@
 """``python evaluate.py ckpt_path=PATH [n=8] ...``: how good is a trained checkpoint?
 
 compose → validate → read the checkpoint (its step and SHA-256) → take the real volumes of a split (the
-validation subjects of the data config saved in the checkpoint, or ``data.root=DIR``) → then
+validation subjects of the data the command names: ``data.root=DIR``, a latent run's ``data.latent_dir=DIR``, the
+built-in phantom where the run trained on it, or with ``data.from_checkpoint=true`` the folder the checkpoint
+names; a latent run's stage 1: ``encoding.checkpoint=PATH`` or ``encoding.from_checkpoint=true``, as in
+``sample.py`` and :mod:`voxdiff.cli.checkpoint_paths`) → then
 
 * a diffusion checkpoint: ``n`` samples with the run's sampler (DDIM, or Euler for rectified flow; with
   ``guidance_scale``) and the EMA weights, conditioned on those subjects' masks (in
@@ -10,7 +13,8 @@ validation subjects of the data config saved in the checkpoint, or ``data.root=D
 * a VQ-VAE (stage-1) checkpoint: reconstructions of the real images → SSIM, PSNR, MS-SSIM, codebook usage;
 
 → ``metrics.json`` and ``report.html`` (one self-contained page) in ``<run dir of the checkpoint>/eval/<time>/``
-(or ``out_dir=DIR``), with the generated NIfTI files (source affine) and montages under ``samples/``.
+(or ``out_dir=DIR``), with the generated NIfTI files (source affine) and montages under ``samples/``; the data and
+stage-1 weights used are recorded there (``data``, ``stage1_weights``). Nothing is written anywhere else.
 
 Exit codes: 0 done; 2 the config was refused.
 """
@@ -123,9 +127,10 @@ def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any
 
 
 def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
-    system, saved, precision = _load(cfg, device)
+    system, saved, precision, weights = _load(cfg, device)
     sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"))
-    dataset = _split(_datamodule(saved, cfg), str(cfg.split))
+    dm, data = _datamodule(saved, cfg, weights)
+    dataset = _split(dm, str(cfg.split))
     ms_ssim = MS_SSIM_PRESETS[cfg.ms_ssim]
     check_volume_shape(tuple(dataset[0]["image"].shape[1:]), ms_ssim)
     real = load_real(dataset, int(cfg.n))
@@ -150,6 +155,7 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
                      "conditioned_on": [real.subjects[s] for s in sources]},
         "feature_extractors": {e.name: e.label for e in extractors},
         "seconds": {"generation": round(t1 - t0, 2), "figures": round(time.perf_counter() - t1, 2)},
+        "data": data, "stage1_weights": weights,
     }
 
 
@@ -160,7 +166,8 @@ def _vqvae(cfg: DictConfig, device: Any) -> dict[str, Any]:
 
     system, checkpoint, _ = rebuild_system(str(cfg.ckpt_path), "stage1", _CKPT_FIX)
     system, saved = system.to(device), checkpoint.get(CONFIG_KEY, {})
-    dataset = _split(_datamodule(saved, cfg), str(cfg.split))
+    dm, data = _datamodule(saved, cfg)
+    dataset = _split(dm, str(cfg.split))
     ms_ssim = MS_SSIM_PRESETS[cfg.ms_ssim]
     check_volume_shape(tuple(dataset[0]["image"].shape[1:]), ms_ssim)
     real = load_real(dataset, int(cfg.n))
@@ -176,7 +183,7 @@ def _vqvae(cfg: DictConfig, device: Any) -> dict[str, Any]:
                 histogram_section(real, recon, list(range(len(real))), int(cfg.histogram_bins), "reconstruction")]
     return {"kind": "vqvae", "mode": "reconstruction", "figures": figures, "absent": {}, "sections": sections,
             "n_generated": len(recon), "real": real, "sampling": None, "feature_extractors": {},
-            "seconds": {"figures": round(time.perf_counter() - t0, 2)}}
+            "seconds": {"figures": round(time.perf_counter() - t0, 2)}, "data": data, "stage1_weights": None}
 
 
 #: the evaluation of each kind of checkpoint (:func:`voxdiff.checkpoint.checkpoint_kind`): generation for a diffusion
@@ -222,6 +229,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "checkpoint": {"path": str(ckpt_path), "sha256": file_sha256(ckpt_path), "global_step": step,
                        "epoch": epoch, "kind": result["kind"], "mode": result["mode"]},
         "evaluated_at": dt.datetime.now().isoformat(timespec="seconds"),
+        "data": result["data"], "stage1_weights": result["stage1_weights"],
         "split": str(cfg.split), "n_generated": result["n_generated"], "n_real": len(real),
         "real_subjects": real.subjects, "volume_shape": list(real.images.shape[2:]),
         "sampling": result["sampling"], "metric_settings": describe(MS_SSIM_PRESETS[cfg.ms_ssim]),
@@ -231,6 +239,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     title = f"voxdiff evaluation: {run_dir.name}, step {step}"
     meta = {"checkpoint": f"{ckpt_path} (step {step}, epoch {epoch})", "SHA-256": record["checkpoint"]["sha256"],
             "kind": f"{result['kind']} ({result['mode']})",
+            "data": result["data"],
             "sets": f"{result['n_generated']} {'generated' if result['kind'] == 'diffusion' else 'reconstructed'}, "
                     f"{len(real)} real (split={cfg.split}), volumes {'×'.join(map(str, real.images.shape[2:]))}",
             "evaluated": record["evaluated_at"]}

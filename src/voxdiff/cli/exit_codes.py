@@ -37,8 +37,9 @@ TABLE: tuple[ExitCode, ...] = (
              "a bug or a broken environment: report it with the command line and the traceback"),
     ExitCode(EXIT_CONFIG, "EXIT_CONFIG",
              "refused before anything ran: a config value, an argument or an input file (checkpoint, CSV, "
-             "latent-cache index) cannot work, or the run directory is in use or holds another run; also "
-             "torch.compile failing on the first training step (model.compile)",
+             "latent-cache index) cannot work, or the run directory is in use or holds another run; a folder or "
+             "file a checkpoint names that the command line did not choose (data.root, data.latent_dir, "
+             "encoding.checkpoint); also torch.compile failing on the first training step (model.compile)",
              "change what the one-line message names (key=value: problem. Fix: ...)"),
     ExitCode(EXIT_NONFINITE, "EXIT_NONFINITE",
              "training stopped on a NaN/inf loss or gradient norm, at most system.guard.check_every_n_steps "

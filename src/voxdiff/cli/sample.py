@@ -1,11 +1,15 @@
-"""``python sample.py ckpt_path=PATH [n=4] ...``: generate volumes from a training checkpoint.
+"""``python sample.py ckpt_path=PATH [n=4] [data.root=DIR] ...``: generate volumes from a training checkpoint.
 
 compose → validate → rebuild the run spec from the config stored in the checkpoint, for this device
-(:func:`voxdiff.lightning.systems.rebuild_system`) → the system from it, with the checkpoint's weights → take ``n``
-masks (the validation subjects of the data config saved in the checkpoint, or ``data.root=DIR``) → the run's sampler
+(:func:`voxdiff.lightning.systems.rebuild_system`) → the system from it, with the checkpoint's weights (a latent
+run: and the stage-1 weights ``encoding.checkpoint=PATH`` names) → take ``n`` masks (the validation subjects of the
+data the command names: ``data.root=DIR``, a latent run's ``data.latent_dir=DIR``, the built-in phantom where the
+run trained on it, or with ``data.from_checkpoint=true`` the folder the checkpoint names) → the run's sampler
 (DDIM, or Euler for rectified flow; ``guidance_scale`` for classifier-free guidance) with the EMA weights → decode →
 NIfTI with the source affine + PNG montage per sample,
 in this run's directory (``<paths.log_dir>/sample/<time>/samples``). In seg mode it writes generated masks.
+A path stored in the checkpoint never decides what is read or written (:mod:`voxdiff.cli.checkpoint_paths`): the
+command writes only under its run directory and says which data and weights it used.
 The precision is the trained one (``precision: null``): the checkpoint's ``trainer.precision`` decided for the
 sampling device by :func:`voxdiff.step.decide_precision`, as the Trainer decided it.
 
@@ -18,15 +22,16 @@ voxdiff's own encoding or data classes.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import hydra
 from omegaconf import DictConfig
 
 from voxdiff.checkpoint import CONFIG_KEY
+from voxdiff.cli.checkpoint_paths import command_data, path_choice, stage1_weights
 from voxdiff.cli.devices import check_device, pick_device
 from voxdiff.cli.exit_codes import refusals
-from voxdiff.config import config_dir, plain, require, voxdiff_class
+from voxdiff.config import config_dir, require
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
 SPLITS = ("val", "all")
@@ -55,16 +60,28 @@ def validate(cfg: DictConfig) -> None:
     if cfg.get("eta") is not None:
         number("eta", cfg.eta, lo=0, hi=1, fix="use eta=0 (deterministic DDIM) to 1, or null as trained")
     check_device(cfg.device)
+    path_choice(cfg)
 
 
-def _load(cfg: DictConfig, device: Any) -> tuple[Any, dict[str, Any], Any]:
+class Loaded(NamedTuple):
+    """What :func:`_load` returns."""
+
+    system: Any  #: the diffusion system, on the sampling device, with its (EMA) weights
+    saved: dict[str, Any]  #: the checkpoint's stored config (``voxdiff_config``)
+    precision: Any  #: the precision to sample in (:class:`voxdiff.step.precision.Precision`)
+    weights: str | None  #: a latent run's stage-1 weights file, as the command chose it (None: weight-free)
+
+
+def _load(cfg: DictConfig, device: Any) -> Loaded:
     """The diffusion system of ``ckpt_path``, built from the run spec its stored config gives for ``device`` (which
-    decides ``model.use_flash_attention=auto``), with its (EMA) weights; the stored config; and the precision to
-    sample in: ``precision`` if given, else the trained ``trainer.precision`` decided for this device (by
+    decides ``model.use_flash_attention=auto``), with its (EMA) weights and, for a latent run, the stage-1 weights
+    the command names (:func:`voxdiff.cli.checkpoint_paths.stage1_weights`; printed); the stored config; and the
+    precision to sample in: ``precision`` if given, else the trained ``trainer.precision`` decided for this device (by
     :func:`voxdiff.step.decide_precision`, as the Trainer decided it).
 
     Raises:
-        ConfigError: the checkpoint is refused, or the precision cannot run on this device (naming ``precision``).
+        ConfigError: the checkpoint is refused, the precision cannot run on this device (naming ``precision``), or a
+            latent run's stage-1 weights are not named, or refused.
     """
     import torch
 
@@ -75,30 +92,20 @@ def _load(cfg: DictConfig, device: Any) -> tuple[Any, dict[str, Any], Any]:
     system, checkpoint, spec = rebuild_system(str(cfg.ckpt_path), "diffusion", _CKPT_FIX, device_type=device_type,
                                               precision=cfg.get("precision"))
     if spec is None:  # no run config stored: no trained precision, no validation masks
-        raise _no_run_config(cfg)
-    return system.to(device), checkpoint[CONFIG_KEY], spec.precision
+        raise ConfigError("ckpt_path", cfg.ckpt_path, "the checkpoint carries no data config (voxdiff_config)",
+                          "use a checkpoint written by python train.py")
+    weights, what = stage1_weights(system.encoding, checkpoint, path_choice(cfg), str(cfg.ckpt_path))
+    if what is not None:
+        print(f"[voxdiff] stage-1 weights: {what}", flush=True)
+    return Loaded(system.to(device), checkpoint[CONFIG_KEY], spec.precision, weights)
 
 
-def _no_run_config(cfg: DictConfig) -> ConfigError:
-    return ConfigError("ckpt_path", cfg.ckpt_path, "the checkpoint carries no data config (voxdiff_config)",
-                       "use a checkpoint written by python train.py")
-
-
-def _datamodule(saved: dict[str, Any], cfg: DictConfig):
-    import lightning as L
-
-    data = dict(saved.get("data") or {})
-    if not data:
-        raise _no_run_config(cfg)
-    for key, value in (plain(cfg.get("data")) or {}).items():
-        if value is not None:
-            data[key] = value
-    try:
-        cls, kwargs = voxdiff_class(data, "data", L.LightningDataModule, ("voxdiff.data",), _CKPT_FIX)
-    except ConfigError as err:
-        raise ConfigError("ckpt_path", cfg.ckpt_path, f"its stored data config is refused ({err})",
-                          _CKPT_FIX) from None
-    return cls(**kwargs)
+def _datamodule(saved: dict[str, Any], cfg: DictConfig, weights: str | None = None) -> tuple[Any, str]:
+    """The data module the command conditions on, and which data it is (printed): from the command line and the
+    stored config without its paths (:func:`voxdiff.cli.checkpoint_paths.command_data`)."""
+    dm, what = command_data(saved, path_choice(cfg), cfg.paths.output_dir, str(cfg.ckpt_path), weights, _CKPT_FIX)
+    print(f"[voxdiff] data: {what}", flush=True)
+    return dm, what
 
 
 def sample(cfg: DictConfig) -> list[Path]:
@@ -112,9 +119,9 @@ def sample(cfg: DictConfig) -> list[Path]:
 
     configure_cpu_threads()
     device = pick_device(cfg.device)
-    system, saved, precision = _load(cfg, device)
+    system, saved, precision, weights = _load(cfg, device)
     sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"))
-    dm = _datamodule(saved, cfg)
+    dm, _ = _datamodule(saved, cfg, weights)
     dm.setup("fit")
     dataset = dm.val_dataset if cfg.split == "val" else ConcatDataset([dm.val_dataset, dm.train_dataset])
     n = min(int(cfg.n), len(dataset))

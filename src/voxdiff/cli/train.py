@@ -158,7 +158,7 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     import torch
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from voxdiff.lightning.callbacks import ConfigInCheckpoint
+    from voxdiff.lightning.callbacks import CheckpointPathsInside, ConfigInCheckpoint
     from voxdiff.lightning.diffusion import NonFiniteLossError
     from voxdiff.lightning.preemption import SaveOnSigterm
     from voxdiff.lightning.resume import FollowCurrentOptimizer
@@ -184,7 +184,8 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     logger = instantiate_loggers(cfg.get("logger"))
     record = {k: plain(cfg[k]) for k in cfg if k != "hydra"}  # the resolved config, for sample.py and resumes
     on_sigterm = SaveOnSigterm()
-    callbacks = [*instantiate_callbacks(cfg.get("callbacks")), ConfigInCheckpoint(record), on_sigterm]
+    callbacks = [*instantiate_callbacks(cfg.get("callbacks")), ConfigInCheckpoint(record), CheckpointPathsInside(),
+                 on_sigterm]
     if ckpt_path is not None:
         callbacks.append(FollowCurrentOptimizer())
     trainer = build_trainer(cfg.trainer, callbacks=callbacks, logger=logger)

@@ -77,6 +77,11 @@ class VolumeDataModule(L.LightningDataModule):
         DataError: the data folder or a file in it cannot be used, or it holds fewer than 2 subjects.
     """
 
+    #: the arguments that name a folder or a file, read or written: a command that rebuilds this module from a
+    #: checkpoint's stored config takes them from its own command line, never from the file
+    #: (:mod:`voxdiff.cli.checkpoint_paths`)
+    path_args: tuple[str, ...] = ("root", "cache_dir")
+
     def __init__(
         self,
         volume_shape: Sequence[int],

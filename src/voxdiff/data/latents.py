@@ -26,6 +26,13 @@ leaves it out). Images are not stored: montages of latent runs show mask | gener
 checkpoint path, ``sha256`` of its weights — the identity that is checked —, for the VQ-VAE also the architecture
 and training volume shape); ``data`` (where the volumes came from); ``stats`` (mean/std of the cached latents);
 ``subjects`` (name → file, in dataset order); ``created``.
+
+A cache reads only the files inside its folder. Each ``subjects`` entry is a name relative to the cache folder
+(``latents/<subject>.pt``: the writer makes every subject name a plain file name); an entry that is absolute, that
+climbs out through ``..``, or that resolves outside the folder through a symbolic link is refused
+(:func:`cache_member`), naming the index file and the entry — when the cache is checked and again when the file is
+read. The index's ``stage1.checkpoint`` and ``data`` are a record of where the cache came from, shown in messages and
+never read.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import os
 import re
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import lightning as L
@@ -80,6 +87,40 @@ def unpack_mask(bits: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     n = int(np.prod(shape))
     flat = np.unpackbits(bits.numpy(), count=n)
     return torch.from_numpy(flat.astype(np.float32)).reshape(1, *shape)
+
+
+def cache_member(cache_dir: str | Path, subject: str, entry: Any, key: str = "data.latent_dir") -> Path:
+    """The file an index entry names, only when it lies inside the cache folder.
+
+    Args:
+        cache_dir: the cache folder.
+        subject: the entry's subject (for the message).
+        entry: the index's ``subjects[subject]``: a name relative to ``cache_dir`` (``latents/<subject>.pt``).
+        key: the config key that named the cache.
+
+    Raises:
+        ConfigError: the entry is not a relative name, climbs out with ``..``, or resolves (through a symbolic link)
+            outside ``cache_dir``; naming the index file, the subject, the entry and the fix.
+    """
+    cache_dir = Path(cache_dir)
+    index_path = cache_dir / INDEX_NAME
+    why = None
+    if not isinstance(entry, str) or not entry.strip():
+        why = "is not a file name"
+    elif PurePosixPath(entry).is_absolute() or PureWindowsPath(entry).is_absolute() or PureWindowsPath(entry).drive:
+        why = "is an absolute path"
+    elif ".." in PurePosixPath(entry.replace("\\", "/")).parts:
+        why = "climbs out of the cache folder through '..'"
+    else:
+        inside = cache_dir.resolve()
+        target = (cache_dir / entry).resolve()
+        if not target.is_relative_to(inside):
+            why = f"resolves to {target}, outside the cache folder (a symbolic link)"
+    if why is not None:
+        raise ConfigError(key, str(cache_dir), f"{index_path}: the entry of subject {subject!r}, {entry!r}, {why}; a "
+                          "latent cache reads only the files inside its folder, named relative to it",
+                          "rewrite the cache with python cache_latents.py (it names every file latents/<subject>.pt)")
+    return cache_dir / entry
 
 
 def cache_command(stage1_ckpt: str, out: str | Path, volume_shape: Sequence[int]) -> str:
@@ -212,6 +253,8 @@ def read_index(cache_dir: str | Path, key: str = "data.latent_dir") -> dict[str,
     if missing or not isinstance(index.get("subjects"), dict):
         raise ConfigError(key, str(cache_dir), f"{path} lacks {', '.join(missing) or 'its subjects'}: the index is "
                           "damaged", remake)
+    for subject, entry in index["subjects"].items():
+        cache_member(cache_dir, subject, entry, key)
     return index
 
 
@@ -263,7 +306,7 @@ def check_latent_cache(
             f"{identity[:12]}…; its latents would be decoded by a decoder that did not make them",
             f"re-run the cache command with this checkpoint ({redo}), or set encoding.checkpoint={made_by}",
         )
-    missing = [s for s, rel in index["subjects"].items() if not (cache_dir / rel).is_file()]
+    missing = [s for s, rel in index["subjects"].items() if not cache_member(cache_dir, s, rel, key).is_file()]
     if missing:
         raise ConfigError(key, str(cache_dir), f"{len(missing)} latent file(s) of the index are missing "
                           f"(e.g. {missing[0]})", f"re-run the cache command ({redo})")
@@ -308,7 +351,8 @@ class LatentDataset(Dataset):
         if i in self._memory:
             return self._memory[i]
 
-        path = self.cache_dir / self.index["subjects"][self.subjects[i]]
+        subject = self.subjects[i]
+        path = cache_member(self.cache_dir, subject, self.index["subjects"][subject])  # checked again: a link may be new
         record = load_file(path, "data.latent_dir", "rewrite the cache with python cache_latents.py (the command "
                            f"that made {self.cache_dir})")
         needed = (*LATENT_KEYS, "affine", *(("mask_bits",) if self.with_mask else ()))
@@ -357,11 +401,15 @@ class LatentDataModule(L.LightningDataModule):
         pin_memory: DataLoader ``pin_memory``.
     """
 
+    #: the arguments that name a folder or a file (read): a command that rebuilds this module from a checkpoint's
+    #: stored config takes them from its own command line, never from the file (:mod:`voxdiff.cli.checkpoint_paths`)
+    path_args: tuple[str, ...] = ("latent_dir", "stage1_checkpoint")
+
     def __init__(
         self,
         latent_dir: str | os.PathLike[str] | None,
         volume_shape: Sequence[int],
-        stage1_checkpoint: str | None,
+        stage1_checkpoint: str | os.PathLike[str] | None,
         factor: int,
         latent_channels: int,
         val_fraction: float = 0.25,

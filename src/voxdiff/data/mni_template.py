@@ -179,6 +179,8 @@ class MNITemplateDataModule(VolumeDataModule):
         **kwargs: the other :class:`~voxdiff.data.VolumeDataModule` arguments (split, batch size, cache, ...).
     """
 
+    path_args = (*VolumeDataModule.path_args, "out_dir")  # out_dir: written (the subjects)
+
     def __init__(self, volume_shape: Any, template: str = "mni152_2009", voxel_mm: float = 3.0,
                  num_subjects: int = 8, seed: int = 0, out_dir: str | os.PathLike[str] = "cache/mni_template",
                  **kwargs: Any) -> None:

@@ -1,10 +1,13 @@
 """Small Lightning callbacks: a progress bar that never waits for the GPU, throughput on it, an always-current
-``last.ckpt``, the run's config in every checkpoint, and fault injectors for tests (a NaN batch, a hold at a step).
+``last.ckpt``, the run's config in every checkpoint, only the checkpoint paths inside the run restored on resume,
+and fault injectors for tests (a NaN batch, a hold at a step).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import time
 from collections.abc import Mapping
 from datetime import datetime
@@ -17,6 +20,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
 from voxdiff.checkpoint import CONFIG_KEY  # key of the run's resolved config in a checkpoint
 from voxdiff.errors import integer
+
+log = logging.getLogger(__name__)
+
+#: the fields of a ``ModelCheckpoint`` state that name one file each (``best_k_models`` names several)
+_PATH_FIELDS = ("best_model_path", "kth_best_model_path", "last_model_path")
 
 
 class ProgressBar(TQDMProgressBar):
@@ -119,6 +127,59 @@ class ConfigInCheckpoint(L.Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         checkpoint[CONFIG_KEY] = self.config
+
+
+def paths_inside(state: dict[str, Any], folder: str | Path) -> list[str]:
+    """Drop, in place, the file paths of a ``ModelCheckpoint`` state (``best_k_models``, ``best_model_path``,
+    ``kth_best_model_path``, ``last_model_path``) that do not lie inside ``folder``; returns the dropped paths.
+
+    A path is kept when it is a local, absolute path without ``..`` that resolves (symbolic links followed) inside
+    ``folder`` resolved. A dropped single path becomes ``""`` (Lightning's "none"), a dropped ``best_k_models`` entry
+    is removed.
+    """
+    inside = Path(os.path.realpath(folder))
+
+    def ok(path: Any) -> bool:
+        if not isinstance(path, str) or "://" in path or not os.path.isabs(path) or ".." in Path(path).parts:
+            return False
+        return Path(os.path.realpath(path)).is_relative_to(inside)
+
+    dropped: list[str] = []
+    models = state.get("best_k_models")
+    if isinstance(models, dict):
+        dropped += [p for p in models if not ok(p)]
+        state["best_k_models"] = {p: v for p, v in models.items() if ok(p)}
+    for key in _PATH_FIELDS:
+        if state.get(key) and not ok(state[key]):
+            dropped.append(state[key])
+            state[key] = ""
+    return sorted(set(dropped), key=dropped.index)
+
+
+class CheckpointPathsInside(L.Callback):
+    """On resume, the file paths a checkpoint's ``ModelCheckpoint`` states name are kept only inside each callback's
+    own folder (#29).
+
+    Lightning restores them — ``best_k_models``, ``kth_best_model_path`` and ``last_model_path`` when the stored
+    ``dirpath`` equals the callback's, ``best_model_path`` always — and *deletes* the file one names when a newer
+    checkpoint replaces it, where the path is under the callback's folder by its text (``<dirpath>/../../x``
+    passes) or is not local (``s3://``). A checkpoint is a file people share: before any state is restored
+    (``on_load_checkpoint`` runs for every callback before ``load_state_dict``), the paths outside the folder are
+    dropped (:func:`paths_inside`) and the run says so.
+    """
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get("callbacks")
+        if not isinstance(states, dict):
+            return
+        for callback in trainer.checkpoint_callbacks:
+            state = states.get(callback.state_key)
+            if isinstance(state, dict) and getattr(callback, "dirpath", None) is not None:
+                dropped = paths_inside(state, callback.dirpath)
+                if dropped:
+                    log.warning("the checkpoint names files outside %s for %s: not restored (%s)", callback.dirpath,
+                                type(callback).__name__, ", ".join(dropped))
 
 
 class PoisonBatch(L.Callback):

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind, non_finite_tensor
+from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind, non_finite_tensor, without_weights_path
 from voxdiff.errors import ConfigError, ConfigErrors
 from voxdiff.files import load_file
 from voxdiff.lightning.diffusion import DiffusionSystem
@@ -52,6 +52,11 @@ def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path"
     hyper-parameters recorded. A checkpoint without a stored config (written by hand, or by a test) is rebuilt from
     its hyper-parameters alone, and its spec is None.
 
+    A path stored in the checkpoint is not followed: the weights file of a learned encoding (a latent run's stage-1
+    checkpoint, ``encoding.checkpoint``) is taken out of what the system is built from, so the system's encoding has
+    no weights until the caller loads the ones its user named (:meth:`voxdiff.encodings.LearnedEncoding.load_weights`;
+    :func:`voxdiff.checkpoint.stored_weights_path` says which file the checkpoint names).
+
     Args:
         kind: the kind of checkpoint the caller needs, a run kind (``"diffusion"`` or ``"stage1"``, see
             :data:`KINDS`); the system is :func:`system_class`'s.
@@ -81,14 +86,18 @@ def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path"
                           "needs", fix)
     if device_type is not None and "device_type" in accepted:
         args["device_type"] = device_type
+    if "encoding" in args:  # the stage-1 weights file the checkpoint names is the caller's to choose
+        args["encoding"] = without_weights_path(args["encoding"])
     spec = None
     record = checkpoint.get(CONFIG_KEY)
     if "spec" in accepted and isinstance(record, Mapping) and record:
         for part in ("model", "encoding", "diffusion", "mode"):  # the system was built from the same config
-            if part in hparams and hparams[part] != record.get(part):
+            # (but for the weights file they name, which neither decides)
+            if part in hparams and without_weights_path(hparams[part]) != without_weights_path(record.get(part)):
                 raise ConfigError(key, str(path), f"its hyper-parameters and its stored config ({CONFIG_KEY}) "
                                   f"disagree on {part}: {hparams[part]} vs {record.get(part)}", fix)
-        spec = _stored_spec(record, device_type or accelerator_device("auto"), precision, str(path), key, fix)
+        spec = _stored_spec(without_weights_path(record), device_type or accelerator_device("auto"), precision,
+                            str(path), key, fix)
         args["spec"] = spec.system
     try:
         system = cls(**args)
