@@ -47,6 +47,7 @@ def h100_csv() -> Path:
 TINY_UNET = [
     "experiment=demo",
     "data.volume_shape=[16,32,32]",
+    "data.batch_size=1",
     "model.channels=[16,16,32]",
     "model.attention_levels=[false,false,true]",
     "model.num_res_blocks=1",
@@ -72,6 +73,7 @@ TINY_DEMO = [
     "experiment=demo",
     "logger=csv",
     "data.volume_shape=[16,16,16]",
+    "data.batch_size=1",
     "data.num_subjects=3",
     "model.channels=[8,8,16]",
     "model.attention_levels=[false,false,true]",

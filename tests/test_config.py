@@ -73,7 +73,7 @@ def test_stage1_experiments_compose_only_what_they_use(experiment):
 
 
 def test_demo_and_exp11_shapes():
-    assert shapes(compose("train", ["experiment=demo"])).unet_input == (16, 24, 32, 32)
+    assert shapes(compose("train", ["experiment=demo"])).unet_input == (16, 16, 24, 24)
     assert shapes(compose("train", ["experiment=exp11"])).unet_output == (8, 80, 64, 64)
 
 

@@ -404,3 +404,27 @@ def test_a_resumed_checkpoint_never_names_a_file_for_lightning_to_delete(tiny_de
                                      "trainer.check_val_every_n_epoch=1"]))
     assert precious.read_bytes() == b"a file the user keeps"
     assert Path(second["last_checkpoint"]).parent == run / "checkpoints"
+
+
+def test_sample_py_encodes_and_decodes_in_the_windows_it_is_given(latent, diffusion_ckpt, tmp_path, monkeypatch):
+    """``encoding.window=[2,2,2]`` on a latent run (16³ volumes, 4³ latents): the masks are encoded in windows of
+    8³ voxels and the samples decoded in windows of 2³ latent voxels, and the volumes come out whole; a run without a
+    learned encoding refuses the key."""
+    import voxdiff.encodings.vqvae as vqvae
+
+    calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    real = vqvae.windowed
+
+    def spy(network, x, window, overlap):
+        calls.append((tuple(x.shape[2:]), tuple(window)))
+        return real(network, x, window, overlap)
+
+    monkeypatch.setattr(vqvae, "windowed", spy)
+    out = tmp_path / "windows"
+    _sample(out, f"ckpt_path={latent['ckpt']}", f"data.root={latent['volumes']}",
+            f"encoding.checkpoint={latent['mine']}", "encoding.window=[2,2,2]")
+    assert ((16, 16, 16), (8, 8, 8)) in calls and ((4, 4, 4), (2, 2, 2)) in calls
+    assert nib.load(next((out / "samples").glob("*_generated.nii.gz"))).shape == (16, 16, 16)
+    with pytest.raises(ConfigError) as err:
+        _sample(tmp_path / "s2d", f"ckpt_path={diffusion_ckpt}", "encoding.window=[2,2,2]")
+    assert err.value.key == "encoding.window" and "no encoder or decoder" in str(err.value)

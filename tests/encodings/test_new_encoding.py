@@ -87,7 +87,7 @@ def test_it_is_built_from_its_config_and_round_trips(mirror):
 def test_the_static_rules_use_its_label_factor_and_channels(mirror):
     cfg = compose("train", ["experiment=demo", "encoding=mirror"])
     assert static_problems(cfg) == []
-    assert shapes(cfg).unet_input == (16, 24, 32, 32)  # image ⊕ mask, 8 channels each
+    assert shapes(cfg).unet_input == (16, 16, 24, 24)  # image ⊕ mask, 8 channels each (32×48×48 → 16×24×24)
     bad = compose("train", ["experiment=demo", "encoding=mirror", "data.volume_shape=[48,64,63]"])
     with pytest.raises(ConfigError, match="the width 63 is not divisible by the MirroredSpaceToDepth factor 2"):
         validate(bad)

@@ -31,7 +31,8 @@ from voxdiff.checkpoint import CONFIG_KEY
 from voxdiff.cli.checkpoint_paths import command_data, path_choice, stage1_weights
 from voxdiff.cli.devices import check_device, pick_device
 from voxdiff.cli.exit_codes import refusals
-from voxdiff.config import config_dir, require
+from voxdiff.config import config_dir, require, select
+from voxdiff.encodings import LearnedEncoding
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
 SPLITS = ("val", "all")
@@ -97,6 +98,12 @@ def _load(cfg: DictConfig, device: Any) -> Loaded:
     weights, what = stage1_weights(system.encoding, checkpoint, path_choice(cfg), str(cfg.ckpt_path))
     if what is not None:
         print(f"[voxdiff] stage-1 weights: {what}", flush=True)
+    window = select(cfg, "encoding.window")
+    if window is not None:  # encode and decode in windows here, whatever the run did (less GPU memory)
+        if not isinstance(system.encoding, LearnedEncoding):
+            raise ConfigError("encoding.window", list(window), f"{cfg.ckpt_path} uses {system.encoding.label}, "
+                              "which has no encoder or decoder to run in windows", "leave encoding.window unset")
+        system.encoding.use_window(window, system.encoding.window_overlap)
     return Loaded(system.to(device), checkpoint[CONFIG_KEY], spec.precision, weights)
 
 

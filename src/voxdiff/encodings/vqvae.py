@@ -253,13 +253,21 @@ class VQVAELatent(LearnedEncoding):
         latent_channels: latent channels per encoded volume channel.
         checkpoint: path to a trained stage-1 checkpoint; needed only to encode or decode tensors, and read on
             first use (or by :meth:`load_weights`).
+        window: encode and decode in overlapping windows of this many latent voxels ``[d, h, w]`` (``factor``
+            times that in volume voxels; MONAI's ``sliding_window_inference``, Gaussian-weighted blending of the
+            overlaps), so that a whole 160×256×256 volume holds one window's encoder or decoder activations instead
+            of the volume's; None: the whole volume at once. An axis no longer than its window is not split.
+            Encoding blends the encoder's continuous output and quantises it afterwards, so latents stay codebook
+            vectors; decoding snaps to the codebook first, as whole decoding does.
+        window_overlap: the windows' overlap, a fraction of the window in [0, 1).
     """
 
     @property
     def label(self) -> str:
         return f"the {self.factor}× latent"
 
-    def __init__(self, factor: int = 4, latent_channels: int = 4, checkpoint: str | None = None) -> None:
+    def __init__(self, factor: int = 4, latent_channels: int = 4, checkpoint: str | None = None,
+                 window: Sequence[int] | None = None, window_overlap: float = 0.5) -> None:
         super().__init__()
         for key, value in (("encoding.factor", factor), ("encoding.latent_channels", latent_channels)):
             integer(key, value, minimum=1, fix=f"set {key} to e.g. 4")
@@ -269,9 +277,26 @@ class VQVAELatent(LearnedEncoding):
         self.factor = factor
         self.latent_channels = latent_channels
         self.checkpoint = None if checkpoint is None else str(checkpoint)
+        self.window: tuple[int, ...] | None = None
+        self.window_overlap = 0.5
+        self.use_window(window, window_overlap)
         # plain attributes (object.__setattr__): not registered as sub-modules, see the class docstring
         object.__setattr__(self, "_autoencoder", None)
         object.__setattr__(self, "_stage1", None)
+
+    def use_window(self, window: Sequence[int] | None, overlap: float = 0.5) -> None:
+        """Encode and decode in overlapping windows of ``window`` latent voxels ``[d, h, w]`` from now on (None: the
+        whole volume), the windows overlapping by ``overlap`` (see the class docstring).
+
+        Raises:
+            ConfigError: a window that is not 3 positive integers, an overlap outside [0, 1).
+        """
+        self.window = None if window is None else int_list(
+            "encoding.window", list(window) if not isinstance(window, str) else window,
+            length=3, example=[10, 16, 16], fix="e.g. encoding.window=[10,16,16] (latent voxels d, h, w), or "
+            "null to decode the whole volume at once")
+        self.window_overlap = number("encoding.window_overlap", overlap, lo=0, hi=1, hi_open=True,
+                                     fix="e.g. encoding.window_overlap=0.5")
 
     @classmethod
     def from_weights(cls, path: str, key: str = "encoding.checkpoint") -> VQVAELatent:
@@ -389,7 +414,12 @@ class VQVAELatent(LearnedEncoding):
         c = x.shape[1]
         flat = rearrange(x.float(), "b c d h w -> (b c) 1 d h w")  # each channel (modality) on its own
         with torch.autocast(x.device.type, enabled=False):  # fp32 always: the same codes as the latent cache
-            q = ae.encode_stage_2_inputs(flat)  # (B·C, k, d, h, w), quantised
+            window = self.window
+            grid = [s // self.factor for s in flat.shape[2:]]
+            if window is None or all(g <= w for g, w in zip(grid, window)):
+                q = ae.encode_stage_2_inputs(flat)  # (B·C, k, d, h, w), quantised
+            else:  # the encoder's output blended over windows, then quantised as a whole
+                q = ae.quantize(windowed(ae.encode, flat, [w * self.factor for w in window], self.window_overlap))[0]
         return rearrange(q * self._stage1.latent_scale, "(b c) k d h w -> b (c k) d h w", c=c)
 
     @torch.no_grad()
@@ -405,8 +435,31 @@ class VQVAELatent(LearnedEncoding):
             raise ValueError(f"VQVAELatent.decode expects (B, C·{k}, d, h, w), got shape {tuple(z.shape)}")
         flat = rearrange(z.float() / self._stage1.latent_scale, "b (c k) d h w -> (b c) k d h w", k=k)
         with torch.autocast(z.device.type, enabled=False):
-            x = ae.decode_stage_2_outputs(flat)  # (B·C, 1, D, H, W)
+            window = self.window
+            if window is None or all(s <= w for s, w in zip(flat.shape[2:], window)):
+                x = ae.decode_stage_2_outputs(flat)  # (B·C, 1, D, H, W)
+            else:
+                x = windowed(ae.decode_stage_2_outputs, flat, window, self.window_overlap)
         return rearrange(x, "(b c) 1 d h w -> b c d h w", b=z.shape[0])
 
     def extra_repr(self) -> str:
-        return f"factor={self.factor}, latent_channels={self.latent_channels}, checkpoint={self.checkpoint}"
+        window = "" if self.window is None else f", window={list(self.window)}"
+        return f"factor={self.factor}, latent_channels={self.latent_channels}, checkpoint={self.checkpoint}{window}"
+
+
+def windowed(network: Any, x: torch.Tensor, window: Sequence[int], overlap: float) -> torch.Tensor:
+    """``network`` run over overlapping windows of ``x (N, C, D, H, W)`` (``window`` voxels of ``x`` per axis, at
+    most its size) and blended: MONAI's ``sliding_window_inference`` with Gaussian importance weights, whose output
+    may be larger or smaller than its input (a decoder's, an encoder's: ``factor`` times per axis). One window at a
+    time, on ``x``'s device.
+
+    The importance map is made on the CPU and moved to ``z``'s device: MONAI's own reads a value from it, which a
+    meta tensor (the preflight's stand-in for a GPU) cannot give.
+    """
+    from monai.data.utils import compute_importance_map  # deferred: MONAI's inferers are only needed to decode
+    from monai.inferers import sliding_window_inference  # deferred: as above
+
+    roi = tuple(min(int(w), int(s)) for w, s in zip(window, x.shape[2:]))
+    weights = compute_importance_map(roi, mode="gaussian", device="cpu").to(x.device)
+    return sliding_window_inference(x, roi_size=roi, sw_batch_size=1, predictor=network, overlap=overlap,
+                                    mode="gaussian", roi_weight_map=weights, progress=False)
