@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 EXIT_OK = 0
 EXIT_CONFIG = 2
@@ -39,7 +40,9 @@ TABLE: tuple[ExitCode, ...] = (
              "refused before anything ran: a config value, an argument or an input file (checkpoint, CSV, "
              "latent-cache index) cannot work, or the run directory is in use or holds another run; a folder or "
              "file a checkpoint names that the command line did not choose (data.root, data.latent_dir, "
-             "encoding.checkpoint); also torch.compile failing on the first training step (model.compile)",
+             "encoding.checkpoint); a setting Hydra or Lightning refuses while the Trainer, its callbacks and "
+             "loggers are built (trainer.devices=0, callbacks.best.mode=median); also torch.compile failing on the "
+             "first training step (model.compile)",
              "change what the one-line message names (key=value: problem. Fix: ...)"),
     ExitCode(EXIT_NONFINITE, "EXIT_NONFINITE",
              "training stopped on a NaN/inf loss or gradient norm, at most system.guard.check_every_n_steps "
@@ -58,6 +61,49 @@ TABLE: tuple[ExitCode, ...] = (
              "step (the message says where); in a Slurm job that was not cancelled the job requeued itself",
              "resume with ckpt_path=auto paths.run_dir=<run dir> (a requeued Slurm job does this itself)"),
 )
+
+
+def building_refusal(exc: BaseException, cfg: Any) -> Any:
+    """The one-line :class:`~voxdiff.errors.ConfigError` for an error raised while a command builds its objects from
+    the config (Hydra's ``InstantiationException`` around a Trainer, callback, logger or data module; Lightning's
+    ``MisconfigurationException``), or None when ``exc`` is neither (a genuine bug: its traceback stays).
+
+    The key is the config node Hydra names (``full_key``), narrowed to the argument the message puts in backticks
+    when the node has it (Lightning's style: "`devices` selected with `CPUAccelerator` should be an int > 0"), with
+    the value it has in ``cfg``.
+    """
+    import re
+
+    from hydra.errors import InstantiationException
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from omegaconf import OmegaConf
+
+    # deferred: python -m voxdiff.cli.exit_codes (slurm/job.sh) prints the table without importing torch
+    from voxdiff.errors import ConfigError
+
+    if not isinstance(exc, (InstantiationException, MisconfigurationException)):
+        return None
+    text = str(exc)
+    found = re.search(r"full_key:\s*(\S+)", text)
+    node_key = found.group(1) if found else None
+    cause = exc.__cause__ if isinstance(exc, InstantiationException) and exc.__cause__ is not None else exc
+    problem = " ".join(str(cause).split()) or type(cause).__name__
+    key, value = node_key or "config", None
+    node = OmegaConf.select(cfg, node_key) if node_key else None
+    named = re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", problem) + re.findall(r"`[^`]*?\b(\w+)=[^`]*`", problem)
+    if OmegaConf.is_dict(node):  # else: the setting whose (non-numeric) value the message quotes, as in "gpu"
+        named += [k for k in node if isinstance(node.get(k), str) and len(node.get(k)) > 2
+                  and re.search(rf"\b{re.escape(node.get(k))}\b", problem)]
+    for name in named:
+        if OmegaConf.is_dict(node) and name in node:
+            key, value = f"{node_key}.{name}", OmegaConf.select(cfg, f"{node_key}.{name}")
+            break
+    else:
+        value = OmegaConf.to_container(node, resolve=False) if OmegaConf.is_config(node) else node
+        value = "..." if isinstance(value, (dict, list)) else value
+    what = f"configs/{node_key.split('.')[0]}/" if node_key else "the config"
+    return ConfigError(key, value, f"refused while building it ({type(cause).__name__}: {problem})",
+                       f"correct {key} as the message says (the settings and their meaning are in {what})")
 
 
 @contextmanager

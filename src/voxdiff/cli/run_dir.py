@@ -243,6 +243,9 @@ class RunDirGuard(_HydraCallback):
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
         try:
             check_name("task_name", config.get("task_name"))
+            if not str(config.hydra.run.dir).strip():  # paths.run_dir= would run (and write) in the current folder
+                raise ConfigError("paths.run_dir", "", "is empty: the run would write into the current directory",
+                                  "name a folder, e.g. paths.run_dir=runs/exp11_a, or leave it out (logs/<task>/<time>)")
             if "overwrite" in config and process_rank() == 0:
                 for note in claim(Path(str(config.hydra.run.dir)), config.get("ckpt_path"),
                                   bool(config.get("overwrite"))):

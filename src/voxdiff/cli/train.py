@@ -22,7 +22,14 @@ from typing import Any, NoReturn
 import hydra
 from omegaconf import DictConfig
 
-from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_DATA, EXIT_NO_FIT, EXIT_NONFINITE, EXIT_TERMINATED
+from voxdiff.cli.exit_codes import (
+    EXIT_CONFIG,
+    EXIT_DATA,
+    EXIT_NO_FIT,
+    EXIT_NONFINITE,
+    EXIT_TERMINATED,
+    building_refusal,
+)
 from voxdiff.cli.run_dir import claim, process_rank, release
 from voxdiff.config import check_name, config_dir, instantiate_config, plain
 from voxdiff.data.nifti import DataError
@@ -177,10 +184,7 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     print(f"[voxdiff] run directory: {run_dir.resolve()}  (host {socket.gethostname()}, rank {process_rank()}, "
           f"torch threads: {threads})", flush=True)
 
-    datamodule = instantiate_config(cfg.data, _convert_="all")
-    datamodule.setup("fit")  # load (and check) the data before the model is built
-    # the system is built from the run spec's part (validated with the rest; resolved for this run's device)
-    system = instantiate_config(cfg.system, _partial_=True)(spec=spec.system)
+    # the Trainer, its callbacks and loggers first: what Lightning refuses in them is refused before any data is made
     logger = instantiate_loggers(cfg.get("logger"))
     record = {k: plain(cfg[k]) for k in cfg if k != "hydra"}  # the resolved config, for sample.py and resumes
     on_sigterm = SaveOnSigterm()
@@ -189,6 +193,10 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     if ckpt_path is not None:
         callbacks.append(FollowCurrentOptimizer())
     trainer = build_trainer(cfg.trainer, callbacks=callbacks, logger=logger)
+    datamodule = instantiate_config(cfg.data, _convert_="all")
+    datamodule.setup("fit")  # load (and check) the data before the model is built
+    # the system is built from the run spec's part (validated with the rest; resolved for this run's device)
+    system = instantiate_config(cfg.system, _partial_=True)(spec=spec.system)
     if plan is not None:
         print("\n".join(f"[voxdiff] {line}" for line in plan.summary().splitlines()), flush=True)
     elif ckpt_path is not None:
@@ -255,6 +263,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             _exit(EXIT_DATA, str(e), prefix="data error")
         except SIGTERMException as e:
             _exit(EXIT_TERMINATED, getattr(e, "report", "stopped by SIGTERM"), prefix="SIGTERM")
+        except Exception as e:  # what Hydra or Lightning refuse while the objects are built: one line, not a traceback
+            refusal = building_refusal(e, cfg)
+            if refusal is None:
+                raise  # a genuine bug: its traceback
+            _exit(EXIT_CONFIG, str(refusal))
     finally:
         release(run_dir)
 

@@ -325,8 +325,13 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
             return select(cfg, f"system.{key}", default)
 
         volume = get("volume_shape") if shapes_ok is not False else None
-        stage1 = collect(lambda: stage1_settings(get("vqvae") or {}, get("optim"), get("loss"),
-                                                 get("modalities", MODALITIES), volume, get("codebook")))
+        if get("vqvae") is None:  # system.kind=stage1 over a diffusion system's config
+            collect.found.append(ConfigError("system.kind", kind, "this system config has no system.vqvae node: it "
+                                             "is not a VQ-VAE's", "train stage 1 with experiment=vqvae_4x or "
+                                             "experiment=vqvae_8x, or leave system.kind as the experiment sets it"))
+        else:
+            stage1 = collect(lambda: stage1_settings(get("vqvae"), get("optim"), get("loss"),
+                                                     get("modalities", MODALITIES), volume, get("codebook")))
     return SystemSpec(kind=kind, mode=mode, encoding=encoding, device_type=device, unet=unet, recipe=recipe,
                       sampling=sampling, val_timesteps=val_timesteps, stage1=stage1)
 
@@ -416,6 +421,12 @@ def validate_trainer(trainer_cfg: Mapping[str, Any]) -> None:
     whole("check_val_every_n_epoch", 1, "e.g. trainer.check_val_every_n_epoch=1", allow=(None,))
     whole("num_sanity_val_steps", -1, "e.g. trainer.num_sanity_val_steps=2 (0: none, -1: all)", allow=(None,))
     whole("num_nodes", 1, "e.g. trainer.num_nodes=1", allow=(None,))
+    interval = trainer_cfg.get("val_check_interval")
+    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0
+                                 or (isinstance(interval, float) and interval > 1)):
+        raise ConfigError("trainer.val_check_interval", interval, "must be a fraction of an epoch in (0, 1] or a "
+                          "number of training steps >= 1 (0 never validates)",
+                          "e.g. trainer.val_check_interval=1.0 (once an epoch), or leave it out")
     limit = trainer_cfg.get("limit_val_batches")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit < 0
                               or (isinstance(limit, float) and limit > 1)):
