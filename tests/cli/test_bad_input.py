@@ -119,6 +119,10 @@ ROWS = [
     ("sample_empty", SAMPLE, ["ckpt_path={empty}"], CONFIG, ["empty.ckpt", "is empty"]),
     ("sample_garbage", SAMPLE, ["ckpt_path={garbage}"], CONFIG, ["garbage.ckpt", "not a PyTorch checkpoint"]),
     ("sample_truncated", SAMPLE, ["ckpt_path={truncated}"], CONFIG, ["truncated.ckpt", "truncated or corrupt"]),
+    # evaluate.py reads a checkpoint through the same reader as every command (it printed torch's traceback)
+    ("evaluate_empty", EVALUATE, ["ckpt_path={empty}"], CONFIG, ["empty.ckpt", "is empty"]),
+    ("evaluate_garbage", EVALUATE, ["ckpt_path={garbage}"], CONFIG, ["garbage.ckpt", "not a PyTorch checkpoint"]),
+    ("evaluate_truncated", EVALUATE, ["ckpt_path={truncated}"], CONFIG, ["truncated.ckpt", "truncated or corrupt"]),
     ("sample_device_unknown", SAMPLE, ["ckpt_path={diffusion}", "device=gpu"], CONFIG,
      ["device=gpu", "is not one of auto, cpu, cuda", "Fix:"]),
     ("evaluate_device_unknown", EVALUATE, ["ckpt_path={diffusion}", "device=gpu"], CONFIG,

@@ -35,6 +35,7 @@ from voxdiff.cli.exit_codes import refusals
 from voxdiff.cli.sample import _CKPT_FIX, _datamodule, _load, validate as validate_sampling
 from voxdiff.config import config_dir, plain
 from voxdiff.errors import ConfigError, integer
+from voxdiff.files import load_file
 from voxdiff.evaluation.features import build_extractors, file_sha256
 from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, check_volume_shape, describe
 from voxdiff.evaluation.pipeline import (
@@ -198,7 +199,6 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         ConfigError: the checkpoint is not one of voxdiff's (of no kind in :data:`_EVALUATIONS`), or is refused
             when its system is rebuilt.
     """
-    import torch
 
     # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
     from voxdiff.lightning.trainer import configure_cpu_threads
@@ -206,7 +206,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     configure_cpu_threads()
     device = pick_device(cfg.device)
     ckpt_path = Path(str(cfg.ckpt_path)).resolve()
-    header = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)  # tensors stay on disk
+    header = load_file(ckpt_path, "ckpt_path", _CKPT_FIX, mmap=True)  # tensors stay on disk; one line if refused
     kind = checkpoint_kind(header)
     if kind not in _EVALUATIONS:
         raise ConfigError("ckpt_path", str(cfg.ckpt_path), f"is {KINDS[kind]}; evaluate.py needs "

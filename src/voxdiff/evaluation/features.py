@@ -24,6 +24,7 @@ import torch
 
 from voxdiff.encodings.vqvae import build_vqvae, read_stage1_checkpoint
 from voxdiff.errors import ConfigError
+from voxdiff.files import load_file
 
 #: MedicalNet ResNet depths MONAI builds
 MEDICALNET_DEPTHS = (10, 18, 34, 50, 101, 152, 200)
@@ -136,7 +137,7 @@ class MedicalNetFeatures(FeatureExtractor):
         self.label = f"MedicalNet ResNet-{depth} (sha256 {actual[:12]}…, inputs {'z-scored' if zscore else 'in [0, 1]'})"
         self.sha256 = actual
         self.network = _resnet(depth)
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_file(path, "medicalnet.weights", "pass the MedicalNet resnet_<depth>.pth file itself")
         state = state.get("state_dict", state) if isinstance(state, dict) else state
         own = self.network.state_dict()
         state = {k.removeprefix("module."): v for k, v in state.items()}
