@@ -142,7 +142,7 @@ def mask_loss_weights(batch: Mapping[str, Any], x0: torch.Tensor, mask_weight: f
     mask = batch.get("mask")
     if mask is None:
         raise ValueError("diffusion.mask_weight weights the loss by the full-size mask, and this batch has none "
-                         f"(keys: {sorted(batch)}): rebuild the latent cache with its masks, or set "
+                         f"(keys: {sorted(batch)}): serve the masks (a latent run: data.masks=true), or set "
                          "diffusion.mask_weight=0")
     full, grid = tuple(mask.shape[2:]), tuple(x0.shape[2:])
     if len(full) != 3 or any(f % g for f, g in zip(full, grid)):
