@@ -22,14 +22,13 @@ A latent diffusion experiment needs a trained stage 1 to sample from and is refu
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import os
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
+
+from bench_gpu_step import write_csv  # the bench folder is on the path when a script in it runs
 
 GiB = 1024**3
 
@@ -188,17 +187,8 @@ def main() -> None:
                 row[f"error_{phase}"] = f"{100 * (q - m) / m:+.1f}%"
         rows.append(row)
         print(json.dumps(row), flush=True)
-        if args.out:
-            columns: list[str] = []
-            for r in rows:
-                columns += [c for c in r if c not in columns]
-            tmp = f"{args.out}.tmp{os.getpid()}"
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "w", newline="") as fh:
-                w = csv.DictWriter(fh, fieldnames=columns)
-                w.writeheader()
-                w.writerows(rows)
-            os.replace(tmp, args.out)
+        if args.out:  # after each experiment: a run cut off by a time limit keeps what it finished
+            write_csv(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -414,12 +414,9 @@ class VQVAELatent(LearnedEncoding):
         c = x.shape[1]
         flat = rearrange(x.float(), "b c d h w -> (b c) 1 d h w")  # each channel (modality) on its own
         with torch.autocast(x.device.type, enabled=False):  # fp32 always: the same codes as the latent cache
-            window = self.window
-            grid = [s // self.factor for s in flat.shape[2:]]
-            if window is None or all(g <= w for g, w in zip(grid, window)):
-                q = ae.encode_stage_2_inputs(flat)  # (B·C, k, d, h, w), quantised
-            else:  # the encoder's output blended over windows, then quantised as a whole
-                q = ae.quantize(windowed(ae.encode, flat, [w * self.factor for w in window], self.window_overlap))[0]
+            window = None if self.window is None else [w * self.factor for w in self.window]  # in volume voxels
+            # the encoder's output (blended over windows, if any), then quantised as a whole: (B·C, k, d, h, w)
+            q = ae.quantize(windowed(ae.encode, flat, window, self.window_overlap))[0]
         return rearrange(q * self._stage1.latent_scale, "(b c) k d h w -> b (c k) d h w", c=c)
 
     @torch.no_grad()
@@ -435,11 +432,7 @@ class VQVAELatent(LearnedEncoding):
             raise ValueError(f"VQVAELatent.decode expects (B, C·{k}, d, h, w), got shape {tuple(z.shape)}")
         flat = rearrange(z.float() / self._stage1.latent_scale, "b (c k) d h w -> (b c) k d h w", k=k)
         with torch.autocast(z.device.type, enabled=False):
-            window = self.window
-            if window is None or all(s <= w for s, w in zip(flat.shape[2:], window)):
-                x = ae.decode_stage_2_outputs(flat)  # (B·C, 1, D, H, W)
-            else:
-                x = windowed(ae.decode_stage_2_outputs, flat, window, self.window_overlap)
+            x = windowed(ae.decode_stage_2_outputs, flat, self.window, self.window_overlap)  # (B·C, 1, D, H, W)
         return rearrange(x, "(b c) 1 d h w -> b c d h w", b=z.shape[0])
 
     def extra_repr(self) -> str:
@@ -447,16 +440,18 @@ class VQVAELatent(LearnedEncoding):
         return f"factor={self.factor}, latent_channels={self.latent_channels}, checkpoint={self.checkpoint}{window}"
 
 
-def windowed(network: Any, x: torch.Tensor, window: Sequence[int], overlap: float) -> torch.Tensor:
+def windowed(network: Any, x: torch.Tensor, window: Sequence[int] | None, overlap: float) -> torch.Tensor:
     """``network`` run over overlapping windows of ``x (N, C, D, H, W)`` (``window`` voxels of ``x`` per axis, at
     most its size) and blended: MONAI's ``sliding_window_inference`` with Gaussian importance weights, whose output
     may be larger or smaller than its input (a decoder's, an encoder's: ``factor`` times per axis). One window at a
-    time, on ``x``'s device.
+    time, on ``x``'s device. ``network(x)`` itself where ``window`` is None or no axis is longer than its window.
 
-    The importance map is made on the CPU and moved to ``z``'s device: MONAI's own reads a value from it, which a
+    The importance map is made on the CPU and moved to ``x``'s device: MONAI's own reads a value from it, which a
     meta tensor (the preflight's stand-in for a GPU) cannot give.
     """
-    from monai.data.utils import compute_importance_map  # deferred: MONAI's inferers are only needed to decode
+    if window is None or all(s <= w for s, w in zip(x.shape[2:], window)):
+        return network(x)
+    from monai.data.utils import compute_importance_map  # deferred: MONAI's inferers are only needed for windows
     from monai.inferers import sliding_window_inference  # deferred: as above
 
     roi = tuple(min(int(w), int(s)) for w, s in zip(window, x.shape[2:]))
