@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 from voxdiff.diffusion import decode_volume, encode_batch, encode_volume, encoded_range
-from voxdiff.diffusion.batch import mask_loss_weights, per_sample_mse
+from voxdiff.diffusion.batch import mask_loss_weights, per_sample_mses
 from voxdiff.encodings import HaarWavelet, Identity, SpaceToDepth
 
 
@@ -92,9 +92,14 @@ def test_weighted_mse_is_the_plain_one_without_a_mask_and_leans_on_the_masked_er
     g = torch.Generator().manual_seed(0)
     pred, target = torch.randn(2, 3, 2, 4, 4, generator=g), torch.randn(2, 3, 2, 4, 4, generator=g)
     ones = torch.ones(2, 1, 2, 4, 4)
-    torch.testing.assert_close(per_sample_mse(pred, target, ones), per_sample_mse(pred, target))
+    plain, weighted = per_sample_mses(pred, target, ones)
+    torch.testing.assert_close(weighted, plain)
+    torch.testing.assert_close(per_sample_mses(pred, target)[1], plain)  # no weights: the plain MSE
     w = ones.clone()
     w[:, :, 0, 0, 0] = 11.0
     err = (pred - target) ** 2
     expected = (err * w).sum(dim=(1, 2, 3, 4)) / (w.sum(dim=(1, 2, 3, 4)) * 3)
-    torch.testing.assert_close(per_sample_mse(pred, target, w), expected)
+    plain_again, weighted = per_sample_mses(pred, target, w)
+    torch.testing.assert_close(weighted, expected)
+    torch.testing.assert_close(plain_again, plain)  # the plain figure does not depend on the weights
+    torch.testing.assert_close(plain, err.mean(dim=(1, 2, 3, 4)))

@@ -102,21 +102,24 @@ def check_pair(x0: torch.Tensor, cond: torch.Tensor | None) -> None:
         raise ValueError(f"cond {tuple(cond.shape)} does not match x0 {tuple(x0.shape)} in batch or space")
 
 
-def per_sample_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """``(B,)`` fp32 mean squared error of each sample (the UNet's prediction against the process's target).
+def per_sample_mses(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(plain, weighted)``: each sample's fp32 mean squared error ``(B,)`` (the UNet's prediction against the
+    process's target), plain and weighted, from one squared error (what a process's loss needs: the weighted one to train on, the plain one to log).
 
     Args:
         weights: ``(B, 1, d, h, w)`` weights of each location's squared error, shared by the channels
             (:func:`mask_loss_weights`); the mean is then weighted (divided by the weights' sum), so a batch with no
-            mask voxel has the plain MSE. None: the plain mean.
+            mask voxel has the plain MSE. None: ``weighted`` is ``plain``.
     """
     if pred.shape != target.shape:
         raise ValueError(f"the UNet returned {tuple(pred.shape)}, the target is {tuple(target.shape)}")
     squared = (pred.float() - target) ** 2
+    plain = reduce(squared, "b ... -> b", "mean")
     if weights is None:
-        return reduce(squared, "b ... -> b", "mean")
+        return plain, plain
     weighted = reduce(squared * weights, "b ... -> b", "sum")
-    return weighted / (reduce(weights, "b ... -> b", "sum") * pred.shape[1])
+    return plain, weighted / (reduce(weights, "b ... -> b", "sum") * pred.shape[1])
 
 
 def check_mask_weight(value: Any) -> float:

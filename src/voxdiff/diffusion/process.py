@@ -32,7 +32,7 @@ import torch
 from monai.networks.schedulers import DDIMScheduler, DDPMScheduler
 from torch import nn
 
-from voxdiff.diffusion.batch import check_mask_weight, check_pair, per_sample_mse
+from voxdiff.diffusion.batch import check_mask_weight, check_pair, per_sample_mses
 from voxdiff.diffusion.guidance import denoiser
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
@@ -201,8 +201,7 @@ class DiffusionProcess(nn.Module):
         x_in = x_t if cond is None else torch.cat([x_t, cond.to(x_t.dtype)], dim=1)  # (B, C_out + C_cond, ...)
         pred = model(x_in, timesteps=t).float()  # fp32 from here on, whatever the autocast
         target = self.target(x0, noise, t)
-        per_sample = per_sample_mse(pred, target)  # (B,)
-        weighted = per_sample if weights is None else per_sample_mse(pred, target, weights)  # (B,)
+        per_sample, weighted = per_sample_mses(pred, target, weights)  # (B,), (B,)
         loss = (self.loss_weights.to(per_sample.device)[t] * weighted).mean()
         return loss, {"mse": per_sample.detach().mean(), "timesteps": t.detach()}
 

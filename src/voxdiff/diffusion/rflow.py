@@ -27,7 +27,7 @@ from monai.networks.schedulers import RFlowScheduler
 from monai.networks.schedulers.rectified_flow import timestep_transform
 from torch import nn
 
-from voxdiff.diffusion.batch import check_mask_weight, check_pair, per_sample_mse
+from voxdiff.diffusion.batch import check_mask_weight, check_pair, per_sample_mses
 from voxdiff.diffusion.guidance import denoiser
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
@@ -175,8 +175,8 @@ class RectifiedFlow(nn.Module):
         x_in = x_t if cond is None else torch.cat([x_t, cond.to(x_t.dtype)], dim=1)  # (B, C_out + C_cond, ...)
         pred = model(x_in, timesteps=t).float()
         target = x0 - noise
-        per_sample = per_sample_mse(pred, target)  # (B,)
-        loss = (per_sample if weights is None else per_sample_mse(pred, target, weights)).mean()
+        per_sample, weighted = per_sample_mses(pred, target, weights)  # (B,), (B,)
+        loss = weighted.mean()
         return loss, {"mse": per_sample.detach().mean(), "timesteps": t.detach()}
 
     @torch.no_grad()
