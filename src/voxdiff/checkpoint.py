@@ -91,3 +91,31 @@ def without_weights_path(node: Any) -> Any:
         if isinstance(out.get(key), Mapping):
             out[key] = without_weights_path(out[key])
     return out
+
+
+def weights_differences(expected: Mapping[str, Any], checkpoint: Mapping[str, Any], limit: int = 4) -> str | None:
+    """What keeps a checkpoint's weights from loading into a model whose ``state_dict()`` is ``expected``, in one
+    line (the first ``limit`` of each kind, and how many there are), or None when every tensor of its
+    ``state_dict`` and of its EMA weights (``ema.shadow``, named as the model's ``model.`` parameters) has the
+    model's name and shape. Where ``torch``'s ``load_state_dict`` prints pages, this names the keys."""
+    found = checkpoint.get("state_dict") or {}
+    shape = lambda t: tuple(t.shape) if hasattr(t, "shape") else None  # noqa: E731
+    problems: list[str] = []
+
+    def note(what: str, names: list[str]) -> None:
+        if names:
+            more = f" and {len(names) - limit} more" if len(names) > limit else ""
+            problems.append(f"{len(names)} {what}: {', '.join(names[:limit])}{more}")
+
+    note("weights of the model are not in the checkpoint", [k for k in expected if k not in found])
+    note("weights of the checkpoint are not in the model", [k for k in found if k not in expected])
+    note("weights have other shapes (checkpoint vs model)",
+         [f"{k} {list(shape(found[k]) or [])} vs {list(shape(v) or [])}" for k, v in expected.items()
+          if k in found and shape(found[k]) != shape(v)])
+    ema = checkpoint.get("ema")
+    shadow = ema.get("shadow") if isinstance(ema, Mapping) else None
+    if isinstance(shadow, Mapping):
+        note("EMA weights have other shapes (checkpoint vs model)",
+             [f"ema.shadow.{k} {list(shape(t) or [])} vs {list(shape(expected[f'model.{k}']) or [])}"
+              for k, t in shadow.items() if f"model.{k}" in expected and shape(t) != shape(expected[f"model.{k}"])])
+    return "; ".join(problems) or None

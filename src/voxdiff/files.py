@@ -88,6 +88,43 @@ def load_file(path: str | Path, key: str, fix: str, *, mmap: bool = False) -> An
         raise ConfigError(key, str(path), f"is truncated or corrupt ({_reason(exc)})", fix) from None
 
 
+def check_output(key: str, path: str | os.PathLike[str], *, folder: bool, fix: str) -> Path:
+    """Refuse, before any work, an output path a command could not write: checked when the command starts, not
+    after minutes of work.
+
+    ``folder=True``: ``path`` is a folder the command creates if missing (with its parents): it must not be a file,
+    and its nearest existing ancestor must be a folder this process can write to. ``folder=False``: ``path`` is a
+    file: its folder must already exist and be writable, and ``path`` must not be a folder.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path` (``~`` expanded).
+
+    Raises:
+        ConfigError: naming ``key``, the path, what stands in the way and ``fix``.
+    """
+    target = Path(path).expanduser()
+    if str(path) == "":
+        raise ConfigError(key, path, "is empty", fix)
+    if folder:
+        if target.exists() and not target.is_dir():
+            raise ConfigError(key, str(path), "exists and is a file, not a folder", fix)
+        nearest = target
+        while not nearest.exists() and nearest != nearest.parent:
+            nearest = nearest.parent
+        if not nearest.is_dir():
+            raise ConfigError(key, str(path), f"cannot be created: {nearest} is a file, not a folder", fix)
+    else:
+        if target.is_dir():
+            raise ConfigError(key, str(path), "is a folder; it must name a file", fix)
+        nearest = target.parent
+        if not nearest.is_dir():
+            raise ConfigError(key, str(path), f"its folder {nearest} does not exist", f"create it (mkdir -p "
+                              f"{nearest}) or {fix[0].lower() + fix[1:]}")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ConfigError(key, str(path), f"cannot be written: {nearest} is not writable by this user", fix)
+    return target
+
+
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written; the message names the file, what it needs and what is free. The
     previous file at that path is intact and no temporary file is left behind."""
@@ -99,8 +136,9 @@ def _no_space(target: Path, need: int | None) -> CheckpointWriteError:
     return CheckpointWriteError(
         errno.ENOSPC,
         f"no space left on {target.parent}: {needs}{size(free)} free, to write {target.name} beside the "
-        f"previous one (an atomic write keeps the old file until the new one is complete). The previous "
-        f"checkpoint is intact. Free space there, or point paths.run_dir at a file system with room")
+        f"previous one (an atomic write keeps the old file until the new one is complete). "
+        + ("The previous checkpoint is intact" if target.exists() else "No partial file was left")
+        + ". Free space there, or point paths.run_dir at a file system with room")
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any], nbytes: int | None = None) -> Path:
@@ -132,7 +170,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any],
         os.replace(tmp, target)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
-        if _out_of_space(exc):
+        if out_of_space(exc):
             raise _no_space(target, nbytes) from exc
         if isinstance(exc, OSError) and not isinstance(exc, CheckpointWriteError):
             raise CheckpointWriteError(exc.errno, f"writing {target} failed: {exc.strerror or exc}") from exc
@@ -150,7 +188,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any],
     return target
 
 
-def _out_of_space(exc: BaseException) -> bool:
+def out_of_space(exc: BaseException) -> bool:
     """A full disk, as the OS reports it or as PyTorch's zip writer does (``unexpected pos``, ``file write
     failed``), walking the exception's causes."""
     while exc is not None:

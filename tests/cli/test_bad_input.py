@@ -146,18 +146,57 @@ ROWS = [
      CONFIG, ["invalid.csv", "no valid row", "norm_num_groups"]),
     ("sweep_binary", PREFLIGHT, ["preflight.sweep={sweep_binary}", "preflight.out={tmp}/out.csv"], CONFIG,
      ["binary.csv", "not a text CSV"]),
+    # a command line Hydra cannot compose: the same line and code from every command (Hydra's own exit was 1)
+    ("unknown_key_train", TRAIN, ["no_such_key=1"], CONFIG, ["no_such_key=1", "+no_such_key=1", "Fix:"]),
+    ("unknown_key_sample", SAMPLE, ["ckpt_path={diffusion}", "no_such_key=1"], CONFIG,
+     ["no_such_key=1", "+no_such_key=1"]),
+    ("unknown_key_evaluate", EVALUATE, ["ckpt_path={diffusion}", "no_such_key=1"], CONFIG,
+     ["no_such_key=1", "+no_such_key=1"]),
+    ("unknown_key_cache", CACHE, ["stage1_ckpt={vqvae}", "out={tmp}/cache", "no_such_key=1"], CONFIG,
+     ["no_such_key=1", "+no_such_key=1"]),
+    ("unknown_key_preflight", PREFLIGHT, ["no_such_key=1"], CONFIG, ["no_such_key=1", "+no_such_key=1"]),
+    ("unknown_group_option", TRAIN, ["model=no_such_model"], CONFIG,
+     ["model=no_such_model", "Could not find", "Available options in 'model'", "default_3d_5lvl"]),
+    ("override_unparsable", SAMPLE, ["ckpt_path={diffusion}", "n=[1"], CONFIG, ["n=[1", "key=[a,b]"]),
+    ("delete_unknown_key", TRAIN, ["~no_such_key"], CONFIG, ["~no_such_key", "does not exist"]),
+    # every output path is checked before the work starts
+    ("sweep_out_in_a_missing_folder", PREFLIGHT, ["preflight.sweep={reference_csv}", "preflight.recipe=seed",
+                                                  "preflight.out={tmp}/no_such_folder/out.csv"], CONFIG,
+     ["preflight.out=", "no_such_folder", "does not exist", "mkdir -p"]),
+    ("run_dir_under_a_file", TRAIN, ["paths.run_dir={garbage}/run"], CONFIG,
+     ["paths.run_dir=", "garbage.ckpt is a file, not a folder", "Fix:"]),
+    ("evaluate_out_dir_under_a_file", EVALUATE, ["ckpt_path={diffusion}", "out_dir={garbage}/eval"], CONFIG,
+     ["out_dir=", "garbage.ckpt is a file, not a folder", "Fix:"]),
+    ("cache_out_is_a_file", CACHE, ["stage1_ckpt={vqvae}", "out={garbage}"], CONFIG,
+     ["out=", "is a file, not a folder", "Fix:"]),
+    # a NIfTI whose voxel-to-world matrix cannot orient it (nibabel and MONAI failed on it with a traceback)
+    ("nifti_singular_affine", TRAIN, ["data.root={singular_data}", "data.cache=none"], DATA,
+     ["subject-001", "bravo.nii.gz", "affine", "singular", "set_sform"]),
+    # weights of other shapes than the config builds: the keys, not load_state_dict's pages
+    ("resume_other_shapes", TRAIN, ["ckpt_path={reshaped}"], CONFIG,
+     ["reshaped.ckpt", "1 weights have other shapes (checkpoint vs model)", "{reshaped_key}", "Fix:"]),
+    ("sample_other_shapes", SAMPLE, ["ckpt_path={reshaped}"], CONFIG,
+     ["reshaped.ckpt", "1 weights have other shapes (checkpoint vs model)", "{reshaped_key}"]),
 ]
 
 
-def _write_subjects(root, image_of) -> str:
+def _write_subjects(root, image_of, singular: int | None = None) -> str:
+    """Three subjects of 16³ voxels; subject ``singular`` (if any) with an all-zero sform in both files, as a
+    broken converter writes it (nibabel refuses to make such an image, so the header is edited)."""
     affine = np.diag([1.0, 1.0, 1.0, 1.0])
     for i in range(3):
         d = root / f"subject-{i:03d}"
         d.mkdir(parents=True)
         mask = np.zeros((16, 16, 16), np.float32)
         mask[4:8, 4:8, 4:8] = 1
-        nib.save(nib.Nifti1Image(image_of(i), affine), str(d / "bravo.nii.gz"))
-        nib.save(nib.Nifti1Image(mask, affine), str(d / "seg.nii.gz"))
+        for name, volume in (("bravo", image_of(i)), ("seg", mask)):
+            img = nib.Nifti1Image(volume, affine)
+            if i == singular:
+                for row in ("srow_x", "srow_y", "srow_z"):
+                    img.header[row] = 0
+                img.header["sform_code"], img.header["qform_code"] = 1, 0
+                img = nib.Nifti1Image(volume, None, header=img.header)
+            nib.save(img, str(d / f"{name}.nii.gz"))
     return str(root)
 
 
@@ -185,6 +224,11 @@ def files(tmp_path_factory, diffusion_ckpt, vqvae_ckpt, reference_csv):
     first = next(iter(poisoned_ema["ema"]["shadow"]))
     poisoned_ema["ema"]["shadow"][first] = poisoned_ema["ema"]["shadow"][first].clone().fill_(float("inf"))
     torch.save(poisoned_ema, tmp / "inf_ema.ckpt")
+    reshaped = torch.load(diffusion_ckpt, map_location="cpu", weights_only=True)
+    reshaped_key = next(k for k, v in reshaped["state_dict"].items() if v.is_floating_point() and v.ndim == 1)
+    weight = reshaped["state_dict"][reshaped_key]
+    reshaped["state_dict"][reshaped_key] = torch.zeros(weight.shape[0] + 1, dtype=weight.dtype)
+    torch.save(reshaped, tmp / "reshaped.ckpt")
     shutil.copy(vqvae_ckpt, tmp / "vqvae.ckpt")
     (tmp / "used_run" / "checkpoints").mkdir(parents=True)
     shutil.copy(diffusion_ckpt, tmp / "used_run" / "checkpoints" / "last.ckpt")
@@ -214,6 +258,10 @@ def files(tmp_path_factory, diffusion_ckpt, vqvae_ckpt, reference_csv):
         "vqvae": str(tmp / "vqvae.ckpt"),
         "diffusion": str(diffusion_ckpt),
         "nan_weights": str(tmp / "nan_weights.ckpt"),
+        "reshaped": str(tmp / "reshaped.ckpt"),
+        "reshaped_key": reshaped_key,
+        "reference_csv": str(reference_csv),
+        "singular_data": _write_subjects(tmp / "singular_data", lambda i: _nan_image(0) + i, singular=1),
         "inf_ema": str(tmp / "inf_ema.ckpt"),
         "used_run": str(tmp / "used_run"),
         "locked_run": str(tmp / "locked_run"),
@@ -277,6 +325,31 @@ def test_bad_input_is_refused_in_one_line(row, files, tiny_demo, tmp_path, monke
     assert not list(tmp_path.rglob("*.ckpt")), "a refused run must not write checkpoints"
     if name == "task_name_path":
         assert not (tmp_path / "a" / "escaped").exists()
+
+
+def test_a_full_disk_while_training_is_one_line_and_its_own_exit_code(tiny_demo, tmp_path, monkeypatch, capsys):
+    """The disk fills after the preflight passed (it is told 100 GiB are free; the run directory is a 512 KiB
+    tmpfs, too small for the first checkpoint): one line naming the folder and the sizes, EXIT_WRITE, no partial
+    file. Before, the same message came inside a traceback with exit 1."""
+    import subprocess
+
+    from voxdiff.cli.exit_codes import EXIT_WRITE
+
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(small)], check=True)
+    try:
+        monkeypatch.chdir(tmp_path)
+        got, out, err = run_cli(TRAIN, [*tiny_demo, f"paths.run_dir={small}/run", "+preflight.disk_free_gib=100",
+                                        "trainer.max_steps=2"], monkeypatch, capsys)
+        assert "Traceback" not in out + err, err[-3000:]
+        assert got == EXIT_WRITE, f"exit {got}\n{err[-3000:]}"
+        line = next(line for line in err.splitlines() if "write failed" in line)
+        assert f"no space left on {small}/run/checkpoints" in line and "free" in line and "paths.run_dir" in line
+        assert "[Errno" not in line
+        assert not list(small.rglob("*.ckpt")) and not list(small.rglob("*.tmp"))
+    finally:
+        subprocess.run(["umount", "--lazy", str(small)], check=True)  # the in-process run's log file is open
 
 
 def test_cache_latents_refuses_every_problem_of_its_config_at_once(files, tmp_path):

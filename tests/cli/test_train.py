@@ -131,6 +131,7 @@ def test_train_py_main_job_with_wandb_offline(tmp_path):
     assert f"[voxdiff] run directory: {run_dir.resolve()}" in proc.stdout
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert list((run_dir / "wandb").glob("offline-run-*"))
+    assert "anonymous setting" not in proc.stdout + proc.stderr  # wandb's warning about an argument we never set
     assert list((run_dir / "samples").glob("final_step0000003_*.png"))
     assert (run_dir / ".hydra" / "config.yaml").is_file()
 

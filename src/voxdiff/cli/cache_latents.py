@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import hydra
 from omegaconf import DictConfig, open_dict
 
 from voxdiff.cli.devices import pick_device
-from voxdiff.cli.exit_codes import refusals
+from voxdiff.cli.exit_codes import hydra_main, refusals
 from voxdiff.config import compose, config_dir, instantiate_config, plain, require, run_kind, select, voxdiff_class
 from voxdiff.encodings import Encoding, LearnedEncoding
 from voxdiff.errors import ConfigError, Problems, int_list, integer
+from voxdiff.files import check_output
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,7 @@ def validate(cfg: DictConfig) -> CacheSpec:
             collect(lambda: encoding.check_volume_shape(shape))
         collect(encoding.load_weights)
     out = Path(str(cfg.out))
-    if out.exists() and not out.is_dir():
-        collect.found.append(ConfigError("out", str(out), "exists and is not a folder", "choose a folder for the cache"))
+    collect(lambda: check_output("out", str(cfg.out), folder=True, fix="choose a folder this user can write to"))
     batch = collect(lambda: integer("batch_size", cfg.batch_size, minimum=1, example=1))
     workers = collect(lambda: integer("data.num_workers", select(cfg, "data.num_workers", 0), minimum=0,
                                       fix="set data.num_workers to 0 (main process) or more"))
@@ -142,7 +141,7 @@ def latent_experiments(encoding_class: type, factor: int) -> list[str]:
     return out
 
 
-@hydra.main(config_path=str(config_dir()), config_name="cache_latents", version_base="1.3")
+@hydra_main("cache_latents")
 def main(cfg: DictConfig) -> None:
     """The ``python cache_latents.py`` entry point: a refusal prints one message and exits with its code."""
     with refusals():

@@ -26,15 +26,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind
 from voxdiff.cli.devices import pick_device
-from voxdiff.cli.exit_codes import refusals
+from voxdiff.cli.exit_codes import hydra_main, refusals
 from voxdiff.cli.sample import _CKPT_FIX, _datamodule, _load, validate as validate_sampling
-from voxdiff.config import config_dir, plain
+from voxdiff.config import plain
 from voxdiff.errors import ConfigError, integer
+from voxdiff.files import check_output
 from voxdiff.files import load_file
 from voxdiff.evaluation.features import build_extractors, file_sha256
 from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, check_volume_shape, describe
@@ -74,6 +74,8 @@ def validate(cfg: DictConfig) -> None:
         ConfigError: naming the key, the value and a fix.
     """
     validate_sampling(cfg)
+    check_output("out_dir" if cfg.get("out_dir") else "paths.log_dir", cfg.paths.output_dir, folder=True,
+                 fix="choose a folder this user can write to (out_dir=DIR)")
     if cfg.n < 2:
         raise ConfigError("n", cfg.n, "diversity and distribution figures need at least 2 samples", "e.g. n=8")
     for key, minimum in (("montages", 0), ("histogram_bins", 2)):
@@ -254,7 +256,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     return {**record, "json": str(json_path), "html": str(html_path)}
 
 
-@hydra.main(config_path=str(config_dir()), config_name="evaluate", version_base="1.3")
+@hydra_main("evaluate")
 def main(cfg: DictConfig) -> None:
     """The ``voxdiff-evaluate`` / ``python evaluate.py`` entry point."""
     with refusals():

@@ -1,4 +1,5 @@
-"""The exit codes of every voxdiff command (train, sample, cache_latents, preflight) and of ``slurm/job.sh``.
+"""The exit codes of every voxdiff command (train, sample, evaluate, cache_latents, preflight) and of
+``slurm/job.sh``, and the one path by which bad input becomes a one-line refusal with its code.
 
 One table, defined here only: the entry points import the constants, the README's "Errors and exit codes" section
 lists the same rows (a test compares them), and ``slurm/job.sh`` reads them as shell variables::
@@ -10,17 +11,19 @@ lists the same rows (a test compares them), and ``slurm/job.sh`` reads them as s
 
 from __future__ import annotations
 
+import functools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 EXIT_OK = 0
 EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
 EXIT_NO_FIT = 4
 EXIT_DATA = 5
+EXIT_WRITE = 6
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process ended by SIGTERM
 
 
@@ -56,6 +59,12 @@ TABLE: tuple[ExitCode, ...] = (
     ExitCode(EXIT_DATA, "EXIT_DATA",
              "the input data was refused: a NIfTI file is missing, unreadable, has NaN/inf voxels or no signal",
              "fix or remove the file the message names"),
+    ExitCode(EXIT_WRITE, "EXIT_WRITE",
+             "a file could not be written (a full disk or quota, no permission): the message names the file, what "
+             "it needed and what was free; the previous checkpoint at that path is intact and no partial file is "
+             "left",
+             "free space there, or point paths.run_dir (evaluate.py: out_dir; cache_latents.py: out; preflight.py: "
+             "preflight.out) at a file system with room, then run the same command again (train.py: ckpt_path=auto resumes)"),
     ExitCode(EXIT_TERMINATED, "EXIT_TERMINATED",
              "stopped by SIGTERM (scancel, preemption, kill): a resume checkpoint was saved at the last finished "
              "step (the message says where); in a Slurm job that was not cancelled the job requeued itself",
@@ -106,22 +115,132 @@ def building_refusal(exc: BaseException, cfg: Any) -> Any:
                        f"correct {key} as the message says (the settings and their meaning are in {what})")
 
 
+def command_line_refusal(exc: BaseException, overrides: list[str]) -> Any:
+    """The one-line :class:`~voxdiff.errors.ConfigError` for a command line Hydra cannot compose (an unknown key, a
+    config group option that does not exist, an override it cannot parse), from Hydra's own reason and fix.
+
+    The key is the override Hydra names (``no_such_key=1``, ``model=nope``); the fix is what Hydra advises (``+key``
+    to add a key, the options of a group), on the same line.
+    """
+    import re
+
+    # deferred: python -m voxdiff.cli.exit_codes (slurm/job.sh) prints the table without importing torch
+    from voxdiff.errors import ConfigError
+
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    problem = (lines[0] if lines else type(exc).__name__).rstrip(".")
+    rest = lines[1:]
+    if rest and rest[0].startswith("Available options"):  # a group option that does not exist: list the others
+        options = []
+        for line in rest[1:]:
+            if line.endswith(":") or "=" in line:  # Hydra's "Config search path:" section follows
+                break
+            options.append(line)
+        fix = f"{rest[0].rstrip(':')}: {', '.join(options)}"
+    elif rest:
+        fix = " ".join(line.rstrip(".") for line in rest if not line.startswith("See https://"))
+    else:
+        fix = ""
+    if not fix and any(line.startswith("See https://hydra.cc") for line in rest):  # the override grammar
+        fix = "write it as key=value: a list as key=[a,b], a value with spaces or commas in quotes"
+    fix = fix or "check the spelling against configs/ (python train.py --cfg job prints the composed config)"
+    quoted = re.findall(r"'([^']+)'", " ".join(lines))  # what Hydra names: a key, 'group/option', the bad input
+    parsed = [(arg, *arg.lstrip("+~").partition("=")) for arg in overrides]
+    for matches in (lambda name, value: f"{name}/{value}" in quoted,  # a group option that does not exist
+                    lambda name, value: name in quoted,  # a key
+                    lambda name, value: any(q.startswith(f"{name}=") for q in quoted),  # an ambiguous value
+                    lambda name, value: any(len(q) > 1 and q in value for q in quoted)):  # unparsable input
+        for arg, name, eq, value in parsed:
+            if matches(name, value):
+                return ConfigError(name, value, problem, fix) if eq else ConfigError("command line", arg, problem,
+                                                                                     fix)
+    return ConfigError("command line", " ".join(overrides), problem, fix)
+
+
+def hydra_main(config_name: str) -> Callable[[Callable[..., Any]], Callable[[], Any]]:
+    """``@hydra.main`` for a voxdiff command on ``configs/<config_name>.yaml``, with one difference: a command line
+    that Hydra cannot compose is refused as every other bad input is, in one line with :data:`EXIT_CONFIG` (Hydra
+    itself prints its reason and exits 1). Hydra's own flags (``--help``, ``--cfg``, ``--multirun``) go to Hydra."""
+
+    def decorate(task: Callable[..., Any]) -> Callable[[], Any]:
+        import hydra
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        # deferred: python -m voxdiff.cli.exit_codes (slurm/job.sh) prints the table without importing torch
+        from voxdiff.config import compose, config_dir
+
+        run_hydra = hydra.main(config_path=str(config_dir()), config_name=config_name, version_base="1.3")(task)
+
+        @functools.wraps(task)
+        def main() -> Any:
+            overrides = sys.argv[1:]
+            if not any(arg.startswith("-") for arg in overrides):
+                try:
+                    cfg = compose(config_name, overrides)
+                except (HydraException, OmegaConfBaseException) as exc:
+                    print(f"[voxdiff] config error: {command_line_refusal(exc, overrides)}", file=sys.stderr,
+                          flush=True)
+                    raise SystemExit(EXIT_CONFIG) from None
+                with refusals():  # Hydra creates the run directory before the command starts
+                    _check_run_dir(cfg, overrides)
+            return run_hydra()
+
+        return main
+
+    return decorate
+
+
+def _check_run_dir(cfg: Any, overrides: list[str]) -> None:
+    """Refuse a run directory Hydra could not create (under a file, not writable), naming the key the user set."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    # deferred: python -m voxdiff.cli.exit_codes (slurm/job.sh) prints the table without importing torch
+    from voxdiff.files import check_output
+
+    try:
+        run_dir = OmegaConf.select(cfg, "paths.run_dir")
+    except OmegaConfBaseException:  # resolved later, where a resolver needs the command's own set-up
+        return
+    if run_dir in (None, ""):  # an empty run directory has its own refusal (cli/run_dir.py)
+        return
+    given = [arg.lstrip("+").partition("=")[0] for arg in overrides]
+    key = next((k for k in ("out_dir", "paths.run_dir", "paths.log_dir") if k in given), "paths.run_dir")
+    check_output(key, str(run_dir), folder=True, fix="choose a folder this user can write to")
+
+
 @contextmanager
-def refusals() -> Iterator[None]:
-    """Around a command's work: bad input becomes one line on stderr and its exit code, never a traceback
-    (``ConfigError`` → :data:`EXIT_CONFIG`, ``DataError`` → :data:`EXIT_DATA`)."""
+def refusals(cfg: Any = None) -> Iterator[None]:
+    """Around a command's work: bad input, and a write that fails, become one line on stderr and their exit code,
+    never a traceback (``ConfigError`` → :data:`EXIT_CONFIG`, ``DataError`` → :data:`EXIT_DATA`, a full disk or
+    another failed write → :data:`EXIT_WRITE`). With ``cfg``, also what Hydra or Lightning refuse while the
+    command builds its objects from it (:func:`building_refusal`) → :data:`EXIT_CONFIG`. Anything else is a bug:
+    its traceback stays."""
     # deferred: python -m voxdiff.cli.exit_codes (slurm/job.sh) prints the table without importing torch
     from voxdiff.data.nifti import DataError
     from voxdiff.errors import ConfigError
+    from voxdiff.files import CheckpointWriteError, out_of_space
+
+    def refuse(code: int, what: str, message: Any) -> NoReturn:
+        print(f"[voxdiff] {what}: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(code) from None
 
     try:
         yield
     except ConfigError as e:
-        print(f"[voxdiff] config error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_CONFIG) from None
+        refuse(EXIT_CONFIG, "config error", e)
     except DataError as e:
-        print(f"[voxdiff] data error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_DATA) from None
+        refuse(EXIT_DATA, "data error", e)
+    except CheckpointWriteError as e:
+        refuse(EXIT_WRITE, "write failed", e.strerror or e)
+    except Exception as e:
+        if out_of_space(e):  # a full disk met outside voxdiff's own writes (a logger, a cache)
+            refuse(EXIT_WRITE, "write failed", f"no space left on the device ({' '.join(str(e).split())})")
+        refusal = building_refusal(e, cfg) if cfg is not None else None
+        if refusal is None:
+            raise  # a genuine bug: its traceback
+        refuse(EXIT_CONFIG, "config error", refusal)
 
 
 def describe(code: int) -> str:

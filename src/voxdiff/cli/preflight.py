@@ -20,8 +20,9 @@ from omegaconf import DictConfig
 
 from voxdiff.benchmarks.measure import measure_steps, reference_row, write_rows
 from voxdiff.benchmarks.sweep import sweep
-from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_NO_FIT, EXIT_OK
+from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_NO_FIT, EXIT_OK, command_line_refusal
 from voxdiff.config import compose, config_dir
+from voxdiff.files import check_output
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.check import PreflightResult, run_preflight
 from voxdiff.run.gpus import resolve_gpu
@@ -116,12 +117,14 @@ def _sweep(cfg: DictConfig) -> int:
     p = cfg.preflight
     if not p.out:
         raise ConfigError("preflight.out", p.out, "sweep mode writes a CSV", "add preflight.out=OUT.csv")
+    check_output("preflight.out", str(p.out), folder=False, fix="give a CSV path in a folder that exists")
+    plot = str(p.plot) if p.plot else str(Path(str(p.out)).with_suffix(".png"))
+    check_output("preflight.plot", plot, folder=False, fix="give a PNG path in a folder that exists")
     src = Path(str(p.sweep))
     if not src.is_file():
         raise ConfigError("preflight.sweep", p.sweep, "no such file", "give the path of a CSV in the format of "
                           "reference/measured_vram.csv")
     recipe = recipe_from_config(cfg) if p.recipe is not None else None
-    plot = str(p.plot) if p.plot else str(Path(str(p.out)).with_suffix(".png"))
     t0 = time.perf_counter()
     budget = preflight_options(cfg).gpu_memory_gib  # None: each row's GPU's memory
     rows = sweep(src, str(p.out), recipe, system=recipe_from_config(cfg, "system"), budget_gib=budget,
@@ -148,14 +151,20 @@ def run(overrides: list[str]) -> int:
 
     try:
         return _run(overrides)
-    except (ConfigError, HydraException) as err:  # a refused value, or an override Hydra cannot compose
-        print(f"preflight: {err}", file=sys.stderr)
+    except HydraException as err:  # a command line Hydra cannot compose: refused as train.py refuses it
+        print(f"[voxdiff] config error: {command_line_refusal(err, overrides)}", file=sys.stderr)
+        return EXIT_CONFIG
+    except ConfigError as err:  # a refused value
+        print(f"[voxdiff] config error: {err}", file=sys.stderr)
         return EXIT_CONFIG
 
 
 def _run(overrides: list[str]) -> int:
     os.environ.setdefault("VOXDIFF_TARGET", "gpu")  # resolve ${voxdiff.cpu_or:...} as the GPU run will
     base = compose("preflight", overrides)
+    if base.preflight.measure and base.preflight.out:  # the measured row is written after minutes on the GPU
+        check_output("preflight.out", str(base.preflight.out), folder=False, fix="give a CSV path in a folder that "
+                     "exists")
     if base.preflight.sweep:
         return _sweep(base)
     if _experiment_given(overrides):

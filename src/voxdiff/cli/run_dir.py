@@ -33,6 +33,7 @@ from typing import Any
 from voxdiff.cli.exit_codes import EXIT_CONFIG
 from voxdiff.config import check_name
 from voxdiff.errors import ConfigError
+from voxdiff.files import check_output
 
 LOCK_NAME = ".voxdiff.lock"
 #: a temporary file of voxdiff's atomic checkpoint writer (tempfile.mkstemp(prefix=".<name>.", suffix=".tmp"))
@@ -177,6 +178,8 @@ def claim(run_dir: str | Path, ckpt_path: Any, overwrite: bool = False) -> list[
     key = str(run_dir.resolve())
     if key in _HELD:
         return []
+    check_output("paths.run_dir", run_dir, folder=True, fix="choose a folder this user can write to "
+                 "(paths.run_dir=DIR, or paths.log_dir=DIR for the default <log_dir>/<task_name>/<time>)")
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunDirLock(run_dir)
     notes = lock.acquire()

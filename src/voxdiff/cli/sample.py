@@ -24,14 +24,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import hydra
 from omegaconf import DictConfig
 
 from voxdiff.checkpoint import CONFIG_KEY
 from voxdiff.cli.checkpoint_paths import command_data, path_choice, stage1_weights
 from voxdiff.cli.devices import check_device, pick_device
-from voxdiff.cli.exit_codes import refusals
-from voxdiff.config import config_dir, require, select
+from voxdiff.cli.exit_codes import hydra_main, refusals
+from voxdiff.config import require, select
 from voxdiff.encodings import LearnedEncoding
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
@@ -151,7 +150,7 @@ def sample(cfg: DictConfig) -> list[Path]:
     return pngs
 
 
-@hydra.main(config_path=str(config_dir()), config_name="sample", version_base="1.3")
+@hydra_main("sample")
 def main(cfg: DictConfig) -> None:
     """The ``voxdiff-sample`` / ``python sample.py`` entry point."""
     with refusals():

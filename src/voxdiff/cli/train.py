@@ -19,20 +19,11 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-import hydra
 from omegaconf import DictConfig
 
-from voxdiff.cli.exit_codes import (
-    EXIT_CONFIG,
-    EXIT_DATA,
-    EXIT_NO_FIT,
-    EXIT_NONFINITE,
-    EXIT_TERMINATED,
-    building_refusal,
-)
+from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_NO_FIT, EXIT_NONFINITE, EXIT_TERMINATED, hydra_main, refusals
 from voxdiff.cli.run_dir import claim, process_rank, release
-from voxdiff.config import check_name, config_dir, instantiate_config, plain
-from voxdiff.data.nifti import DataError
+from voxdiff.config import check_name, instantiate_config, plain
 from voxdiff.errors import ConfigError, Problems, boolean
 from voxdiff.run.spec import RunSpec, run_spec_problems
 
@@ -246,33 +237,23 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     run_dir = Path(cfg.paths.output_dir)
     try:
-        try:
-            spec = validate(cfg)
-            ckpt_path, plan = prepare(cfg, run_dir, spec)
-        except ConfigError as e:
-            _exit(EXIT_CONFIG, str(e))
-        except DoesNotFit as e:
-            _exit(EXIT_NO_FIT, str(e), prefix="memory")
-        try:
-            return run(cfg, spec, ckpt_path, plan)
-        except NonFiniteLossError as e:
-            _exit(EXIT_NONFINITE, str(e), prefix="training stopped")
-        except ConfigError as e:  # a check that needs the built objects (e.g. the run length)
-            _exit(EXIT_CONFIG, str(e))
-        except DataError as e:
-            _exit(EXIT_DATA, str(e), prefix="data error")
-        except SIGTERMException as e:
-            _exit(EXIT_TERMINATED, getattr(e, "report", "stopped by SIGTERM"), prefix="SIGTERM")
-        except Exception as e:  # what Hydra or Lightning refuse while the objects are built: one line, not a traceback
-            refusal = building_refusal(e, cfg)
-            if refusal is None:
-                raise  # a genuine bug: its traceback
-            _exit(EXIT_CONFIG, str(refusal))
+        with refusals(cfg):  # a refused config, data or write, and what Hydra or Lightning refuse while building
+            try:
+                spec = validate(cfg)
+                ckpt_path, plan = prepare(cfg, run_dir, spec)
+            except DoesNotFit as e:
+                _exit(EXIT_NO_FIT, str(e), prefix="memory")
+            try:
+                return run(cfg, spec, ckpt_path, plan)
+            except NonFiniteLossError as e:
+                _exit(EXIT_NONFINITE, str(e), prefix="training stopped")
+            except SIGTERMException as e:
+                _exit(EXIT_TERMINATED, getattr(e, "report", "stopped by SIGTERM"), prefix="SIGTERM")
     finally:
         release(run_dir)
 
 
-@hydra.main(config_path=str(config_dir()), config_name="train", version_base="1.3")
+@hydra_main("train")
 def main(cfg: DictConfig) -> float | None:
     """The ``voxdiff-train`` / ``python train.py`` entry point; returns the last ``val/loss`` (for sweepers)."""
     return train(cfg)["metrics"].get("val/loss")

@@ -172,6 +172,30 @@ def _check_complete(path: str, img: Any) -> None:
             raise DataError(f"{path} is truncated: it has {size} bytes, its header needs {needed}")
 
 
+def _matrix(a: np.ndarray) -> str:
+    """A matrix on one line: ``[[1, 0, 0, 0], ...]``."""
+    return np.array2string(a, precision=4, separator=", ", max_line_width=10**6).replace("\n", "")
+
+
+def _affine(img: Any, path: str) -> np.ndarray:
+    """The voxel-to-world matrix of a NIfTI header, refused (naming the file) when it is not finite or singular:
+    the transforms reorient every volume with it, and nibabel cannot write it back."""
+    try:
+        a = np.asarray(img.affine, dtype=np.float64)
+    except Exception as exc:  # nibabel's HeaderDataError, a LinAlgError while decomposing the quaternion
+        raise DataError(f"{path}: its affine cannot be read from the header ({type(exc).__name__}: "
+                        f"{' '.join(str(exc).split())}); repair the header's sform/qform") from exc
+    if a.shape != (4, 4) or not np.isfinite(a).all():
+        raise DataError(f"{path}: its affine (voxel to world, from the header's sform/qform) is not finite: "
+                        f"{_matrix(a)}; repair the header, e.g. with nibabel's img.set_sform(affine, code=1)")
+    scale = float(np.abs(a[:3, :3]).max())
+    if scale == 0 or abs(float(np.linalg.det(a[:3, :3]))) <= 1e-12 * scale**3:
+        raise DataError(f"{path}: its affine (voxel to world, from the header's sform/qform) is singular: "
+                        f"{_matrix(a)}, so its voxels have no orientation or size; repair the header, e.g. with "
+                        "nibabel's img.set_sform(affine, code=1)")
+    return a
+
+
 def check_subject(record: Mapping[str, str]) -> None:
     """Check one subject from its headers: both files readable and complete, same shape, same grid.
 
@@ -196,8 +220,8 @@ def check_subject(record: Mapping[str, str]) -> None:
             f"image and mask shapes differ: {image_path} is {shape_i}, {mask_path} is {shape_m}; "
             "the mask must be on the image's voxel grid"
         )
-    a_i = np.asarray(img.affine, dtype=np.float64)
-    a_m = np.asarray(msk.affine, dtype=np.float64)
+    a_i = _affine(img, image_path)
+    a_m = _affine(msk, mask_path)
     ends = [(0, s - 1) for s in shape_i]
     corners = np.array([[x, y, z, 1.0] for x in ends[0] for y in ends[1] for z in ends[2]])
     gap = float(np.max(np.linalg.norm((corners @ (a_i - a_m).T)[:, :3], axis=1)))
@@ -205,8 +229,8 @@ def check_subject(record: Mapping[str, str]) -> None:
     if gap > GRID_TOLERANCE_VOXELS * voxel:
         raise DataError(
             f"image and mask affines differ by up to {gap:.3g} mm (tolerance {GRID_TOLERANCE_VOXELS * voxel:.3g} mm): "
-            f"{image_path} has\n{np.array2string(a_i, precision=4)}\n{mask_path} has\n"
-            f"{np.array2string(a_m, precision=4)}\nthe mask must be on the image's voxel grid"
+            f"{image_path} has {_matrix(a_i)}, {mask_path} has {_matrix(a_m)}; the mask must be on the image's voxel "
+            "grid"
         )
 
 

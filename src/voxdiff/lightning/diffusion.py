@@ -46,6 +46,7 @@ from voxdiff.diffusion import build_process, encoded_range
 from voxdiff.lightning.callbacks import ProgressBar
 from voxdiff.lightning.distributed import ema_checkpoint_state, shard_system
 from voxdiff.lightning.optim import lightning_optimizers
+from voxdiff.lightning.resume import check_weights_fit
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
 from voxdiff.lightning.samples import save_samples
 from voxdiff.models.sharding import is_sharded
@@ -361,6 +362,7 @@ class DiffusionSystem(L.LightningModule):
         checkpoint["rng_states"] = gather_rng_states()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        check_weights_fit(self, checkpoint)  # resuming: the keys that differ, not load_state_dict's pages
         if self.ema is None:
             if "ema" in checkpoint:
                 log.warning("system.ema=false: the EMA weights in the checkpoint are not used")

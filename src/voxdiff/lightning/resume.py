@@ -28,7 +28,7 @@ from typing import Any
 import lightning as L
 from omegaconf import DictConfig
 
-from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind, non_finite_tensor
+from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind, non_finite_tensor, weights_differences
 from voxdiff.config import encoding_configs, plain
 from voxdiff.encodings import LearnedEncoding
 from voxdiff.errors import ConfigError, show_value
@@ -191,6 +191,26 @@ def check_resume(cfg: DictConfig, ckpt_path: str, spec: RunSpec | None = None) -
     current = {k: plain(cfg[k]) for k in cfg if k != "hydra"}
     applied, not_applied = setting_changes(ckpt.get(CONFIG_KEY), current)
     return ResumePlan(str(ckpt_path), int(ckpt.get("global_step", 0)), applied, not_applied)
+
+
+def check_weights_fit(system: L.LightningModule, checkpoint: Mapping[str, Any]) -> None:
+    """Refuse, in one line naming the keys, a resume whose checkpoint holds weights of other names or shapes than
+    the model this config built (a checkpoint from another version, or edited by hand: the config it stores can
+    agree while its tensors do not). Called from the systems' ``on_load_checkpoint``, which Lightning runs before it
+    loads the weights; not under FSDP, whose sharded modules list local shards (Lightning's own error stands).
+
+    Raises:
+        ConfigError: naming ``ckpt_path``, the file and the differing keys.
+    """
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    trainer = system._trainer
+    if trainer is None or isinstance(trainer.strategy, FSDPStrategy):
+        return
+    diff = weights_differences(system.state_dict(), checkpoint)
+    if diff is not None:
+        raise ConfigError("ckpt_path", trainer.ckpt_path, f"its weights do not fit the model this config builds "
+                          f"({diff})", _RESUME_FIX)
 
 
 _OPTIM_NAMES = {"lr": "system.optim.lr", "betas": "system.optim.betas", "eps": "system.optim.eps",

@@ -12,7 +12,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind, non_finite_tensor, without_weights_path
+from voxdiff.checkpoint import (
+    CONFIG_KEY,
+    KINDS,
+    checkpoint_kind,
+    non_finite_tensor,
+    weights_differences,
+    without_weights_path,
+)
 from voxdiff.errors import ConfigError, ConfigErrors
 from voxdiff.files import load_file
 from voxdiff.lightning.diffusion import DiffusionSystem
@@ -106,6 +113,9 @@ def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path"
     if spec is not None and kind == "stage1" and system.hparams["vqvae"] != hparams.get("vqvae"):
         raise ConfigError(key, str(path), f"its hyper-parameters and its stored config ({CONFIG_KEY}) disagree on "
                           f"vqvae: {hparams.get('vqvae')} vs {system.hparams['vqvae']}", fix)
+    diff = weights_differences(system.state_dict(), checkpoint)
+    if diff is not None:
+        raise ConfigError(key, str(path), f"its weights do not match its stored config ({diff})", fix)
     if hasattr(system, "on_load_checkpoint"):
         system.on_load_checkpoint(checkpoint)  # the diffusion system's EMA weights
     try:

@@ -43,6 +43,7 @@ from einops import rearrange
 from voxdiff.config import check_kind, plain
 from voxdiff.encodings.vqvae import SCALE_KEY, build_vqvae
 from voxdiff.lightning.optim import configure_adamw
+from voxdiff.lightning.resume import check_weights_fit
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
 from voxdiff.run.spec import system_spec
 from voxdiff.run.stage1 import MODALITIES
@@ -344,6 +345,7 @@ class VQVAESystem(L.LightningModule):
         checkpoint["rng_states"] = gather_rng_states()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        check_weights_fit(self, checkpoint)  # resuming: the keys that differ, not load_state_dict's pages
         if self._trainer is not None and "rng_states" in checkpoint:  # resuming a fit
             restore_rng_states(checkpoint["rng_states"], self.trainer.global_rank)
 
