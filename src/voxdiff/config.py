@@ -104,11 +104,25 @@ def volume_shape(cfg: DictConfig) -> tuple[int, int, int]:
                     fix="give three positive sizes D, H, W, e.g. data.volume_shape=[160,128,128]")
 
 
+#: ``data.batch_size=auto``: ``train.py`` and ``preflight.py`` let the preflight choose it
+#: (:mod:`voxdiff.preflight.autofit`) before anything else reads the config
+AUTO_BATCH = "auto"
+
+
+def batch_size_is_auto(cfg: DictConfig) -> bool:
+    """Whether ``cfg`` asks the preflight to choose its batch size (``data.batch_size=auto``)."""
+    return str(select(cfg, "data.batch_size")).strip().lower() == AUTO_BATCH
+
+
 def batch_size(cfg: DictConfig) -> int:
-    """``data.batch_size`` as a validated positive integer (volumes per batch and GPU); never guessed."""
+    """``data.batch_size`` as a validated positive integer (volumes per batch and GPU); never guessed here (``auto``
+    is resolved by ``train.py``/``preflight.py`` before the config is read)."""
     value = select(cfg, "data.batch_size")
-    return integer("data.batch_size", value, minimum=1,
-                   fix="set data.batch_size to 1 or more (volumes per batch and GPU), e.g. data.batch_size=1")
+    fix = "set data.batch_size to 1 or more (volumes per batch and GPU), e.g. data.batch_size=1"
+    if str(value).strip().lower() == AUTO_BATCH:
+        fix = "give a number here; data.batch_size=auto is resolved by train.py and preflight.py only"
+    return integer("data.batch_size", value, minimum=1, fix=fix + (", or auto (train.py and preflight.py choose it)"
+                                                                   if "auto" not in fix else ""))
 
 
 #: what a run trains (``system.kind``): the diffusion UNet, or the stage 1 of a learned encoding (the VQ-VAE)

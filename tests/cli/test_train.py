@@ -136,6 +136,23 @@ def test_train_py_main_job_with_wandb_offline(tmp_path):
     assert (run_dir / ".hydra" / "config.yaml").is_file()
 
 
+def test_batch_size_auto_trains_at_the_chosen_batch_and_records_it(tmp_path, capsys):
+    """``data.batch_size=auto`` on this CPU: the preflight's choice against the host's memory (by memory alone: the
+    largest batch that fits, here capped by the 3 subjects of the data set at 2), printed with its candidates, then
+    trained at that batch; the checkpoint's stored config records the number, not ``auto``."""
+    import torch
+
+    from voxdiff.checkpoint import CONFIG_KEY
+
+    cfg = compose("train", [*tiny_overrides(tmp_path), "data.batch_size=auto", "trainer.max_steps=1"])
+    report = train(cfg)
+    out = capsys.readouterr().out
+    assert "chosen by memory alone" in out and "[voxdiff] data.batch_size=auto: chosen data.batch_size=2" in out
+    assert report["metrics"]["train/loss"] > 0
+    stored = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)[CONFIG_KEY]
+    assert stored["data"]["batch_size"] == 2 and stored["model"]["gradient_checkpointing"] == "none"
+
+
 @pytest.mark.parametrize("override", ["model.gradient_checkpointing=layer", "mode=seg",
                                       "diffusion.prediction_type=v_prediction"])
 def test_demo_variants_fast_dev_run(override, tmp_path):

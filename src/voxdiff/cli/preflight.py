@@ -21,10 +21,11 @@ from omegaconf import DictConfig
 from voxdiff.benchmarks.measure import measure_steps, reference_row, write_rows
 from voxdiff.benchmarks.sweep import sweep
 from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_NO_FIT, EXIT_OK, command_line_refusal
-from voxdiff.config import compose, config_dir
+from voxdiff.config import batch_size_is_auto, compose, config_dir
 from voxdiff.files import check_output
 from voxdiff.errors import ConfigError
-from voxdiff.preflight.check import PreflightResult, run_preflight
+from voxdiff.preflight.autofit import autofit
+from voxdiff.preflight.check import PreflightResult, run_preflight, with_overrides
 from voxdiff.run.gpus import resolve_gpu
 from voxdiff.run.spec import preflight_options, run_spec
 from voxdiff.step import recipe_from_config
@@ -37,7 +38,21 @@ def _experiment_given(overrides: list[str]) -> bool:
 
 def _check(cfg: DictConfig, name: str, single: bool) -> PreflightResult:
     """One configuration: in detail (fixes, the compiled step traced compiled) when it is the only one; in the table
-    over every experiment, seconds each: no fixes, a compiled run's step traced eagerly (an upper bound)."""
+    over every experiment, seconds each: no fixes, a compiled run's step traced eagerly (an upper bound).
+
+    ``data.batch_size=auto`` (or ``preflight.autofit=true`` for one configuration): the candidates of
+    :func:`~voxdiff.preflight.autofit.autofit` are printed first, and with ``auto`` the chosen one is the
+    configuration checked."""
+    auto = batch_size_is_auto(cfg)
+    if auto or (single and bool(cfg.preflight.get("autofit", False))):
+        report = autofit(cfg)
+        print(report.table() + "\n")
+        if auto and report.best is None:  # the verdict on batch 1, with its fixes
+            print("data.batch_size=auto: no candidate fits; checking batch 1")
+            cfg = with_overrides(cfg, {"data.batch_size": 1})
+        elif auto:
+            print(f"data.batch_size=auto: chosen {' '.join(report.best.overrides)}")
+            cfg = with_overrides(cfg, dict(report.best.settings))
     return run_preflight(cfg, name=name, suggest=bool(cfg.preflight.suggest) and single, compile=single)
 
 

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_NO_FIT, EXIT_NONFINITE, EXIT_TERMINATED, hydra_main, refusals
 from voxdiff.cli.run_dir import claim, process_rank, release
-from voxdiff.config import check_name, instantiate_config, plain
+from voxdiff.config import batch_size_is_auto, check_name, instantiate_config, plain
 from voxdiff.errors import ConfigError, Problems, boolean
 from voxdiff.run.spec import RunSpec, run_spec_problems
 
@@ -84,6 +84,30 @@ def _one_console_log() -> None:
                 if type(handler) is logging.StreamHandler:
                     logger.removeHandler(handler)
             logger.propagate = True
+
+
+def choose_batch_size(cfg: DictConfig) -> None:
+    """``data.batch_size=auto``: the preflight's choice for this machine (:func:`voxdiff.preflight.autofit.autofit`
+    against the local GPU, or the host's memory for a CPU run, as :func:`prepare`'s verdict), set in ``cfg`` (so
+    the run's stored config and its checkpoints record the number) and printed with its candidates. The rest of the
+    config is validated first, at batch 1. When no candidate fits, batch 1 goes on to the memory verdict, which
+    refuses it with its fixes."""
+    # deferred: the preflight's trace engine costs seconds at start-up; a refused config exits before
+    from omegaconf import OmegaConf
+
+    from voxdiff.preflight.autofit import autofit
+    from voxdiff.preflight.check import training_verdict, with_overrides
+
+    spec = validate(with_overrides(cfg, {"data.batch_size": 1}))
+    report = autofit(cfg, verdict=lambda c: training_verdict(c, suggest=False), run=spec)
+    chosen = dict(report.best.settings) if report.best is not None else {"data.batch_size": 1}
+    for key, value in chosen.items():
+        OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+    if process_rank() == 0:
+        print(report.table(), flush=True)
+        print("[voxdiff] data.batch_size=auto: " + (f"chosen {' '.join(report.best.overrides)}"
+                                                     if report.best is not None else "no candidate fits; batch 1"),
+              flush=True)
 
 
 def prepare(cfg: DictConfig, run_dir: Path, spec: RunSpec) -> tuple[str | None, Any]:
@@ -239,6 +263,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     try:
         with refusals(cfg):  # a refused config, data or write, and what Hydra or Lightning refuse while building
             try:
+                if batch_size_is_auto(cfg):
+                    choose_batch_size(cfg)
                 spec = validate(cfg)
                 ckpt_path, plan = prepare(cfg, run_dir, spec)
             except DoesNotFit as e:

@@ -99,7 +99,8 @@ def _need(peak_bytes: float, report: MemoryReport, margin: float) -> float:
     return (peak_bytes * (1.0 + margin) + report.cuda_context_bytes) / GiB
 
 
-def _with(cfg: DictConfig, overrides: dict[str, Any]) -> DictConfig:
+def with_overrides(cfg: DictConfig, overrides: dict[str, Any]) -> DictConfig:
+    """A copy of ``cfg`` with each dotted key set to its value (added where absent)."""
     new = copy.deepcopy(cfg)
     for key, value in overrides.items():
         OmegaConf.update(new, key, value, merge=False, force_add=True)
@@ -204,7 +205,7 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
         # bound, so a fix said to fit does
         result.suggestions_step = "eager"
         for change, overrides in candidate_fixes(cfg, run):
-            fixed_run, fixed_problems = run_spec_problems(_with(cfg, overrides), run.device_type)
+            fixed_run, fixed_problems = run_spec_problems(with_overrides(cfg, overrides), run.device_type)
             if fixed_problems:
                 continue
             r = predict_memory(compile=False, plan=step_plan(fixed_run))
@@ -244,7 +245,7 @@ def static_problems(cfg: DictConfig) -> list[ConfigError]:
     return run_spec_problems(cfg, PREDICTED_DEVICE)[1]
 
 
-def training_verdict(cfg: DictConfig, run: RunSpec | None = None) -> PreflightResult | None:
+def training_verdict(cfg: DictConfig, run: RunSpec | None = None, suggest: bool = True) -> PreflightResult | None:
     """The preflight's verdict for this run on this machine; None when the step is not modelled (a VQ-VAE
     stage 1).
 
@@ -265,6 +266,7 @@ def training_verdict(cfg: DictConfig, run: RunSpec | None = None) -> PreflightRe
         run: its run spec resolved for the device it starts on (``train.py``'s, :func:`voxdiff.run.spec.run_spec`
             with no device: the precision decided there, ``model.compile``/``use_flash_attention=auto`` resolved
             there); else it is resolved here.
+        suggest: predict fixes when it does not fit (the batch-size choice does without).
 
     Raises:
         ConfigError: an unknown ``preflight.gpu`` (:func:`~voxdiff.run.gpus.resolve_gpu`), or any other
@@ -278,7 +280,7 @@ def training_verdict(cfg: DictConfig, run: RunSpec | None = None) -> PreflightRe
     processes = run.parallel.processes_per_node
     if on_host:  # a CPU run, and no budget of the user's own (+preflight.gpu_memory_gib=N)
         run = replace(run, preflight=replace(run.preflight, gpu_memory_gib=host_memory_bytes() / processes / GiB))
-    result = run_preflight(cfg, name=str(cfg.get("task_name", "")), suggest=True, phases=not on_host,
+    result = run_preflight(cfg, name=str(cfg.get("task_name", "")), suggest=suggest, phases=not on_host,
                            timing=not on_host, run=run)
     if on_host:
         result.budget_source = "host memory" + (f" shared by {processes} processes" if processes > 1 else "")

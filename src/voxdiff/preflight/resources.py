@@ -246,6 +246,14 @@ def data_memory(data: Mapping[str, Any], latent_shape: tuple[int, ...] | None = 
     return DataMemory(per, _volume_subjects(data), "image and mask, float32")
 
 
+def data_subjects(data: Mapping[str, Any]) -> int | None:
+    """How many subjects the plain ``data:`` config has (training and validation), or None when its folder cannot
+    be read here."""
+    if str(data.get("_target_", "")).endswith("LatentDataModule"):
+        return _latent_subjects(data.get("latent_dir"))
+    return _volume_subjects(data)
+
+
 def _volume_subjects(data: Mapping[str, Any]) -> int | None:
     root = data.get("root")
     if root is None:  # the phantom, or subjects made from a template
@@ -401,6 +409,8 @@ class RunNeeds:
         disk: the checkpoints against the run directory's file system; None when the run keeps no checkpoint.
         host: host memory of one node; None when the data module caches nothing.
         time: the predicted run time; None with ``time_unknown`` saying why.
+        cost: the step's FLOPs and operator calls (None: not counted); step_s: its predicted seconds on the GPU
+            (None: its throughput was not measured), whether or not the run has an end.
         misfits: what does not fit, each naming the key, the value and a fix (the preflight refuses the run).
         warnings: what may not fit (kept checkpoints).
     """
@@ -411,6 +421,8 @@ class RunNeeds:
     time_unknown: str = ""
     misfits: tuple[Any, ...] = ()
     warnings: tuple[str, ...] = ()
+    cost: StepCost | None = None  # the step's FLOPs and operator calls, when counted
+    step_s: float | None = None  # predicted seconds per step, where the GPU's throughput was measured
 
     def lines(self) -> list[str]:
         out = []
@@ -528,4 +540,5 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
                 limit = None  # UNLIMITED: no requeues to plan
             warn = float(site.get("WARN_SECONDS") or 0)
         run_time = RunTime(throughput.seconds(cost), max_steps, world_size, limit, warn or 0.0, throughput)
-    return RunNeeds(disk, host, run_time, unknown, tuple(misfits), tuple(warnings))
+    step_s = throughput.seconds(cost) if cost is not None and throughput is not None else None
+    return RunNeeds(disk, host, run_time, unknown, tuple(misfits), tuple(warnings), cost, step_s)

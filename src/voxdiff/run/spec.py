@@ -103,6 +103,9 @@ class PreflightOptions:
         recipe: the training step traced: ``system`` (the run's own) or ``seed`` (the reference CSVs' step).
         disk_free_gib, host_memory_gib: free disk under the run directory and host memory per node to plan for
             (None: measured, or taken from the Slurm job).
+        effective_batch: the samples per optimizer step the batch-size choice keeps (``data.batch_size=auto``,
+            ``preflight.autofit``: batch x GPUs x ``trainer.accumulate_grad_batches``); None: not held.
+        max_batch_size: the largest batch per GPU the choice tries.
     """
 
     gpu_memory_gib: float | None = None
@@ -110,6 +113,8 @@ class PreflightOptions:
     recipe: str = "system"
     disk_free_gib: float | None = None
     host_memory_gib: float | None = None
+    effective_batch: int | None = None
+    max_batch_size: int = 64
 
 
 #: the ``data:`` keys the host memory of the data module depends on (:func:`voxdiff.preflight.resources.data_memory`)
@@ -255,7 +260,13 @@ def preflight_options(cfg: DictConfig) -> PreflightOptions:
                                       fix="use system (the step train.py runs for this config) or seed (the step of "
                                           "the reference measurements)")),
         disk_free_gib=gib("disk_free_gib", "500 (GiB)", positive=False),
-        host_memory_gib=gib("host_memory_gib", "256 (GiB)"))
+        host_memory_gib=gib("host_memory_gib", "256 (GiB)"),
+        effective_batch=collect(lambda: None if select(cfg, "preflight.effective_batch") is None else integer(
+            "preflight.effective_batch", select(cfg, "preflight.effective_batch"), minimum=1,
+            fix="give the samples per optimizer step to keep, e.g. preflight.effective_batch=16, or null")),
+        max_batch_size=collect(lambda: integer(
+            "preflight.max_batch_size", select(cfg, "preflight.max_batch_size", 64), minimum=1,
+            fix="give the largest batch per GPU to try, e.g. preflight.max_batch_size=64")))
     collect.raise_all()
     return options
 

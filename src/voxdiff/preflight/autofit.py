@@ -1,0 +1,234 @@
+"""The preflight chooses: the batch size and gradient-checkpointing policy that train fastest within the budget.
+
+:func:`autofit` predicts candidates of one configuration, each a :func:`~voxdiff.preflight.check.run_preflight`
+of the config with its overrides (the whole run's peak: training, validation, sampling; disk and host memory), and
+ranks those that fit by **samples per second**: ``batch x GPUs / step time``, the step time from the time model
+(:data:`~voxdiff.preflight.resources.STEP_THROUGHPUT`: ``tflop / tflops + ops x op_us``). A larger batch adds FLOPs
+but few operator calls, so a launch-bound step (exp11: ~3% of an H100's dense bf16 peak) gains samples per second
+with the batch, and a FLOP-bound one little.
+
+The search:
+
+* batch sizes 1, 2, 4, ... up to ``preflight.max_batch_size``, per policy until the first that does not fit (a
+  larger one needs more memory);
+* gradient checkpointing ``none``, then ``block`` and ``layer`` only from the batch ``none`` no longer fits: at a
+  batch that fits without it, checkpointing only recomputes (more FLOPs and calls, the same samples), so it is never
+  faster there;
+* compile on and off, where the GPU's throughput was measured for both (memory: the eager trace, an upper bound of
+  the compiled step's; time: each kind's own throughput);
+* with ``preflight.effective_batch=N`` only batches that divide it (per GPU x GPUs), the rest made up by
+  ``trainer.accumulate_grad_batches``: the optimisation sees the same batch;
+* not searched: the EMA interval (``system.ema.every_n_steps``; the time model has no EMA term) and compile modes
+  other than the default (no measured throughput).
+
+Where the GPU type has no measured throughput (and on a CPU run, against the host's memory), the choice is by
+memory alone: the largest batch that fits, without checkpointing where possible. Every candidate is traced eagerly
+(seconds each); ``train.py`` and ``preflight.py`` then check the chosen one as it will run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig
+
+from voxdiff.config import select
+from voxdiff.models.checkpointing import GRANULARITIES
+from voxdiff.errors import ConfigError
+from voxdiff.preflight.check import PreflightResult, run_preflight, with_overrides
+from voxdiff.preflight.memory import PREDICTED_DEVICE
+from voxdiff.preflight.resources import STEP_THROUGHPUT, data_subjects
+from voxdiff.run.spec import RunSpec, run_spec
+
+__all__ = ["AutofitReport", "Candidate", "autofit"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration the choice predicted.
+
+    Attributes:
+        settings: the config keys it sets and their values (``{"data.batch_size": 8, ...}`` as pairs).
+        batch_size: volumes per batch and GPU.
+        checkpointing: ``model.gradient_checkpointing``.
+        compile: ``model.compile``.
+        peak_gib: the run's predicted per-GPU peak (the largest of its phases; eager: an upper bound when compiled).
+        peak_phase: which phase sets it (training, validation, sampling).
+        need_gib: the peak with the safety margin and the CUDA context, against the budget.
+        fits: need <= budget, and its disk and host memory fit.
+        step_ms: predicted milliseconds per step (None: no measured throughput for this GPU and step kind).
+        samples_per_s: ``batch x GPUs / step`` (None without a step time).
+    """
+
+    settings: tuple[tuple[str, Any], ...]
+    batch_size: int
+    checkpointing: str
+    compile: bool
+    peak_gib: float
+    peak_phase: str
+    need_gib: float
+    fits: bool
+    step_ms: float | None
+    samples_per_s: float | None
+
+    @property
+    def overrides(self) -> tuple[str, ...]:
+        """The settings as a command line takes them (``data.batch_size=8 model.gradient_checkpointing=none``)."""
+        return tuple(f"{k}={_fmt(v)}" for k, v in self.settings)
+
+
+@dataclass
+class AutofitReport:
+    """The candidates of one configuration and the one chosen (:func:`autofit`)."""
+
+    name: str
+    gpu: str
+    budget_gib: float
+    budget_source: str
+    by: str  # "samples per second" or "memory alone"
+    candidates: list[Candidate] = field(default_factory=list)
+    best: Candidate | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def table(self) -> str:
+        """The candidates as a text table, the chosen one marked ``*``, then the notes."""
+        head = (f"batch-size choice for {self.name} on {self.gpu} ({self.budget_gib:.1f} GiB, {self.budget_source}); "
+                f"chosen by {self.by}")
+        lines = [head, f"  {'':1} {'batch':>5} {'checkpointing':>13} {'compile':>7} {'peak GiB':>9} {'need GiB':>9} "
+                       f"{'ms/step':>8} {'samples/s':>9}  overrides"]
+        for c in self.candidates:
+            mark = "*" if c is self.best else ("" if c.fits else "✗")
+            ms = f"{c.step_ms:.0f}" if c.step_ms is not None else "-"
+            sps = f"{c.samples_per_s:.2f}" if c.samples_per_s is not None else "-"
+            lines.append(f"  {mark:1} {c.batch_size:>5} {c.checkpointing:>13} {str(c.compile).lower():>7} "
+                         f"{c.peak_gib:>9.2f} {c.need_gib:>9.2f} {ms:>8} {sps:>9}  {' '.join(c.overrides)}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+#: how one candidate is predicted: the config with its overrides → the preflight's result (``train.py`` passes its
+#: own, against the machine it runs on)
+Verdict = Callable[[DictConfig], PreflightResult]
+
+
+def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None = None) -> AutofitReport:
+    """Predict the candidates of ``cfg`` and choose the fastest that fits (see the module docstring).
+
+    Args:
+        cfg: the composed config (``data.batch_size`` may be ``auto`` or a number: it is replaced per candidate).
+        verdict: predicts one candidate's config; by default the GPU preflight's eager trace
+            (``run_preflight(..., suggest=False, compile=False)``).
+        run: the run spec of ``cfg`` at batch 1, for its GPU and GPU count (default: resolved for a GPU).
+
+    Returns:
+        The report; ``best`` is None when no candidate fits (the notes say what was tried).
+
+    Raises:
+        ConfigError: a problem of the config that no batch size changes (the first candidate's).
+    """
+    verdict = verdict or (lambda c: run_preflight(c, suggest=False, compile=False))
+    one = with_overrides(cfg, {"data.batch_size": 1})
+    run = run or run_spec(one, PREDICTED_DEVICE)
+    if run.kind != "diffusion":
+        raise ConfigError("data.batch_size", select(cfg, "data.batch_size"), "the preflight chooses the batch of a "
+                          "diffusion run only; a VQ-VAE stage 1's step is not predicted per batch",
+                          "give a number, e.g. data.batch_size=1")
+    options, world = run.preflight, run.parallel.world_size
+    compile_now = bool(run.unet.compile) if run.unet is not None else False
+    on_gpu = run.device_type == "cuda"
+    kinds = [compile_now] + ([not compile_now] if on_gpu and all((run.gpu.name, k) in STEP_THROUGHPUT
+                                                                 for k in ("eager", "compiled")) else [])
+    subjects = data_subjects(run.resources.data)  # a batch larger than the data set is not a batch
+    cap = min(options.max_batch_size, subjects) if subjects else options.max_batch_size
+    batches = [b for b in (2**i for i in range(16)) if b <= cap]
+    if options.effective_batch is not None:
+        batches = [b for b in batches if options.effective_batch % (b * world) == 0]
+        if not batches:
+            raise ConfigError("preflight.effective_batch", options.effective_batch, f"no batch of 1 to {cap} per GPU "
+                              f"times {world} GPU(s) divides it, so gradient accumulation cannot make it up",
+                              f"give a multiple of {world}, e.g. preflight.effective_batch={8 * world}")
+    report: AutofitReport | None = None
+    first_misfit: int | None = None
+    for policy in GRANULARITIES:
+        start = 1 if policy == "none" else first_misfit
+        if start is None:  # every batch fits without checkpointing: checkpointing would only be slower
+            break
+        for b in (b for b in batches if b >= start):
+            overrides: dict[str, Any] = {"data.batch_size": b, "model.gradient_checkpointing": policy}
+            if options.effective_batch is not None:
+                overrides["trainer.accumulate_grad_batches"] = options.effective_batch // (b * world)
+            result = verdict(with_overrides(cfg, overrides))
+            if result.problems:
+                raise result.problems[0]
+            if report is None:
+                report = AutofitReport(result.name, run.gpu.name if on_gpu else "the CPU", result.budget_gib,
+                                       result.budget_source,
+                                       "samples per second" if result.needs is not None and result.needs.step_s
+                                       is not None else "memory alone")
+            fits = result.ok
+            for compiled in kinds:
+                step_s = _step_s(result, run.gpu.name, compiled)
+                shown = {**overrides, "model.compile": compiled} if compiled != compile_now else overrides
+                report.candidates.append(Candidate(
+                    tuple(shown.items()), b, policy, compiled,
+                    result.per_gpu_peak_gib, result.peak_phase, result.need_gib, fits,
+                    None if step_s is None else step_s * 1e3, None if step_s is None else b * world / step_s))
+            if not fits:
+                if policy == "none":
+                    first_misfit = b
+                break
+    assert report is not None  # batch 1 is always tried
+    fitting = [c for c in report.candidates if c.fits]
+    if report.by == "samples per second":
+        report.best = max(fitting, key=lambda c: (c.samples_per_s or 0.0, -c.peak_gib), default=None)
+    else:  # memory alone: the largest batch that fits, the least recomputation
+        report.best = max(fitting, key=lambda c: (c.batch_size, -GRANULARITIES.index(c.checkpointing)), default=None)
+    _notes(report, options.effective_batch, world, first_misfit, bool(kinds[1:]))
+    report.notes.append(f"batches tried: {', '.join(map(str, batches))} (up to preflight.max_batch_size="
+                        f"{options.max_batch_size}" + (f" and the {subjects} subjects of the data set)" if subjects
+                                                       else ")"))
+    return report
+
+
+def _step_s(result: PreflightResult, gpu: str, compiled: bool) -> float | None:
+    needs = result.needs
+    throughput = STEP_THROUGHPUT.get((gpu, "compiled" if compiled else "eager"))
+    if needs is None or needs.cost is None or throughput is None:
+        return None
+    return throughput.seconds(needs.cost)
+
+
+def _fmt(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _notes(report: AutofitReport, effective: int | None, world: int, first_misfit: int | None,
+           both_kinds: bool) -> None:
+    notes = report.notes
+    if report.best is None:
+        notes.append("no candidate fits: see python preflight.py experiment=... for the fixes of batch 1")
+    if report.by == "memory alone" and report.gpu == "the CPU":
+        notes.append("a CPU run: the time model is a GPU's, so the choice is by memory alone (the host's): the "
+                     "largest batch that fits")
+    elif report.by == "memory alone":
+        notes.append(f"the step's speed on {report.gpu} has not been measured (STEP_THROUGHPUT), so the choice is "
+                     "by memory alone: the largest batch that fits")
+    else:
+        notes.append("step times from the time model fitted at batch 1 (README: its error there); its error at "
+                     "larger batches has not been measured")
+    if first_misfit is None:
+        notes.append("every batch tried fits without gradient checkpointing, so checkpointing (only slower at the "
+                     "same batch) is not listed")
+    if both_kinds:
+        notes.append("model.compile=true rows: memory of the eager trace, an upper bound of the compiled step's")
+    if effective is not None:
+        notes.append(f"the effective batch is held at {effective} samples per optimizer step (batch x {world} GPU(s) "
+                     "x trainer.accumulate_grad_batches)")
+    elif report.best is not None and report.best.batch_size > 1:
+        notes.append(f"a batch of {report.best.batch_size} changes the optimisation as well as the speed: each "
+                     "optimizer step averages more samples (consider scaling system.optim.lr, or hold the effective "
+                     "batch with +preflight.effective_batch=N, made up by gradient accumulation)")
+    notes.append("not searched: system.ema.every_n_steps (no EMA term in the time model), compile modes other than "
+                 "the default (no measured throughput)")

@@ -1,0 +1,62 @@
+"""The preflight chooses the batch: the fastest candidate that fits the budget, exactly as the predictions say, and
+an effective batch held by gradient accumulation (voxdiff.preflight.autofit)."""
+
+from __future__ import annotations
+
+import pytest
+
+from voxdiff.errors import ConfigError
+from voxdiff.preflight.autofit import autofit
+from voxdiff.preflight.check import run_preflight
+
+# 64 phantom subjects, so that the data set does not cap the batches tried
+SUBJECTS = "data.num_subjects=64"
+
+
+def fast(cfg):
+    """The default verdict without validation and sampling (whose traces do not depend on the batch here): the
+    same choice logic, half the seconds."""
+    return run_preflight(cfg, suggest=False, compile=False, phases=False)
+
+
+def _need(tiny_cfg, batch: int) -> float:
+    return fast(tiny_cfg(SUBJECTS, f"data.batch_size={batch}")).need_gib
+
+
+def test_the_choice_is_the_fastest_candidate_that_fits_and_nothing_faster_fits(tiny_cfg):
+    need2, need4 = _need(tiny_cfg, 2), _need(tiny_cfg, 4)
+    assert need2 < need4  # a larger batch needs more memory
+    budget = (need2 + need4) / 2  # batch 2 fits without checkpointing, batch 4 does not
+    report = autofit(tiny_cfg(SUBJECTS, "data.batch_size=auto", f"+preflight.gpu_memory_gib={budget}",
+                              "preflight.max_batch_size=4"), verdict=fast)
+    assert report.by == "samples per second" and report.gpu == "H100"
+    plain = {c.batch_size: c for c in report.candidates if c.checkpointing == "none" and not c.compile}
+    assert plain[2].fits and not plain[4].fits
+    assert plain[2].need_gib == pytest.approx(need2) and plain[4].need_gib == pytest.approx(need4)
+    best = report.best
+    assert best is not None and best.fits and best.need_gib <= budget
+    assert all(not c.fits for c in report.candidates if c.samples_per_s > best.samples_per_s)
+    # checkpointing is tried only from the batch that no longer fits without it (below it, it is only slower)
+    assert {c.batch_size for c in report.candidates if c.checkpointing != "none"} == {4}
+    assert any(c.checkpointing != "none" for c in report.candidates)
+    # the time model: a larger batch takes longer per step and gives more samples per second
+    assert plain[2].step_ms > plain[1].step_ms and plain[2].samples_per_s > plain[1].samples_per_s
+    assert "data.batch_size=" in " ".join(best.overrides) and "*" in report.table()
+
+
+def test_an_effective_batch_is_held_with_gradient_accumulation(tiny_cfg):
+    report = autofit(tiny_cfg(SUBJECTS, "data.batch_size=auto", "+preflight.effective_batch=8",
+                              "preflight.max_batch_size=4"), verdict=fast)
+    assert {c.batch_size for c in report.candidates} == {1, 2, 4}
+    for c in report.candidates:
+        settings = dict(c.settings)
+        assert settings["data.batch_size"] * settings["trainer.accumulate_grad_batches"] == 8
+    assert any("held at 8" in n for n in report.notes)
+    with pytest.raises(ConfigError, match=r"preflight.effective_batch=0: .*Fix:"):
+        autofit(tiny_cfg("data.batch_size=auto", "+preflight.effective_batch=0"), verdict=fast)
+
+
+def test_batches_larger_than_the_data_set_are_not_tried(tiny_cfg):
+    report = autofit(tiny_cfg("data.num_subjects=3", "data.batch_size=auto"), verdict=fast)
+    assert {c.batch_size for c in report.candidates} == {1, 2}
+    assert any("3 subjects" in n for n in report.notes)
