@@ -1,24 +1,32 @@
 """voxdiff's default training step against a plain eager MONAI loop, on the GPU of this machine (or tiny on a CPU).
 
     python bench/bench_gpu_step.py [--experiments exp11,exp11_1,exp9_ldm_4x_bravo,exp9_ldm_8x_bravo]
-                                   [--steps 20] [--warmup 5] [--out bench_gpu_step.csv] [override ...]
+                                   [--steps 20] [--warmup 5] [--out bench_gpu_step.csv [--append]]
+                                   [--no-compiled] [--no-auto] [override ...]
 
-For each experiment, two sides train the UNet of that experiment on the same random batch (held in pinned host
+For each experiment, four sides train the UNet of that experiment on the same random batch (held in pinned host
 memory and copied to the device every step, as a data loader's batch is), each in its own process, one after the
-other:
+other (``--experiments exp11 --out F.csv --append`` runs one experiment per call, each call adding its row to F):
 
 * **plain**: the eager MONAI loop a user would write — ``DiffusionModelUNet`` with materialised attention, AdamW
   (foreach), bf16 autocast, DDPM noise at a random timestep, fp32 eps-MSE, ``zero_grad(set_to_none=True)`` after the
   step; nothing else.
+* **compiled**: the hand-tuned plain loop: the same with fused AdamW, SDPA attention and ``torch.compile`` of the
+  UNet (``--no-compiled`` leaves it out).
 * **voxdiff**: ``trainer.fit`` of the experiment's Lightning system, built as ``train.py`` builds it (the config's
   defaults on this device: optimizer, attention, ``model.compile``, EMA, clipping, the non-finite guard, callbacks
   and CSV logging), validation off.
+* **auto**: the same at the batch and checkpointing the preflight chooses for this GPU (``data.batch_size=auto``,
+  :mod:`voxdiff.preflight.autofit`; ``--no-auto`` leaves it out).
 
 Each side's time per step is the wall time of steps ``warmup+1 .. warmup+steps`` divided by ``steps``
 (synchronised once at each end, not per step), its peak ``torch.cuda.max_memory_allocated()`` over those steps,
 its warm-up the wall time of the first ``warmup`` steps minus theirs at the steady rate (the compile, when
 compiled). The preflight's prediction of the voxdiff step is printed beside its measured peak. TFLOP/s counts one
-forward+backward (``torch.utils.flop_counter``) per step; the share is against the GPU's dense bf16 peak.
+forward+backward (``torch.utils.flop_counter``, at the experiment's batch, scaled by the side's batch) per step; the
+share is against the GPU's dense bf16 peak; samples/s is the batch over the time per step. The ratios (voxdiff's
+default step against each plain loop, the chosen batch's samples/s against the default's) are of sides measured in
+the same call.
 
 On a machine without a CUDA GPU it runs each experiment with a tiny model and volume (``--tiny`` is implied) on the
 CPU, end to end, and says so: those figures say nothing about a GPU.
@@ -101,8 +109,9 @@ class _Clock:
         return out
 
 
-def run_plain(cfg: Any, warmup: int, steps: int, device: str) -> dict[str, Any]:
-    """The plain eager MONAI loop (see the module docstring)."""
+def run_plain(cfg: Any, warmup: int, steps: int, device: str, compiled: bool = False) -> dict[str, Any]:
+    """The plain eager MONAI loop (see the module docstring); ``compiled``: the hand-tuned one (fused AdamW, SDPA
+    attention, ``torch.compile`` of the UNet)."""
     import torch
     import torch.nn.functional as F
     from monai.networks.nets import DiffusionModelUNet
@@ -118,9 +127,10 @@ def run_plain(cfg: Any, warmup: int, steps: int, device: str) -> dict[str, Any]:
         spatial_dims=3, in_channels=spec.in_channels, out_channels=spec.out_channels, channels=list(spec.channels),
         attention_levels=list(spec.attention_levels), num_res_blocks=list(spec.num_res_blocks),
         num_head_channels=list(spec.num_head_channels), norm_num_groups=spec.norm_num_groups,
-        use_flash_attention=False,
+        use_flash_attention=compiled,
     ).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if compiled else {"foreach": True}))
+    forward = torch.compile(model) if compiled else model
     scheduler = DDPMScheduler(num_train_timesteps=1000)
     host = host_batch(cfg)
     mode = str(cfg.mode)
@@ -133,7 +143,7 @@ def run_plain(cfg: Any, warmup: int, steps: int, device: str) -> dict[str, Any]:
         t = torch.randint(0, scheduler.num_train_timesteps, (x0.shape[0],), device=device)
         xt = scheduler.add_noise(x0, noise, t)
         with torch.autocast(device, dtype=dtype, enabled=device == "cuda"):
-            pred = model(xt if cond is None else torch.cat([xt, cond], 1), timesteps=t)
+            pred = forward(xt if cond is None else torch.cat([xt, cond], 1), timesteps=t)
         loss = F.mse_loss(pred.float(), noise)
         loss.backward()
         opt.step()
@@ -148,6 +158,7 @@ def run_plain(cfg: Any, warmup: int, steps: int, device: str) -> dict[str, Any]:
         one_step()
     clock.mark("end")
     out = clock.result(warmup, steps)
+    out["batch"] = int(next(iter(host.values())).shape[0])
     out["tflop_per_step"] = _flops(lambda: one_step(), device)
     return out
 
@@ -201,6 +212,7 @@ def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str) -> dict[str, Any
     trainer.fit(system, train_dataloaders=DataLoader(Same(), batch_size=None, pin_memory=False))
     out = clock.result(warmup, steps)
     out["step"] = described[0]
+    out["batch"] = int(next(iter(host.values())).shape[0])
     return out
 
 
@@ -233,11 +245,19 @@ def worker(side: str, name: str, overrides: list[str], warmup: int, steps: int) 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     configure_cpu_threads()
     with tempfile.TemporaryDirectory() as out:
-        cfg = config(name, overrides, out, device)
-        if side == "plain":
-            return run_plain(cfg, warmup, steps, device)
+        cfg = config(name, [*overrides, *(["data.batch_size=auto"] if side == "auto" else [])], out, device)
+        if side in ("plain", "compiled"):
+            return run_plain(cfg, warmup, steps, device, compiled=side == "compiled")
+        chosen = ""
+        if side == "auto":  # the batch the preflight chooses for this GPU (train.py's data.batch_size=auto)
+            from voxdiff.cli.train import choose_batch_size
+
+            choose_batch_size(cfg)
+            chosen = f"batch {cfg.data.batch_size}, checkpointing {cfg.model.gradient_checkpointing}"
         result = run_voxdiff(cfg, warmup, steps, device)
         result.update(predicted_gib(cfg))
+        if chosen:
+            result["chosen"] = chosen
         return result
 
 
@@ -265,6 +285,14 @@ def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
+def read_csv(path: str) -> list[dict[str, Any]]:
+    """The rows of a CSV this script wrote (none when it does not exist yet)."""
+    if not Path(path).is_file():
+        return []
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -272,6 +300,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", help="write the table as CSV here")
+    p.add_argument("--append", action="store_true", help="keep the rows already in --out (one experiment per call)")
+    p.add_argument("--no-compiled", dest="compiled", action="store_false",
+                   help="leave out the plain compiled loop (fused AdamW, SDPA, torch.compile)")
+    p.add_argument("--no-auto", dest="auto", action="store_false",
+                   help="leave out voxdiff at the batch the preflight chooses (data.batch_size=auto)")
     p.add_argument("overrides", nargs="*", help="train.py overrides for both sides (e.g. data.batch_size=2)")
     args = p.parse_args()
     if args.worker:
@@ -292,41 +325,62 @@ def main() -> None:
         print(f"bench_gpu_step: {gpu} (dense bf16 peak {peak} TFLOP/s), torch {torch.__version__}; "
               f"{args.steps} steps after {args.warmup} warm-up", flush=True)
     rows = []
+    sides = ["plain", *(["compiled"] if args.compiled else []), "voxdiff", *(["auto"] if args.auto else [])]
+    kept = read_csv(args.out) if args.out and args.append else []
     for name in [n for n in args.experiments.split(",") if n]:
-        plain = spawn("plain", name, args)
-        vox = spawn("voxdiff", name, args)
+        results = {side: spawn(side, name, args) for side in sides}
         row: dict[str, Any] = {"experiment": name, "device": gpu or "cpu (tiny)"}
-        row.update({f"plain_{k}": v for k, v in plain.items()})
-        row.update({f"voxdiff_{k}": v for k, v in vox.items()})
-        if "ms_per_step" in plain and "ms_per_step" in vox:
-            row["speedup"] = plain["ms_per_step"] / vox["ms_per_step"]
-            flop = plain.get("tflop_per_step", 0.0)
-            row["voxdiff_tflops"] = flop / (vox["ms_per_step"] / 1e3)
-            row["plain_tflops"] = flop / (plain["ms_per_step"] / 1e3)
-            if peak:
-                row["voxdiff_peak_share"] = row["voxdiff_tflops"] / peak
+        for side, result in results.items():
+            row.update({f"{side}_{k}": v for k, v in result.items()})
+        flop = results["plain"].get("tflop_per_step")  # one forward+backward at the experiment's batch
+        batch = results["plain"].get("batch")
+        for side, result in results.items():
+            ms, b = result.get("ms_per_step"), result.get("batch")
+            if ms is None or b is None:
+                continue
+            row[f"{side}_samples_per_s"] = b / (ms / 1e3)
+            if flop is not None and batch:
+                row[f"{side}_tflops"] = flop * b / batch / (ms / 1e3)
+                if peak:
+                    row[f"{side}_peak_share"] = row[f"{side}_tflops"] / peak
+        vox_ms = results["voxdiff"].get("ms_per_step")
+        for base in ("plain", "compiled"):
+            base_ms = results.get(base, {}).get("ms_per_step")
+            if base_ms is not None and vox_ms is not None:
+                row["speedup" if base == "plain" else "vs_compiled"] = base_ms / vox_ms
+        if "auto_samples_per_s" in row and "voxdiff_samples_per_s" in row:
+            row["auto_vs_batch"] = row["auto_samples_per_s"] / row["voxdiff_samples_per_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.out:  # after each experiment: a run cut off by a time limit keeps what it finished
-            write_csv(args.out, rows)
+            write_csv(args.out, kept + rows)
     print()
-    print(f"{'experiment':20s} {'plain ms':>9s} {'voxdiff ms':>10s} {'speed-up':>8s} {'TFLOP/step':>10s} "
-          f"{'TFLOP/s':>8s} {'%peak':>6s} {'plain GiB':>9s} {'vox GiB':>8s} {'pred GiB':>8s} {'warm-up s':>9s}  step")
+    print(f"{'experiment':20s} {'loop':24s} {'batch':>5s} {'ms/step':>8s} {'samples/s':>9s} {'TFLOP/s':>8s} "
+          f"{'%peak':>6s} {'peak GiB':>8s} {'pred GiB':>8s} {'warm-up s':>9s}  step")
+    names = {"plain": "plain eager", "compiled": "plain compiled", "voxdiff": "voxdiff default",
+             "auto": "voxdiff, batch auto"}
     for r in rows:
         def f(key: str, fmt: str) -> str:
             v = r.get(key)
             return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
-        print(f"{r['experiment']:20s} {f('plain_ms_per_step', '9.1f')} {f('voxdiff_ms_per_step', '10.1f')} "
-              f"{f('speedup', '8.2f')} {f('plain_tflop_per_step', '10.2f')} {f('voxdiff_tflops', '8.1f')} "
-              f"{(format(100 * r['voxdiff_peak_share'], '6.1f') if 'voxdiff_peak_share' in r else '     -')} "
-              f"{f('plain_peak_gib', '9.2f')} {f('voxdiff_peak_gib', '8.2f')} {f('voxdiff_pred_peak_gib', '8.2f')} "
-              f"{f('voxdiff_warmup_s', '9.1f')}  {r.get('voxdiff_step', r.get('voxdiff_error', ''))}")
-    speedups = [r["speedup"] for r in rows if "speedup" in r]
-    if speedups:
-        geo = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
-        print(f"geometric-mean speed-up of voxdiff's default step over the plain eager loop: {geo:.2f}x "
-              f"over {len(speedups)} experiment(s){'' if gpu else ' (tiny, CPU)'}")
+        for side in sides:
+            share = r.get(f"{side}_peak_share")
+            print(f"{r['experiment']:20s} {names[side]:24s} {f(f'{side}_batch', '5d')} "
+                  f"{f(f'{side}_ms_per_step', '8.1f')} {f(f'{side}_samples_per_s', '9.2f')} "
+                  f"{f(f'{side}_tflops', '8.1f')} {format(100 * share, '6.1f') if share is not None else '     -'} "
+                  f"{f(f'{side}_peak_gib', '8.2f')} {f(f'{side}_pred_peak_gib', '8.2f')} "
+                  f"{f(f'{side}_warmup_s', '9.1f')}  "
+                  + "; ".join(str(r[k]) for k in (f"{side}_chosen", f"{side}_step", f"{side}_error") if r.get(k)))
+        print(f"{'':20s} voxdiff default / plain eager {f('speedup', '.2f')}x, / plain compiled "
+              f"{f('vs_compiled', '.2f')}x (time ratio, >1 faster); batch auto / default "
+              f"{f('auto_vs_batch', '.2f')}x samples/s")
+    for key, what in (("speedup", "the plain eager loop"), ("vs_compiled", "the plain compiled loop")):
+        ratios = [r[key] for r in rows if key in r]
+        if ratios:
+            geo = math.exp(sum(math.log(s) for s in ratios) / len(ratios))
+            print(f"geometric-mean speed-up of voxdiff's default step over {what}: {geo:.2f}x "
+                  f"over {len(ratios)} experiment(s){'' if gpu else ' (tiny, CPU)'}")
     if args.out and rows:
         print(f"-> {args.out}")
 
