@@ -349,7 +349,13 @@ def test_a_full_disk_while_training_is_one_line_and_its_own_exit_code(tiny_demo,
         assert "[Errno" not in line
         assert not list(small.rglob("*.ckpt")) and not list(small.rglob("*.tmp"))
     finally:
-        subprocess.run(["umount", "--lazy", str(small)], check=True)  # the in-process run's log file is open
+        import logging
+
+        for handler in list(logging.root.handlers):  # Hydra's job log in the run directory, held open in-process
+            if isinstance(handler, logging.FileHandler) and handler.baseFilename.startswith(str(small)):
+                handler.close()
+                logging.root.removeHandler(handler)
+        subprocess.run(["umount", str(small)], check=True)
 
 
 def test_cache_latents_refuses_every_problem_of_its_config_at_once(files, tmp_path):

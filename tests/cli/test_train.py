@@ -138,7 +138,7 @@ def test_train_py_main_job_with_wandb_offline(tmp_path):
 
 def test_batch_size_auto_trains_at_the_chosen_batch_and_records_it(tmp_path, capsys):
     """``data.batch_size=auto`` on this CPU: the preflight's choice against the host's memory (by memory alone: the
-    largest batch that fits, here capped by the 3 subjects of the data set at 2), printed with its candidates, then
+    largest batch that fits, here capped at 2 by the training split of 3 subjects), printed with its candidates, then
     trained at that batch; the checkpoint's stored config records the number, not ``auto``."""
     import torch
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from voxdiff.data import VolumeDataModule
-from voxdiff.data.datamodule import split_subjects
+from voxdiff.data.split import split_subjects
 from voxdiff.data.nifti import DataError
 from voxdiff.errors import ConfigError
 

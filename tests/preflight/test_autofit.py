@@ -56,7 +56,7 @@ def test_an_effective_batch_is_held_with_gradient_accumulation(tiny_cfg):
         autofit(tiny_cfg("data.batch_size=auto", "+preflight.effective_batch=0"), verdict=fast)
 
 
-def test_batches_larger_than_the_data_set_are_not_tried(tiny_cfg):
+def test_batches_larger_than_the_training_split_are_not_tried(tiny_cfg):
     report = autofit(tiny_cfg("data.num_subjects=3", "data.batch_size=auto"), verdict=fast)
     assert {c.batch_size for c in report.candidates} == {1, 2}
-    assert any("3 subjects" in n for n in report.notes)
+    assert any("2 training subjects" in n for n in report.notes)  # 3 subjects, one validates

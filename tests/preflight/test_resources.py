@@ -198,3 +198,24 @@ def test_run_needs_reports_a_latent_runs_cache_bytes(tiny_cfg):
     assert five.disk.latent_cache == latent_cache_nbytes(5, (4, 2, 2, 2), volume) and "(5 subjects)" in \
         five.disk.describe()
     assert _needs(cfg).disk.latent_cache is None
+
+
+def test_a_nifti_loader_slower_than_the_step_is_named_with_its_fix():
+    """The preflight's data check (#27): volumes per second of the measured loader against batch / step time."""
+    from voxdiff.preflight.resources import NIFTI_LOADER, data_too_slow
+
+    nifti = {"_target_": "voxdiff.data.VolumeDataModule", "root": "/data/brains", "cache": "none"}
+    volume = (160, 256, 256)
+    one_core = NIFTI_LOADER.per_s("none", 0, 160 * 256 * 256)
+    assert one_core > 0
+    fast_step = 0.5 / one_core  # the step wants twice what one core delivers
+    warning = data_too_slow(nifti, 1, 0, volume, fast_step)
+    assert "data.cache=none and data.num_workers=0" in warning and "GPU would wait" in warning
+    assert "data.cache=memory" in warning and "data.num_workers=2 or more" in warning
+    assert data_too_slow(nifti, 1, 2, volume, fast_step) is None  # two workers keep up
+    assert data_too_slow(nifti, 1, 0, volume, 2.0 / one_core) is None  # a slower step: one core keeps up
+    assert data_too_slow({**nifti, "cache": "memory"}, 1, 0, volume, fast_step) is None  # nothing read per step
+    assert data_too_slow({**nifti, "root": None}, 1, 0, volume, fast_step) is None  # the phantom is in memory
+    assert data_too_slow(nifti, 1, 0, volume, None) is None  # no step time: nothing to compare
+    # a smaller volume is read faster, in proportion to its voxels
+    assert NIFTI_LOADER.per_s("none", 0, 80 * 128 * 128) == pytest.approx(8 * one_core)

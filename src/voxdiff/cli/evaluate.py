@@ -74,7 +74,7 @@ def validate(cfg: DictConfig) -> None:
         ConfigError: naming the key, the value and a fix.
     """
     validate_sampling(cfg)
-    check_output("out_dir" if cfg.get("out_dir") else "paths.log_dir", cfg.paths.output_dir, folder=True,
+    check_output("out_dir" if cfg.get("out_dir") else "paths.log_dir", cfg.paths.run_dir, folder=True,
                  fix="choose a folder this user can write to (out_dir=DIR)")
     if cfg.n < 2:
         raise ConfigError("n", cfg.n, "diversity and distribution figures need at least 2 samples", "e.g. n=8")

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 from voxdiff.data.phantom import LABELS, PhantomDataset, check_volume_shape, make_phantom
 
 if TYPE_CHECKING:
-    from voxdiff.data.datamodule import VolumeDataModule, split_subjects
+    from voxdiff.data.datamodule import VolumeDataModule
+    from voxdiff.data.split import split_subjects
     from voxdiff.data.nifti import DataError, NiftiDataset, build_transforms, check_subject, find_subjects
 
 __all__ = [
@@ -40,7 +41,7 @@ _LAZY = {
     "check_subject": "voxdiff.data.nifti",
     "find_subjects": "voxdiff.data.nifti",
     "VolumeDataModule": "voxdiff.data.datamodule",
-    "split_subjects": "voxdiff.data.datamodule",
+    "split_subjects": "voxdiff.data.split",
 }
 
 

@@ -52,7 +52,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from voxdiff.config import voxdiff_class
-from voxdiff.data.datamodule import split_subjects
+from voxdiff.data.split import split_subjects
 from voxdiff.data.phantom import check_volume_shape
 from voxdiff.encodings.base import LearnedEncoding
 from voxdiff.errors import ConfigError, integer, number, plain

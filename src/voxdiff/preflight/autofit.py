@@ -35,6 +35,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from voxdiff.config import select
+from voxdiff.data.split import split_subjects
 from voxdiff.models.checkpointing import GRANULARITIES
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.check import PreflightResult, run_preflight, with_overrides
@@ -140,8 +141,11 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
     on_gpu = run.device_type == "cuda"
     kinds = [compile_now] + ([not compile_now] if on_gpu and all((run.gpu.name, k) in STEP_THROUGHPUT
                                                                  for k in ("eager", "compiled")) else [])
-    subjects = data_subjects(run.resources.data)  # a batch larger than the data set is not a batch
-    cap = min(options.max_batch_size, subjects) if subjects else options.max_batch_size
+    subjects = data_subjects(run.resources.data)  # a batch larger than the training split is not a batch
+    data = run.resources.data
+    training = (len(split_subjects([str(i) for i in range(subjects)], float(data.get("val_fraction") or 0.25),
+                                   int(data.get("split_seed") or 0))[0]) if subjects and subjects >= 2 else None)
+    cap = min(options.max_batch_size, training) if training else options.max_batch_size
     batches = [b for b in (2**i for i in range(16)) if b <= cap]
     if options.effective_batch is not None:
         batches = [b for b in batches if options.effective_batch % (b * world) == 0]
@@ -187,8 +191,8 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
         report.best = max(fitting, key=lambda c: (c.batch_size, -GRANULARITIES.index(c.checkpointing)), default=None)
     _notes(report, options.effective_batch, world, first_misfit, bool(kinds[1:]))
     report.notes.append(f"batches tried: {', '.join(map(str, batches))} (up to preflight.max_batch_size="
-                        f"{options.max_batch_size}" + (f" and the {subjects} subjects of the data set)" if subjects
-                                                       else ")"))
+                        f"{options.max_batch_size}" + (f" and the {training} training subjects of the data set)"
+                                                       if training else ")"))
     return report
 
 

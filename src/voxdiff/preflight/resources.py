@@ -400,6 +400,54 @@ class RunTime:
                 f" {self.throughput.source})")
 
 
+@dataclass(frozen=True)
+class LoaderRate:
+    """How fast voxdiff's NIfTI training loader delivers volumes from one CPU core (the main process, or one
+    DataLoader worker), per ``data.cache`` mode, at ``voxels`` per volume (:func:`data_too_slow`).
+
+    Attributes:
+        volumes_per_s: per cache mode (``none``: decompress and transform every volume; ``disk``: read the cached
+            tensors); ``memory`` is absent: nothing is read per step.
+        voxels: the volume the rates were measured at; another volume scales them by its voxels.
+        source: the measurement.
+    """
+
+    volumes_per_s: Mapping[str, float]
+    voxels: int
+    source: str
+
+    def per_s(self, cache: str, workers: int, voxels: int) -> float | None:
+        """Volumes per second with ``workers`` DataLoader workers (0: the main process), or None where nothing is
+        read per step. Workers are assumed to scale linearly (each on a core of its own)."""
+        rate = self.volumes_per_s.get(cache)
+        return None if rate is None else rate * self.voxels / voxels * max(1, workers)
+
+
+NIFTI_LOADER = LoaderRate(
+    {"none": 0.43, "disk": 4.77}, 160 * 256 * 256,
+    "bench/bench_data.py: 160x256x256 gzipped NIfTI, 0 workers, on a 2-core VM shared with other jobs (load "
+    "average 6.5): a lower bound of one core's rate")
+
+
+def data_too_slow(data: Mapping[str, Any], batch: int, workers: int, volume: tuple[int, ...],
+                  step_s: float | None) -> str | None:
+    """A warning when a NIfTI run's loader (``data.root``, ``data.cache`` none or disk) delivers fewer volumes per
+    second than the step consumes (``batch / step_s`` per rank, by the time model), with the fix; else None. The
+    phantom, a memory cache and a latent cache in memory read nothing per step."""
+    if step_s is None or data.get("root") is None or str(data.get("_target_", "")).endswith("LatentDataModule"):
+        return None
+    cache = str(data.get("cache", "memory"))
+    rate = NIFTI_LOADER.per_s(cache, workers, math.prod(volume))
+    need = batch / step_s
+    if rate is None or rate >= need:
+        return None
+    enough = math.ceil(need / (rate / max(1, workers)))
+    return (f"data: the loader with data.cache={cache} and data.num_workers={workers} delivers about {rate:.1f} "
+            f"volumes/s, the step consumes {need:.1f} samples/s per GPU: the GPU would wait for data "
+            f"({NIFTI_LOADER.source}). Fix: data.cache=memory (checked against host memory above), or "
+            f"data.num_workers={enough} or more")
+
+
 # ------------------------------------------------------------------------------------------- one run, from a config
 @dataclass(frozen=True)
 class RunNeeds:
@@ -541,4 +589,7 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
             warn = float(site.get("WARN_SECONDS") or 0)
         run_time = RunTime(throughput.seconds(cost), max_steps, world_size, limit, warn or 0.0, throughput)
     step_s = throughput.seconds(cost) if cost is not None and throughput is not None else None
+    slow = data_too_slow(needs.data, run.batch_size, needs.num_workers, tuple(run.shapes.volume), step_s)
+    if slow:
+        warnings.append(slow)
     return RunNeeds(disk, host, run_time, unknown, tuple(misfits), tuple(warnings), cost, step_s)

@@ -117,9 +117,10 @@ class PreflightOptions:
     max_batch_size: int = 64
 
 
-#: the ``data:`` keys the host memory of the data module depends on (:func:`voxdiff.preflight.resources.data_memory`)
+#: the ``data:`` keys the preflight's resource checks read (:mod:`voxdiff.preflight.resources`: host memory of the
+#: data module, the loader's rate; :mod:`voxdiff.preflight.autofit`: the training split's size)
 DATA_MEMORY_KEYS = ("_target_", "volume_shape", "cache", "root", "num_subjects", "image_name", "mask_name",
-                    "in_memory", "masks", "latent_dir")
+                    "in_memory", "masks", "latent_dir", "val_fraction", "split_seed")
 
 
 @dataclass(frozen=True)
