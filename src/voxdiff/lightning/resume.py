@@ -197,15 +197,16 @@ def check_weights_fit(system: L.LightningModule, checkpoint: Mapping[str, Any]) 
     """Refuse, in one line naming the keys, a resume whose checkpoint holds weights of other names or shapes than
     the model this config built (a checkpoint from another version, or edited by hand: the config it stores can
     agree while its tensors do not). Called from the systems' ``on_load_checkpoint``, which Lightning runs before it
-    loads the weights; not under FSDP, whose sharded modules list local shards (Lightning's own error stands).
+    loads the weights; on one device and under DDP only: a sharded strategy (``trainer=fsdp``) loads its weights
+    its own way, and Lightning's error stands there.
 
     Raises:
         ConfigError: naming ``ckpt_path``, the file and the differing keys.
     """
-    from lightning.pytorch.strategies import FSDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
     trainer = system._trainer
-    if trainer is None or isinstance(trainer.strategy, FSDPStrategy):
+    if trainer is None or not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
         return
     diff = weights_differences(system.state_dict(), checkpoint)
     if diff is not None:
