@@ -106,7 +106,8 @@ def diffusion_ckpt(tmp_path_factory) -> Path:
 
 
 #: a phantom run conditioned on two covariates (numeric age, categorical sex), trained for guidance
-COVARIATES = ["data.num_subjects=6", "data.covariates=[age,sex]", "system.guidance.drop_prob=0.3"]
+COVARIATES = ["data.num_subjects=6", "data.covariates=[age,sex]", "system.guidance.drop_prob=0.3",
+              "data.volume_shape=[24,24,24]"]  # evaluate.py's MS-SSIM needs axes >= 20
 
 
 @pytest.fixture(scope="session")

@@ -61,6 +61,19 @@ def split_subjects(names: Sequence[str], val_fraction: float, seed: int) -> tupl
     return train, val
 
 
+def _deranged(vectors: dict[str, Any], seed: int) -> dict[str, Any]:
+    """``vectors`` with every subject given another subject's (a random permutation without fixed points)."""
+    import random
+
+    names = sorted(vectors)
+    rng = random.Random(seed)
+    while True:
+        order = names[:]
+        rng.shuffle(order)
+        if all(a != b for a, b in zip(names, order, strict=True)):
+            return {a: vectors[b] for a, b in zip(names, order, strict=True)}
+
+
 class VolumeDataModule(L.LightningDataModule):
     """Train/validation data for the diffusion system: the built-in phantom (``root=None``) or a NIfTI folder.
 
@@ -84,6 +97,9 @@ class VolumeDataModule(L.LightningDataModule):
         covariates: the participants table's columns to condition on (``data.covariates``; None or ``[]``: none).
             The phantom's are those of :data:`~voxdiff.data.phantom.PHANTOM_COVARIATES`, and shape its anatomy.
         covariates_table: the table (default ``<root>/participants.tsv``; the phantom makes its own).
+        shuffle_covariates: a negative control: each subject trains with another subject's covariate vector (a
+            random permutation without fixed points, seeded by ``split_seed``), so nothing ties them to the
+            anatomy; the stored encoding, and the values sampling asks for, are unchanged.
 
     Attributes:
         covariate_encoding: the :class:`~voxdiff.data.covariates.CovariateEncoding` fitted on the training split
@@ -115,6 +131,7 @@ class VolumeDataModule(L.LightningDataModule):
         pin_memory: bool = False,
         covariates: Sequence[str] | None = None,
         covariates_table: str | os.PathLike[str] | None = None,
+        shuffle_covariates: bool = False,
     ) -> None:
         super().__init__()
         self.volume_shape = check_volume_shape(plain(volume_shape), key="data.volume_shape")
@@ -166,6 +183,8 @@ class VolumeDataModule(L.LightningDataModule):
         self._covariate_vectors: dict[str, Any] = {}
         self.covariate_values: dict[str, dict[str, str]] = {}  # subject -> the table's values of the columns
         self._fit_covariates(parse_covariates(covariates), plain(covariates_table), names)
+        if bool(shuffle_covariates) and self._covariate_vectors:
+            self._covariate_vectors = _deranged(self._covariate_vectors, self.split_seed)
 
     def _fit_covariates(self, columns: list[tuple[str, str | None]], table_path: Any, names: list[str]) -> None:
         """Read the participants table (the phantom's own, or ``covariates_table``, or ``<root>/participants.tsv``)
