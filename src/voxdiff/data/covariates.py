@@ -274,6 +274,44 @@ def fit_encoding(table: Mapping[str, Mapping[str, str]], source: str, names: Seq
     return CovariateEncoding(tuple(out))
 
 
+@dataclass(frozen=True)
+class SubjectCovariates:
+    """A data module's covariates: the encoding fitted on its training split, each subject's ``(K,)`` vector and
+    its values in the table (what sampling starts from)."""
+
+    encoding: CovariateEncoding
+    vectors: dict[str, torch.Tensor]
+    values: dict[str, dict[str, str]]
+
+    def shuffled(self, seed: int) -> SubjectCovariates:
+        """A negative control: every subject gets another subject's vector (a random permutation without fixed
+        points); the encoding and the values stay."""
+        import random
+
+        names = sorted(self.vectors)
+        rng = random.Random(seed)
+        while True:
+            order = names[:]
+            rng.shuffle(order)
+            if all(a != b for a, b in zip(names, order, strict=True)):
+                vectors = {a: self.vectors[b] for a, b in zip(names, order, strict=True)}
+                return SubjectCovariates(self.encoding, vectors, self.values)
+
+
+def subject_covariates(columns: Sequence[tuple[str, str | None]], table: Mapping[str, Mapping[str, str]],
+                       source: str, train: Sequence[str], val: Sequence[str]) -> SubjectCovariates:
+    """:func:`fit_encoding` on ``train`` (every subject of ``train`` and ``val`` checked), and each subject's vector
+    and values.
+
+    Raises:
+        DataError: as :func:`fit_encoding`.
+    """
+    encoding = fit_encoding(table, source, columns, train, val)
+    names = [*train, *val]
+    return SubjectCovariates(encoding, {s: encoding.vector(table[s]) for s in names},
+                             {s: {c: table[s][c] for c in encoding.names} for s in names})
+
+
 def phantom_table(subjects: Sequence[str], seeds: Sequence[int]) -> dict[str, dict[str, str]]:
     """The phantom's participants table (:func:`voxdiff.data.phantom.phantom_covariates`) as rows of text, as a
     ``participants.tsv`` holds them."""

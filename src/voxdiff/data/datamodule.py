@@ -22,10 +22,10 @@ from voxdiff.data.covariates import (
     TABLE_NAME,
     CovariateEncoding,
     WithCovariates,
-    fit_encoding,
     parse_covariates,
     phantom_table,
     read_table,
+    subject_covariates,
 )
 from voxdiff.data.nifti import CACHE_MODES, IMAGE_NAME, MASK_NAME, DataError, NiftiDataset, _stamp, find_subjects
 from voxdiff.data.phantom import PHANTOM_COVARIATES, PhantomDataset, check_volume_shape, subject_name
@@ -59,19 +59,6 @@ def split_subjects(names: Sequence[str], val_fraction: float, seed: int) -> tupl
     val = sorted(rank[:n_val])
     train = sorted(rank[n_val:])
     return train, val
-
-
-def _deranged(vectors: dict[str, Any], seed: int) -> dict[str, Any]:
-    """``vectors`` with every subject given another subject's (a random permutation without fixed points)."""
-    import random
-
-    names = sorted(vectors)
-    rng = random.Random(seed)
-    while True:
-        order = names[:]
-        rng.shuffle(order)
-        if all(a != b for a, b in zip(names, order, strict=True)):
-            return {a: vectors[b] for a, b in zip(names, order, strict=True)}
 
 
 class VolumeDataModule(L.LightningDataModule):
@@ -182,11 +169,10 @@ class VolumeDataModule(L.LightningDataModule):
         self.covariate_encoding: CovariateEncoding | None = None
         self._covariate_vectors: dict[str, Any] = {}
         self.covariate_values: dict[str, dict[str, str]] = {}  # subject -> the table's values of the columns
-        self._fit_covariates(parse_covariates(covariates), plain(covariates_table), names)
-        if bool(shuffle_covariates) and self._covariate_vectors:
-            self._covariate_vectors = _deranged(self._covariate_vectors, self.split_seed)
+        self._fit_covariates(parse_covariates(covariates), plain(covariates_table), names, bool(shuffle_covariates))
 
-    def _fit_covariates(self, columns: list[tuple[str, str | None]], table_path: Any, names: list[str]) -> None:
+    def _fit_covariates(self, columns: list[tuple[str, str | None]], table_path: Any, names: list[str],
+                        shuffle: bool) -> None:
         """Read the participants table (the phantom's own, or ``covariates_table``, or ``<root>/participants.tsv``)
         and fit the encoding on the training split; every subject is checked now (before anything trains)."""
         self.covariates_table: str | None = None if table_path is None else str(Path(str(table_path)).expanduser())
@@ -201,9 +187,10 @@ class VolumeDataModule(L.LightningDataModule):
         else:
             source = self.covariates_table or str(Path(self.root) / TABLE_NAME)
             table = read_table(source)
-        self.covariate_encoding = fit_encoding(table, source, columns, self.train_subjects, self.val_subjects)
-        self._covariate_vectors = {s: self.covariate_encoding.vector(table[s]) for s in names}
-        self.covariate_values = {s: {c: table[s][c] for c in self.covariate_encoding.names} for s in names}
+        fitted = subject_covariates(columns, table, source, self.train_subjects, self.val_subjects)
+        fitted = fitted.shuffled(self.split_seed) if shuffle else fitted
+        self.covariate_encoding, self._covariate_vectors, self.covariate_values = (
+            fitted.encoding, fitted.vectors, fitted.values)
 
     @staticmethod
     def _name(key: str, value: Any) -> str:
