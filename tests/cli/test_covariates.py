@@ -120,3 +120,17 @@ def test_evaluate_reports_whether_age_is_obeyed_beside_a_negative_control(covari
     assert len(list((out / "samples").glob("control_*_generated.nii.gz"))) == 4  # the control's (no covariates)
     saved = json.loads(Path(record["json"]).read_text())
     assert saved["figures"]["covariate_age_ventricles_control"]["checkpoint"] == str(diffusion_ckpt)
+
+
+def test_the_table_is_skipped_only_where_it_is_not_the_anatomy() -> None:
+    """Every covariate requested: a NIfTI run's data module does not read its table; the phantom's keeps its
+    covariates, which shape its anatomy and masks (the real volumes an evaluation compares with)."""
+    from voxdiff.cli.covariate_args import without_table
+    from voxdiff.data.covariates import Column, CovariateEncoding
+
+    encoding = CovariateEncoding((Column("age", "numeric", 50.0, 10.0, 30.0, 70.0),))
+    nifti = {"data": {"_target_": "voxdiff.data.VolumeDataModule", "root": "/data", "covariates": ["age"]}}
+    phantom = {"data": {"_target_": "voxdiff.data.VolumeDataModule", "root": None, "covariates": ["age"]}}
+    assert without_table(nifti, encoding, {"age": 40.0})["data"]["covariates"] == []
+    assert without_table(nifti, encoding, {})["data"]["covariates"] == ["age"]
+    assert without_table(phantom, encoding, {"age": 40.0})["data"]["covariates"] == ["age"]

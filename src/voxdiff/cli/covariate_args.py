@@ -45,10 +45,13 @@ def requested_covariates(cfg: DictConfig, encoding: CovariateEncoding | None) ->
 def without_table(saved: Mapping[str, Any], encoding: CovariateEncoding | None,
                   requested: Mapping[str, Any]) -> dict[str, Any]:
     """The stored run config for the command's data module: with every covariate requested, ``data.covariates``
-    emptied (the data's table is not needed); else as stored."""
+    emptied (the data's table is not needed); else as stored. The phantom keeps them: they shape its anatomy (and
+    its masks), which the real volumes an evaluation compares with must have."""
     saved = dict(saved)
-    if encoding is not None and set(encoding.names) <= set(requested) and saved.get("data"):
-        saved["data"] = {**saved["data"], "covariates": []}
+    data = saved.get("data") or {}
+    phantom = data.get("root") is None and str(data.get("_target_", "")).endswith("VolumeDataModule")
+    if encoding is not None and set(encoding.names) <= set(requested) and data and not phantom:
+        saved["data"] = {**data, "covariates": []}
     return saved
 
 
