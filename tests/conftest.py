@@ -105,6 +105,22 @@ def diffusion_ckpt(tmp_path_factory) -> Path:
     return Path(report["last_checkpoint"])
 
 
+#: a phantom run conditioned on two covariates (numeric age, categorical sex), trained for guidance
+COVARIATES = ["data.num_subjects=6", "data.covariates=[age,sex]", "system.guidance.drop_prob=0.3",
+              "data.volume_shape=[24,24,24]"]  # evaluate.py's MS-SSIM needs axes >= 20
+
+
+@pytest.fixture(scope="session")
+def covariate_ckpt(tmp_path_factory) -> Path:
+    """``checkpoints/last.ckpt`` of a real 2-step tiny diffusion run on the phantom with ``data.covariates``."""
+    from voxdiff.cli.train import train
+    from voxdiff.config import compose
+
+    out = tmp_path_factory.mktemp("covariate_run")
+    report = train(compose("train", [*TINY_DEMO, *COVARIATES, f"paths.output_dir={out}"]))
+    return Path(report["last_checkpoint"])
+
+
 @pytest.fixture(scope="session")
 def vqvae_ckpt(tmp_path_factory) -> Path:
     """A stage-1 checkpoint as ``train.py experiment=vqvae_demo`` writes it (untrained weights, Lightning layout)."""

@@ -369,7 +369,7 @@ def model_spec(cfg: DictConfig, encoding: Encoding | None = None, device_type: s
     encoding = encoding if encoding is not None else build_encoding(cfg)
     c_in, c_out = unet_io_channels(encoding, cfg.mode)
     args = {k: v for k, v in plain(cfg.model).items() if k not in _MODEL_META_KEYS}
-    unknown = set(args) - set(UNetSpec.__dataclass_fields__) - {"in_channels", "out_channels"}
+    unknown = set(args) - set(UNetSpec.__dataclass_fields__) - {"in_channels", "out_channels", "covariate_dim"}
     if unknown:
         key = sorted(unknown)[0]
         raise ConfigError(f"model.{key}", args[key], "is not an argument of the UNet",

@@ -131,6 +131,37 @@ ROWS = [
      ["device=cuda", "no CUDA GPU is visible", "device=auto"]),
     ("evaluate_cuda_without_gpu", EVALUATE, ["ckpt_path={diffusion}", "device=cuda"], CONFIG,
      ["device=cuda", "no CUDA GPU is visible", "device=auto"]),
+    # covariates (issue 28): the table's problems name the file, the subject and the column (exit 5); the config's,
+    # the sampler's and a resume's name the key (exit 2)
+    ("covariates_no_table", TRAIN, ["data.root={cov_no_table}", "data.covariates=[age]"], DATA,
+     ["cov_no_table/participants.tsv", "no participants table", "data.covariates_table=PATH", "Fix:"]),
+    ("covariates_no_column", TRAIN, ["data.root={cov_data}", "data.covariates=[age,height]"], DATA,
+     ["participants.tsv", "no column 'height'", "data.covariates", "Fix:"]),
+    ("covariates_subject_missing", TRAIN, ["data.root={cov_data}", "data.covariates=[age]",
+                                           "data.covariates_table={cov_missing_subject}"], DATA,
+     ["missing_subject.tsv", "subject subject-002 has no row", "Fix:"]),
+    ("covariates_not_numeric", TRAIN, ["data.root={cov_data}", "data.covariates=[age]",
+                                       "data.covariates_table={cov_not_numeric}"], DATA,
+     ["not_numeric.tsv", "subject-001", "'forty'", "numeric column 'age'", "Fix:"]),
+    ("covariates_level_unseen", TRAIN, ["data.root={cov_data}", "data.covariates=[sex]",
+                                        "data.covariates_table={cov_unseen_level}"], DATA,
+     ["unseen_level.tsv", "(validation)", "'X'", "column 'sex'", "Fix:"]),
+    ("covariates_kind_unknown", TRAIN, ["data.covariates=[age:ordinal]"], CONFIG,
+     ["data.covariates=[age:ordinal]", "neither numeric nor categorical", "Fix:"]),
+    ("covariates_not_the_phantoms", TRAIN, ["data.covariates=[height]"], CONFIG,
+     ["data.covariates=[height]", "the phantom has no covariate 'height'", "age", "Fix:"]),
+    ("resume_with_other_covariates", TRAIN, ["ckpt_path={diffusion}", "data.covariates=[age]"], CONFIG,
+     ["data.covariates is [] in the checkpoint and [age] now", "data.covariates=[]", "Fix:"]),
+    ("sample_covariate_out_of_range", SAMPLE, ["ckpt_path={covariates}", "covariates.age=200"], CONFIG,
+     ["covariates.age=200", "outside the range this model was trained on", "Fix: use a number in"]),
+    ("sample_covariate_level_unseen", SAMPLE, ["ckpt_path={covariates}", "covariates.sex=X"], CONFIG,
+     ["covariates.sex=X", "not a level this model was trained on", "Fix: use one of F, M"]),
+    ("evaluate_covariate_not_trained", EVALUATE, ["ckpt_path={covariates}", "covariates.lesion_load=2"], CONFIG,
+     ["covariates.lesion_load=2", "trained on the covariates ['age', 'sex']", "Fix:"]),
+    ("sample_covariates_for_a_model_without", SAMPLE, ["ckpt_path={diffusion}", "covariates.age=50"], CONFIG,
+     ["covariates.age=50", "trained without covariates", "data.covariates=", "Fix:"]),
+    ("evaluate_sweep_unknown_covariate", EVALUATE, ["ckpt_path={covariates}", "covariate_sweep=height"], CONFIG,
+     ["covariate_sweep=height", "not a covariate of this model", "Fix:"]),
     ("cache_no_arguments", CACHE, [], CONFIG, ["stage1_ckpt", "is required", "Fix:"]),
     ("cache_device_unknown", CACHE, ["stage1_ckpt={vqvae}", "out={tmp}/cache", "device=gpu"], CONFIG,
      ["device=gpu", "is not one of auto, cpu, cuda", "Fix:"]),
@@ -208,8 +239,20 @@ def _nan_image(i: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory, diffusion_ckpt, vqvae_ckpt, reference_csv):
+def files(tmp_path_factory, diffusion_ckpt, vqvae_ckpt, covariate_ckpt, reference_csv):
     tmp = tmp_path_factory.mktemp("bad_input")
+    from voxdiff.data.covariates import write_table
+    from voxdiff.data.split import split_subjects
+
+    cov_data = _write_subjects(tmp / "cov_data", lambda i: _nan_image(0) + i)
+    names = [f"subject-{i:03d}" for i in range(3)]
+    rows = {n: {"participant_id": n, "age": str(30 + 10 * i), "sex": "FM"[i % 2]} for i, n in enumerate(names)}
+    write_table(tmp / "cov_data" / "participants.tsv", rows)
+    write_table(tmp / "missing_subject.tsv", {k: v for k, v in rows.items() if k != "subject-002"})
+    write_table(tmp / "not_numeric.tsv", {**rows, "subject-001": {**rows["subject-001"], "age": "forty"}})
+    val = names[split_subjects(names, 0.25, 0)[1][0]]
+    train_levels = {**{n: {**rows[n], "sex": "F"} for n in names}, val: {**rows[val], "sex": "X"}}
+    write_table(tmp / "unseen_level.tsv", train_levels)
     (tmp / "empty.ckpt").write_bytes(b"")
     (tmp / "garbage.ckpt").write_bytes(np.random.default_rng(0).bytes(4096))
     data = diffusion_ckpt.read_bytes()
@@ -268,6 +311,12 @@ def files(tmp_path_factory, diffusion_ckpt, vqvae_ckpt, reference_csv):
         "nan_data": _write_subjects(tmp / "nan_data", _nan_image),
         "zero_data": _write_subjects(tmp / "zero_data", lambda i: np.zeros((16, 16, 16), np.float32)),
         "cache_bad_index": str(tmp / "cache_bad_index"),
+        "covariates": str(covariate_ckpt),
+        "cov_data": cov_data,
+        "cov_no_table": _write_subjects(tmp / "cov_no_table", lambda i: _nan_image(0) + i),
+        "cov_missing_subject": str(tmp / "missing_subject.tsv"),
+        "cov_not_numeric": str(tmp / "not_numeric.tsv"),
+        "cov_unseen_level": str(tmp / "unseen_level.tsv"),
         "sweep_header_only": str(tmp / "header_only.csv"),
         "sweep_columns": str(tmp / "columns.csv"),
         "sweep_invalid": str(tmp / "invalid.csv"),

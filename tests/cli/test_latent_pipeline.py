@@ -160,3 +160,22 @@ def test_stage1_resume_equals_an_uninterrupted_run(tmp_path):
     for key in a["state_dict"]:  # equal up to float rounding (CPU kernels differ by ~1e-9 between processes)
         torch.testing.assert_close(a["state_dict"][key], b["state_dict"][key], rtol=1e-5, atol=1e-7, msg=key)
     assert a["lr_schedulers"][0]["last_epoch"] == b["lr_schedulers"][0]["last_epoch"]
+
+
+def test_covariates_travel_with_the_cache_into_a_latent_run(pipeline_4x, tmp_path):
+    """cache_latents.py of the phantom with data.covariates writes its participants table into the cache; a latent
+    run conditions on it (batches carry the covariates, the UNet its embedding)."""
+    ckpt, _, _ = pipeline_4x
+    latents = tmp_path / "latents"
+    cache(compose("cache_latents", [f"stage1_ckpt={ckpt}", f"out={latents}", *DATA[1:], "data.covariates=[age]"]))
+    rows = (latents / "participants.tsv").read_text().splitlines()
+    assert rows[0].split("\t")[0] == "participant_id" and len(rows) == 4
+    overrides = exp9_overrides(4, ckpt, latents, tmp_path / "run")
+    cfg = compose("train", [*overrides, "data.covariates=[age]"])
+    from hydra.utils import instantiate
+
+    dm = instantiate(cfg.data, _convert_="all")
+    dm.setup("fit")
+    assert dm.covariate_encoding.names == ["age"] and next(iter(dm.train_dataloader()))["covariates"].shape == (1, 2)
+    report = train(cfg)
+    assert "train/loss" in report["metrics"]

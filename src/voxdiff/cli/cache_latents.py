@@ -118,6 +118,10 @@ def cache(cfg: DictConfig) -> dict[str, Any]:
                                batch_size=spec.batch_size, num_workers=spec.num_workers,
                                log=lambda m: print(f"[voxdiff] {m}", flush=True))
     out = spec.out.resolve()
+    table = covariates_beside(datamodule, out)
+    if table is not None:
+        print(f"[voxdiff] covariates: {table} (train with data.covariates=[...]; they travel with the cache)",
+              flush=True)
     print(f"[voxdiff] latent cache: {out / INDEX_NAME}: {len(index['subjects'])} subjects, latents "
           f"{index['latent_shape']} per modality, {index['seconds']} s", flush=True)
     experiments = "|".join(latent_experiments(type(encoding), encoding.factor)) or "<a latent experiment>"
@@ -125,6 +129,30 @@ def cache(cfg: DictConfig) -> dict[str, Any]:
           f"encoding.checkpoint={Path(spec.checkpoint).resolve()} data.latent_dir={out} "
           f"data.volume_shape=[{','.join(map(str, shape))}]", flush=True)
     return index
+
+
+def covariates_beside(datamodule: Any, out: Path) -> Path | None:
+    """The subjects' covariates into the cache folder (``participants.tsv``), so a latent run can condition on them:
+    the source's table (``data.covariates_table``, else ``<data.root>/participants.tsv``) copied, or the phantom's
+    (with ``data.covariates``, which also shape its anatomy). None: the source has none."""
+    import shutil
+
+    # deferred: voxdiff.data.covariates imports MONAI's transforms (seconds); a refused config exits before
+    from voxdiff.data.covariates import TABLE_NAME, phantom_table, write_table
+
+    target = out / TABLE_NAME
+    source = getattr(datamodule, "covariates_table", None)
+    root = getattr(datamodule, "root", None)
+    if source is None and root is not None and (Path(root) / TABLE_NAME).is_file():
+        source = str(Path(root) / TABLE_NAME)
+    if source is not None:
+        shutil.copyfile(source, target)
+        return target
+    if root is None and getattr(datamodule, "covariate_encoding", None) is not None:
+        names = [*datamodule.train_subjects, *datamodule.val_subjects]
+        seeds = [int(n.rsplit("-", 1)[1]) for n in names]
+        return write_table(target, phantom_table(names, seeds))
+    return None
 
 
 def latent_experiments(encoding_class: type, factor: int) -> list[str]:

@@ -26,28 +26,38 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind
 from voxdiff.cli.devices import pick_device
 from voxdiff.cli.exit_codes import hydra_main, refusals
+from voxdiff.cli.covariate_args import covariate_rows, covariate_vectors, requested_covariates, without_table
 from voxdiff.cli.sample import _CKPT_FIX, _datamodule, _load, validate as validate_sampling
 from voxdiff.config import plain
+from voxdiff.data.phantom import ventricle_voxels
 from voxdiff.errors import ConfigError, integer
 from voxdiff.files import check_output
 from voxdiff.files import load_file
 from voxdiff.evaluation.features import build_extractors, file_sha256
-from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, check_volume_shape, describe
+from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, check_volume_shape, describe, pearson
 from voxdiff.evaluation.pipeline import (
     batches,
     diffusion_figures,
+    figure,
     histogram_section,
     load_real,
     montage_section,
     vqvae_figures,
     vqvae_reconstructions,
 )
-from voxdiff.evaluation.report import data_uri, loss_curve_png, read_loss_log, render_html, write_outputs
+from voxdiff.evaluation.report import (
+    data_uri,
+    loss_curve_png,
+    read_loss_log,
+    render_html,
+    scatter_png,
+    write_outputs,
+)
 from voxdiff.viz import save_montage
 
 
@@ -91,6 +101,10 @@ def validate(cfg: DictConfig) -> None:
     if stage1 is not None and not Path(str(stage1)).is_file():
         raise ConfigError("stage1_ckpt", stage1, "no such checkpoint file",
                           "point it at a VQ-VAE run's checkpoints/last.ckpt, or stage1_ckpt=null")
+    control = cfg.get("control_ckpt")
+    if control is not None and not Path(str(control)).is_file():
+        raise ConfigError("control_ckpt", control, "no such checkpoint file", "point it at the negative control's "
+                          "checkpoint (a run without data.covariates, or with shuffled ones), or control_ckpt=null")
     medicalnet = cfg.get("medicalnet") or {}
     if medicalnet.get("weights") is not None and not medicalnet.get("sha256"):
         raise ConfigError("medicalnet.sha256", medicalnet.get("sha256"), "a MedicalNet weights file needs its SHA-256",
@@ -104,9 +118,10 @@ def _split(dm: Any, split: str):
     return dm.val_dataset if split == "val" else ConcatDataset([dm.val_dataset, dm.train_dataset])
 
 
-def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any, precision: Any
-              ) -> tuple[Any, list[int], list[Path]]:
-    """``n`` samples conditioned on the real masks in turn; writes NIfTI + montage per sample."""
+def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any, precision: Any,
+              rows: list[dict[str, Any]] | None = None, tag: str = "eval") -> tuple[Any, list[int], list[Path]]:
+    """``n`` samples conditioned on the real masks in turn (and on ``rows[i]``'s covariates, written beside each
+    when the model has covariates); writes NIfTI + montage per sample."""
     import torch
     from tqdm.auto import tqdm
 
@@ -119,34 +134,118 @@ def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any
     for b, idx in enumerate(tqdm(list(batches(n, int(cfg.batch_size))), desc=f"[voxdiff] {sampler.sampler}", unit="batch")):
         src = [sources[i] for i in idx]
         generator = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1_000_003 + b)
+        used = None if rows is None or system.covariate_encoding is None else [rows[i] for i in idx]
         with precision.autocast():
             x = system.generate(real.masks[src], num_inference_steps=sampler.num_inference_steps,
                                 generator=generator, use_ema=bool(cfg.use_ema), eta=sampler.eta,
-                                guidance_scale=sampler.guidance_scale, batch_size=int(cfg.batch_size)).float().cpu()
+                                guidance_scale=sampler.guidance_scale, batch_size=int(cfg.batch_size),
+                                covariates=covariate_vectors(system.covariate_encoding, used)).float().cpu()
         generated.append(x)
         names = [f"{real.subjects[s]}_s{i:03d}" for s, i in zip(src, idx)]
-        pngs += save_samples(out, "eval", system.mode, x, real.masks[src], real.images[src], real.affines[src], names)
+        pngs += save_samples(out, tag, system.mode, x, real.masks[src], real.images[src], real.affines[src], names,
+                             covariates=used)
     return torch.cat(generated), sources, pngs
+
+
+def _sweep(cfg: DictConfig, encoding: Any, n: int) -> list[dict[str, Any]]:
+    """``covariate_sweep=NAME``: the ``n`` samples' requested values of that covariate, evenly over its training
+    range (numeric) or its levels in turn (categorical); ``[{}] * n`` without a sweep."""
+    name = cfg.get("covariate_sweep")
+    if name is None:
+        return [{} for _ in range(n)]
+    column = {c.name: c for c in (encoding.columns if encoding is not None else ())}.get(str(name))
+    if column is None:
+        raise ConfigError("covariate_sweep", name, "is not a covariate of this model "
+                          f"({encoding.names if encoding is not None else 'it has none'})",
+                          "name one of its covariates, or covariate_sweep=null")
+    if column.kind == "categorical":
+        return [{column.name: column.levels[i % len(column.levels)]} for i in range(n)]
+    step = (column.hi - column.lo) / max(n - 1, 1)
+    return [{column.name: round(column.lo + i * step, 6)} for i in range(n)]
+
+
+def _covariate_figures(cfg: DictConfig, saved: dict[str, Any], system: Any, sampler: Any, real: Any,
+                       generated: Any, rows: list[dict[str, Any]] | None, table: dict[str, Any],
+                       device: Any, precision: Any) -> tuple[dict[str, Any], dict[str, str], list[Any]]:
+    """Is age obeyed? On a phantom run with the covariate ``age``: Pearson's r between the age each sample was
+    drawn at and its ventricle size, the same for the real images and their ages, and for ``control_ckpt`` (a
+    negative control: sampled with the same masks, noise and ages); with a scatter of the three for the report."""
+    figures: dict[str, Any] = {}
+    absent: dict[str, str] = {}
+    data = saved.get("data") or {}
+    phantom = data.get("root") is None and str(data.get("_target_", "")).endswith("VolumeDataModule")
+    if rows is None or "age" not in rows[0] or not phantom or system.mode != "bravo":
+        if rows is not None:
+            absent["covariate_age_ventricles_generated"] = ("measured on a phantom run (bravo) with the covariate "
+                                                             "age only: the phantom's ventricles widen with age")
+        return figures, absent, []
+    ages = [float(r["age"]) for r in rows]
+    sizes = [ventricle_voxels(v) for v in generated]
+    figures["covariate_age_ventricles_generated"] = figure("covariate_age_ventricles_generated", pearson(ages, sizes))
+    real_ages = [float(table[s]["age"]) for s in real.subjects]
+    real_sizes = [ventricle_voxels(v) for v in real.images]
+    series = {"generated": (ages, sizes), "real": (real_ages, real_sizes)}
+    if len(real_ages) >= 2:
+        figures["covariate_age_ventricles_real"] = figure("covariate_age_ventricles_real",
+                                                          pearson(real_ages, real_sizes))
+    control_path = cfg.get("control_ckpt")
+    if control_path is None:
+        absent["covariate_age_ventricles_control"] = ("no negative control: pass control_ckpt=PATH (a run without "
+                                                      "data.covariates, or with shuffled ones)")
+    else:
+        control_cfg = cfg.copy()
+        with open_dict(control_cfg):
+            control_cfg.ckpt_path = str(control_path)
+        control, _, control_precision, _ = _load(control_cfg, device)
+        encoding = control.covariate_encoding
+        if encoding is not None and set(encoding.names) != set(rows[0]):
+            raise ConfigError("control_ckpt", str(control_path), f"was trained with the covariates {encoding.names}, "
+                              f"this model with {list(rows[0])}", "use a control with the same covariates "
+                              "(shuffled) or none")
+        print(f"[voxdiff] negative control {control_path}: sampling with the same masks, noise and ages", flush=True)
+        other, _, _ = _generate(cfg, control, sampler, real, device, control_precision, rows, tag="control")
+        control_sizes = [ventricle_voxels(v) for v in other]
+        figures["covariate_age_ventricles_control"] = figure("covariate_age_ventricles_control",
+                                                             pearson(ages, control_sizes), checkpoint=str(control_path))
+        series["negative control"] = (ages, control_sizes)
+    png = scatter_png(series, "age (requested; real: the subject's)", "ventricle voxels (CSF-dark, central box)")
+    section = ("Covariates: is age obeyed?", "ventricle size of each volume against the age it was sampled at "
+               "(generated, negative control) or has (real); r and N in the table", [(data_uri(png), "age")])
+    return figures, absent, [section]
 
 
 def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     system, saved, precision, weights = _load(cfg, device)
     sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"))
-    dm, data = _datamodule(saved, cfg, weights)
+    encoding = system.covariate_encoding
+    requested = requested_covariates(cfg, encoding)
+    sweep = _sweep(cfg, encoding, int(cfg.n))
+    if encoding is not None and cfg.get("covariate_sweep") is not None:
+        requested = {k: v for k, v in requested.items() if k != cfg.covariate_sweep}
+    dm, data = _datamodule(without_table(saved, encoding, {**requested, **sweep[0]}), cfg, weights)
     dataset = _split(dm, str(cfg.split))
     ms_ssim = MS_SSIM_PRESETS[cfg.ms_ssim]
     check_volume_shape(tuple(dataset[0]["image"].shape[1:]), ms_ssim)
     real = load_real(dataset, int(cfg.n))
     extractors, absent = build_extractors(cfg.get("random_features_seed"), cfg.get("stage1_ckpt"),
                                           plain(cfg.get("medicalnet")))
+    sources = [i % len(real) for i in range(int(cfg.n))]
+    table = getattr(dm, "covariate_values", {})
+    rows = None if encoding is None else [
+        covariate_rows(encoding, table, [real.subjects[s]], {**requested, **sweep[i]})[0]
+        for i, s in enumerate(sources)]
     t0 = time.perf_counter()
-    generated, sources, pngs = _generate(cfg, system, sampler, real, device, precision)
+    generated, sources, pngs = _generate(cfg, system, sampler, real, device, precision, rows)
     t1 = time.perf_counter()
     print(f"[voxdiff] {len(generated)} samples in {t1 - t0:.1f} s; computing the figures", flush=True)
     figures, more_absent = diffusion_figures(real, generated, sources, system.mode, extractors,
                                              bins=int(cfg.histogram_bins), device=str(device), ms_ssim=ms_ssim)
+    cov_figures, cov_absent, cov_sections = _covariate_figures(cfg, saved, system, sampler, real, generated, rows,
+                                                               table, device, precision)
+    figures.update(cov_figures)
+    more_absent.update(cov_absent)
     what = "mask | real | generated" if system.mode == "bravo" else "real mask | generated mask"
-    sections = [montage_section(pngs, int(cfg.montages), what)]
+    sections = [montage_section(pngs, int(cfg.montages), what), *cov_sections]
     if system.mode == "bravo":
         sections.append(histogram_section(real, generated, sources, int(cfg.histogram_bins)))
     return {
@@ -155,7 +254,8 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
         "sampler": sampler,
         "sampling": {"sampler": sampler.sampler, "num_inference_steps": sampler.num_inference_steps,
                      "eta": sampler.eta, "guidance_scale": sampler.guidance_scale, "use_ema": bool(cfg.use_ema), "seed": int(cfg.seed), "batch_size": int(cfg.batch_size),
-                     "conditioned_on": [real.subjects[s] for s in sources]},
+                     "conditioned_on": [real.subjects[s] for s in sources],
+                     **({"covariates": rows} if rows is not None else {})},
         "feature_extractors": {e.name: e.label for e in extractors},
         "seconds": {"generation": round(t1 - t0, 2), "figures": round(time.perf_counter() - t1, 2)},
         "data": data, "stage1_weights": weights,

@@ -6,7 +6,8 @@ run: and the stage-1 weights ``encoding.checkpoint=PATH`` names) → take ``n`` 
 data the command names: ``data.root=DIR``, a latent run's ``data.latent_dir=DIR``, the built-in phantom where the
 run trained on it, or with ``data.from_checkpoint=true`` the folder the checkpoint names) → the run's sampler
 (DDIM, or Euler for rectified flow; ``guidance_scale`` for classifier-free guidance) with the EMA weights → decode →
-NIfTI with the source affine + PNG montage per sample,
+NIfTI with the source affine + PNG montage per sample (with covariates: at the values ``covariates.<name>=value``
+asks for, else the subject's own, written beside it as ``*_covariates.json``; :mod:`voxdiff.cli.covariate_args`),
 in this run's directory (``<paths.log_dir>/sample/<time>/samples``). In seg mode it writes generated masks.
 A path stored in the checkpoint never decides what is read or written (:mod:`voxdiff.cli.checkpoint_paths`): the
 command writes only under its run directory and says which data and weights it used.
@@ -28,6 +29,7 @@ from omegaconf import DictConfig
 
 from voxdiff.checkpoint import CONFIG_KEY
 from voxdiff.cli.checkpoint_paths import command_data, path_choice, stage1_weights
+from voxdiff.cli.covariate_args import covariate_rows, covariate_vectors, requested_covariates, without_table
 from voxdiff.cli.devices import check_device, pick_device
 from voxdiff.cli.exit_codes import hydra_main, refusals
 from voxdiff.config import require, select
@@ -127,7 +129,9 @@ def sample(cfg: DictConfig) -> list[Path]:
     device = pick_device(cfg.device)
     system, saved, precision, weights = _load(cfg, device)
     sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"))
-    dm, _ = _datamodule(saved, cfg, weights)
+    encoding = system.covariate_encoding
+    requested = requested_covariates(cfg, encoding)
+    dm, _ = _datamodule(without_table(saved, encoding, requested), cfg, weights)
     dm.setup("fit")
     dataset = dm.val_dataset if cfg.split == "val" else ConcatDataset([dm.val_dataset, dm.train_dataset])
     n = min(int(cfg.n), len(dataset))
@@ -140,12 +144,14 @@ def sample(cfg: DictConfig) -> list[Path]:
     pngs: list[Path] = []
     for i, batch in enumerate(loader):
         generator = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1_000_003 + i)
+        rows = covariate_rows(encoding, getattr(dm, "covariate_values", {}), batch["subject"], requested)
         with precision.autocast():
             generated = system.generate(batch["mask"], num_inference_steps=sampler.num_inference_steps,
                                         generator=generator, use_ema=bool(cfg.use_ema), eta=sampler.eta,
-                                        guidance_scale=sampler.guidance_scale, batch_size=int(cfg.batch_size))
+                                        guidance_scale=sampler.guidance_scale, batch_size=int(cfg.batch_size),
+                                        covariates=covariate_vectors(encoding, rows))
         pngs += save_samples(out_dir, "sample", system.mode, generated.cpu(), batch["mask"], batch.get("image"),
-                             batch["affine"], batch["subject"])
+                             batch["affine"], batch["subject"], covariates=rows)
         print(f"[voxdiff] {len(pngs)}/{n}: {pngs[-1]}", flush=True)
     return pngs
 

@@ -211,7 +211,10 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     datamodule = instantiate_config(cfg.data, _convert_="all")
     datamodule.setup("fit")  # load (and check) the data before the model is built
     # the system is built from the run spec's part (validated with the rest; resolved for this run's device)
-    system = instantiate_config(cfg.system, _partial_=True)(spec=spec.system)
+    # with data.covariates, the encoding the data module fitted on the training split (stored in the checkpoints)
+    fitted = getattr(datamodule, "covariate_encoding", None)
+    system = instantiate_config(cfg.system, _partial_=True)(
+        spec=spec.system, **({"covariates": fitted.to_plain()} if fitted is not None else {}))
     if plan is not None:
         print("\n".join(f"[voxdiff] {line}" for line in plan.summary().splitlines()), flush=True)
     elif ckpt_path is not None:

@@ -1,7 +1,8 @@
 """The Lightning data module: the demo phantom or a NIfTI folder, split by subject into train and validation.
 
 Batches are default-collated contract samples: ``{"image": (B, 1, D, H, W) float32 in [0, 1], "mask":
-(B, 1, D, H, W) float32 in {0, 1}, "subject": list[str] (B), "affine": (B, 4, 4) float64}``.
+(B, 1, D, H, W) float32 in {0, 1}, "subject": list[str] (B), "affine": (B, 4, 4) float64}``, and with
+``data.covariates`` also ``"covariates": (B, K)`` float32 (:mod:`voxdiff.data.covariates`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,17 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from voxdiff.data.covariates import (
+    TABLE_NAME,
+    CovariateEncoding,
+    WithCovariates,
+    parse_covariates,
+    phantom_table,
+    read_table,
+    subject_covariates,
+)
 from voxdiff.data.nifti import CACHE_MODES, IMAGE_NAME, MASK_NAME, DataError, NiftiDataset, _stamp, find_subjects
-from voxdiff.data.phantom import PhantomDataset, check_volume_shape, subject_name
+from voxdiff.data.phantom import PHANTOM_COVARIATES, PhantomDataset, check_volume_shape, subject_name
 from voxdiff.data.shared import launch_rank, one_writes
 from voxdiff.data.split import split_subjects
 from voxdiff.errors import ConfigError, integer, number, one_of, plain
@@ -47,6 +57,16 @@ class VolumeDataModule(L.LightningDataModule):
             ``"none"`` generates every subject once at setup and keeps it in memory).
         cache_dir: folder for ``cache="disk"`` (NIfTI only).
         pin_memory: DataLoader ``pin_memory`` (faster host→GPU copies).
+        covariates: the participants table's columns to condition on (``data.covariates``; None or ``[]``: none).
+            The phantom's are those of :data:`~voxdiff.data.phantom.PHANTOM_COVARIATES`, and shape its anatomy.
+        covariates_table: the table (default ``<root>/participants.tsv``; the phantom makes its own).
+        shuffle_covariates: a negative control: each subject trains with another subject's covariate vector (a
+            random permutation without fixed points, seeded by ``split_seed``), so nothing ties them to the
+            anatomy; the stored encoding, and the values sampling asks for, are unchanged.
+
+    Attributes:
+        covariate_encoding: the :class:`~voxdiff.data.covariates.CovariateEncoding` fitted on the training split
+            (None without covariates); the run stores it in its checkpoints.
 
     Raises:
         ConfigError: an argument that cannot work (named as ``data.<key>``).
@@ -56,7 +76,7 @@ class VolumeDataModule(L.LightningDataModule):
     #: the arguments that name a folder or a file, read or written: a command that rebuilds this module from a
     #: checkpoint's stored config takes them from its own command line, never from the file
     #: (:mod:`voxdiff.cli.checkpoint_paths`)
-    path_args: tuple[str, ...] = ("root", "cache_dir")
+    path_args: tuple[str, ...] = ("root", "cache_dir", "covariates_table")
 
     def __init__(
         self,
@@ -72,6 +92,9 @@ class VolumeDataModule(L.LightningDataModule):
         cache: str = "memory",
         cache_dir: str | os.PathLike[str] | None = None,
         pin_memory: bool = False,
+        covariates: Sequence[str] | None = None,
+        covariates_table: str | os.PathLike[str] | None = None,
+        shuffle_covariates: bool = False,
     ) -> None:
         super().__init__()
         self.volume_shape = check_volume_shape(plain(volume_shape), key="data.volume_shape")
@@ -119,6 +142,31 @@ class VolumeDataModule(L.LightningDataModule):
         self.val_subjects: list[str] = [names[i] for i in self._val_idx]
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
+        self.covariate_encoding: CovariateEncoding | None = None
+        self._covariate_vectors: dict[str, Any] = {}
+        self.covariate_values: dict[str, dict[str, str]] = {}  # subject -> the table's values of the columns
+        self._fit_covariates(parse_covariates(covariates), plain(covariates_table), names, bool(shuffle_covariates))
+
+    def _fit_covariates(self, columns: list[tuple[str, str | None]], table_path: Any, names: list[str],
+                        shuffle: bool) -> None:
+        """Read the participants table (the phantom's own, or ``covariates_table``, or ``<root>/participants.tsv``)
+        and fit the encoding on the training split; every subject is checked now (before anything trains)."""
+        self.covariates_table: str | None = None if table_path is None else str(Path(str(table_path)).expanduser())
+        if not columns:
+            return
+        if self.root is None:
+            unknown = [n for n, _ in columns if n not in PHANTOM_COVARIATES]
+            if unknown:
+                raise ConfigError("data.covariates", [n for n, _ in columns], f"the phantom has no covariate "
+                                  f"{unknown[0]!r}", f"use some of {list(PHANTOM_COVARIATES)}")
+            table, source = phantom_table(names, list(range(len(names)))), "the phantom's participants table"
+        else:
+            source = self.covariates_table or str(Path(self.root) / TABLE_NAME)
+            table = read_table(source)
+        fitted = subject_covariates(columns, table, source, self.train_subjects, self.val_subjects)
+        fitted = fitted.shuffled(self.split_seed) if shuffle else fitted
+        self.covariate_encoding, self._covariate_vectors, self.covariate_values = (
+            fitted.encoding, fitted.vectors, fitted.values)
 
     @staticmethod
     def _name(key: str, value: Any) -> str:
@@ -136,7 +184,8 @@ class VolumeDataModule(L.LightningDataModule):
         if self.train_dataset is not None:
             return
         if self._records is None:
-            full = PhantomDataset(self.volume_shape, self.num_subjects, cache=self.cache != "none")
+            full = PhantomDataset(self.volume_shape, self.num_subjects, cache=self.cache != "none",
+                                  covariates=self.covariate_encoding is not None)
             self.train_dataset = Subset(full, self._train_idx)
             self.val_dataset = Subset(full, self._val_idx)
         else:
@@ -147,6 +196,9 @@ class VolumeDataModule(L.LightningDataModule):
                 self._fill_disk_cache()
             elif self.cache != "memory":  # memory: every subject was loaded (and checked) above
                 self._load_every_subject()
+        if self.covariate_encoding is not None:
+            self.train_dataset = WithCovariates(self.train_dataset, self._covariate_vectors)
+            self.val_dataset = WithCovariates(self.val_dataset, self._covariate_vectors)
 
     def _fill_disk_cache(self) -> None:
         """``data.cache=disk``: rank 0 of the node loads every subject (which writes the cache) and then a marker

@@ -52,6 +52,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from voxdiff.config import voxdiff_class
+from voxdiff.data.covariates import TABLE_NAME, WithCovariates, parse_covariates, read_table, subject_covariates
 from voxdiff.data.split import split_subjects
 from voxdiff.data.phantom import check_volume_shape
 from voxdiff.encodings.base import LearnedEncoding
@@ -403,7 +404,7 @@ class LatentDataModule(L.LightningDataModule):
 
     #: the arguments that name a folder or a file (read): a command that rebuilds this module from a checkpoint's
     #: stored config takes them from its own command line, never from the file (:mod:`voxdiff.cli.checkpoint_paths`)
-    path_args: tuple[str, ...] = ("latent_dir", "stage1_checkpoint")
+    path_args: tuple[str, ...] = ("latent_dir", "stage1_checkpoint", "covariates_table")
 
     def __init__(
         self,
@@ -419,6 +420,8 @@ class LatentDataModule(L.LightningDataModule):
         in_memory: bool = True,
         masks: bool = True,
         pin_memory: bool = False,
+        covariates: Sequence[str] | None = None,
+        covariates_table: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
 
@@ -449,6 +452,15 @@ class LatentDataModule(L.LightningDataModule):
         self.pin_memory = bool(pin_memory)
         self.train_dataset: LatentDataset | None = None
         self.val_dataset: LatentDataset | None = None
+        # covariates travel with the cache: cache_latents.py copies the source's participants table into it
+        self.covariate_encoding = self._covariates = None
+        self.covariate_values: dict[str, dict[str, str]] = {}
+        columns = parse_covariates(covariates)
+        if columns:
+            table = plain(covariates_table) or str(self.latent_dir / TABLE_NAME)
+            self._covariates = subject_covariates(columns, read_table(table), str(table), self.train_subjects,
+                                                  self.val_subjects)
+            self.covariate_encoding, self.covariate_values = self._covariates.encoding, self._covariates.values
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
@@ -465,6 +477,9 @@ class LatentDataModule(L.LightningDataModule):
             for dataset in (self.train_dataset, self.val_dataset):
                 for i in range(len(dataset)):
                     dataset._load(i)
+            if self._covariates is not None:
+                self.train_dataset = WithCovariates(self.train_dataset, self._covariates.vectors)
+                self.val_dataset = WithCovariates(self.val_dataset, self._covariates.vectors)
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
         return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,

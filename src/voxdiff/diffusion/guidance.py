@@ -7,6 +7,11 @@ invertible orthonormal map of them; ``tests/diffusion/test_guidance.py``). A lea
 is its encoder's output for a volume in [0, 1]; nothing guarantees it is never all zero, but an encoder that mapped
 a mask to exactly zero in every channel of a voxel would be a degenerate one.
 
+Covariates (``data.covariates``: a ``(B, K)`` vector per sample, :mod:`voxdiff.data.covariates`) are dropped
+*jointly* with the mask: a dropped sample gets both the null mask and the null covariates (all zeros, presence 0),
+so the one unconditional prediction is unconditional in everything, and a guidance scale pushes towards mask and
+covariates together (``s · (cond(mask, covariates) − uncond)``).
+
 Sampling with a scale ``s`` mixes the two predictions of the same noisy input::
 
     out = uncond + s · (cond − uncond)
@@ -80,26 +85,54 @@ def drop_condition(cond: torch.Tensor, drop_prob: float, generator: torch.Genera
     return cond * keep.to(cond.dtype).view(-1, *([1] * (cond.dim() - 1)))
 
 
-def denoiser(model: Model, cond: torch.Tensor | None, scale: float = 1.0) -> Denoiser:
+def drop_conditions(cond: torch.Tensor | None, covariates: torch.Tensor, drop_prob: float,
+                    generator: torch.Generator | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``cond (B, C_cond, d, h, w)`` (or None) and ``covariates (B, K)``, each sample replaced by the null condition
+    and the null covariates (zeros) *together* with ``drop_prob`` (one draw per sample: joint dropout)."""
+    if drop_prob <= 0:
+        return cond, covariates
+    keep = torch.rand(covariates.shape[0], device=covariates.device, generator=generator) >= drop_prob  # (B,)
+    if cond is not None:
+        cond = cond * keep.to(cond.dtype).view(-1, *([1] * (cond.dim() - 1)))
+    return cond, covariates * keep.to(covariates.dtype)[:, None]
+
+
+def with_covariates(model: Model, covariates: torch.Tensor | None) -> Model:
+    """``model`` called with the covariates ``(B, K)`` as MONAI's ``class_labels`` (the covariate embedding,
+    :mod:`voxdiff.models.covariates`); ``model`` itself without covariates."""
+    if covariates is None:
+        return model
+    return lambda x, timesteps: model(x, timesteps=timesteps, class_labels=covariates)
+
+
+def denoiser(model: Model, cond: torch.Tensor | None, scale: float = 1.0,
+             covariates: torch.Tensor | None = None) -> Denoiser:
     """The model's (guided) prediction for noisy samples, as the samplers call it.
 
     Args:
-        model: the UNet, called as ``model(x, timesteps=t)`` with ``x (N, C_out + C_cond, d, h, w)``.
+        model: the UNet, called as ``model(x, timesteps=t)`` with ``x (N, C_out + C_cond, d, h, w)`` (and
+            ``class_labels=(N, K)`` with covariates).
         cond: ``(B, C_cond, d, h, w)`` the clean condition, or None (seg mode).
         scale: the guidance scale (1: the conditional prediction alone; see the module doc).
+        covariates: ``(B, K)`` the covariate vectors, or None (a model without covariates); guidance drops them
+            with the mask.
 
     Returns:
         ``denoise(x, t)`` giving ``(B, C_out, d, h, w)`` float32.
     """
-    if cond is None:
-        return lambda x, t: model(x, timesteps=t).float()
+    if cond is None and (covariates is None or scale == 1.0):
+        return lambda x, t: with_covariates(model, covariates)(x, timesteps=t).float()
     if scale == 1.0:
-        return lambda x, t: model(torch.cat([x, cond.to(x.dtype)], dim=1), timesteps=t).float()
-    both = torch.cat([cond, torch.zeros_like(cond)], dim=0)  # (2B, C_cond, ...): conditional, then null
+        return lambda x, t: with_covariates(model, covariates)(torch.cat([x, cond.to(x.dtype)], dim=1),
+                                                                timesteps=t).float()
+    both = None if cond is None else torch.cat([cond, torch.zeros_like(cond)], dim=0)  # (2B, C_cond, ...)
+    doubled = with_covariates(model, None if covariates is None
+                              else torch.cat([covariates, torch.zeros_like(covariates)], dim=0))  # (2B, K)
 
     def guided(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         x2 = torch.cat([x, x], dim=0)  # (2B, C_out, ...)
-        out = model(torch.cat([x2, both.to(x.dtype)], dim=1), timesteps=torch.cat([t, t])).float()
+        x_in = x2 if both is None else torch.cat([x2, both.to(x.dtype)], dim=1)
+        out = doubled(x_in, timesteps=torch.cat([t, t])).float()
         c, u = out.chunk(2, dim=0)
         return u + scale * (c - u)
 

@@ -216,6 +216,7 @@ class DiffusionProcess(nn.Module):
         device: torch.device | str | None = None,
         eta: float | None = None,
         guidance_scale: float = 1.0,
+        covariates: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Generate encodings with DDIM, starting from Gaussian noise.
 
@@ -228,6 +229,7 @@ class DiffusionProcess(nn.Module):
             device: where to generate (default: ``cond``'s device, else the CPU).
             eta: DDIM stochasticity (default: the configured ``eta``).
             guidance_scale: classifier-free guidance (:func:`voxdiff.diffusion.guidance.denoiser`; 1: none).
+            covariates: ``(B, K)`` covariate vectors of a model trained with them (None: none).
 
         Returns:
             ``(B, C_out, d, h, w)`` float32 generated x₀ in model range.
@@ -237,7 +239,7 @@ class DiffusionProcess(nn.Module):
         device = torch.device(device) if device is not None else (cond.device if cond is not None else "cpu")
         scheduler = self.inference_scheduler
         scheduler.set_timesteps(steps)
-        denoise = denoiser(model, cond, guidance_scale)
+        denoise = denoiser(model, cond, guidance_scale, covariates)
         x = torch.randn(tuple(shape), generator=generator, device=device, dtype=torch.float32)
         for t in scheduler.timesteps.tolist():
             out = denoise(x, torch.full((x.shape[0],), t, device=device, dtype=torch.long))

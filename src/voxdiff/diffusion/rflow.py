@@ -190,6 +190,7 @@ class RectifiedFlow(nn.Module):
         device: torch.device | str | None = None,
         eta: float | None = None,
         guidance_scale: float = 1.0,
+        covariates: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Generate encodings with MONAI's Euler steps from Gaussian noise (arguments as
         :meth:`voxdiff.diffusion.DiffusionProcess.sample`; ``eta`` must be None or 0: the steps are deterministic).
@@ -204,7 +205,7 @@ class RectifiedFlow(nn.Module):
         x = torch.randn(tuple(shape), generator=generator, device=device, dtype=torch.float32)
         self.scheduler.set_timesteps(steps, input_img_size_numel=_numel(x))
         times = self.scheduler.timesteps.tolist()
-        denoise = denoiser(model, cond, guidance_scale)
+        denoise = denoiser(model, cond, guidance_scale, covariates)
         for t, t_next in zip(times, [*times[1:], 0]):
             v = denoise(x, torch.full((x.shape[0],), float(t), device=device))
             x, _ = self.scheduler.step(v, t, x, t_next)

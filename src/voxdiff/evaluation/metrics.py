@@ -308,6 +308,17 @@ def codebook_usage(indices: torch.Tensor, num_embeddings: int) -> dict[str, floa
             "num_embeddings": num_embeddings, "n_latents": int(counts.sum())}
 
 
+def pearson(x: Any, y: Any) -> dict[str, float | int]:
+    """Pearson's r of two equal-length sequences (float64) with its N; r is NaN when either is constant."""
+    a = torch.as_tensor(list(x), dtype=torch.float64)
+    b = torch.as_tensor(list(y), dtype=torch.float64)
+    if a.numel() != b.numel() or a.numel() < 2:
+        raise ValueError(f"pearson needs two sequences of the same length >= 2, got {a.numel()} and {b.numel()}")
+    a, b = a - a.mean(), b - b.mean()
+    denominator = float(a.norm() * b.norm())
+    return {"value": float((a * b).sum()) / denominator if denominator > 0 else math.nan, "n": int(a.numel())}
+
+
 def describe(ms_ssim_settings: SSIMSettings = MS_SSIM_SETTINGS) -> dict[str, Any]:
     """The metric settings as plain data, for ``metrics.json``."""
     preset = next((k for k, v in MS_SSIM_PRESETS.items() if v == ms_ssim_settings), "custom")

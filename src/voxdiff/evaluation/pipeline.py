@@ -49,6 +49,19 @@ DEFINITIONS: dict[str, tuple[str, str, str]] = {
         "MMD² of intensity histograms", "lower",
         "Unbiased MMD² with a linear kernel (MONAI MMDMetric) between 64-bin intensity histograms of generated "
         "and real volumes (first min(N_gen, N_real) of each). 0 for identical sets of volumes."),
+    "covariate_age_ventricles_generated": (
+        "Age obeyed: r(requested age, generated ventricles)", "higher",
+        "Pearson correlation, over the generated volumes, between the age each was sampled at and its ventricle "
+        "size (CSF-dark voxels in the phantom's central box, voxdiff.data.phantom.ventricle_voxels). The phantom's "
+        "ventricles widen with age: near the real figure = the model learned what age does."),
+    "covariate_age_ventricles_real": (
+        "Age in the data: r(age, real ventricles)", "info",
+        "The same correlation for the real phantom images of the split and their own ages: what a model that "
+        "learned age can reach."),
+    "covariate_age_ventricles_control": (
+        "Negative control: r(requested age, control's ventricles)", "lower",
+        "The same figure for control_ckpt (a model trained without covariates, or with shuffled ones), sampled "
+        "with the same masks, noise and requested ages: it cannot follow the age, so its r stays near 0."),
     "reconstruction_ssim": ("Reconstruction SSIM", "higher",
                             "SSIM of each validation image against its VQ-VAE reconstruction (clamped to [0, 1])."),
     "reconstruction_psnr": ("Reconstruction PSNR, dB", "higher",

@@ -120,6 +120,20 @@ def loss_curve_png(series: Mapping[str, Sequence[tuple[int, float]]], step: int 
     return png_bytes(fig)
 
 
+def scatter_png(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], xlabel: str, ylabel: str) -> bytes:
+    """One scatter of several labelled ``(x, y)`` series (e.g. generated ventricle size against requested age, for
+    the model and its negative control)."""
+    fig = _figure(5.5, 3.6)
+    ax = fig.add_subplot(1, 1, 1)
+    for (label, (x, y)), marker in zip(series.items(), "os^D", strict=False):
+        ax.plot(x, y, marker, linestyle="none", alpha=0.8, label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return png_bytes(fig)
+
+
 # ------------------------------------------------------------------------------------------------ HTML
 def _fmt(value: Any) -> str:
     if isinstance(value, float):

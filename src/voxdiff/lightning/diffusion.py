@@ -42,6 +42,7 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 from voxdiff.config import check_kind, plain
+from voxdiff.data.covariates import CovariateEncoding
 from voxdiff.diffusion import build_process, encoded_range
 from voxdiff.lightning.callbacks import ProgressBar
 from voxdiff.lightning.distributed import ema_checkpoint_state, shard_system
@@ -94,6 +95,11 @@ class DiffusionSystem(L.LightningModule):
             is saved among the hyper-parameters (what :func:`voxdiff.checkpoint.checkpoint_kind` reads).
         spec: what to build, resolved from the same config by the run spec (:attr:`voxdiff.run.spec.RunSpec.system`,
             for ``device_type``); None: resolved here from the arguments above. Not a hyper-parameter.
+        covariates: the covariate encoding the data module fitted on the training split
+            (:meth:`voxdiff.data.covariates.CovariateEncoding.to_plain`; ``data.covariates``), saved as the
+            hyper-parameter ``covariates`` so sampling encodes requested values the same way; it sets the UNet's
+            covariate embedding (:mod:`voxdiff.models.covariates`). None: no covariates (and no such
+            hyper-parameter: a run without covariates saves what it always saved).
 
     Config containers are converted to plain Python here; all of the above but ``device_type`` and ``spec`` is
     saved as hyper-parameters.
@@ -117,16 +123,17 @@ class DiffusionSystem(L.LightningModule):
         device_type: str | None = None,
         kind: str | None = None,
         spec: SystemSpec | None = None,
+        covariates: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         check_kind(type(self), kind)
-        model, encoding, diffusion, optim, ema, sampling, guard, guidance = (
-            plain(x) for x in (model, encoding, diffusion, optim, ema, sampling, guard, guidance)
+        model, encoding, diffusion, optim, ema, sampling, guard, guidance, covariates = (
+            plain(x) for x in (model, encoding, diffusion, optim, ema, sampling, guard, guidance, covariates)
         )
         self.save_hyperparameters(
             {"model": model, "encoding": encoding, "diffusion": diffusion, "mode": mode, "optim": optim,
              "ema": ema, "sampling": sampling, "val_timesteps": val_timesteps, "guard": guard, "guidance": guidance,
-             "kind": self.kind}
+             "kind": self.kind, **({"covariates": covariates} if covariates else {})}
         )
         if spec is None:
             spec = system_spec(self.kind, self.hparams, device_type or accelerator_device("auto"))
@@ -137,8 +144,10 @@ class DiffusionSystem(L.LightningModule):
         self.sampling, self.val_timesteps, self.mode = spec.sampling, spec.val_timesteps, spec.mode
         self.encoding = spec.encoding
         self.encoding.requires_grad_(False)
-        # validated UNet arguments, in/out channels, the auto switches decided for this device
-        self.spec = spec.unet
+        # validated UNet arguments, in/out channels, the auto switches decided for this device; the covariate
+        # embedding's width from the fitted encoding (the run spec's is the preflight's estimate)
+        self.covariate_encoding = CovariateEncoding.from_plain(covariates) if covariates else None
+        self.spec = replace(spec.unet, covariate_dim=self.covariate_encoding.width if covariates else 0)
         self.model = build_unet_from_spec(self.spec)
         recipe = replace(spec.recipe, clip=None)  # the Trainer's clipping is set at the start of fit
         self.process = build_process(recipe.diffusion, clip_range=encoded_range(self.encoding))
@@ -250,6 +259,7 @@ class DiffusionSystem(L.LightningModule):
                 "image": batch["image"][i : i + 1].detach().cpu() if "image" in batch else None,
                 "affine": torch.eye(4, dtype=torch.float64) if affines is None else affines[i].detach().cpu().double(),
                 "subject": str(subjects[i]),
+                "covariates": batch["covariates"][i : i + 1].detach().cpu() if "covariates" in batch else None,
             })
 
     def on_validation_start(self) -> None:
@@ -281,6 +291,7 @@ class DiffusionSystem(L.LightningModule):
         eta: float | None = None,
         guidance_scale: float | None = None,
         batch_size: int | None = None,
+        covariates: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Generate volumes (DDIM, or Euler for rectified flow) from the EMA weights (by default).
 
@@ -293,6 +304,8 @@ class DiffusionSystem(L.LightningModule):
             eta: DDIM stochasticity (default: the diffusion config's).
             guidance_scale: classifier-free guidance (default ``sampling.guidance_scale``; 1: none).
             batch_size: masks sampled at once (default ``sampling.batch_size``).
+            covariates: ``(B, K)`` covariate vectors (:meth:`CovariateEncoding.vector`), one per mask; needed by
+                a model trained with covariates, refused by one without.
 
         Returns:
             ``(B, 1, D, H, W)`` float32 on this module's device: images in [0, 1] (bravo) or masks in {0, 1} (seg).
@@ -300,11 +313,19 @@ class DiffusionSystem(L.LightningModule):
         mask = mask.to(self.device, torch.float32)
         if mask.dim() != 5 or mask.shape[1] != 1:
             raise ValueError(f"mask must be (B, 1, D, H, W), got {tuple(mask.shape)}")
+        if (covariates is None) != (self.covariate_encoding is None):
+            raise ValueError("a model trained with covariates samples with one (B, K) vector per mask, and one "
+                             f"without takes none (this one: {self.covariate_encoding and self.covariate_encoding.names})")
+        if covariates is not None:
+            covariates = covariates.to(self.device, torch.float32)
+            if covariates.shape != (mask.shape[0], self.covariate_encoding.width):
+                raise ValueError(f"covariates must be ({mask.shape[0]}, {self.covariate_encoding.width}), got "
+                                 f"{tuple(covariates.shape)}")
         self.step.to(self.device)
         scale = self.sampling.guidance_scale if guidance_scale is None else guidance_scale
         return self.step.generate(mask, self.spec.out_channels, num_inference_steps or self.sampling.num_inference_steps,
                                   generator=generator, eta=eta, use_ema=use_ema, guidance_scale=float(scale),
-                                  batch_size=batch_size or self.sampling.batch_size)
+                                  batch_size=batch_size or self.sampling.batch_size, covariates=covariates)
 
     def sampler(self, num_inference_steps: Any = None, eta: Any = None, guidance_scale: Any = None) -> SamplerChoice:
         """What :meth:`generate` runs with a command's own arguments (None: as trained); refuses those this model
@@ -338,8 +359,10 @@ class DiffusionSystem(L.LightningModule):
         out_dir = Path(self.trainer.default_root_dir) / "samples"
         masks = torch.cat([c["mask"] for c in self._val_cache])
         images = None if self._val_cache[0]["image"] is None else torch.cat([c["image"] for c in self._val_cache])
+        covariates = (torch.cat([c["covariates"] for c in self._val_cache])
+                      if self._val_cache[0]["covariates"] is not None else None)  # (B, K): the subjects' own
         with self.trainer.precision_plugin.forward_context():
-            generated = self.generate(masks, generator=self._generator(1_000_000)).cpu()
+            generated = self.generate(masks, generator=self._generator(1_000_000), covariates=covariates).cpu()
         if not self.trainer.is_global_zero:
             return []
         pngs = save_samples(out_dir, tag, self.mode, generated, masks, images,

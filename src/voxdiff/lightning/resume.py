@@ -9,7 +9,8 @@ anything is built and
   predict — ``model.*`` (but ``gradient_checkpointing``, ``use_flash_attention`` and ``compile*``, which change
   memory and speed, not weights), ``encoding.*`` (but a learned encoding's weights file, ``checkpoint``),
   ``mode``, ``diffusion.`` ``process``, ``num_train_timesteps``, ``schedule``, ``beta_start``, ``beta_end``,
-  ``prediction_type``; for a stage 1
+  ``prediction_type``; the covariates, ``data.covariates`` (the names, in order: the checkpoint's encoding
+  against the current list); for a stage 1
   ``system.vqvae.*`` but ``use_checkpoint``, ``commitment_cost`` and ``decay``;
 * lists every other setting that changed since the checkpoint. They are all applied: most are read from the
   current config when the run is built; the optimizer's (``system.optim.*``, which Lightning would restore from the
@@ -26,10 +27,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import lightning as L
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind, non_finite_tensor, weights_differences
 from voxdiff.config import encoding_configs, plain
+from voxdiff.data.covariates import parse_covariates
 from voxdiff.encodings import LearnedEncoding
 from voxdiff.errors import ConfigError, show_value
 from voxdiff.files import load_file
@@ -37,7 +39,7 @@ from voxdiff.run.spec import RunSpec, run_spec, system_spec
 
 #: UNet arguments that change memory and speed, not the weights
 RUNTIME_MODEL_KEYS = ("use_flash_attention", "gradient_checkpointing", "compile", "compile_mode", "compile_backend",
-                      "in_channels", "out_channels")
+                      "in_channels", "out_channels", "covariate_dim")
 #: diffusion settings that define what the UNet predicts (a key the other process does not have compares as absent)
 PROCESS_KEYS = ("process", "num_train_timesteps", "schedule", "beta_start", "beta_end", "prediction_type")
 #: VQ-VAE settings that do not change its weights' shapes
@@ -122,6 +124,10 @@ def architecture_differences(hparams: Mapping[str, Any], cfg: DictConfig, path: 
     if not out:  # same encoding and mode: the UNet's in/out channels agree, compare the rest of the UNet
         old, new = asdict(old_spec.unet), asdict(spec.unet)
         out += [(f"model.{k}", old[k], new[k]) for k in old if k not in RUNTIME_MODEL_KEYS and old[k] != new[k]]
+    old_cov = [c["name"] for c in (hparams.get("covariates") or {}).get("columns", [])]
+    new_cov = [name for name, _ in parse_covariates(OmegaConf.select(cfg, "data.covariates"))]
+    if old_cov != new_cov:  # the covariate embedding's input: an architectural change
+        out.append(("data.covariates", old_cov, new_cov))
     old_d, new_d = asdict(old_spec.recipe.diffusion), asdict(spec.recipe.diffusion)
     out += [(f"diffusion.{k}", old_d.get(k), new_d.get(k)) for k in PROCESS_KEYS if old_d.get(k) != new_d.get(k)]
     return out

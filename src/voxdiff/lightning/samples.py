@@ -4,18 +4,21 @@ Used by the system's validation sampling and by ``sample.py``, so both write the
 
 * ``<tag>_<subject>_generated.nii.gz``: the generated image (bravo) or mask (seg), float32, the source affine;
 * ``<tag>_<subject>.png``: three mid-planes per column, ``mask | real | generated`` (bravo) or
-  ``real mask | generated mask`` (seg).
+  ``real mask | generated mask`` (seg);
+* ``<tag>_<subject>_covariates.json`` (a model trained with covariates): the covariate values it was sampled at.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from voxdiff.files import atomic_write
 from voxdiff.viz import lesion_centre, save_montage, save_nifti
 
 
@@ -32,8 +35,9 @@ def save_samples(
     images: torch.Tensor | None,
     affines: Sequence[np.ndarray] | torch.Tensor,
     subjects: Sequence[str],
+    covariates: Sequence[Mapping[str, object]] | None = None,
 ) -> list[Path]:
-    """Write one NIfTI and one montage per sample; returns the montage paths.
+    """Write one NIfTI and one montage per sample (and the covariates it was sampled at); returns the montage paths.
 
     Args:
         out_dir: the folder (created).
@@ -44,6 +48,7 @@ def save_samples(
         images: ``(B, 1, D, H, W)`` the real images (bravo montage), or None.
         affines: ``B`` voxel-to-world ``(4, 4)`` matrices of the source volumes.
         subjects: ``B`` subject names.
+        covariates: ``B`` mappings of the covariate values each sample was generated at, or None (no covariates).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -53,6 +58,9 @@ def save_samples(
         affine = affines[i]
         affine = affine.detach().cpu().double().numpy() if isinstance(affine, torch.Tensor) else np.asarray(affine)
         save_nifti(out / f"{stem}_generated.nii.gz", generated[i, 0].float().cpu(), affine)
+        if covariates is not None:
+            text = json.dumps({"subject": str(subjects[i]), "covariates": dict(covariates[i])}, indent=1) + "\n"
+            atomic_write(out / f"{stem}_covariates.json", lambda f, t=text: f.write(t.encode()))
         if mode == "bravo":
             columns = {"mask": masks[i, 0], "real": images[i, 0] if images is not None else None,
                        "generated": generated[i, 0]}

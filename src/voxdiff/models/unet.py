@@ -19,6 +19,7 @@ from monai.networks.nets import DiffusionModelUNet
 from voxdiff.encodings.base import Encoding
 from voxdiff.errors import ConfigError, int_list, integer, plain
 from voxdiff.models.checkpointing import GRANULARITIES, apply_gradient_checkpointing
+from voxdiff.models.covariates import attach_covariates
 
 MODES = ("bravo", "seg")
 AUTO = "auto"  # a run-time switch (model.use_flash_attention, model.compile) that the device decides
@@ -124,6 +125,7 @@ class UNetSpec:
     compile: bool | str = False  # torch.compile the training forward: true, false or auto
     compile_mode: str | None = None  # torch.compile(mode=...); None: torch's default mode
     compile_backend: str = "inductor"  # torch.compile(backend=...); aot_eager tells a dynamo/autograd failure apart
+    covariate_dim: int = 0  # K of the covariate vector (voxdiff.models.covariates); 0: no covariates
 
     def for_device(self, device_type: str) -> UNetSpec:
         """This spec for a model that runs on ``device_type`` (``cuda``, ``cpu``): ``auto`` switches resolved by
@@ -369,6 +371,8 @@ def build_unet_from_spec(spec: UNetSpec, preserve_rng_state: bool = True,
         raise ValueError("build_unet_from_spec: model.use_flash_attention=auto needs the device the model runs on "
                          "(device_type=..., or spec.for_device(...))")
     model = DiffusionModelUNet(**spec.monai_kwargs())
+    if spec.covariate_dim:
+        attach_covariates(model, spec.covariate_dim)
     apply_gradient_checkpointing(model, spec.gradient_checkpointing, preserve_rng_state=preserve_rng_state)
     return model
 

@@ -439,7 +439,7 @@ def step_plan(run: RunSpec | DictConfig) -> StepPlan:
         run = run_spec(run, PREDICTED_DEVICE)
     recipe = SEED if run.preflight.recipe == "seed" else run.recipe
     return StepPlan(run.encoding, run.shapes, run.unet, recipe,
-                    batch_shapes(run.encoding, run.shapes.volume, run.batch_size), run.mode, run)
+                    batch_shapes(run.encoding, run.shapes.volume, run.batch_size, run.unet.covariate_dim), run.mode, run)
 
 
 def predict_memory(cfg: DictConfig | None = None, compile: bool | None = None,

@@ -121,6 +121,7 @@ def trace_sampling(
     cuda_kernels: bool | None = None,
     resident: Iterable[torch.Tensor] = (),
     guidance_scale: float = 1.0,
+    covariate_dim: int = 0,
 ) -> PhaseTrace:
     """Trace sampling as ``DiffusionSystem.write_samples`` runs it: ``(B, 1, D, H, W)`` masks on the device, then
     :meth:`TrainStep.generate` in an autocast region (phases ``condition``, ``sampling``, ``decode``).
@@ -133,11 +134,14 @@ def trace_sampling(
         out_channels: the UNet's output channels.
         num_inference_steps: DDIM steps to trace.
         attention, device_type, granularity, cuda_kernels, resident: as :func:`trace_validation`.
+        covariate_dim: ``K`` of a model with covariates (one ``(B, K)`` vector per mask), 0 without.
     """
     with _traced(step, resident, attention, device_type, granularity, cuda_kernels) as (rec, trace):
         mask = torch.rand(tuple(mask_shape), device=device_type).round_()  # {0, 1}, as the cached masks
+        covariates = torch.rand((mask_shape[0], covariate_dim), device=device_type) if covariate_dim else None
         with step.precision.autocast.region():
-            out = step.generate(mask, out_channels, num_inference_steps, probe=rec, guidance_scale=guidance_scale)
+            out = step.generate(mask, out_channels, num_inference_steps, probe=rec, guidance_scale=guidance_scale,
+                                covariates=covariates)
         del mask, out
     return trace
 
@@ -245,7 +249,8 @@ def predict_phases(run: StepPlan | RunSpec | DictConfig, training: MemoryReport 
     sampling = plan.run.sampling
     mask_shape = (max(min(num_masks, sampling.batch_size), 1), 1, *plan.shapes.volume)
     sample = trace_sampling(step, mask_shape, plan.spec.out_channels, min(steps, MAX_TRACED_DDIM_STEPS),
-                            attention=attention, resident=resident, guidance_scale=float(sampling.guidance_scale))
+                            attention=attention, resident=resident, guidance_scale=float(sampling.guidance_scale),
+                            covariate_dim=plan.spec.covariate_dim)
 
     ws = 2 * spec.cublas_workspace_bytes  # both cuBLAS handles exist once training has run a backward
     parts = {k: v + ws for k, v in sample.peaks.items()}

@@ -22,7 +22,7 @@ Lightning is not imported here (the preflight runs on a login node without it).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -38,6 +38,7 @@ from voxdiff.config import (
     shapes,
     strategy_kind,
 )
+from voxdiff.data.covariates import CovariateEncoding, estimated_width
 from voxdiff.encodings.base import Encoding, LearnedEncoding
 from voxdiff.errors import ConfigError, Problems, boolean, integer, number, one_of, raise_all
 from voxdiff.models.unet import UNetSpec
@@ -319,6 +320,9 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
     if kind == "diffusion":
         if encoding is not None:
             unet = collect(lambda: model_spec(cfg, encoding, device))
+            width = collect(lambda: covariate_dim(cfg))
+            if unet is not None and width:
+                unet = replace(unet, covariate_dim=width)
             if unet is not None and shapes_ok:
                 collect(lambda: check_unet_divisibility(cfg, encoding))
             collect(lambda: check_io_channels(cfg, encoding))
@@ -348,6 +352,18 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
                       sampling=sampling, val_timesteps=val_timesteps, stage1=stage1)
 
 
+def covariate_dim(cfg: DictConfig) -> int:
+    """``K`` of the run's covariate vector (0: none): exact from a system's stored encoding (``system.covariates``,
+    the hyper-parameter a run with covariates saves), else from ``data.covariates``
+    (:func:`voxdiff.data.covariates.estimated_width`: exact for the phantom; the data module's fitted encoding
+    decides it for a run, :class:`voxdiff.lightning.DiffusionSystem`)."""
+    stored = select(cfg, "system.covariates")
+    if stored:
+        return CovariateEncoding.from_plain(stored).width
+    phantom = select(cfg, "data.root") is None and str(select(cfg, "data._target_")).endswith("VolumeDataModule")
+    return estimated_width(select(cfg, "data.covariates"), phantom)
+
+
 def system_spec(kind: str, hparams: Mapping[str, Any], device_type: str) -> SystemSpec:
     """The :class:`SystemSpec` of a Lightning system's plain hyper-parameters (what its checkpoint stores), resolved
     for ``device_type``: the same checks as :func:`run_spec`'s, on the keys the system was given.
@@ -363,7 +379,7 @@ def system_spec(kind: str, hparams: Mapping[str, Any], device_type: str) -> Syst
     """
     values = {k: plain(v) for k, v in hparams.items()}
     system = {k: values.get(k) for k in ("optim", "ema", "sampling", "guard", "guidance", "vqvae", "loss", "modalities",
-                                          "volume_shape", "codebook") if values.get(k) is not None}
+                                          "volume_shape", "codebook", "covariates") if values.get(k) is not None}
     if values.get("val_timesteps") is not None:
         system["val_timesteps"] = values["val_timesteps"]
     cfg = OmegaConf.create({"system": system, "mode": values.get("mode") or "bravo",

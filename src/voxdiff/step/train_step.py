@@ -38,7 +38,7 @@ from torch import nn
 
 from voxdiff.diffusion import build_process, decode_volume, encode_batch, encode_volume
 from voxdiff.diffusion.batch import mask_loss_weights
-from voxdiff.diffusion.guidance import drop_condition
+from voxdiff.diffusion.guidance import drop_condition, drop_conditions, with_covariates
 from voxdiff.diffusion.processes import Process
 from voxdiff.diffusion.seed import seed_loss
 from voxdiff.encodings.base import Encoding, LearnedEncoding
@@ -209,12 +209,15 @@ class TrainStep:
         mask_weight = getattr(self.recipe.diffusion, "mask_weight", 0.0)
         if mask_weight:  # the mask's voxels count more (B, 1, d, h, w); computed before the condition is dropped
             extra["weights"] = mask_loss_weights(batch, x0, mask_weight)
-        if cond is not None and self.recipe.guidance is not None:  # classifier-free guidance: the null condition
+        covariates = batch.get("covariates")  # (B, K) with data.covariates, else None
+        if covariates is not None and self.recipe.guidance is not None:  # the null mask and covariates, jointly
+            cond, covariates = drop_conditions(cond, covariates, self.recipe.guidance.drop_prob)
+        elif cond is not None and self.recipe.guidance is not None:  # classifier-free guidance: the null condition
             cond = drop_condition(cond, self.recipe.guidance.drop_prob)
         if self.compiled is not None:
             self.compiled.start()
         with self.compile_errors():
-            loss, stats = self.loss_fn(self.train_model, x0, cond, **extra)
+            loss, stats = self.loss_fn(with_covariates(self.train_model, covariates), x0, cond, **extra)
         if self.guard is not None:
             self.guard.record("loss", loss, self.steps_done if step is None else step)
         return loss, stats
@@ -297,8 +300,9 @@ class TrainStep:
         x0, cond = encode_batch(self.encoding, batch, self.mode)  # (B, C_out, d, h, w), (B, C_cond, ...) | None
         n, b = num_timesteps, x0.shape[0]
         timesteps = ((torch.arange(n, device=x0.device) + 0.5) * (process.num_train_timesteps / n)).long()
+        model = with_covariates(self.model, batch.get("covariates"))  # (B, K) with data.covariates
         with self.ema_weights():
-            losses = [process.loss(self.model, x0, cond, generator=generator, timesteps=t.expand(b))[0]
+            losses = [process.loss(model, x0, cond, generator=generator, timesteps=t.expand(b))[0]
                       for t in timesteps]
         return torch.stack(losses).mean(), b
 
@@ -314,6 +318,7 @@ class TrainStep:
         probe: PhaseProbe | None = None,
         guidance_scale: float = 1.0,
         batch_size: int | None = None,
+        covariates: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Samples (DDIM, or Euler for rectified flow) decoded to volumes, with the EMA weights swapped in (by
         default), on ``mask``'s device.
@@ -330,6 +335,7 @@ class TrainStep:
             guidance_scale: classifier-free guidance (:mod:`voxdiff.diffusion.guidance`): 1 samples the conditional
                 model alone; any other scale runs the conditional and unconditional halves as one batch of 2×.
             batch_size: masks sampled at once (None: all B); the peak memory is that of one chunk.
+            covariates: ``(B, K)`` covariate vectors, one per mask (a model trained with ``data.covariates``).
 
         Returns:
             ``(B, 1, D, H, W)`` float32: images in [0, 1] (bravo) or masks in {0, 1} (seg).
@@ -342,17 +348,19 @@ class TrainStep:
         outs = []
         try:
             with self.ema_weights() if use_ema else nullcontext():
-                for part in mask.split(chunk):
+                covs = covariates.split(chunk) if covariates is not None else [None] * len(mask.split(chunk))
+                for part, cov in zip(mask.split(chunk), covs, strict=True):
                     outs.append(self._generate_chunk(process, part, out_channels, num_inference_steps, generator,
-                                                     eta, probe, guidance_scale))
+                                                     eta, probe, guidance_scale, cov))
         finally:
             self.model.train(was_training)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _generate_chunk(self, process: Process, mask: torch.Tensor, out_channels: int, num_inference_steps: int | None,
                         generator: torch.Generator | None, eta: float | None, probe: PhaseProbe,
-                        guidance_scale: float) -> torch.Tensor:
-        """:meth:`generate` of one chunk of masks ``(b, 1, D, H, W)`` (the model in eval mode, weights in place)."""
+                        guidance_scale: float, covariates: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`generate` of one chunk of masks ``(b, 1, D, H, W)`` and covariates ``(b, K)`` or None (the model in
+        eval mode, weights in place)."""
         probe.begin("condition")
         if self.mode == "bravo":
             cond = encode_volume(self.encoding, mask)  # (b, C, d, h, w)
@@ -363,7 +371,8 @@ class TrainStep:
         probe.end("condition")
         probe.begin("sampling")
         z = process.sample(self.model, (mask.shape[0], out_channels, *spatial), cond, num_inference_steps,
-                           generator=generator, device=mask.device, eta=eta, guidance_scale=guidance_scale)
+                           generator=generator, device=mask.device, eta=eta, guidance_scale=guidance_scale,
+                           **({} if covariates is None else {"covariates": covariates.to(mask.device)}))
         probe.end("sampling")
         del cond
         probe.begin("decode")
@@ -417,14 +426,17 @@ class TrainStep:
         return stats if norm is None else {**stats, "grad_norm": norm.detach()}
 
 
-def batch_shapes(encoding: Encoding, volume_shape: tuple[int, int, int], batch_size: int) -> dict[str, tuple[int, ...]]:
-    """The tensors of a training batch as the data modules hand them to the step (both modes carry both).
+def batch_shapes(encoding: Encoding, volume_shape: tuple[int, int, int], batch_size: int,
+                 covariate_dim: int = 0) -> dict[str, tuple[int, ...]]:
+    """The tensors of a training batch as the data modules hand them to the step (both modes carry both; with
+    covariates, ``covariates (B, K)`` too).
 
     Weight-free encodings (S2D, Haar, identity) get the volumes, ``image`` and ``mask`` ``(B, 1, D, H, W)``, and
     encode them inside the step; a learned encoding (VQ-VAE) trains on a latent cache, whose batches carry the
     latents ``image_z`` and ``mask_z`` ``(B, C, d, h, w)``.
     """
+    covariates = {"covariates": (batch_size, covariate_dim)} if covariate_dim else {}
     if isinstance(encoding, LearnedEncoding):
         latent = encoding.encoded_shape((1, *volume_shape))
-        return {"image_z": (batch_size, *latent), "mask_z": (batch_size, *latent)}
-    return {"image": (batch_size, 1, *volume_shape), "mask": (batch_size, 1, *volume_shape)}
+        return {"image_z": (batch_size, *latent), "mask_z": (batch_size, *latent), **covariates}
+    return {"image": (batch_size, 1, *volume_shape), "mask": (batch_size, 1, *volume_shape), **covariates}

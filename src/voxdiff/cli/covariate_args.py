@@ -1,0 +1,96 @@
+"""The covariate values ``sample.py`` and ``evaluate.py`` sample at: ``covariates.<name>=value`` on the command line.
+
+A model trained with ``data.covariates`` samples each mask at its subject's own values (the data's participants
+table, or the phantom's), each replaced by the value the command line requests: ``covariates.age=70
+covariates.sex=F`` (the phantom's columns, ``age``, ``sex`` and ``lesion_load``, are declared in the commands'
+configs; another table's column is added with ``+covariates.<name>=value``). A requested value must be one the model
+was trained on: a number within the training split's range, a level seen in training
+(:meth:`voxdiff.data.covariates.CovariateEncoding.check_value`). When every covariate is requested, the data's table
+is not read. The values are encoded with the checkpoint's encoding (never one fitted on the command's data) and
+written beside each generated volume (``<tag>_<subject>_covariates.json``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from voxdiff.config import select
+from voxdiff.data.covariates import MISSING, CovariateEncoding
+from voxdiff.errors import ConfigError
+
+_NO_COVARIATES_FIX = "remove covariates.* (train with data.covariates=[...] to condition on what is known)"
+
+
+def requested_covariates(cfg: DictConfig, encoding: CovariateEncoding | None) -> dict[str, Any]:
+    """The values ``covariates.<name>=value`` asks for (nulls left out), each checked against ``encoding`` (the
+    checkpoint's; None: a model without covariates, which takes none).
+
+    Raises:
+        ConfigError: naming ``covariates.<name>``, the value and the fix: a name the model was not trained on, a
+            number outside the training range, a level never seen in training, any value for a model without
+            covariates.
+    """
+    values = {str(k): v for k, v in (select(cfg, "covariates") or {}).items() if v is not None}
+    if values and encoding is None:
+        name = next(iter(values))
+        raise ConfigError(f"covariates.{name}", values[name], "this model was trained without covariates",
+                          _NO_COVARIATES_FIX)
+    return {name: encoding.check_value(f"covariates.{name}", name, v) for name, v in values.items()}
+
+
+def without_table(saved: Mapping[str, Any], encoding: CovariateEncoding | None,
+                  requested: Mapping[str, Any]) -> dict[str, Any]:
+    """The stored run config for the command's data module: with every covariate requested, ``data.covariates``
+    emptied (the data's table is not needed); else as stored. The phantom keeps them: they shape its anatomy (and
+    its masks), which the real volumes an evaluation compares with must have."""
+    saved = dict(saved)
+    data = saved.get("data") or {}
+    phantom = data.get("root") is None and str(data.get("_target_", "")).endswith("VolumeDataModule")
+    if encoding is not None and set(encoding.names) <= set(requested) and data and not phantom:
+        saved["data"] = {**data, "covariates": []}
+    return saved
+
+
+def covariate_rows(encoding: CovariateEncoding | None, table: Mapping[str, Mapping[str, Any]],
+                   subjects: Sequence[str], requested: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The covariate values of each sample: its subject's row of ``table`` (the data module's
+    ``covariate_values``), overridden by ``requested``. None for a model without covariates.
+
+    Raises:
+        ConfigError: a subject without a value for a covariate that was not requested, or whose level the model
+            was never trained on (naming ``covariates.<name>`` and the subject).
+    """
+    if encoding is None:
+        return None
+    rows = []
+    for subject in subjects:
+        own = table.get(str(subject), {})
+        row: dict[str, Any] = {}
+        for column in encoding.columns:
+            name = column.name
+            if name in requested:
+                row[name] = requested[name]
+                continue
+            value = own.get(name)
+            if value is None or str(value).strip().lower() in MISSING:
+                raise ConfigError(f"covariates.{name}", None, f"subject {subject} has no {name} in the data's "
+                                  "participants table, and the command line asks for none",
+                                  f"pass covariates.{name}=VALUE (or +covariates.{name}=VALUE)")
+            if column.kind == "categorical" and str(value) not in column.levels:
+                raise ConfigError(f"covariates.{name}", value, f"subject {subject}'s level is not one this model was "
+                                  f"trained on ({list(column.levels)})", f"pass covariates.{name}=LEVEL")
+            row[name] = str(value) if column.kind == "categorical" else float(value)
+        rows.append(row)
+    return rows
+
+
+def covariate_vectors(encoding: CovariateEncoding | None, rows: Sequence[Mapping[str, Any]] | None
+                      ) -> torch.Tensor | None:
+    """``(B, K)`` float32 of ``rows`` with the checkpoint's encoding; None without covariates."""
+    if encoding is None or rows is None:
+        return None
+    return torch.stack([encoding.vector(row) for row in rows])

@@ -1,0 +1,136 @@
+"""Covariates end to end on the CPU (issue 28): a NIfTI folder with a BIDS ``participants.tsv`` trains, its encoding
+is the training split's and travels in the checkpoint; ``sample.py`` samples at requested values (the rest from
+each subject's row, or without the table when every value is requested) and writes them beside each volume;
+``evaluate.py`` reports whether age is obeyed, with a negative control; resume refuses another covariate list."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+
+from voxdiff.cli.evaluate import evaluate
+from voxdiff.cli.sample import sample
+from voxdiff.cli.train import train
+from voxdiff.config import compose
+from voxdiff.data.covariates import write_table
+from voxdiff.data.split import split_subjects
+from voxdiff.errors import ConfigError
+from voxdiff.lightning.resume import check_resume
+
+NAMES = [f"sub-{i:02d}" for i in range(4)]
+AGES = [31.0, 47.0, 58.0, 72.0]
+SEXES = ["F", "M", "M", "F"]
+
+
+def _nifti_folder(root: Path, table: bool = True) -> Path:
+    """Four 16³ subjects (``bravo.nii.gz``, ``seg.nii.gz``) and their ``participants.tsv`` (age, sex, site)."""
+    rng = np.random.default_rng(0)
+    for name in NAMES:
+        (root / name).mkdir(parents=True)
+        mask = np.zeros((16, 16, 16), np.float32)
+        mask[5:9, 5:9, 5:9] = 1
+        nib.save(nib.Nifti1Image(rng.uniform(10, 100, (16, 16, 16)).astype(np.float32), np.eye(4)),
+                 str(root / name / "bravo.nii.gz"))
+        nib.save(nib.Nifti1Image(mask, np.eye(4)), str(root / name / "seg.nii.gz"))
+    if table:
+        write_table(root / "participants.tsv", {n: {"participant_id": n, "age": str(a), "sex": s, "site": "A"}
+                                                 for n, a, s in zip(NAMES, AGES, SEXES, strict=True)})
+    return root
+
+
+@pytest.fixture(scope="module")
+def nifti_run(tmp_path_factory, tiny_demo) -> tuple[Path, Path]:
+    root = _nifti_folder(tmp_path_factory.mktemp("bids"))
+    out = tmp_path_factory.mktemp("nifti_covariate_run")
+    report = train(compose("train", [*tiny_demo, f"data.root={root}", "data.covariates=[age,sex]",
+                                     f"paths.output_dir={out}"]))
+    return root, Path(report["last_checkpoint"])
+
+
+def _sidecars(folder: Path) -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(folder.glob("*_covariates.json"))}
+
+
+def test_a_nifti_folder_with_participants_tsv_trains_with_the_training_splits_encoding(nifti_run) -> None:
+    root, ckpt = nifti_run
+    stored = torch.load(ckpt, map_location="cpu", weights_only=True)
+    train_idx, _ = split_subjects(NAMES, 0.25, 0)
+    ages = np.array([AGES[i] for i in train_idx])
+    age, sex = stored["hyper_parameters"]["covariates"]["columns"]
+    assert age["kind"] == "numeric" and age["mean"] == pytest.approx(ages.mean())
+    assert age["std"] == pytest.approx(ages.std()) and (age["min"], age["max"]) == (ages.min(), ages.max())
+    assert sex == {"name": "sex", "kind": "categorical", "levels": sorted({SEXES[i] for i in train_idx})}
+    assert stored["state_dict"]["model.class_embedding.mlp.0.weight"].shape[1] == 1 + len(sex["levels"]) + 1
+
+
+def test_sample_takes_requested_values_and_the_rest_from_each_subjects_row(nifti_run, tmp_path) -> None:
+    root, ckpt = nifti_run
+    age = json.loads(json.dumps(torch.load(ckpt, map_location="cpu", weights_only=True)["hyper_parameters"]
+                                ["covariates"]["columns"][0]))
+    requested = round((age["min"] + age["max"]) / 2, 1)
+    out = tmp_path / "requested"
+    sample(compose("sample", [f"ckpt_path={ckpt}", "n=4", "split=all", "num_inference_steps=2",
+                              f"covariates.age={requested}",
+                              f"data.root={root}", f"paths.output_dir={out}"]))
+    sidecars = _sidecars(out / "samples")
+    assert len(sidecars) == 4 and len(list((out / "samples").glob("*_generated.nii.gz"))) == 4
+    for name, side in sidecars.items():
+        subject = side["subject"]
+        assert side["covariates"] == {"age": requested, "sex": SEXES[NAMES.index(subject)]}, name
+    # every value requested: a folder without a participants table samples (the table is not read)
+    bare = _nifti_folder(tmp_path / "bare", table=False)
+    out = tmp_path / "all_requested"
+    sample(compose("sample", [f"ckpt_path={ckpt}", "n=1", "num_inference_steps=2",
+                              f"covariates.age={requested}", "covariates.sex=F",
+                              f"data.root={bare}", f"paths.output_dir={out}"]))
+    assert [s["covariates"] for s in _sidecars(out / "samples").values()] == [{"age": requested, "sex": "F"}]
+
+
+def test_resume_continues_the_same_covariates_and_refuses_another_list(nifti_run, tiny_demo) -> None:
+    root, ckpt = nifti_run
+    same = compose("train", [*tiny_demo, f"data.root={root}", "data.covariates=[age,sex]",
+                             "paths.output_dir=/nonexistent"])
+    assert check_resume(same, str(ckpt)).step == 2
+    other = compose("train", [*tiny_demo, f"data.root={root}", "data.covariates=[sex,age]",
+                              "paths.output_dir=/nonexistent"])
+    with pytest.raises(ConfigError, match=r"data.covariates is \[age, sex\] in the checkpoint and \[sex, age\] now"):
+        check_resume(other, str(ckpt))
+
+
+def test_evaluate_reports_whether_age_is_obeyed_beside_a_negative_control(covariate_ckpt, diffusion_ckpt,
+                                                                           tmp_path) -> None:
+    out = tmp_path / "eval"
+    record = evaluate(compose("evaluate", [f"ckpt_path={covariate_ckpt}", "n=4", "covariate_sweep=age",
+                                           f"control_ckpt={diffusion_ckpt}", "num_inference_steps=2",
+                                           "random_features_seed=null", f"paths.output_dir={out}"]))
+    figures = record["figures"]
+    generated, control = figures["covariate_age_ventricles_generated"], figures["covariate_age_ventricles_control"]
+    assert generated["n"] == control["n"] == 4 and figures["covariate_age_ventricles_real"]["n"] == 2
+    assert all(-1 <= f["value"] <= 1 or np.isnan(f["value"]) for f in (generated, control))
+    ages = [row["age"] for row in record["sampling"]["covariates"]]
+    assert ages == sorted(ages) and len(set(ages)) == 4  # the sweep: evenly over the trained range
+    assert "Covariates: is age obeyed?" in Path(record["html"]).read_text()
+    assert len(_sidecars(out / "samples")) == 4  # the model's samples, each with its ages
+    assert len(list((out / "samples").glob("control_*_generated.nii.gz"))) == 4  # the control's (no covariates)
+    saved = json.loads(Path(record["json"]).read_text())
+    assert saved["figures"]["covariate_age_ventricles_control"]["checkpoint"] == str(diffusion_ckpt)
+
+
+def test_the_table_is_skipped_only_where_it_is_not_the_anatomy() -> None:
+    """Every covariate requested: a NIfTI run's data module does not read its table; the phantom's keeps its
+    covariates, which shape its anatomy and masks (the real volumes an evaluation compares with)."""
+    from voxdiff.cli.covariate_args import without_table
+    from voxdiff.data.covariates import Column, CovariateEncoding
+
+    encoding = CovariateEncoding((Column("age", "numeric", 50.0, 10.0, 30.0, 70.0),))
+    nifti = {"data": {"_target_": "voxdiff.data.VolumeDataModule", "root": "/data", "covariates": ["age"]}}
+    phantom = {"data": {"_target_": "voxdiff.data.VolumeDataModule", "root": None, "covariates": ["age"]}}
+    assert without_table(nifti, encoding, {"age": 40.0})["data"]["covariates"] == []
+    assert without_table(nifti, encoding, {})["data"]["covariates"] == ["age"]
+    assert without_table(phantom, encoding, {"age": 40.0})["data"]["covariates"] == ["age"]
