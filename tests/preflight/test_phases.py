@@ -82,7 +82,7 @@ def test_exp11_phases_and_the_ema_swap(gpu_run) -> None:
     the weights less (the average; its swap adds no copy: only its largest parameter)."""
     with_ema = predict_phases(compose("preflight", ["experiment=exp11"]))
     without = predict_phases(compose("preflight", ["experiment=exp11", "system.ema=false"]))
-    assert with_ema.peak_phase in ("training", "validation", "sampling")
+    assert with_ema.peak_phase == "training", with_ema.describe()  # (exp11's row of the shipped-experiment check)
     assert with_ema.peak_allocated == max(with_ema.training, with_ema.validation, with_ema.sampling)
     assert with_ema.training == with_ema.training_report.peak_allocated
     weights = with_ema.training_report.param_bytes
@@ -116,7 +116,8 @@ def test_latent_run_sampling_decodes_through_the_vqvae(gpu_run) -> None:
     assert rep.parts["decode"] > rep.parts["condition"]
     assert rep.peak_phase == "training" and rep.sampling < rep.training and rep.validation < rep.training
     guided = predict_phases(compose("preflight", ["experiment=exp9_ldm_4x_bravo", "system.guidance.drop_prob=0.1",
-                                                  "system.sampling.guidance_scale=2"]))
+                                                  "system.sampling.guidance_scale=2"]),
+                            training=rep.training_report)  # the sampling is the point: the training trace is reused
     assert guided.sample_batch == 2 * rep.sample_batch  # the conditional and unconditional halves, one batch
     assert guided.parts["sampling"] > rep.parts["sampling"]
 
@@ -124,12 +125,13 @@ def test_latent_run_sampling_decodes_through_the_vqvae(gpu_run) -> None:
 def test_rectified_flow_with_guidance_is_predicted(gpu_run) -> None:
     """exp11 with rectified flow and guidance: the trace runs the Euler sampler on twice the chunk (30 steps)."""
     rep = predict_phases(compose("preflight", ["experiment=exp11", "diffusion=rflow", "system.guidance.drop_prob=0.1",
-                                               "system.sampling.guidance_scale=2"]))
+                                               "system.sampling.guidance_scale=2",
+                                               "model.compile=false"]))  # sampling is eager either way: seconds
     assert rep.inference_steps == 30 and rep.sample_batch == 2 and rep.peak_phase == "training"
     assert "30 steps" in rep.describe()
 
 
-@pytest.mark.parametrize("experiment", ["exp11", "exp11_1", "exp12", "exp12_1", "exp9_ldm_8x_bravo"])
+@pytest.mark.parametrize("experiment", ["exp11_1", "exp12", "exp12_1", "exp9_ldm_8x_bravo"])  # exp11: above
 def test_no_shipped_experiment_validates_or_samples_above_its_training_step(gpu_run, experiment) -> None:
     rep = predict_phases(compose("preflight", [f"experiment={experiment}"]))
     assert rep.peak_phase == "training", rep.describe()
