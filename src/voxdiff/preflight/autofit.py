@@ -38,7 +38,7 @@ from voxdiff.config import select
 from voxdiff.data.split import split_subjects
 from voxdiff.models.checkpointing import GRANULARITIES
 from voxdiff.errors import ConfigError
-from voxdiff.preflight.check import PreflightResult, run_preflight, with_overrides
+from voxdiff.preflight.check import PreflightResult, override_args, run_preflight, with_overrides
 from voxdiff.preflight.memory import PREDICTED_DEVICE
 from voxdiff.preflight.resources import STEP_THROUGHPUT, data_subjects
 from voxdiff.run.spec import RunSpec, run_spec
@@ -77,7 +77,7 @@ class Candidate:
     @property
     def overrides(self) -> tuple[str, ...]:
         """The settings as a command line takes them (``data.batch_size=8 model.gradient_checkpointing=none``)."""
-        return tuple(f"{k}={_fmt(v)}" for k, v in self.settings)
+        return tuple(override_args(self.settings))
 
 
 @dataclass
@@ -202,10 +202,6 @@ def _step_s(result: PreflightResult, gpu: str, compiled: bool) -> float | None:
     if needs is None or needs.cost is None or throughput is None:
         return None
     return throughput.seconds(needs.cost)
-
-
-def _fmt(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _notes(report: AutofitReport, effective: int | None, world: int, first_misfit: int | None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -105,6 +106,11 @@ def with_overrides(cfg: DictConfig, overrides: dict[str, Any]) -> DictConfig:
     for key, value in overrides.items():
         OmegaConf.update(new, key, value, merge=False, force_add=True)
     return new
+
+
+def override_args(settings: Iterable[tuple[str, Any]]) -> list[str]:
+    """``(key, value)`` pairs as a command line takes them: ``model.compile=true``, ``model.channels=[64,128]``."""
+    return [f"{key}={_fmt(value)}" for key, value in settings]
 
 
 def _fmt(value: Any) -> str:
@@ -212,7 +218,7 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
             p = r.peak_allocated
             need = _need(p, r, margin)
             result.suggestions.append(Suggestion(
-                change, [f"{k}={_fmt(v)}" for k, v in overrides.items()], p / GiB, need, need <= result.budget_gib))
+                change, override_args(overrides.items()), p / GiB, need, need <= result.budget_gib))
         result.suggestions.sort(key=lambda s: (not s.fits, s.need_gib))
     return result
 
