@@ -2,7 +2,7 @@
 
     python bench/bench_gpu_step.py [--experiments exp11,exp11_1,exp9_ldm_4x_bravo,exp9_ldm_8x_bravo]
                                    [--steps 20] [--warmup 5] [--out bench_gpu_step.csv [--append]]
-                                   [--no-compiled] [--no-auto] [override ...]
+                                   [--no-compiled] [--no-auto] [--side-timeout S] [override ...]
 
 For each experiment, four sides train the UNet of that experiment on the same random batch (held in pinned host
 memory and copied to the device every step, as a data loader's batch is), each in its own process, one after the
@@ -175,6 +175,7 @@ def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str) -> dict[str, Any
     """``trainer.fit`` of the experiment's system as ``train.py`` builds it (validation off)."""
     import lightning as L
     from hydra.utils import instantiate
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, Dataset
 
     from voxdiff.lightning.trainer import build_trainer, instantiate_callbacks, instantiate_loggers
@@ -205,10 +206,13 @@ def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str) -> dict[str, Any
 
     L.seed_everything(int(cfg.seed))
     system = instantiate(cfg.system)
-    callbacks = [*instantiate_callbacks(cfg.callbacks), Marks()]
+    # no checkpoint files: the end-of-fit one of a 2.7B-parameter run (weights, EMA, AdamW state, ~40 GB) filled a
+    # GPU machine's disk, and writing them is no part of a step's time
+    kept = [c for c in instantiate_callbacks(cfg.callbacks) if not isinstance(c, ModelCheckpoint)]
+    callbacks = [*kept, Marks()]
     trainer = build_trainer(cfg.trainer, callbacks=callbacks, logger=instantiate_loggers(cfg.logger),
                             max_steps=warmup + steps, max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0,
-                            enable_model_summary=False)
+                            enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(system, train_dataloaders=DataLoader(Same(), batch_size=None, pin_memory=False))
     out = clock.result(warmup, steps)
     out["step"] = described[0]
@@ -264,11 +268,17 @@ def worker(side: str, name: str, overrides: list[str], warmup: int, steps: int) 
 def spawn(side: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
     job = json.dumps({"side": side, "name": name, "overrides": args.overrides, "warmup": args.warmup,
                       "steps": args.steps})
-    proc = subprocess.run([sys.executable, __file__, "--worker", job], stdout=subprocess.PIPE, text=True)
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--worker", job], stdout=subprocess.PIPE, text=True,
+                              timeout=args.side_timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"{side} stopped after --side-timeout {args.side_timeout:g} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
         return {"error": f"{side} exited {proc.returncode}"}
-    return json.loads(lines[-1])
+    result = json.loads(lines[-1])
+    print(f"{name} {side}: {json.dumps(result)}", flush=True)  # as it finishes: a call cut off keeps each side
+    return result
 
 
 def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
@@ -283,6 +293,56 @@ def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
         w.writeheader()
         w.writerows(rows)
     os.replace(tmp, path)
+
+
+def summarise(name: str, device: str, peak: float | None, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One experiment's CSV row from its sides' results: each side's figures, samples/s, TFLOP/s, share of the
+    dense bf16 ``peak``, and the ratios of sides measured in the same call."""
+    row: dict[str, Any] = {"experiment": name, "device": device}
+    for side, result in results.items():
+        row.update({f"{side}_{k}": v for k, v in result.items()})
+    flop = results["plain"].get("tflop_per_step")  # one forward+backward at the experiment's batch
+    batch = results["plain"].get("batch")
+    for side, result in results.items():
+        ms, b = result.get("ms_per_step"), result.get("batch")
+        if ms is None or b is None:
+            continue
+        row[f"{side}_samples_per_s"] = b / (ms / 1e3)
+        if flop is not None and batch:
+            row[f"{side}_tflops"] = flop * b / batch / (ms / 1e3)
+            if peak:
+                row[f"{side}_peak_share"] = row[f"{side}_tflops"] / peak
+    vox_ms = results.get("voxdiff", {}).get("ms_per_step")
+    for base in ("plain", "compiled"):
+        base_ms = results.get(base, {}).get("ms_per_step")
+        if base_ms is not None and vox_ms is not None:
+            row["speedup" if base == "plain" else "vs_compiled"] = base_ms / vox_ms
+    if "auto_samples_per_s" in row and "voxdiff_samples_per_s" in row:
+        row["auto_vs_batch"] = row["auto_samples_per_s"] / row["voxdiff_samples_per_s"]
+    return row
+
+
+def rows_from_log(log: str, out: str | None, append: bool) -> None:
+    """The rows of the experiments a run printed sides of (``NAME SIDE: {...}``), on the device its first line
+    names; a side it never printed is recorded as not finished."""
+    import re
+
+    text = Path(log).read_text()
+    head = re.search(r"^bench_gpu_step: (.+?) \(dense bf16 peak ([\d.]+|None)", text, re.M)
+    if head is None:
+        raise SystemExit(f"{log}: no 'bench_gpu_step: <GPU> (dense bf16 peak ...' line: not this script's output")
+    device, peak = head.group(1), dense_peak(head.group(1))
+    found: dict[str, dict[str, dict[str, Any]]] = {}
+    for m in re.finditer(r"^(\S+) (plain|compiled|voxdiff|auto): (\{.*\})$", text, re.M):
+        found.setdefault(m.group(1), {})[m.group(2)] = json.loads(m.group(3))
+    rows = []
+    for name, results in found.items():
+        for side in ("plain", "compiled", "voxdiff", "auto"):
+            results.setdefault(side, {"error": f"{side} not in {log} (not asked for, or cut off by a time limit)"})
+        rows.append(summarise(name, device, peak, results))
+        print(json.dumps(rows[-1]))
+    if out:
+        write_csv(out, (read_csv(out) if append else []) + rows)
 
 
 def read_csv(path: str) -> list[dict[str, Any]]:
@@ -305,12 +365,21 @@ def main() -> None:
                    help="leave out the plain compiled loop (fused AdamW, SDPA, torch.compile)")
     p.add_argument("--no-auto", dest="auto", action="store_false",
                    help="leave out voxdiff at the batch the preflight chooses (data.batch_size=auto)")
+    p.add_argument("--rows-from", metavar="LOG",
+                   help="rebuild the rows from a run's printed output (a call cut off before an experiment's row "
+                        "was written still printed each side it finished) and write them to --out")
+    p.add_argument("--side-timeout", type=float, default=None,
+                   help="stop a side after this many seconds and record it as an error (the others still run)")
     p.add_argument("overrides", nargs="*", help="train.py overrides for both sides (e.g. data.batch_size=2)")
     args = p.parse_args()
     if args.worker:
         job = json.loads(args.worker)
         print(json.dumps(worker(job["side"], job["name"], job["overrides"], job["warmup"], job["steps"])),
               flush=True)
+        return
+
+    if args.rows_from:
+        rows_from_log(args.rows_from, args.out, args.append)
         return
 
     import torch
@@ -329,27 +398,7 @@ def main() -> None:
     kept = read_csv(args.out) if args.out and args.append else []
     for name in [n for n in args.experiments.split(",") if n]:
         results = {side: spawn(side, name, args) for side in sides}
-        row: dict[str, Any] = {"experiment": name, "device": gpu or "cpu (tiny)"}
-        for side, result in results.items():
-            row.update({f"{side}_{k}": v for k, v in result.items()})
-        flop = results["plain"].get("tflop_per_step")  # one forward+backward at the experiment's batch
-        batch = results["plain"].get("batch")
-        for side, result in results.items():
-            ms, b = result.get("ms_per_step"), result.get("batch")
-            if ms is None or b is None:
-                continue
-            row[f"{side}_samples_per_s"] = b / (ms / 1e3)
-            if flop is not None and batch:
-                row[f"{side}_tflops"] = flop * b / batch / (ms / 1e3)
-                if peak:
-                    row[f"{side}_peak_share"] = row[f"{side}_tflops"] / peak
-        vox_ms = results["voxdiff"].get("ms_per_step")
-        for base in ("plain", "compiled"):
-            base_ms = results.get(base, {}).get("ms_per_step")
-            if base_ms is not None and vox_ms is not None:
-                row["speedup" if base == "plain" else "vs_compiled"] = base_ms / vox_ms
-        if "auto_samples_per_s" in row and "voxdiff_samples_per_s" in row:
-            row["auto_vs_batch"] = row["auto_samples_per_s"] / row["voxdiff_samples_per_s"]
+        row = summarise(name, gpu or "cpu (tiny)", peak, results)
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.out:  # after each experiment: a run cut off by a time limit keeps what it finished
