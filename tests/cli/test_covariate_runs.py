@@ -69,6 +69,20 @@ def test_a_nifti_folder_with_participants_tsv_trains_with_the_training_splits_en
     assert stored["state_dict"]["model.class_embedding.mlp.0.weight"].shape[1] == 1 + len(sex["levels"]) + 1
 
 
+def test_the_preflight_counts_the_tables_levels_as_the_run_fits_them(nifti_run, tiny_demo) -> None:
+    """The preflight's UNet has the covariate width the run trained with: one entry per training level of a
+    categorical column, read from the table (without the table, one entry per column: 3 here, not 4)."""
+    from voxdiff.data.covariates import estimated_width
+    from voxdiff.run.spec import run_spec
+
+    root, ckpt = nifti_run
+    trained = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+    width = trained["model.class_embedding.mlp.0.weight"].shape[1]
+    run = run_spec(compose("preflight", [*tiny_demo, f"data.root={root}", "data.covariates=[age,sex]"]), "cpu")
+    assert run.unet.covariate_dim == width == 4
+    assert estimated_width(["age", "sex"], phantom=False) == 3
+
+
 def test_sample_takes_requested_values_and_the_rest_from_each_subjects_row(nifti_run, tmp_path) -> None:
     root, ckpt = nifti_run
     age = json.loads(json.dumps(torch.load(ckpt, map_location="cpu", weights_only=True)["hyper_parameters"]

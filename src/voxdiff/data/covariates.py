@@ -35,6 +35,7 @@ import torch
 
 from voxdiff.data.nifti import DataError
 from voxdiff.data.phantom import PHANTOM_COVARIATES, phantom_covariates
+from voxdiff.data.split import split_subjects
 from voxdiff.errors import ConfigError, plain
 
 ID_COLUMN = "participant_id"
@@ -168,7 +169,7 @@ def parse_covariates(value: Any, key: str = "data.covariates") -> list[tuple[str
 def estimated_width(value: Any, phantom: bool) -> int:
     """``K`` of ``data.covariates`` without reading a table (the preflight's model): exact for the phantom, and
     for a table one entry per column (a categorical column of L levels has L − 1 more: ``(L − 1) · 4 · channels[0]``
-    parameters, which the preflight leaves out). 0: no covariates."""
+    parameters more: :func:`table_width` counts them where the table can be read). 0: no covariates."""
     names = parse_covariates(value)
     if not names:
         return 0
@@ -176,6 +177,24 @@ def estimated_width(value: Any, phantom: bool) -> int:
         return sum(1 if PHANTOM_COVARIATES[n][0] == "numeric" else len(PHANTOM_COVARIATES[n][1])
                    for n, _ in names if n in PHANTOM_COVARIATES) + 1
     return len(names) + 1
+
+
+def table_width(value: Any, table_path: str | Path, subjects: Sequence[str], val_fraction: float,
+                seed: int) -> int | None:
+    """``K`` of ``data.covariates`` as the data module fits it: the encoding of the training split of ``subjects``
+    (:func:`~voxdiff.data.split.split_subjects`) in the table at ``table_path``, each categorical column one entry
+    per training level. None when the table or the split cannot be made here (another machine's path, a table the
+    run will refuse with the file named): :func:`estimated_width` then."""
+    names = parse_covariates(value)
+    if not names:
+        return 0
+    try:
+        train, val = split_subjects(list(subjects), val_fraction, seed)
+        encoding = fit_encoding(read_table(table_path), str(table_path), names, [subjects[i] for i in train],
+                                [subjects[i] for i in val])
+    except (DataError, ConfigError, OSError, ValueError):
+        return None
+    return encoding.width
 
 
 def read_table(path: str | Path) -> dict[str, dict[str, str]]:

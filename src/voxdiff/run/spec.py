@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -38,7 +39,8 @@ from voxdiff.config import (
     shapes,
     strategy_kind,
 )
-from voxdiff.data.covariates import CovariateEncoding, estimated_width
+from voxdiff.data.covariates import TABLE_NAME, CovariateEncoding, estimated_width, parse_covariates, table_width
+from voxdiff.data.nifti import IMAGE_NAME, MASK_NAME, DataError, find_subjects
 from voxdiff.encodings.base import Encoding, LearnedEncoding
 from voxdiff.errors import ConfigError, Problems, boolean, integer, number, one_of, raise_all
 from voxdiff.models.unet import UNetSpec
@@ -355,13 +357,33 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
 def covariate_dim(cfg: DictConfig) -> int:
     """``K`` of the run's covariate vector (0: none): exact from a system's stored encoding (``system.covariates``,
     the hyper-parameter a run with covariates saves), else from ``data.covariates``
-    (:func:`voxdiff.data.covariates.estimated_width`: exact for the phantom; the data module's fitted encoding
-    decides it for a run, :class:`voxdiff.lightning.DiffusionSystem`)."""
+    fitted from the run's participants table where its NIfTI folder can be read here (as the data module fits it:
+    :func:`voxdiff.data.covariates.table_width`), else :func:`voxdiff.data.covariates.estimated_width` (exact for
+    the phantom; one entry per column of another table)."""
     stored = select(cfg, "system.covariates")
     if stored:
         return CovariateEncoding.from_plain(stored).width
+    value = select(cfg, "data.covariates")
     phantom = select(cfg, "data.root") is None and str(select(cfg, "data._target_")).endswith("VolumeDataModule")
-    return estimated_width(select(cfg, "data.covariates"), phantom)
+    exact = None if phantom or not parse_covariates(value) else _table_width(cfg, value)
+    return estimated_width(value, phantom) if exact is None else exact
+
+
+def _table_width(cfg: DictConfig, value: Any) -> int | None:
+    """``K`` fitted from the run's own participants table and subjects where both can be read here (a NIfTI folder
+    on this machine), else None (a latent cache: the estimate)."""
+    root = select(cfg, "data.root")
+    if root is None:
+        return None
+    folder = Path(str(root))
+    try:
+        subjects = [s["subject"] for s in find_subjects(folder, select(cfg, "data.image_name") or IMAGE_NAME,
+                                                        select(cfg, "data.mask_name") or MASK_NAME, validate=False)]
+    except (DataError, OSError):  # not readable from here (another machine's path): the estimate
+        return None
+    table = select(cfg, "data.covariates_table") or folder / TABLE_NAME
+    return table_width(value, Path(str(table)).expanduser(), subjects, float(select(cfg, "data.val_fraction", 0.25)),
+                       int(select(cfg, "data.split_seed", 0)))
 
 
 def system_spec(kind: str, hparams: Mapping[str, Any], device_type: str) -> SystemSpec:
