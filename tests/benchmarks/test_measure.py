@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from voxdiff.preflight.memory import step_plan
+from voxdiff.preflight.memory import traced_recipe
 from voxdiff.benchmarks.measure import measured_step
 from voxdiff.run.spec import run_spec
 from voxdiff.step import ClipSettings
@@ -25,7 +25,7 @@ class _Phases:
 def test_measure_runs_the_planned_step(tiny_cfg):
     cfg = tiny_cfg("system.ema=false", "trainer.gradient_clip_val=0.5", "trainer.precision=32-true")
     step, batch = measured_step(run_spec(cfg, "cpu"))
-    assert step.recipe == step_plan(cfg).recipe
+    assert step.recipe == traced_recipe(run_spec(cfg, "cuda"))  # the recipe the preflight traces
     assert step.ema is None and step.clip == ClipSettings(0.5) and step.guard and step.zero_grad_at == "after_step"
     assert batch == {"image": (1, 1, 16, 32, 32), "mask": (1, 1, 16, 32, 32)}  # the volumes, encoded in the step
     probe = _Phases()

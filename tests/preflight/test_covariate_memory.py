@@ -15,20 +15,21 @@ from voxdiff.diffusion import DiffusionProcess
 from voxdiff.encodings import SpaceToDepth
 from voxdiff.models.unet import build_unet_from_spec, unet_spec
 from voxdiff.preflight.autocast import CudaAutocastEmulator
-from voxdiff.preflight.memory import predict_memory, step_plan
+from voxdiff.preflight.memory import predict_memory
+from voxdiff.run.spec import run_spec
 from voxdiff.preflight.phases import predict_phases, trace_sampling, trace_validation
 from voxdiff.preflight.world import EmulatedPrecision
 from voxdiff.step import TrainStep, system_recipe
 
 
 def test_the_preflight_counts_the_covariate_embedding(tiny_cfg) -> None:
-    plain = step_plan(tiny_cfg())
-    covariates = step_plan(tiny_cfg("data.covariates=[age,sex]", "system.guidance.drop_prob=0.1",
-                                    "system.sampling.guidance_scale=2"))
+    plain = run_spec(tiny_cfg(), "cuda")
+    covariates = run_spec(tiny_cfg("data.covariates=[age,sex]", "system.guidance.drop_prob=0.1",
+                                   "system.sampling.guidance_scale=2"), "cuda")
     k, e = 1 + 2 + 1, 4 * 16  # age, sex's two levels, presence; E = 4 * channels[0] of TINY_UNET
-    assert covariates.spec.covariate_dim == k and covariates.batch["covariates"] == (1, k)
+    assert covariates.unet.covariate_dim == k and covariates.batch["covariates"] == (1, k)
     extra = k * e + e + e * e + e
-    before, after = predict_memory(plan=plain, compile=False), predict_memory(plan=covariates, compile=False)
+    before, after = predict_memory(plain, compile=False), predict_memory(covariates, compile=False)
     assert after.params - before.params == extra
     assert after.param_bytes - before.param_bytes >= 4 * extra
     assert 0 < after.peak_allocated - before.peak_allocated < 64 * extra  # weights, grads, AdamW, EMA: no more

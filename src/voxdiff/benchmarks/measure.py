@@ -1,8 +1,9 @@
 """Measure the real peak GPU memory of training steps, beside the prediction (``preflight.measure=true``).
 
 Runs the step that :func:`voxdiff.preflight.memory.predict_memory` traces — the same
-:class:`voxdiff.step.TrainStep`, made from the same :func:`~voxdiff.preflight.memory.step_plan` (model factory,
-recipe: loss, AdamW, gradient order, clipping and the guard, EMA; the batch of the data module) — with real CUDA
+:class:`voxdiff.step.TrainStep`, made from the same run spec (model factory, recipe by
+:func:`~voxdiff.preflight.memory.traced_recipe`: loss, AdamW, gradient order, clipping and the guard, EMA; the batch
+of the data module, :attr:`voxdiff.run.spec.RunSpec.batch`) — with real CUDA
 autocast as its precision context, on a CUDA GPU, resetting the peak statistics at each phase, and writes rows in
 the format of ``reference/measured_vram.csv`` plus the prediction, so anyone with a GPU can extend the reference.
 """
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from voxdiff.errors import ConfigError
 from voxdiff.models.unet import build_unet_from_spec
-from voxdiff.preflight.memory import MemoryReport, step_plan
+from voxdiff.preflight.memory import MemoryReport, traced_recipe
 from voxdiff.run.spec import RunSpec
 from voxdiff.step import TrainStep
 from voxdiff.units import GiB
@@ -40,21 +41,20 @@ class CudaPhasePeaks:
 
 
 def measured_step(run: RunSpec) -> tuple[Any, dict[str, tuple[int, ...]]]:
-    """The training step of :func:`~voxdiff.preflight.memory.step_plan` on a real device, the run spec's
-    (:func:`voxdiff.run.spec.run_spec` resolved for it: the UNet's ``auto`` switches and the precision decided
+    """The training step the preflight traces (:func:`~voxdiff.preflight.memory.traced_recipe`) on a real device, the
+    run spec's (:func:`voxdiff.run.spec.run_spec` resolved for it: the UNet's ``auto`` switches and the precision decided
     there, the local GPU asked for bf16), with real autocast as its precision context and its optimizer configured.
 
     Returns:
         ``(step, batch)``: a :class:`voxdiff.step.TrainStep` and the shapes of the batch it trains on.
     """
-    plan = step_plan(run)
     device_type = run.device_type
     with torch.device(device_type):
-        model = build_unet_from_spec(plan.spec)
-        step = TrainStep(model, plan.recipe, encoding=plan.encoding.to(device_type), mode=plan.mode,
+        model = build_unet_from_spec(run.unet)
+        step = TrainStep(model, traced_recipe(run), encoding=run.encoding.to(device_type), mode=run.mode,
                          precision=run.precision.context(), device_type=device_type)
     step.configure_optimizer()
-    return step, plan.batch
+    return step, run.batch
 
 
 def measure_steps(run: RunSpec, steps: int = 3) -> dict[str, Any]:

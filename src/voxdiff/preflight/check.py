@@ -27,7 +27,14 @@ from omegaconf import DictConfig, OmegaConf
 from voxdiff.config import Shapes, select
 from voxdiff.errors import ConfigError
 from voxdiff.encodings.vqvae import build_vqvae
-from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, PREDICTED_DEVICE, MemoryReport, predict_memory, step_plan
+from voxdiff.preflight.memory import (
+    DEFAULT_SAFETY_MARGIN,
+    PREDICTED_DEVICE,
+    MemoryReport,
+    predict_memory,
+    traced_recipe,
+    traced_unet,
+)
 from voxdiff.preflight.phases import PhasesReport, predict_phases
 from voxdiff.preflight.resources import DataMemory, RunNeeds, data_memory, host_memory_bytes, run_needs, step_cost
 from voxdiff.preflight.stage1 import Stage1Report, predict_stage1
@@ -179,29 +186,29 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
         margin = run.preflight.safety_margin
     if run.kind == "stage1":
         return _stage1_preflight(cfg, run, result, margin)
-    plan = step_plan(run)
-    result.shapes = plan.shapes
-    result.levels = plan.spec.levels
+    batch = run.batch
+    result.shapes = run.shapes
+    result.levels = run.unet.levels
     with torch.device("meta"):
-        model = plan.build_model()  # for the parameter count and the checkpoint's bytes
+        model = traced_unet(run)  # for the parameter count and the checkpoint's bytes
     result.params = sum(p.numel() for p in model.parameters())
     parallel = run.parallel
     result.parallel, result.strategy, result.world_size = parallel, parallel.strategy, parallel.world_size
-    latents = plan.batch.get("image_z")
+    latents = batch.get("image_z")
     result.data = data_memory(run.resources.data, tuple(latents[1:]) if latents else None)
-    report = predict_memory(compile=None if compile else False, plan=plan)
+    report = predict_memory(run, compile=None if compile else False)
     result.report = report
     peak = report.peak_allocated  # one rank's: the trace is of what one GPU of the strategy holds
     if phases and parallel.strategy != "fsdp":  # validation and sampling: the whole model, as on one GPU or DDP
-        result.phases = predict_phases(plan, training=report)
+        result.phases = predict_phases(run, training=report)
         peak, result.peak_phase = max(peak, result.phases.peak_allocated), result.phases.peak_phase
-    one = {k: (1, *v[1:]) for k, v in plan.batch.items()}
+    one = {k: (1, *v[1:]) for k, v in batch.items()}
     result.needs = run_needs(
-        run, model, ema=plan.recipe.ema is not None, data=result.data,
+        run, model, ema=traced_recipe(run).ema is not None, data=result.data,
         sample_bytes=sum(4 * math.prod(v) for v in one.values()), processes_per_node=parallel.processes_per_node,
-        world_size=parallel.world_size, cost=step_cost(model, plan.batch, plan.mode, plan.encoding) if timing else None,
+        world_size=parallel.world_size, cost=step_cost(model, batch, run.mode, run.encoding) if timing else None,
         gpu=run.gpu.name,
-        compiled=report.model_step == "compiled" or (plan.spec.compile and report.model_step != "eager"),
+        compiled=report.model_step == "compiled" or (run.unet.compile and report.model_step != "eager"),
         env=os.environ, latent_shape=tuple(latents[1:]) if latents else None)
     result.per_gpu_peak_gib = peak / GiB
     result.need_gib = _need(peak, report, margin)
@@ -214,7 +221,7 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
             fixed_run, fixed_problems = run_spec_problems(with_overrides(cfg, overrides), run.device_type)
             if fixed_problems:
                 continue
-            r = predict_memory(compile=False, plan=step_plan(fixed_run))
+            r = predict_memory(fixed_run, compile=False)
             p = r.peak_allocated
             need = _need(p, r, margin)
             result.suggestions.append(Suggestion(

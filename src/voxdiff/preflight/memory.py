@@ -22,13 +22,13 @@ With ``compile=True`` the model in the step is a stand-in for ``torch.compile(mo
 the rank as the model would be (DDP); an FSDP rank, and a model the compiled trace refuses, are traced eagerly (the
 report's ``model_step``: ``upper bound (eager)``).
 
-A run's step (:func:`predict_memory`) is made from its run spec as :func:`step_plan` says: the UNet of the spec
-(with its checkpointing policy), the recipe of ``preflight.recipe`` (``system``: the run's own — the configured
+A run's step (:func:`predict_memory`) is made from its run spec alone: the UNet of the spec
+(with its checkpointing policy), the recipe of ``preflight.recipe`` (:func:`traced_recipe`; ``system``: the run's own — the configured
 diffusion loss, AdamW as ``system.optim`` sets it, ``trainer.gradient_clip_val`` and the non-finite guard, the EMA,
 gradients freed after the optimizer step; ``seed``: the reference measurements' step), the batch the data module
 hands over (``data.batch_size`` volumes, or latents for a learned encoding), and the precision
 :func:`voxdiff.step.decide_precision` picks for the GPU (:data:`PREDICTED_DEVICE`). The measure mode
-(:mod:`voxdiff.benchmarks.measure`) runs the same plan on a GPU.
+(:mod:`voxdiff.benchmarks.measure`) runs the same step on a GPU.
 
 Units: every ``*_bytes`` value is in bytes; the ``*_gib`` properties divide by 2**30.
 """
@@ -69,12 +69,13 @@ __all__ = [
     "DEFAULT_SAFETY_MARGIN",
     "PREDICTED_DEVICE",
     "MemoryReport",
-    "StepPlan",
     "StepPeaks",
     "TraceResult",
     "predict_memory",
     "predict_step_memory",
-    "step_plan",
+    "diffusion_run",
+    "traced_recipe",
+    "traced_unet",
     "trace_training_step",
     "unet_batch",
 ]
@@ -394,80 +395,52 @@ PREDICTED_DEVICE = "cuda"
 attention on: :meth:`voxdiff.models.UNetSpec.for_device`) and picks the optimizer torch runs there (fused AdamW)."""
 
 
-@dataclass(frozen=True)
-class StepPlan:
-    """What the training step of a config is made of, for the trace (:func:`predict_memory`) and the measure mode.
-
-    Attributes:
-        encoding: the encoding (volumes → UNet input).
-        shapes: the encoded shapes.
-        spec: the UNet's validated arguments, resolved for :data:`PREDICTED_DEVICE`.
-        recipe: the step's recipe (``preflight.recipe``, default ``system``).
-        batch: shapes of the tensors of one batch as the data module hands them over.
-        mode: ``bravo`` or ``seg``.
-        run: the run's :class:`~voxdiff.run.spec.RunSpec` (resolved for :data:`PREDICTED_DEVICE`, or for the
-            device a run starts on: :func:`voxdiff.preflight.check.training_verdict`), which the above are taken
-            from; the precision traced is its ``precision``, the GPU its ``gpu``.
-    """
-
-    encoding: Encoding
-    shapes: Shapes
-    spec: UNetSpec
-    recipe: Recipe
-    batch: dict[str, tuple[int, ...]]
-    mode: str
-    run: RunSpec
-
-    def build_model(self):
-        """The UNet of the plan (call under ``torch.device("meta")`` to build it at no cost)."""
-        return build_unet_from_spec(self.spec, preserve_rng_state=False)
-
-    @property
-    def input_shape(self) -> tuple[int, ...]:
-        """``(B, C_in, d, h, w)`` of the UNet input."""
-        return (next(iter(self.batch.values()))[0], *self.shapes.unet_input)
+def traced_recipe(run: RunSpec) -> Recipe:
+    """The step the preflight traces for ``run``: the named recipe ``preflight.recipe=seed``
+    (:data:`voxdiff.step.SEED`, the reference's step), else the run's own (``system``)."""
+    return SEED if run.preflight.recipe == "seed" else run.recipe
 
 
-def step_plan(run: RunSpec | DictConfig) -> StepPlan:
-    """The :class:`StepPlan` of a diffusion run: its spec (a config is resolved for :data:`PREDICTED_DEVICE`) with
-    the step of ``preflight.recipe``.
+def traced_unet(run: RunSpec) -> nn.Module:
+    """The run's UNet as the preflight builds it (call under ``torch.device("meta")`` to build it at no cost)."""
+    return build_unet_from_spec(run.unet, preserve_rng_state=False)
+
+
+def diffusion_run(run: RunSpec | DictConfig) -> RunSpec:
+    """``run``, or the run spec of a config resolved for :data:`PREDICTED_DEVICE`.
 
     Raises:
         ConfigError: every problem of the run spec (:func:`voxdiff.run.spec.run_spec`).
     """
-    if not isinstance(run, RunSpec):
-        run = run_spec(run, PREDICTED_DEVICE)
-    recipe = SEED if run.preflight.recipe == "seed" else run.recipe
-    return StepPlan(run.encoding, run.shapes, run.unet, recipe,
-                    batch_shapes(run.encoding, run.shapes.volume, run.batch_size, run.unet.covariate_dim), run.mode, run)
+    return run if isinstance(run, RunSpec) else run_spec(run, PREDICTED_DEVICE)
 
 
-def predict_memory(cfg: DictConfig | None = None, compile: bool | None = None,
-                   plan: StepPlan | None = None) -> MemoryReport:
+def predict_memory(run: RunSpec | DictConfig, compile: bool | None = None) -> MemoryReport:
     """Trace two training steps of ``cfg`` on the meta device, as one GPU of its strategy runs them (one rank of a
     DDP or FSDP run: :mod:`voxdiff.preflight.distributed`), for the GPU type of its run spec
     (:func:`~voxdiff.run.gpus.resolve_gpu`); see the module docstring for what is traced.
 
     Args:
-        cfg: the run config (not needed when ``plan`` is given).
+        run: the run spec, or the run config (resolved for :data:`PREDICTED_DEVICE`). The step traced is
+            :func:`traced_recipe`'s, on a batch of :attr:`~voxdiff.run.spec.RunSpec.batch`.
         compile: whether to trace a compiled run's step compiled (default) or eagerly (False: seconds instead of
             a compiled trace; the report's ``model_step`` is then ``upper bound (eager)``). Whether the run compiles
             is ``model.compile`` as a GPU run resolves it (``auto`` and ``true`` compile:
             :meth:`voxdiff.models.UNetSpec.for_device`), in ``model.compile_mode``; a backend other than inductor
             (``aot_eager``) is predicted as the eager step.
-        plan: the step's plan when already made (:func:`step_plan`), else it is made here.
 
     Raises:
-        ConfigError: every problem of the run spec (:func:`step_plan`).
+        ConfigError: every problem of the run spec (:func:`diffusion_run`).
     """
-    plan = plan or step_plan(cfg)
-    spec = plan.spec
+    run = diffusion_run(run)
+    spec = run.unet
+    batch = run.batch
     compiles = spec.compile and spec.compile_backend == "inductor"
     report = predict_step_memory(
-        plan.build_model, plan.input_shape, plan.recipe,
-        batch=plan.batch, encoding=plan.encoding, mode=plan.mode, precision=plan.run.precision.name,
-        attention="flash" if plan.spec.use_flash_attention else "materialised", gpu=plan.run.gpu,
-        parallel=plan.run.parallel, compile=compiles and compile is not False, compile_mode=spec.compile_mode,
+        lambda: traced_unet(run), (run.batch_size, *run.shapes.unet_input),
+        traced_recipe(run), batch=batch, encoding=run.encoding, mode=run.mode, precision=run.precision.name,
+        attention="flash" if spec.use_flash_attention else "materialised", gpu=run.gpu,
+        parallel=run.parallel, compile=compiles and compile is not False, compile_mode=spec.compile_mode,
     )
     if compiles and compile is False:
         return replace(report, model_step="upper bound (eager)", notes=(*report.notes, (

@@ -39,10 +39,10 @@ from voxdiff.encodings.base import LearnedEncoding
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES
 from voxdiff.preflight.attention import FlashAttentionEmulator
-from voxdiff.preflight.memory import PREDICTED_DEVICE, MemoryReport, StepPlan, predict_memory, step_plan
+from voxdiff.preflight.memory import MemoryReport, diffusion_run, predict_memory, traced_unet
 from voxdiff.preflight.stage1 import attach_meta_autoencoder, latent_stage1_spec
 from voxdiff.preflight.world import PhaseRecorder, PhaseTrace, meta_step, tracker_for
-from voxdiff.run.spec import RunSpec, run_spec
+from voxdiff.run.spec import RunSpec
 from voxdiff.step import TrainStep
 from voxdiff.units import GiB
 
@@ -195,64 +195,60 @@ class PhasesReport:
                 f"peak {self.peak_allocated / GiB:.2f} GiB set by {self.peak_phase} on {self.gpu}")
 
 
-def predict_phases(run: StepPlan | RunSpec | DictConfig, training: MemoryReport | None = None) -> PhasesReport:
+def predict_phases(run: RunSpec | DictConfig, training: MemoryReport | None = None) -> PhasesReport:
     """Predict the peaks of training, validation and sampling of a diffusion run on one GPU, without one.
 
     Args:
-        run: the step's plan (:func:`~voxdiff.preflight.memory.step_plan`), or the run spec it is made from, or a
-            composed ``train``/``preflight`` config (resolved for the GPU predicted). Its run spec gives the
-            system's recipe, the UNet, the strategy, the GPU type (cuBLAS workspaces) and the precision.
+        run: the run spec, or a composed ``train``/``preflight`` config (resolved for the GPU predicted). It gives
+            the system's recipe, the UNet, the strategy, the GPU type (cuBLAS workspaces) and the precision.
         training: the training step's report when it is already predicted (:func:`~voxdiff.preflight.memory.
             predict_memory`; the compiled one, for a compiled run); else it is predicted here.
 
     Raises:
         ConfigError: not a diffusion config, or a setting the step cannot work with (as the preflight's).
     """
-    plan = run if isinstance(run, StepPlan) else None
-    if plan is None and not isinstance(run, RunSpec):
-        run = run_spec(run, PREDICTED_DEVICE)
-    kind = plan.run.kind if plan is not None else run.kind
-    if kind != "diffusion":
-        raise ConfigError("system.kind", kind, "is not a diffusion run; validation and sampling are a "
+    run = diffusion_run(run)
+    if run.kind != "diffusion":
+        raise ConfigError("system.kind", run.kind, "is not a diffusion run; validation and sampling are a "
                           "diffusion system's", "use voxdiff.preflight.stage1.predict_stage1 for a stage-1 config")
     t0 = time.perf_counter()
-    plan = plan or step_plan(run)
-    spec = plan.run.gpu
-    training = training or predict_memory(plan=plan)
-    recipe = plan.run.recipe  # validation and sampling are the system's, whatever preflight.recipe
-    val_timesteps, num_masks = plan.run.val_timesteps, plan.run.sampling.num_masks
-    steps = plan.run.sampling.num_inference_steps or recipe.diffusion.num_inference_steps
+    gpu = run.gpu
+    training = training or predict_memory(run)
+    recipe = run.recipe  # validation and sampling are the system's, whatever preflight.recipe
+    val_timesteps, num_masks = run.val_timesteps, run.sampling.num_masks
+    steps = run.sampling.num_inference_steps or recipe.diffusion.num_inference_steps
     notes: list[str] = []
-    strategy = plan.run.parallel.strategy
+    strategy = run.parallel.strategy
     if strategy != "single":  # a DDP rank holds the whole model too; its buckets are not in these phases
         notes.append(f"validation and sampling traced as on one GPU (one {strategy} rank's buckets not added)")
 
     resident: list[torch.Tensor] = []
-    if isinstance(plan.encoding, LearnedEncoding):  # a latent run: its autoencoder is on the GPU once it is used
-        stage1, note = latent_stage1_spec(plan.encoding)
+    if isinstance(run.encoding, LearnedEncoding):  # a latent run: its autoencoder is on the GPU once it is used
+        stage1, note = latent_stage1_spec(run.encoding)
         notes.append(note)
-        ae = attach_meta_autoencoder(plan.encoding, stage1).autoencoder
+        ae = attach_meta_autoencoder(run.encoding, stage1).autoencoder
         resident = [*ae.parameters(), *ae.buffers()]
     with torch.device("meta"):
-        model = plan.build_model()
+        model = traced_unet(run)
     model.train()
-    process = build_process(recipe.diffusion, clip_range=encoded_range(plan.encoding))  # as the system's
-    step = meta_step(model, recipe, plan.run.precision.name, encoding=plan.encoding, mode=plan.mode, process=process)
-    attention = "flash" if plan.spec.use_flash_attention else "materialised"
+    process = build_process(recipe.diffusion, clip_range=encoded_range(run.encoding))  # as the system's
+    step = meta_step(model, recipe, run.precision.name, encoding=run.encoding, mode=run.mode, process=process)
+    attention = "flash" if run.unet.use_flash_attention else "materialised"
+    batch = run.batch
     with _flash(attention), step.precision.autocast:  # one training step: the AdamW state and the EMA exist from here on
-        step.run({k: torch.randn(s, device="meta") for k, s in plan.batch.items()})
+        step.run({k: torch.randn(s, device="meta") for k, s in batch.items()})
 
-    val_batch = dict(plan.batch)
-    if "image_z" in val_batch and plan.run.resources.masks:  # latent batches carry the full-size mask
-        val_batch["mask"] = (plan.batch["image_z"][0], 1, *plan.shapes.volume)
+    val_batch = dict(batch)
+    if "image_z" in val_batch and run.resources.masks:  # latent batches carry the full-size mask
+        val_batch["mask"] = (batch["image_z"][0], 1, *run.shapes.volume)
     validation = trace_validation(step, val_batch, val_timesteps, attention=attention, resident=resident)
-    sampling = plan.run.sampling
-    mask_shape = (max(min(num_masks, sampling.batch_size), 1), 1, *plan.shapes.volume)
-    sample = trace_sampling(step, mask_shape, plan.spec.out_channels, min(steps, MAX_TRACED_DDIM_STEPS),
+    sampling = run.sampling
+    mask_shape = (max(min(num_masks, sampling.batch_size), 1), 1, *run.shapes.volume)
+    sample = trace_sampling(step, mask_shape, run.unet.out_channels, min(steps, MAX_TRACED_DDIM_STEPS),
                             attention=attention, resident=resident, guidance_scale=float(sampling.guidance_scale),
-                            covariate_dim=plan.spec.covariate_dim)
+                            covariate_dim=run.unet.covariate_dim)
 
-    ws = 2 * spec.cublas_workspace_bytes  # both cuBLAS handles exist once training has run a backward
+    ws = 2 * gpu.cublas_workspace_bytes  # both cuBLAS handles exist once training has run a backward
     parts = {k: v + ws for k, v in sample.peaks.items()}
     peaks = {"training": training.peak_allocated, "validation": validation.peak + ws, "sampling": max(parts.values())}
     phase = max(peaks, key=peaks.get)
@@ -262,9 +258,9 @@ def predict_phases(run: StepPlan | RunSpec | DictConfig, training: MemoryReport 
                      "n=1 draws it)")
     return PhasesReport(
         training=peaks["training"], validation=peaks["validation"], sampling=peaks["sampling"], parts=parts,
-        resident=validation.start_bytes, swap_bytes=swap, val_batch=plan.batch[next(iter(plan.batch))][0],
+        resident=validation.start_bytes, swap_bytes=swap, val_batch=batch[next(iter(batch))][0],
         val_timesteps=val_timesteps, sample_batch=mask_shape[0] * (1 if float(sampling.guidance_scale) == 1.0 else 2),
         inference_steps=steps,
-        peak_allocated=peaks[phase], peak_phase=phase, training_report=training, gpu=spec.name,
+        peak_allocated=peaks[phase], peak_phase=phase, training_report=training, gpu=gpu.name,
         trace_seconds=time.perf_counter() - t0, notes=tuple(notes),
     )

@@ -51,6 +51,7 @@ from voxdiff.run.stage1 import MODALITIES, stage1_settings
 from voxdiff.step.precision import Precision, accelerator_device, decide_precision
 from voxdiff.step.recipe import RECIPES, ClipSettings, Recipe, clip_settings, recipe_from_config
 from voxdiff.step.sampling import SamplingSettings, sampling_settings
+from voxdiff.step.train_step import batch_shapes
 
 __all__ = ["DATA_MEMORY_KEYS", "PRECISIONS", "PreflightOptions", "RunResources", "RunSpec", "SystemSpec",
            "preflight_options", "run_resources", "run_spec", "run_spec_problems", "stored_run_spec", "system_spec",
@@ -197,6 +198,12 @@ class RunSpec:
     val_timesteps = property(lambda self: self.system.val_timesteps, doc="SystemSpec.val_timesteps")
     vqvae = property(lambda self: self.system.vqvae, doc="SystemSpec.vqvae")
     stage1 = property(lambda self: self.system.stage1, doc="SystemSpec.stage1")
+
+    @property
+    def batch(self) -> dict[str, tuple[int, ...]]:
+        """A diffusion run's batch as its data module hands it over: the shapes of each tensor, the batch axis first
+        (:func:`voxdiff.step.batch_shapes`)."""
+        return batch_shapes(self.encoding, self.shapes.volume, self.batch_size, self.unet.covariate_dim)
 
 
 def run_spec_problems(cfg: DictConfig, device_type: str | None = None) -> tuple[RunSpec | None, list[ConfigError]]:
