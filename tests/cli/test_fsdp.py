@@ -1,6 +1,6 @@
 """FSDP on the CPU: ``train.py trainer=fsdp`` with two gloo processes trains, validates with the EMA, checkpoints,
 resumes under FSDP, ends with the weights (and EMA) of a single-process run of the same effective batch, and
-``sample.py`` samples from its checkpoint in one process."""
+``sample.py`` samples from its checkpoint in one process; the phantom's age covariate goes along."""
 
 import csv
 import subprocess
@@ -14,10 +14,11 @@ from voxdiff.cli.sample import sample, validate
 from voxdiff.cli.train import train
 from voxdiff.config import compose
 
-#: 2 training subjects and 1 for validation, one subject per micro-batch; every step and validation each epoch;
+#: 2 training subjects and 1 for validation, one subject per micro-batch, conditioned on the phantom's age too (its
+#: embedding is sharded, averaged and gathered like the UNet); every step and validation each epoch;
 #: a fast EMA that averages from the first step; the noise of a subject drawn from (step, subject) by
 #: SeedEachSample, so that it is the same however the batch is split over processes
-SETTINGS = ["data.num_subjects=3", "data.batch_size=1", "trainer.precision=32-true", "system.ema.decay=0.5",
+SETTINGS = ["data.num_subjects=3", "data.covariates=[age]", "data.batch_size=1", "trainer.precision=32-true", "system.ema.decay=0.5",
             "system.ema.start_step=0", "trainer.check_val_every_n_epoch=1", "trainer.num_sanity_val_steps=0",
             "callbacks.last.every_n_train_steps=1",
             "+callbacks.seed._target_=voxdiff.lightning.distributed.SeedEachSample"]
@@ -81,3 +82,4 @@ def test_sample_from_an_fsdp_checkpoint_in_one_process(fsdp_run, tmp_path):
     validate(cfg)
     pngs = sample(cfg)
     assert len(pngs) == 1 and list((tmp_path / "samples").glob("*_generated.nii.gz"))
+    assert list((tmp_path / "samples").glob("*_covariates.json"))  # the age it was sampled at, beside the volume
