@@ -117,6 +117,23 @@ def test_resume_continues_the_same_covariates_and_refuses_another_list(nifti_run
         check_resume(other, str(ckpt))
 
 
+def test_a_resume_continues_the_encoding_it_learned_or_is_refused(nifti_run, tiny_demo, tmp_path, capsys) -> None:
+    """Another table (every age 10 years older) gives the training split another encoding: the resume is refused
+    naming the column and how it changed, before training. The same table continues from step 2."""
+    root, ckpt = nifti_run
+    older = write_table(tmp_path / "older.tsv", {n: {"participant_id": n, "age": str(a + 10), "sex": s, "site": "A"}
+                                                 for n, a, s in zip(NAMES, AGES, SEXES, strict=True)})
+    base = [*tiny_demo, f"data.root={root}", "data.covariates=[age,sex]", f"ckpt_path={ckpt}", "trainer.max_steps=3"]
+    with pytest.raises(SystemExit) as stop:
+        train(compose("train", [*base, f"data.covariates_table={older}", f"paths.output_dir={tmp_path / 'older'}"]))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "data.covariates" in err and "age: mean" in err, err
+    assert "the subjects or the participants table changed" in err and "Fix: resume with the subjects" in err
+    assert not list((tmp_path / "older").rglob("*.ckpt"))  # refused before anything trained
+    report = train(compose("train", [*base, f"paths.output_dir={tmp_path / 'same'}"]))
+    assert torch.load(report["last_checkpoint"], map_location="cpu", weights_only=True)["global_step"] == 3
+
+
 def test_evaluate_reports_whether_age_is_obeyed_beside_a_negative_control(covariate_ckpt, diffusion_ckpt,
                                                                            tmp_path) -> None:
     out = tmp_path / "eval"

@@ -213,6 +213,8 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     # the system is built from the run spec's part (validated with the rest; resolved for this run's device)
     # with data.covariates, the encoding the data module fitted on the training split (stored in the checkpoints)
     fitted = getattr(datamodule, "covariate_encoding", None)
+    if plan is not None:  # a resume continues the encoding its model learned, or is refused
+        plan.check_covariates(fitted)
     system = instantiate_config(cfg.system, _partial_=True)(
         spec=spec.system, **({"covariates": fitted.to_plain()} if fitted is not None else {}))
     if plan is not None:

@@ -10,7 +10,8 @@ anything is built and
   memory and speed, not weights), ``encoding.*`` (but a learned encoding's weights file, ``checkpoint``),
   ``mode``, ``diffusion.`` ``process``, ``num_train_timesteps``, ``schedule``, ``beta_start``, ``beta_end``,
   ``prediction_type``; the covariates, ``data.covariates`` (the names, in order: the checkpoint's encoding
-  against the current list); for a stage 1
+  against the current list; and, once the data is read, the training split's encoding of them against the
+  checkpoint's, :meth:`ResumePlan.check_covariates`); for a stage 1
   ``system.vqvae.*`` but ``use_checkpoint``, ``commitment_cost`` and ``decay``;
 * lists every other setting that changed since the checkpoint. They are all applied: most are read from the
   current config when the run is built; the optimizer's (``system.optim.*``, which Lightning would restore from the
@@ -31,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind, non_finite_tensor, weights_differences
 from voxdiff.config import encoding_configs, plain
-from voxdiff.data.covariates import parse_covariates
+from voxdiff.data.covariates import CovariateEncoding, parse_covariates
 from voxdiff.encodings import LearnedEncoding
 from voxdiff.errors import ConfigError, show_value
 from voxdiff.files import load_file
@@ -65,6 +66,37 @@ class ResumePlan:
     step: int
     applied: list[str] = field(default_factory=list)  # "key: old → new"
     not_applied: list[str] = field(default_factory=list)  # "key: old → new (why)"
+    covariates: Mapping[str, Any] | None = None  # the checkpoint's covariate encoding (plain), if it has one
+
+    def check_covariates(self, fitted: CovariateEncoding | None) -> None:
+        """Refuse to continue when the data module's encoding of the covariates (fitted on the current training
+        split) is not the checkpoint's: the model learned to read the checkpoint's normalisation and levels, and a
+        resume on other subjects or another table would feed it other numbers silently.
+
+        Raises:
+            ConfigError: ``data.covariates``, naming each column that differs and how.
+        """
+        if self.covariates is None or fitted is None:  # a changed list is refused by check_resume already
+            return
+        stored = CovariateEncoding.from_plain(self.covariates)
+        if stored == fitted:
+            return
+        changes = []
+        for old, new in zip(stored.columns, fitted.columns, strict=True):
+            if old == new:
+                continue
+            if old.kind == "categorical" and new.kind == "categorical":
+                changes.append(f"{old.name}: levels {list(old.levels)} → {list(new.levels)}")
+            elif old.kind == new.kind:
+                changes.append(f"{old.name}: mean {old.mean:.6g} → {new.mean:.6g}, std {old.std:.6g} → {new.std:.6g}, "
+                               f"range [{old.lo:g}, {old.hi:g}] → [{new.lo:g}, {new.hi:g}]")
+            else:
+                changes.append(f"{old.name}: {old.kind} → {new.kind}")
+        raise ConfigError("data.covariates", list(stored.names),
+                          f"the training split's encoding of them is not the one {self.path} was trained with ("
+                          + "; ".join(changes) + "): the subjects or the participants table changed since",
+                          "resume with the subjects and table it trained on, or train on the new data as a new run "
+                          "(ckpt_path=null, another paths.run_dir)")
 
     def summary(self) -> str:
         lines = [f"resuming from {self.path} (step {self.step})"]
@@ -196,7 +228,8 @@ def check_resume(cfg: DictConfig, ckpt_path: str, spec: RunSpec | None = None) -
                           "resume with a positive system.optim.weight_decay")
     current = {k: plain(cfg[k]) for k in cfg if k != "hydra"}
     applied, not_applied = setting_changes(ckpt.get(CONFIG_KEY), current)
-    return ResumePlan(str(ckpt_path), int(ckpt.get("global_step", 0)), applied, not_applied)
+    return ResumePlan(str(ckpt_path), int(ckpt.get("global_step", 0)), applied, not_applied,
+                      covariates=hparams.get("covariates") or None)
 
 
 def check_weights_fit(system: L.LightningModule, checkpoint: Mapping[str, Any]) -> None:
