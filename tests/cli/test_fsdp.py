@@ -3,6 +3,7 @@ resumes under FSDP, ends with the weights (and EMA) of a single-process run of t
 ``sample.py`` samples from its checkpoint in one process; the phantom's age covariate goes along."""
 
 import csv
+import json
 import subprocess
 import sys
 
@@ -72,6 +73,8 @@ def test_fsdp_trains_validates_resumes_and_equals_one_process(fsdp_run):
         val = [float(r["val/loss"]) for r in csv.DictReader(f) if r.get("val/loss")]
     assert len(val) >= 3 and all(v == v for v in val)
     assert list((run_dir / "samples").glob("final_step0000003*.png"))  # sampled by both ranks, written by rank 0
+    sidecars = list((run_dir / "samples").glob("final_step0000003*_covariates.json"))  # the age each was drawn at
+    assert sidecars and all(20 <= json.loads(p.read_text())["covariates"]["age"] <= 90 for p in sidecars)
 
 
 @pytest.mark.slow

@@ -43,6 +43,12 @@ def test_a_bids_table_is_read_and_encoded_with_the_training_splits_statistics(tm
     assert torch.allclose(v, torch.tensor([(90 - 50) / age.std, 0, 1, 0, 1, 1.0]))
     assert torch.equal(enc.null(), torch.zeros(6))  # presence 0: no subject's vector
     assert CovariateEncoding.from_plain(enc.to_plain()) == enc  # what the checkpoint stores gives it back
+    # values() inverts vector(): each subject's row back (what a sample's sidecar records); the null: none
+    for subject, row in TABLE.items():
+        assert enc.values(enc.vector(row)) == {"age": float(row["age"]), "sex": row["sex"], "site": row["site"]}
+    assert enc.values(enc.null()) == {}
+    with pytest.raises(ValueError, match="has 6 entries, got 5"):
+        enc.values(torch.zeros(5))
 
 
 def test_requested_values_outside_training_are_refused(tmp_path) -> None:

@@ -112,6 +112,26 @@ class CovariateEncoding:
         out.append(1.0)
         return torch.tensor(out, dtype=torch.float32)
 
+    def values(self, vector: torch.Tensor) -> dict[str, Any]:
+        """The values a ``(K,)`` vector of :meth:`vector` encodes (its inverse): numbers de-normalised (rounded to
+        6 significant digits), the level of each one-hot block; an empty dict for the null covariates."""
+        v = [float(x) for x in vector.reshape(-1)]
+        if len(v) != self.width:
+            raise ValueError(f"a covariate vector of this encoding has {self.width} entries, got {len(v)}")
+        if v[-1] == 0.0:  # presence 0: the null covariates (a guidance-dropped condition)
+            return {}
+        out: dict[str, Any] = {}
+        i = 0
+        for c in self.columns:
+            if c.kind == "numeric":
+                out[c.name] = float(f"{v[i] * c.std + c.mean:.6g}")
+                i += 1
+            else:
+                block = v[i : i + len(c.levels)]
+                out[c.name] = c.levels[max(range(len(block)), key=block.__getitem__)]
+                i += len(c.levels)
+        return out
+
     def null(self) -> torch.Tensor:
         """The null covariates ``(K,)``: zeros, presence 0."""
         return torch.zeros(self.width, dtype=torch.float32)

@@ -365,8 +365,10 @@ class DiffusionSystem(L.LightningModule):
             generated = self.generate(masks, generator=self._generator(1_000_000), covariates=covariates).cpu()
         if not self.trainer.is_global_zero:
             return []
+        values = None if covariates is None else [self.covariate_encoding.values(v) for v in covariates]
         pngs = save_samples(out_dir, tag, self.mode, generated, masks, images,
-                            [c["affine"] for c in self._val_cache], [c["subject"] for c in self._val_cache])
+                            [c["affine"] for c in self._val_cache], [c["subject"] for c in self._val_cache],
+                            covariates=values)  # with covariates, the values each sample was drawn at beside it
         self._last_sampled_step = self.global_step
         log.info("samples written to %s", out_dir)
         for logger in self.loggers:
