@@ -41,9 +41,9 @@ class CudaPhasePeaks:
 
 
 def measured_step(run: RunSpec) -> tuple[Any, dict[str, tuple[int, ...]]]:
-    """The training step the preflight traces (:func:`~voxdiff.preflight.memory.traced_recipe`) on a real device, the
-    run spec's (:func:`voxdiff.run.spec.run_spec` resolved for it: the UNet's ``auto`` switches and the precision decided
-    there, the local GPU asked for bf16), with real autocast as its precision context and its optimizer configured.
+    """The training step the preflight traces (:func:`~voxdiff.preflight.memory.traced_recipe`) on a real device,
+    the run spec's (:func:`voxdiff.run.spec.run_spec` resolved for it: the UNet's ``auto`` switches and the
+    precision decided there, the local GPU asked for bf16), with real autocast as its precision context and its optimizer configured.
 
     Returns:
         ``(step, batch)``: a :class:`voxdiff.step.TrainStep` and the shapes of the batch it trains on.

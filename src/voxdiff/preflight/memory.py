@@ -22,11 +22,12 @@ With ``compile=True`` the model in the step is a stand-in for ``torch.compile(mo
 the rank as the model would be (DDP); an FSDP rank, and a model the compiled trace refuses, are traced eagerly (the
 report's ``model_step``: ``upper bound (eager)``).
 
-A run's step (:func:`predict_memory`) is made from its run spec alone: the UNet of the spec
-(with its checkpointing policy), the recipe of ``preflight.recipe`` (:func:`traced_recipe`; ``system``: the run's own — the configured
-diffusion loss, AdamW as ``system.optim`` sets it, ``trainer.gradient_clip_val`` and the non-finite guard, the EMA,
-gradients freed after the optimizer step; ``seed``: the reference measurements' step), the batch the data module
-hands over (``data.batch_size`` volumes, or latents for a learned encoding), and the precision
+A run's step (:func:`predict_memory`) is made from its run spec alone: the UNet of the spec (with its
+checkpointing policy), the recipe of ``preflight.recipe`` (:func:`traced_recipe`; ``system``: the run's own — the
+configured diffusion loss, AdamW as ``system.optim`` sets it, ``trainer.gradient_clip_val`` and the non-finite
+guard, the EMA, gradients freed after the optimizer step; ``seed``: the reference measurements' step), the batch the
+data module hands over (:attr:`~voxdiff.run.spec.RunSpec.batch`: ``data.batch_size`` volumes, or latents for a
+learned encoding), and the precision
 :func:`voxdiff.step.decide_precision` picks for the GPU (:data:`PREDICTED_DEVICE`). The measure mode
 (:mod:`voxdiff.benchmarks.measure`) runs the same step on a GPU.
 
@@ -47,7 +48,6 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from voxdiff.config import Shapes
 from voxdiff.diffusion import Process
 from voxdiff.encodings.base import Encoding
 from voxdiff.models.unet import UNetSpec, build_unet_from_spec
@@ -61,7 +61,7 @@ from voxdiff.preflight.world import EmulatedPrecision, meta_step, tracker_for
 from voxdiff.run.gpus import DEFAULT_GPU, GpuSpec, gpu_type
 from voxdiff.run.parallel import Parallel
 from voxdiff.run.spec import RunSpec, run_spec
-from voxdiff.step import SEED, Recipe, TrainStep, batch_shapes
+from voxdiff.step import SEED, Recipe, TrainStep
 from voxdiff.step.precision import AUTOCAST_DTYPES
 from voxdiff.units import GiB
 
