@@ -71,7 +71,7 @@ def test_metrics_json_has_every_figure_with_n_and_the_checkpoint_identity(run, l
     assert saved["checkpoint"]["global_step"] == 40 and saved["checkpoint"]["kind"] == "diffusion"
     expected = {"diversity_ms_ssim_generated", "diversity_ms_ssim_real", "ssim", "psnr", "ms_ssim",
                 "lesion_contrast_generated", "lesion_contrast_real", "mmd_histogram", "frechet_random_resnet10",
-                "anatomy_sharpness", "anatomy_skull_ring", "anatomy_tissue_distance", "ventricle_voxels_generated",
+                "anatomy_sharpness", "anatomy_tissue_distance", "ventricle_voxels_generated",
                 "ventricle_voxels_real"}
     assert set(saved["figures"]) == expected
     for name, f in saved["figures"].items():

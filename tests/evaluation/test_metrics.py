@@ -169,8 +169,6 @@ def test_anatomy_of_a_set_against_itself_and_against_its_blurred_copy(heads):
     same = M.anatomy_comparison(images, images)
     assert same["sharpness_ratio"] == pytest.approx(1.0) and same["dark_ratio"] == pytest.approx(1.0)
     assert same["tissue_distance"] == pytest.approx(0.0, abs=1e-12)
-    assert same["shell_dark_ratio"] == pytest.approx(1.0)
-    assert M.shell_width((32, 48, 48)) == 4 and M.shell_width((8, 8, 8)) == 1
     assert sum(same["fractions_real"].values()) == pytest.approx(1.0)
     # the phantom's heads: about a quarter of the head is CSF-dark (CSF, ventricles, skull tables)
     assert 0.15 < same["fractions_real"]["dark"] < 0.35
@@ -178,7 +176,6 @@ def test_anatomy_of_a_set_against_itself_and_against_its_blurred_copy(heads):
     b = M.anatomy_comparison(blurred, images)
     assert b["sharpness_ratio"] < 0.75  # measured 0.64 at 32x48x48
     assert b["tissue_distance"] > 0.15 and b["dark_ratio"] < 0.8  # CSF and white matter mix into grey
-    assert b["shell_dark_ratio"] < 0.9  # the skull ring greys out (0.80 here, 0.68 on subjects 1000-1003)
     # the mean of the heads (one head for all, as an undertrained model draws) has no ventricles or sulci left
     mean = M.anatomy_comparison(images.mean(0, keepdim=True).expand_as(images), images)
     assert mean["sharpness_ratio"] < 0.9 and mean["tissue_distance"] > 0.15

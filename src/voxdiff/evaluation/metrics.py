@@ -11,7 +11,7 @@ Volumes are ``(N, 1, D, H, W)`` tensors in [0, 1] (images) or {0, 1} (masks); fe
 * Codebook usage of a VQ-VAE from its code indices (:func:`codebook_usage`).
 * Anatomy (:func:`anatomy_comparison`): inside each volume's own head, the sharpness (mean gradient magnitude of the
   volume smoothed by a voxel, MONAI's ``GaussianFilter``), the shares of intensity classes (CSF-dark, grey, deep
-  grey, bright) and the CSF-dark share of the head's outer shell (the skull ring), generated against real.
+  grey, bright), generated against real.
 
 MONAI's ``MultiScaleSSIMMetric`` with its defaults (11-voxel kernel, the five weights of Wang et al. 2003)
 refuses any axis of 160 voxels or less, i.e. every shape voxdiff trains on. voxdiff uses a 5-voxel Gaussian
@@ -220,14 +220,6 @@ SHARPNESS_SMOOTHING = 1.0
 #: CSF, ventricles and the skull's tables are 0.07-0.10, grey matter 0.42, deep grey 0.56, white matter 0.70,
 #: scalp fat 0.80, enhancing lesions 0.95; 0.25 is ``voxdiff.data.phantom``'s CSF threshold
 TISSUE_CLASSES: dict[str, float] = {"dark": 0.25, "grey": 0.49, "deep_grey": 0.63, "bright": math.inf}
-#: the head's outer shell (scalp, skull, CSF rim) is the head minus its erosion by ``min(D, H, W) // SHELL_DIVISOR``
-#: voxels (4 at 32³: about the phantom's scalp-to-brain distance); what the erosion leaves is the brain
-SHELL_DIVISOR = 8
-
-
-def shell_width(shape: tuple[int, ...]) -> int:
-    """Voxels of the head's outer shell for a volume of spatial ``shape`` ``(D, H, W)`` (at least 1)."""
-    return max(1, min(shape) // SHELL_DIVISOR)
 
 
 def _smooth(volumes: torch.Tensor, sigma: float) -> torch.Tensor:
@@ -264,17 +256,11 @@ def anatomy_stats(volumes: torch.Tensor) -> dict[str, torch.Tensor]:
         volume smoothed by :data:`SHARPNESS_SMOOTHING` voxels, over the head: tissue edges (skull ring, ventricle
         walls, cortex) raise it, a blurred head lowers it;
         ``fractions`` ``(N, K)``: the share of head voxels in each class of :data:`TISSUE_CLASSES` (rows sum to 1);
-        ``shell_dark`` ``(N,)``: the share of CSF-dark voxels (below the first class bound, 0.25) in the head's outer
-        shell (:func:`shell_width`): the skull's dark tables and the CSF rim, a dark ring inside the scalp;
         ``head_voxels`` ``(N,)``.
     """
     if volumes.dim() != 5 or volumes.shape[1] != 1:
         raise ValueError(f"expected (N, 1, D, H, W) volumes, got {tuple(volumes.shape)}")
     head = head_mask(volumes)
-    w = shell_width(tuple(volumes.shape[2:]))
-    brain = -F.max_pool3d(-head.float(), kernel_size=2 * w + 1, stride=1, padding=w) > 0.5  # eroded by w
-    dark = volumes < TISSUE_CLASSES["dark"]
-    shell_dark = (dark & head & ~brain).sum((1, 2, 3, 4)).double() / (head & ~brain).sum((1, 2, 3, 4)).clamp_min(1)
     grads = torch.gradient(_smooth(volumes, SHARPNESS_SMOOTHING), dim=(2, 3, 4))
     magnitude = torch.sqrt(sum(g * g for g in grads))
     x = volumes.double()
@@ -288,8 +274,7 @@ def anatomy_stats(volumes: torch.Tensor) -> dict[str, torch.Tensor]:
         fractions.append(torch.stack([((v >= lo) & (v < hi)).double().mean() if count else x.new_tensor(math.nan)
                                       for lo, hi in zip(edges[:-1], edges[1:])]))
         counts.append(count)
-    return {"sharpness": torch.stack(sharpness), "fractions": torch.stack(fractions), "shell_dark": shell_dark,
-            "head_voxels": torch.tensor(counts, dtype=torch.float64)}
+    return {"sharpness": torch.stack(sharpness), "fractions": torch.stack(fractions), "head_voxels": torch.tensor(counts, dtype=torch.float64)}
 
 
 def anatomy_comparison(generated: torch.Tensor, real: torch.Tensor) -> dict[str, Any]:
@@ -303,19 +288,14 @@ def anatomy_comparison(generated: torch.Tensor, real: torch.Tensor) -> dict[str,
         ``sharpness_generated``, ``sharpness_real`` (each ``{"value", "std", "n"}``), ``fractions_generated`` and
         ``fractions_real`` (``{class: mean share of head voxels}``), ``tissue_distance`` (total-variation distance
         ½·Σ|p_gen − p_real| between the mean class shares: 0 = the same tissue mix, 1 = disjoint) and
-        ``dark_ratio`` (share of CSF-dark head voxels, generated ÷ real: 0 when no generated voxel is CSF-dark),
-        ``shell_dark_ratio`` (the CSF-dark share of the head's outer shell, generated ÷ real: the skull ring) with
-        each set's ``shell_dark_generated``/``shell_dark_real``.
+        ``dark_ratio`` (share of CSF-dark head voxels, generated ÷ real: 0 when no generated voxel is CSF-dark).
     """
     gen, ref = anatomy_stats(generated), anatomy_stats(real)
     p_gen, p_ref = gen["fractions"].nanmean(0), ref["fractions"].nanmean(0)
     names = list(TISSUE_CLASSES)
     s_gen, s_ref = summary(gen["sharpness"]), summary(ref["sharpness"])
     dark = names.index("dark")
-    g, r = summary(gen["shell_dark"]), summary(ref["shell_dark"])
     return {
-        "shell_dark_ratio": g["value"] / r["value"] if r["value"] > 0 else math.nan,
-        "shell_dark_generated": g, "shell_dark_real": r,
         "sharpness_ratio": s_gen["value"] / s_ref["value"] if s_ref["value"] > 0 else math.nan,
         "sharpness_generated": s_gen, "sharpness_real": s_ref,
         "fractions_generated": dict(zip(names, p_gen.tolist())), "fractions_real": dict(zip(names, p_ref.tolist())),

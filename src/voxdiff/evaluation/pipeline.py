@@ -52,17 +52,13 @@ DEFINITIONS: dict[str, tuple[str, str, str]] = {
         "does not count) inside each volume's own head (foreground above 0.15, holes of each axial slice filled), "
         "generated over real. A blurred head scores below 1 (a 1.5-voxel Gaussian blur of the phantom: 0.64), but "
         "every edge counts, wrong ones too: blotches and the 2-voxel blocks of an undertrained S2D model raise it."),
-    "anatomy_skull_ring": (
-        "Anatomy: dark skull ring, generated ÷ real", "match",
-        "Share of CSF-dark voxels (< 0.25: the skull's tables, the CSF rim) in the head's outer shell (the head minus "
-        "its erosion by min(D, H, W) // 8 voxels), mean over volumes, generated over real. A ring blurred into the "
-        "scalp and brain turns grey: a 1.5-voxel blur of the phantom scores 0.68-0.80."),
     "anatomy_tissue_distance": (
         "Anatomy: tissue-mix distance", "lower",
         "Total-variation distance ½·Σ|p_gen − p_real| between the mean shares of head voxels in the intensity "
         "classes dark < 0.25 (CSF, ventricles, skull tables) ≤ grey < 0.49 ≤ deep grey < 0.63 ≤ bright (white "
         "matter, fat, lesions) of generated and real volumes. 0: the same tissue mix; a blurred head moves voxels "
-        "from the dark and bright classes to grey (a 1.5-voxel blur of the phantom: 0.25)."),
+        "from the dark and bright classes to grey (a 1.5-voxel blur of the phantom: 0.25), but a smooth blob with a "
+        "soft outline can mix its classes as the data do: read it beside the sharpness and the ventricle count."),
     "ventricle_voxels_generated": (
         "Ventricles: CSF-dark voxels in the central box, generated", "match",
         "Mean over generated volumes of voxdiff.data.phantom.ventricle_voxels (voxels below 0.25 in the phantom's "
@@ -207,7 +203,7 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
 
 
 def anatomy_figures(generated: torch.Tensor, real: torch.Tensor, phantom: bool = False) -> dict[str, dict[str, Any]]:
-    """Is the anatomy drawn? Sharpness, skull ring and tissue mix of generated ``(N, 1, D, H, W)`` against real
+    """Is the anatomy drawn? Sharpness and tissue mix of generated ``(N, 1, D, H, W)`` against real
     ``(R, 1, D, H, W)`` images in [0, 1] (:func:`voxdiff.evaluation.metrics.anatomy_comparison`); with ``phantom``,
     the ventricle counts of :func:`voxdiff.data.phantom.ventricle_voxels` too."""
     c = M.anatomy_comparison(generated, real)
@@ -217,9 +213,6 @@ def anatomy_figures(generated: torch.Tensor, real: torch.Tensor, phantom: bool =
             "value": c["sharpness_ratio"], "n": len(generated), "generated": c["sharpness_generated"],
             "real": c["sharpness_real"], "head_voxels_generated": c["head_voxels_generated"],
             "head_voxels_real": c["head_voxels_real"]}),
-        "anatomy_skull_ring": figure("anatomy_skull_ring", {
-            "value": c["shell_dark_ratio"], "n": len(generated), "generated": c["shell_dark_generated"],
-            "real": c["shell_dark_real"]}),
         "anatomy_tissue_distance": figure("anatomy_tissue_distance", {
             "value": c["tissue_distance"], "n": len(generated), "dark_ratio": c["dark_ratio"], **classes}),
     }
