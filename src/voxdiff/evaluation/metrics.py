@@ -260,21 +260,22 @@ def anatomy_stats(volumes: torch.Tensor) -> dict[str, torch.Tensor]:
     """
     if volumes.dim() != 5 or volumes.shape[1] != 1:
         raise ValueError(f"expected (N, 1, D, H, W) volumes, got {tuple(volumes.shape)}")
-    head = head_mask(volumes)
-    grads = torch.gradient(_smooth(volumes, SHARPNESS_SMOOTHING), dim=(2, 3, 4))
-    magnitude = torch.sqrt(sum(g * g for g in grads))
-    x = volumes.double()
     edges = [-math.inf, *TISSUE_CLASSES.values()]
     sharpness, fractions, counts = [], [], []
-    for n in range(x.shape[0]):
-        region = head[n]
+    for n in range(volumes.shape[0]):  # one volume at a time: a few float64 copies of one volume in memory
+        x = volumes[n : n + 1].double()
+        region = head_mask(x)[0, 0]
+        grads = torch.gradient(_smooth(x, SHARPNESS_SMOOTHING)[0, 0])
+        magnitude = torch.sqrt(sum(g * g for g in grads))
         count = int(region.sum())
-        v = x[n][region]
-        sharpness.append(magnitude[n][region].mean() if count else x.new_tensor(math.nan))
-        fractions.append(torch.stack([((v >= lo) & (v < hi)).double().mean() if count else x.new_tensor(math.nan)
+        v = x[0, 0][region]
+        nan = x.new_tensor(math.nan)
+        sharpness.append(magnitude[region].mean() if count else nan)
+        fractions.append(torch.stack([((v >= lo) & (v < hi)).double().mean() if count else nan
                                       for lo, hi in zip(edges[:-1], edges[1:])]))
         counts.append(count)
-    return {"sharpness": torch.stack(sharpness), "fractions": torch.stack(fractions), "head_voxels": torch.tensor(counts, dtype=torch.float64)}
+    return {"sharpness": torch.stack(sharpness), "fractions": torch.stack(fractions),
+            "head_voxels": torch.tensor(counts, dtype=torch.float64)}
 
 
 def anatomy_comparison(generated: torch.Tensor, real: torch.Tensor) -> dict[str, Any]:

@@ -222,9 +222,10 @@ def anatomy_figures(generated: torch.Tensor, real: torch.Tensor, phantom: bool =
         counts = {name: torch.tensor([ventricle_voxels(v) for v in volumes], dtype=torch.float64)
                   for name, volumes in (("generated", generated), ("real", real))}
         ratio = float(counts["generated"].mean() / counts["real"].mean()) if counts["real"].sum() > 0 else math.nan
-        for name, c_ in counts.items():
+        for name, values in counts.items():
             out[f"ventricle_voxels_{name}"] = figure(f"ventricle_voxels_{name}", {
-                **M.summary(c_), "per_volume": c_.tolist(), **({"ratio_to_real": ratio} if name == "generated" else {})})
+                **M.summary(values), "per_volume": values.tolist(),
+                **({"ratio_to_real": ratio} if name == "generated" else {})})
     return out
 
 
