@@ -70,13 +70,19 @@ def test_metrics_json_has_every_figure_with_n_and_the_checkpoint_identity(run, l
     assert saved["checkpoint"]["sha256"] == file_sha256(last)
     assert saved["checkpoint"]["global_step"] == 40 and saved["checkpoint"]["kind"] == "diffusion"
     expected = {"diversity_ms_ssim_generated", "diversity_ms_ssim_real", "ssim", "psnr", "ms_ssim",
-                "lesion_contrast_generated", "lesion_contrast_real", "mmd_histogram", "frechet_random_resnet10"}
+                "lesion_contrast_generated", "lesion_contrast_real", "mmd_histogram", "frechet_random_resnet10",
+                "anatomy_sharpness", "anatomy_tissue_distance", "ventricle_voxels_generated",
+                "ventricle_voxels_real"}
     assert set(saved["figures"]) == expected
     for name, f in saved["figures"].items():
         assert np.isfinite(f["value"]), name
         assert ("n" in f) or ("n_generated" in f and "n_real" in f), name
         assert f["direction"] in ("higher", "lower", "match", "info") and f["definition"], name
     assert saved["figures"]["diversity_ms_ssim_generated"]["pairs"] == 6  # 4 samples
+    sharpness = saved["figures"]["anatomy_sharpness"]  # generated ÷ real, both sets' figures beside it
+    assert sharpness["value"] == pytest.approx(sharpness["generated"]["value"] / sharpness["real"]["value"])
+    assert len(saved["figures"]["ventricle_voxels_real"]["per_volume"]) == 2  # the phantom's: real ventricles
+    assert saved["figures"]["ventricle_voxels_real"]["value"] > 0
     assert saved["n_generated"] == 4 and saved["n_real"] == 2  # 6 phantom subjects: 2 validation
     assert saved["sampling"]["num_inference_steps"] == 5 and saved["sampling"]["use_ema"] is True
     assert "never downloads" in saved["absent"]["medicalnet"]

@@ -132,3 +132,68 @@ def test_chunked_calls_give_the_same_figures(monkeypatch):
     chunked = (M.ssim(a, b), M.ms_ssim(a, b), M.psnr(a, b), M.pairwise_ms_ssim(a)["value"])
     for w, c in zip(whole, chunked):
         torch.testing.assert_close(torch.as_tensor(c), torch.as_tensor(w))
+
+
+def _phantoms(n, shape=(32, 48, 48)):
+    """``n`` phantom heads ``(n, 1, D, H, W)`` and their tissue labels ``(n, D, H, W)``."""
+    from voxdiff.data.phantom import make_phantom
+
+    made = [make_phantom(shape, seed, return_labels=True) for seed in range(n)]
+    return (torch.stack([torch.from_numpy(img)[None] for img, _, _ in made]),
+            torch.stack([torch.from_numpy(lab.astype("int64")) for _, _, lab in made]))
+
+
+@pytest.fixture(scope="module")
+def heads():
+    return _phantoms(3)
+
+
+def test_the_head_mask_holds_the_skull_and_ventricles_and_not_the_background(heads):
+    from voxdiff.data.phantom import LABELS
+
+    images, labels = heads
+    head = M.head_mask(images)[:, 0]
+    assert head.shape == labels.shape and head.dtype == torch.bool
+    for tissue in ("ventricle", "white_matter", "grey_matter"):
+        inside = head[labels == LABELS[tissue]].double().mean()
+        assert inside == 1.0, tissue
+    # the dark skull tables and the CSF rim lie inside the bright scalp: filled (a slice may open at the neck)
+    assert head[labels == LABELS["skull"]].double().mean() > 0.9
+    assert head[labels == LABELS["csf"]].double().mean() > 0.9
+    # the outline, smoothed by a voxel, takes about one voxel of background around the scalp: 6% at 32x48x48
+    assert head[labels == LABELS["background"]].double().mean() < 0.1
+
+
+def test_anatomy_of_a_set_against_itself_and_against_its_blurred_copy(heads):
+    images, _ = heads
+    same = M.anatomy_comparison(images, images)
+    assert same["sharpness_ratio"] == pytest.approx(1.0) and same["dark_ratio"] == pytest.approx(1.0)
+    assert same["tissue_distance"] == pytest.approx(0.0, abs=1e-12)
+    assert sum(same["fractions_real"].values()) == pytest.approx(1.0)
+    # the phantom's heads: about a quarter of the head is CSF-dark (CSF, ventricles, skull tables)
+    assert 0.15 < same["fractions_real"]["dark"] < 0.35
+    blurred = M._smooth(images, 1.5).float()
+    b = M.anatomy_comparison(blurred, images)
+    assert b["sharpness_ratio"] < 0.75  # measured 0.64 at 32x48x48
+    assert b["tissue_distance"] > 0.15 and b["dark_ratio"] < 0.8  # CSF and white matter mix into grey
+    # the mean of the heads (one head for all, as an undertrained model draws) has no ventricles or sulci left
+    mean = M.anatomy_comparison(images.mean(0, keepdim=True).expand_as(images), images)
+    assert mean["sharpness_ratio"] < 0.9 and mean["tissue_distance"] > 0.15
+
+
+def test_noise_does_not_pass_for_sharpness(heads):
+    images, _ = heads
+    blurred = M._smooth(images, 1.5).float()
+    g = torch.Generator().manual_seed(0)
+    noisy = (blurred + 0.15 * torch.randn(blurred.shape, generator=g)).clamp(0, 1)
+    assert M.anatomy_comparison(noisy, images)["sharpness_ratio"] < 0.75  # measured 0.71
+    # without the smoothing before the gradient the same noise would read as more detail than the real heads (1.18)
+    grads = torch.gradient(noisy.double(), dim=(2, 3, 4))
+    raw = torch.sqrt(sum(x * x for x in grads))[M.head_mask(noisy)].mean()
+    grads = torch.gradient(images.double(), dim=(2, 3, 4))
+    assert raw / torch.sqrt(sum(x * x for x in grads))[M.head_mask(images)].mean() > 1.0
+
+
+def test_anatomy_stats_refuse_a_volume_without_a_channel_axis():
+    with pytest.raises(ValueError, match=r"\(N, 1, D, H, W\)"):
+        M.anatomy_stats(torch.zeros(2, 8, 8, 8))

@@ -164,6 +164,12 @@ def _sweep(cfg: DictConfig, encoding: Any, n: int) -> list[dict[str, Any]]:
     return [{column.name: round(column.lo + i * step, 6)} for i in range(n)]
 
 
+def _phantom_run(saved: dict[str, Any]) -> bool:
+    """Did the checkpoint's run train on the built-in phantom (no ``data.root``, the volume data module)?"""
+    data = saved.get("data") or {}
+    return data.get("root") is None and str(data.get("_target_", "")).endswith("VolumeDataModule")
+
+
 def _covariate_figures(cfg: DictConfig, saved: dict[str, Any], system: Any, sampler: Any, real: Any,
                        generated: Any, rows: list[dict[str, Any]] | None, table: dict[str, Any],
                        device: Any, precision: Any) -> tuple[dict[str, Any], dict[str, str], list[Any]]:
@@ -172,9 +178,7 @@ def _covariate_figures(cfg: DictConfig, saved: dict[str, Any], system: Any, samp
     negative control: sampled with the same masks, noise and ages); with a scatter of the three for the report."""
     figures: dict[str, Any] = {}
     absent: dict[str, str] = {}
-    data = saved.get("data") or {}
-    phantom = data.get("root") is None and str(data.get("_target_", "")).endswith("VolumeDataModule")
-    if rows is None or "age" not in rows[0] or not phantom or system.mode != "bravo":
+    if rows is None or "age" not in rows[0] or not _phantom_run(saved) or system.mode != "bravo":
         if rows is not None:
             absent["covariate_age_ventricles_generated"] = ("measured on a phantom run (bravo) with the covariate "
                                                              "age only: the phantom's ventricles widen with age")
@@ -239,7 +243,8 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     t1 = time.perf_counter()
     print(f"[voxdiff] {len(generated)} samples in {t1 - t0:.1f} s; computing the figures", flush=True)
     figures, more_absent = diffusion_figures(real, generated, sources, system.mode, extractors,
-                                             bins=int(cfg.histogram_bins), device=str(device), ms_ssim=ms_ssim)
+                                             bins=int(cfg.histogram_bins), device=str(device), ms_ssim=ms_ssim,
+                                             phantom=_phantom_run(saved) and cfg.data.get("root") is None)
     cov_figures, cov_absent, cov_sections = _covariate_figures(cfg, saved, system, sampler, real, generated, rows,
                                                                table, device, precision)
     figures.update(cov_figures)

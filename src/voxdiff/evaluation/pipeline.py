@@ -8,6 +8,7 @@ as it appears in ``metrics.json`` and in the report's table.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,25 @@ DEFINITIONS: dict[str, tuple[str, str, str]] = {
         "does the lesion stand out as in the real images? Compare with the real figure."),
     "lesion_contrast_real": ("Lesion contrast, real", "info",
                              "The same figure for the real images of the masks."),
+    "anatomy_sharpness": (
+        "Anatomy: sharpness, generated ÷ real", "match",
+        "Mean gradient magnitude (central differences of the volume smoothed by a 1-voxel Gaussian, so voxel noise "
+        "does not count) inside each volume's own head (foreground above 0.15, holes of each axial slice filled), "
+        "generated over real. A blurred head scores below 1 (a 1.5-voxel Gaussian blur of the phantom: 0.64), but "
+        "every edge counts, wrong ones too: blotches and the 2-voxel blocks of an undertrained S2D model raise it."),
+    "anatomy_tissue_distance": (
+        "Anatomy: tissue-mix distance", "lower",
+        "Total-variation distance ½·Σ|p_gen − p_real| between the mean shares of head voxels in the intensity "
+        "classes dark < 0.25 (CSF, ventricles, skull tables) ≤ grey < 0.49 ≤ deep grey < 0.63 ≤ bright (white "
+        "matter, fat, lesions) of generated and real volumes. 0: the same tissue mix; a blurred head moves voxels "
+        "from the dark and bright classes to grey (a 1.5-voxel blur of the phantom: 0.25), but a smooth blob with a "
+        "soft outline can mix its classes as the data do: read it beside the sharpness and the ventricle count."),
+    "ventricle_voxels_generated": (
+        "Ventricles: CSF-dark voxels in the central box, generated", "match",
+        "Mean over generated volumes of voxdiff.data.phantom.ventricle_voxels (voxels below 0.25 in the phantom's "
+        "central box that holds the ventricles); phantom runs only. 0: no ventricle drawn. ratio_to_real beside it."),
+    "ventricle_voxels_real": ("Ventricles: CSF-dark voxels in the central box, real", "info",
+                              "The same count for the real phantom images of the split."),
     "mmd_histogram": (
         "MMD² of intensity histograms", "lower",
         "Unbiased MMD² with a linear kernel (MONAI MMDMetric) between 64-bin intensity histograms of generated "
@@ -128,7 +148,8 @@ def batches(n: int, size: int) -> Iterable[list[int]]:
 # ------------------------------------------------------------------------------------------------ diffusion
 def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequence[int], mode: str,
                       extractors: Sequence[FeatureExtractor], bins: int = 64, device: str = "cpu",
-                      ms_ssim: M.SSIMSettings = M.MS_SSIM_SETTINGS) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+                      ms_ssim: M.SSIMSettings = M.MS_SSIM_SETTINGS, phantom: bool = False
+                      ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """All figures of a generated set against the real one.
 
     Args:
@@ -139,6 +160,7 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
         extractors: feature extractors for Fréchet distances.
         bins: histogram bins of the MMD.
         ms_ssim: the MS-SSIM settings (diversity and paired MS-SSIM).
+        phantom: the real volumes are the built-in phantom's: add the ventricle figures (its central box).
 
     Returns:
         ``(figures, absent)``: ``{name: figure}`` and ``{name: why it was not computed}``.
@@ -163,8 +185,10 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
                                                        "intensity": stats_gen})
         figures["lesion_contrast_real"] = figure("lesion_contrast_real", {"value": stats_real["contrast"],
                                                                           "n": len(real), "intensity": stats_real})
+        figures.update(anatomy_figures(generated, real.images, phantom))
     else:
         absent["ssim/psnr/ms_ssim"] = "seg mode generates masks without a paired real image"
+        absent["anatomy"] = "seg mode generates masks: no anatomy to measure"
     h_gen, h_real = M.histograms(generated, bins), M.histograms(reference, bins)
     if min(len(generated), len(real)) >= 2:
         figures["mmd_histogram"] = figure("mmd_histogram", M.mmd(h_gen, h_real))
@@ -176,6 +200,33 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
             f"{len(real)} real volume(s): a distribution figure needs at least 2 per set (n=2 or more, and a split "
             "with 2 or more subjects)")
     return figures, absent
+
+
+def anatomy_figures(generated: torch.Tensor, real: torch.Tensor, phantom: bool = False) -> dict[str, dict[str, Any]]:
+    """Is the anatomy drawn? Sharpness and tissue mix of generated ``(N, 1, D, H, W)`` against real
+    ``(R, 1, D, H, W)`` images in [0, 1] (:func:`voxdiff.evaluation.metrics.anatomy_comparison`); with ``phantom``,
+    the ventricle counts of :func:`voxdiff.data.phantom.ventricle_voxels` too."""
+    c = M.anatomy_comparison(generated, real)
+    classes = {"fractions_generated": c["fractions_generated"], "fractions_real": c["fractions_real"]}
+    out = {
+        "anatomy_sharpness": figure("anatomy_sharpness", {
+            "value": c["sharpness_ratio"], "n": len(generated), "generated": c["sharpness_generated"],
+            "real": c["sharpness_real"], "head_voxels_generated": c["head_voxels_generated"],
+            "head_voxels_real": c["head_voxels_real"]}),
+        "anatomy_tissue_distance": figure("anatomy_tissue_distance", {
+            "value": c["tissue_distance"], "n": len(generated), "dark_ratio": c["dark_ratio"], **classes}),
+    }
+    if phantom:
+        from voxdiff.data.phantom import ventricle_voxels
+
+        counts = {name: torch.tensor([ventricle_voxels(v) for v in volumes], dtype=torch.float64)
+                  for name, volumes in (("generated", generated), ("real", real))}
+        ratio = float(counts["generated"].mean() / counts["real"].mean()) if counts["real"].sum() > 0 else math.nan
+        for name, values in counts.items():
+            out[f"ventricle_voxels_{name}"] = figure(f"ventricle_voxels_{name}", {
+                **M.summary(values), "per_volume": values.tolist(),
+                **({"ratio_to_real": ratio} if name == "generated" else {})})
+    return out
 
 
 def histogram_section(real: VolumeSet, generated: torch.Tensor, sources: Sequence[int], bins: int,
