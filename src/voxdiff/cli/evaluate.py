@@ -242,9 +242,10 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     generated, sources, pngs = _generate(cfg, system, sampler, real, device, precision, rows)
     t1 = time.perf_counter()
     print(f"[voxdiff] {len(generated)} samples in {t1 - t0:.1f} s; computing the figures", flush=True)
+    phantom = _phantom_run(saved) and cfg.data.get("root") is None  # the phantom's ventricles can be counted
     figures, more_absent = diffusion_figures(real, generated, sources, system.mode, extractors,
                                              bins=int(cfg.histogram_bins), device=str(device), ms_ssim=ms_ssim,
-                                             phantom=_phantom_run(saved) and cfg.data.get("root") is None)
+                                             ventricles=ventricle_voxels if phantom else None)
     cov_figures, cov_absent, cov_sections = _covariate_figures(cfg, saved, system, sampler, real, generated, rows,
                                                                table, device, precision)
     figures.update(cov_figures)

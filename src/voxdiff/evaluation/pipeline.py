@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,7 +148,8 @@ def batches(n: int, size: int) -> Iterable[list[int]]:
 # ------------------------------------------------------------------------------------------------ diffusion
 def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequence[int], mode: str,
                       extractors: Sequence[FeatureExtractor], bins: int = 64, device: str = "cpu",
-                      ms_ssim: M.SSIMSettings = M.MS_SSIM_SETTINGS, phantom: bool = False
+                      ms_ssim: M.SSIMSettings = M.MS_SSIM_SETTINGS,
+                      ventricles: Callable[[torch.Tensor], int] | None = None,
                       ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """All figures of a generated set against the real one.
 
@@ -160,7 +161,9 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
         extractors: feature extractors for Fréchet distances.
         bins: histogram bins of the MMD.
         ms_ssim: the MS-SSIM settings (diversity and paired MS-SSIM).
-        phantom: the real volumes are the built-in phantom's: add the ventricle figures (its central box).
+        ventricles: where the real volumes are the built-in phantom's, its ventricle measure of one ``(1, D, H, W)``
+            image (:func:`voxdiff.data.phantom.ventricle_voxels`, passed in by the command: the data layer is
+            not the evaluation's to import): the ventricle figures are added.
 
     Returns:
         ``(figures, absent)``: ``{name: figure}`` and ``{name: why it was not computed}``.
@@ -185,7 +188,7 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
                                                        "intensity": stats_gen})
         figures["lesion_contrast_real"] = figure("lesion_contrast_real", {"value": stats_real["contrast"],
                                                                           "n": len(real), "intensity": stats_real})
-        figures.update(anatomy_figures(generated, real.images, phantom))
+        figures.update(anatomy_figures(generated, real.images, ventricles))
     else:
         absent["ssim/psnr/ms_ssim"] = "seg mode generates masks without a paired real image"
         absent["anatomy"] = "seg mode generates masks: no anatomy to measure"
@@ -202,10 +205,11 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
     return figures, absent
 
 
-def anatomy_figures(generated: torch.Tensor, real: torch.Tensor, phantom: bool = False) -> dict[str, dict[str, Any]]:
+def anatomy_figures(generated: torch.Tensor, real: torch.Tensor,
+                    ventricles: Callable[[torch.Tensor], int] | None = None) -> dict[str, dict[str, Any]]:
     """Is the anatomy drawn? Sharpness and tissue mix of generated ``(N, 1, D, H, W)`` against real
-    ``(R, 1, D, H, W)`` images in [0, 1] (:func:`voxdiff.evaluation.metrics.anatomy_comparison`); with ``phantom``,
-    the ventricle counts of :func:`voxdiff.data.phantom.ventricle_voxels` too."""
+    ``(R, 1, D, H, W)`` images in [0, 1] (:func:`voxdiff.evaluation.metrics.anatomy_comparison`); with
+    ``ventricles`` (the phantom's :func:`voxdiff.data.phantom.ventricle_voxels`), the ventricle counts too."""
     c = M.anatomy_comparison(generated, real)
     classes = {"fractions_generated": c["fractions_generated"], "fractions_real": c["fractions_real"]}
     out = {
@@ -216,10 +220,8 @@ def anatomy_figures(generated: torch.Tensor, real: torch.Tensor, phantom: bool =
         "anatomy_tissue_distance": figure("anatomy_tissue_distance", {
             "value": c["tissue_distance"], "n": len(generated), "dark_ratio": c["dark_ratio"], **classes}),
     }
-    if phantom:
-        from voxdiff.data.phantom import ventricle_voxels
-
-        counts = {name: torch.tensor([ventricle_voxels(v) for v in volumes], dtype=torch.float64)
+    if ventricles is not None:
+        counts = {name: torch.tensor([ventricles(v) for v in volumes], dtype=torch.float64)
                   for name, volumes in (("generated", generated), ("real", real))}
         ratio = float(counts["generated"].mean() / counts["real"].mean()) if counts["real"].sum() > 0 else math.nan
         for name, values in counts.items():
