@@ -42,9 +42,15 @@ OVERRIDES+=(${VOXDIFF_OVERRIDES:-} "$@")
 echo "[voxdiff] job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $(hostname): ${OVERRIDES[*]}"
 
 # Fail in seconds, with the preflight's message, if the config is invalid (EXIT_CONFIG) or does not fit the
-# allocated GPU (EXIT_NO_FIT); the job exits with the preflight's own code.
+# allocated GPU (EXIT_NO_FIT); the job exits with the preflight's own code. A requeued start (the same job, config
+# and GPU type) skips it: it passed at the first start, and train.py checks the config, the fit and the disk again
+# before it trains.
 rc=$EXIT_OK
-python preflight.py "${OVERRIDES[@]}" || rc=$?
+if (( ${SLURM_RESTART_COUNT:-0} > 0 )); then
+    echo "[voxdiff] restart ${SLURM_RESTART_COUNT}: the preflight passed at the first start (train.py checks again)"
+else
+    python preflight.py "${OVERRIDES[@]}" || rc=$?
+fi
 if (( rc != EXIT_OK )); then
     why=$(python -m voxdiff.cli.exit_codes --describe "$rc")
     echo "[voxdiff] preflight refused experiment=$VOXDIFF_EXPERIMENT (exit $rc: $why); nothing was trained" >&2

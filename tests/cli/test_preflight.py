@@ -144,4 +144,6 @@ def test_measure_needs_a_gpu(capsys):
         assert "measured:" in capsys.readouterr().out
     else:
         assert run(["experiment=demo", "preflight.measure=true"]) == EXIT_CONFIG
-        assert "preflight.measure=true: needs a CUDA GPU" in capsys.readouterr().err
+        captured = capsys.readouterr()
+        assert "preflight.measure=true: needs a CUDA GPU" in captured.err
+        assert "configurations valid" not in captured.out  # refused before anything was predicted

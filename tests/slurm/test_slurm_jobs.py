@@ -86,6 +86,9 @@ def test_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
     assert "++preflight.gpu=H100" in log  # site.env's GPU_TYPE, passed to preflight.py and train.py
     assert int(info["Restarts"]) == 1
     assert "(restart 1)" in log
+    # the preflight ran at the first start only; the requeued start went straight to train.py (which checks again)
+    assert log.count("configurations valid and fit") == 1, log
+    assert "restart 1: the preflight passed at the first start" in log
     resumed = re.findall(r"resuming from .*?step (\d+)", log, flags=re.IGNORECASE)
     assert resumed and int(resumed[-1]) == hold + 1, log
     assert checkpoint_step(last) == max_steps  # the step count continued to the end, not restarted

@@ -57,12 +57,21 @@ def measured_step(run: RunSpec) -> tuple[Any, dict[str, tuple[int, ...]]]:
     return step, run.batch
 
 
-def measure_steps(run: RunSpec, steps: int = 3) -> dict[str, Any]:
-    """Run ``steps`` training steps of ``run`` (resolved for ``cuda``) on the current CUDA device; peaks per phase
-    in GiB."""
+def require_cuda() -> None:
+    """Refuse ``preflight.measure=true`` where no CUDA GPU is visible (before anything is predicted).
+
+    Raises:
+        ConfigError: naming ``preflight.measure`` and where to run it.
+    """
     if not torch.cuda.is_available():
         raise ConfigError("preflight.measure", True, "needs a CUDA GPU and none is visible",
                           "run it on a GPU node (e.g. srun --gres=gpu:1 python preflight.py ... preflight.measure=true)")
+
+
+def measure_steps(run: RunSpec, steps: int = 3) -> dict[str, Any]:
+    """Run ``steps`` training steps of ``run`` (resolved for ``cuda``) on the current CUDA device; peaks per phase
+    in GiB."""
+    require_cuda()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     step, batch_spec = measured_step(run)

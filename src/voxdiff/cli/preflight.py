@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from voxdiff.benchmarks.measure import measure_steps, reference_row, write_rows
+from voxdiff.benchmarks.measure import measure_steps, reference_row, require_cuda, write_rows
 from voxdiff.benchmarks.sweep import sweep
 from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_NO_FIT, EXIT_OK, command_line_refusal
 from voxdiff.config import batch_size_is_auto, compose, config_dir
@@ -177,6 +177,8 @@ def run(overrides: list[str]) -> int:
 def _run(overrides: list[str]) -> int:
     os.environ.setdefault("VOXDIFF_TARGET", "gpu")  # resolve ${voxdiff.cpu_or:...} as the GPU run will
     base = compose("preflight", overrides)
+    if base.preflight.measure:  # refused now on a machine without a GPU, not after the prediction
+        require_cuda()
     if base.preflight.measure and base.preflight.out:  # the measured row is written after minutes on the GPU
         check_output("preflight.out", str(base.preflight.out), folder=False, fix="give a CSV path in a folder that "
                      "exists")
