@@ -3,6 +3,7 @@
     python bench/bench_gpu_step.py [--experiments exp11,exp11_1,exp9_ldm_4x_bravo,exp9_ldm_8x_bravo]
                                    [--steps 20] [--warmup 5] [--out bench_gpu_step.csv [--append]]
                                    [--no-compiled] [--no-auto] [--side-timeout S] [override ...]
+    python bench/bench_gpu_step.py --rows-from LOG --out F.csv [--append]   # the rows of a cut-off run's output
 
 For each experiment, four sides train the UNet of that experiment on the same random batch (held in pinned host
 memory and copied to the device every step, as a data loader's batch is), each in its own process, one after the
