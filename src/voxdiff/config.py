@@ -93,6 +93,13 @@ def compose(config_name: str = "train", overrides: Sequence[str] = ()) -> DictCo
         return hydra_compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
 
 
+def is_phantom_data(data: Any) -> bool:
+    """Whether a ``data:`` config (a Hydra node or its plain dict; None: none) serves the built-in phantom: the
+    volume data module without a ``root``."""
+    data = plain(data) or {}
+    return data.get("root") is None and str(data.get("_target_", "")).endswith("VolumeDataModule")
+
+
 def select(cfg: Any, key: str, default: Any = None) -> Any:
     """The value at the dotted ``key`` of ``cfg`` as plain Python (resolved), or ``default`` where it is absent."""
     return plain(OmegaConf.select(cfg, key, default=default))

@@ -25,7 +25,7 @@ from voxdiff.cli.exit_codes import hydra_main, refusals
 from voxdiff.config import compose, config_dir, instantiate_config, plain, require, run_kind, select, voxdiff_class
 from voxdiff.encodings import Encoding, LearnedEncoding
 from voxdiff.errors import ConfigError, Problems, int_list, integer
-from voxdiff.files import check_output
+from voxdiff.files import atomic_write, check_output
 
 
 @dataclass(frozen=True)
@@ -135,8 +135,6 @@ def covariates_beside(datamodule: Any, out: Path) -> Path | None:
     """The subjects' covariates into the cache folder (``participants.tsv``), so a latent run can condition on them:
     the source's table (``data.covariates_table``, else ``<data.root>/participants.tsv``) copied, or the phantom's
     (with ``data.covariates``, which also shape its anatomy). None: the source has none."""
-    import shutil
-
     # deferred: voxdiff.data.covariates imports MONAI's transforms (seconds); a refused config exits before
     from voxdiff.data.covariates import TABLE_NAME, phantom_table, write_table
 
@@ -145,9 +143,8 @@ def covariates_beside(datamodule: Any, out: Path) -> Path | None:
     root = getattr(datamodule, "root", None)
     if source is None and root is not None and (Path(root) / TABLE_NAME).is_file():
         source = str(Path(root) / TABLE_NAME)
-    if source is not None:
-        shutil.copyfile(source, target)
-        return target
+    if source is not None:  # the table's own bytes, written atomically beside the cache's index
+        return atomic_write(target, lambda f: f.write(Path(source).read_bytes()))
     if root is None and getattr(datamodule, "covariate_encoding", None) is not None:
         names = [*datamodule.train_subjects, *datamodule.val_subjects]
         seeds = [int(n.rsplit("-", 1)[1]) for n in names]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from voxdiff.config import select
+from voxdiff.config import is_phantom_data, select
 from voxdiff.data.covariates import MISSING, CovariateEncoding
 from voxdiff.errors import ConfigError
 
@@ -49,8 +49,7 @@ def without_table(saved: Mapping[str, Any], encoding: CovariateEncoding | None,
     its masks), which the real volumes an evaluation compares with must have."""
     saved = dict(saved)
     data = saved.get("data") or {}
-    phantom = data.get("root") is None and str(data.get("_target_", "")).endswith("VolumeDataModule")
-    if encoding is not None and set(encoding.names) <= set(requested) and data and not phantom:
+    if encoding is not None and set(encoding.names) <= set(requested) and data and not is_phantom_data(data):
         saved["data"] = {**data, "covariates": []}
     return saved
 

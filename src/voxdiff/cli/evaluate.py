@@ -33,7 +33,7 @@ from voxdiff.cli.devices import pick_device
 from voxdiff.cli.exit_codes import hydra_main, refusals
 from voxdiff.cli.covariate_args import covariate_rows, covariate_vectors, requested_covariates, without_table
 from voxdiff.cli.sample import _CKPT_FIX, _datamodule, _load, validate as validate_sampling
-from voxdiff.config import plain
+from voxdiff.config import is_phantom_data, plain
 from voxdiff.data.phantom import ventricle_voxels
 from voxdiff.errors import ConfigError, integer
 from voxdiff.files import check_output
@@ -164,21 +164,16 @@ def _sweep(cfg: DictConfig, encoding: Any, n: int) -> list[dict[str, Any]]:
     return [{column.name: round(column.lo + i * step, 6)} for i in range(n)]
 
 
-def _phantom_run(saved: dict[str, Any]) -> bool:
-    """Did the checkpoint's run train on the built-in phantom (no ``data.root``, the volume data module)?"""
-    data = saved.get("data") or {}
-    return data.get("root") is None and str(data.get("_target_", "")).endswith("VolumeDataModule")
-
-
-def _covariate_figures(cfg: DictConfig, saved: dict[str, Any], system: Any, sampler: Any, real: Any,
+def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any, real: Any,
                        generated: Any, rows: list[dict[str, Any]] | None, table: dict[str, Any],
                        device: Any, precision: Any) -> tuple[dict[str, Any], dict[str, str], list[Any]]:
-    """Is age obeyed? On a phantom run with the covariate ``age``: Pearson's r between the age each sample was
-    drawn at and its ventricle size, the same for the real images and their ages, and for ``control_ckpt`` (a
-    negative control: sampled with the same masks, noise and ages); with a scatter of the three for the report."""
+    """Is age obeyed? On a phantom run (``phantom``: trained and evaluated on the built-in phantom) with the
+    covariate ``age``: Pearson's r between the age each sample was drawn at and its ventricle size, the same for
+    the real images and their ages, and for ``control_ckpt`` (a negative control: sampled with the same masks,
+    noise and ages); with a scatter of the three for the report."""
     figures: dict[str, Any] = {}
     absent: dict[str, str] = {}
-    if rows is None or "age" not in rows[0] or not _phantom_run(saved) or system.mode != "bravo":
+    if rows is None or "age" not in rows[0] or not phantom or system.mode != "bravo":
         if rows is not None:
             absent["covariate_age_ventricles_generated"] = ("measured on a phantom run (bravo) with the covariate "
                                                              "age only: the phantom's ventricles widen with age")
@@ -242,11 +237,12 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     generated, sources, pngs = _generate(cfg, system, sampler, real, device, precision, rows)
     t1 = time.perf_counter()
     print(f"[voxdiff] {len(generated)} samples in {t1 - t0:.1f} s; computing the figures", flush=True)
-    phantom = _phantom_run(saved) and cfg.data.get("root") is None  # the phantom's ventricles can be counted
+    # trained and evaluated on the built-in phantom: its ventricles can be counted
+    phantom = is_phantom_data(saved.get("data")) and cfg.data.get("root") is None
     figures, more_absent = diffusion_figures(real, generated, sources, system.mode, extractors,
                                              bins=int(cfg.histogram_bins), device=str(device), ms_ssim=ms_ssim,
                                              ventricles=ventricle_voxels if phantom else None)
-    cov_figures, cov_absent, cov_sections = _covariate_figures(cfg, saved, system, sampler, real, generated, rows,
+    cov_figures, cov_absent, cov_sections = _covariate_figures(cfg, phantom, system, sampler, real, generated, rows,
                                                                table, device, precision)
     figures.update(cov_figures)
     more_absent.update(cov_absent)

@@ -24,6 +24,7 @@ value in training.
 from __future__ import annotations
 
 import csv
+import io
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from voxdiff.data.nifti import DataError
 from voxdiff.data.phantom import PHANTOM_COVARIATES, phantom_covariates
 from voxdiff.data.split import split_subjects
 from voxdiff.errors import ConfigError, plain
+from voxdiff.files import atomic_write
 
 ID_COLUMN = "participant_id"
 TABLE_NAME = "participants.tsv"
@@ -362,15 +364,14 @@ def phantom_table(subjects: Sequence[str], seeds: Sequence[int]) -> dict[str, di
 
 
 def write_table(path: str | Path, table: Mapping[str, Mapping[str, str]]) -> Path:
-    """Write ``table`` as a tab-separated participants table (``participant_id`` first)."""
-    path = Path(path)
+    """Write ``table`` as a tab-separated participants table (``participant_id`` first), atomically."""
     columns = [ID_COLUMN] + sorted({k for row in table.values() for k in row} - {ID_COLUMN})
-    with path.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f, delimiter="\t", lineterminator="\n")
-        writer.writerow(columns)
-        for row in table.values():
-            writer.writerow([row.get(c, "n/a") for c in columns])
-    return path
+    text = io.StringIO(newline="")
+    writer = csv.writer(text, delimiter="\t", lineterminator="\n")
+    writer.writerow(columns)
+    for row in table.values():
+        writer.writerow([row.get(c, "n/a") for c in columns])
+    return atomic_write(path, lambda f: f.write(text.getvalue().encode("utf-8")))
 
 
 class WithCovariates(torch.utils.data.Dataset):

@@ -117,6 +117,18 @@ def find_subjects(
     return subjects
 
 
+def readable_subjects(root: str | os.PathLike[str], image_name: str | None = None,
+                      mask_name: str | None = None) -> list[str] | None:
+    """The subject folders under ``root`` as :func:`find_subjects` lists them (headers not read), or None where
+    ``root`` cannot be read from this machine (another machine's path; an incomplete folder, which the run itself
+    refuses naming the file): what a plan made before the run (the preflight) can know of the data."""
+    try:
+        return [s["subject"] for s in find_subjects(root, image_name or IMAGE_NAME, mask_name or MASK_NAME,
+                                                    validate=False)]
+    except (DataError, OSError):
+        return None
+
+
 def _load_header(path: str) -> Any:
     """``nib.load`` (header only, data stays on disk), with any failure re-raised as DataError naming the file."""
     import nibabel as nib

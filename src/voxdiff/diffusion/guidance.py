@@ -77,24 +77,30 @@ def check_guidance_scale(key: str, scale: Any, mode: str, drop_prob: float) -> f
     return s
 
 
+def _kept(n: int, drop_prob: float, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """``(n,)`` bool: which samples keep their condition (each dropped with ``drop_prob``, one draw per sample)."""
+    return torch.rand(n, device=device, generator=generator) >= drop_prob
+
+
+def _null_where_dropped(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``x (B, ...)`` with the samples ``keep (B,)`` marks False replaced by zeros (the null condition)."""
+    return x * keep.to(x.dtype).view(-1, *([1] * (x.dim() - 1)))
+
+
 def drop_condition(cond: torch.Tensor, drop_prob: float, generator: torch.Generator | None = None) -> torch.Tensor:
     """``cond (B, C_cond, d, h, w)`` with each sample replaced by the null condition (zeros) with ``drop_prob``."""
-    if drop_prob <= 0:
-        return cond
-    keep = torch.rand(cond.shape[0], device=cond.device, generator=generator) >= drop_prob  # (B,)
-    return cond * keep.to(cond.dtype).view(-1, *([1] * (cond.dim() - 1)))
+    return drop_conditions(cond, None, drop_prob, generator)[0]
 
 
-def drop_conditions(cond: torch.Tensor | None, covariates: torch.Tensor, drop_prob: float,
-                    generator: torch.Generator | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``cond (B, C_cond, d, h, w)`` (or None) and ``covariates (B, K)``, each sample replaced by the null condition
-    and the null covariates (zeros) *together* with ``drop_prob`` (one draw per sample: joint dropout)."""
-    if drop_prob <= 0:
+def drop_conditions(cond: torch.Tensor | None, covariates: torch.Tensor | None, drop_prob: float,
+                    generator: torch.Generator | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``cond (B, C_cond, d, h, w)`` and ``covariates (B, K)`` (either may be None), each sample replaced by the null
+    condition and the null covariates (zeros) *together* with ``drop_prob`` (one draw per sample: joint dropout)."""
+    first = cond if cond is not None else covariates
+    if drop_prob <= 0 or first is None:
         return cond, covariates
-    keep = torch.rand(covariates.shape[0], device=covariates.device, generator=generator) >= drop_prob  # (B,)
-    if cond is not None:
-        cond = cond * keep.to(cond.dtype).view(-1, *([1] * (cond.dim() - 1)))
-    return cond, covariates * keep.to(covariates.dtype)[:, None]
+    keep = _kept(first.shape[0], drop_prob, first.device, generator)  # (B,)
+    return tuple(None if x is None else _null_where_dropped(x, keep) for x in (cond, covariates))
 
 
 def with_covariates(model: Model, covariates: torch.Tensor | None) -> Model:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from voxdiff.config import config_dir
-from voxdiff.data.nifti import DataError, find_subjects
+from voxdiff.data.nifti import readable_subjects
 from voxdiff.errors import ConfigError
 from voxdiff.run.parallel import Parallel
 from voxdiff.slurm import parse_slurm_memory, parse_slurm_time, read_site_env, slurm_job_memory
@@ -258,13 +258,8 @@ def _volume_subjects(data: Mapping[str, Any]) -> int | None:
     root = data.get("root")
     if root is None:  # the phantom, or subjects made from a template
         return int(data.get("num_subjects") or 0) or None
-    # deferred: voxdiff.data.nifti imports monai.transforms, which only a config with data.root needs here
-
-    try:
-        return len(find_subjects(root, data.get("image_name") or "bravo.nii.gz",
-                                 data.get("mask_name") or "seg.nii.gz", validate=False))
-    except (DataError, OSError):  # not readable from here (another machine's path): per subject only
-        return None
+    subjects = readable_subjects(root, data.get("image_name"), data.get("mask_name"))
+    return None if subjects is None else len(subjects)  # None: not readable from here, per subject only
 
 
 def _latent_subjects(latent_dir: Any) -> int | None:

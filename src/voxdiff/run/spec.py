@@ -32,6 +32,7 @@ from voxdiff.config import (
     Shapes,
     batch_size,
     build_encoding,
+    is_phantom_data,
     model_spec,
     plain,
     run_kind,
@@ -40,7 +41,7 @@ from voxdiff.config import (
     strategy_kind,
 )
 from voxdiff.data.covariates import TABLE_NAME, CovariateEncoding, estimated_width, parse_covariates, table_width
-from voxdiff.data.nifti import IMAGE_NAME, MASK_NAME, DataError, find_subjects
+from voxdiff.data.nifti import readable_subjects
 from voxdiff.encodings.base import Encoding, LearnedEncoding
 from voxdiff.errors import ConfigError, Problems, boolean, integer, number, one_of, raise_all
 from voxdiff.models.unet import UNetSpec
@@ -371,7 +372,7 @@ def covariate_dim(cfg: DictConfig) -> int:
     if stored:
         return CovariateEncoding.from_plain(stored).width
     value = select(cfg, "data.covariates")
-    phantom = select(cfg, "data.root") is None and str(select(cfg, "data._target_")).endswith("VolumeDataModule")
+    phantom = is_phantom_data(select(cfg, "data"))
     exact = None if phantom or not parse_covariates(value) else _table_width(cfg, value)
     return estimated_width(value, phantom) if exact is None else exact
 
@@ -383,10 +384,8 @@ def _table_width(cfg: DictConfig, value: Any) -> int | None:
     if root is None:
         return None
     folder = Path(str(root))
-    try:
-        subjects = [s["subject"] for s in find_subjects(folder, select(cfg, "data.image_name") or IMAGE_NAME,
-                                                        select(cfg, "data.mask_name") or MASK_NAME, validate=False)]
-    except (DataError, OSError):  # not readable from here (another machine's path): the estimate
+    subjects = readable_subjects(folder, select(cfg, "data.image_name"), select(cfg, "data.mask_name"))
+    if subjects is None:  # not readable from here (another machine's path): the estimate
         return None
     table = select(cfg, "data.covariates_table") or folder / TABLE_NAME
     return table_width(value, Path(str(table)).expanduser(), subjects, float(select(cfg, "data.val_fraction", 0.25)),

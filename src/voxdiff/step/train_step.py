@@ -38,7 +38,7 @@ from torch import nn
 
 from voxdiff.diffusion import build_process, decode_volume, encode_batch, encode_volume
 from voxdiff.diffusion.batch import mask_loss_weights
-from voxdiff.diffusion.guidance import drop_condition, drop_conditions, with_covariates
+from voxdiff.diffusion.guidance import drop_conditions, with_covariates
 from voxdiff.diffusion.processes import Process
 from voxdiff.diffusion.seed import seed_loss
 from voxdiff.encodings.base import Encoding, LearnedEncoding
@@ -210,10 +210,8 @@ class TrainStep:
         if mask_weight:  # the mask's voxels count more (B, 1, d, h, w); computed before the condition is dropped
             extra["weights"] = mask_loss_weights(batch, x0, mask_weight)
         covariates = batch.get("covariates")  # (B, K) with data.covariates, else None
-        if covariates is not None and self.recipe.guidance is not None:  # the null mask and covariates, jointly
+        if self.recipe.guidance is not None:  # classifier-free guidance: the null mask and covariates, jointly
             cond, covariates = drop_conditions(cond, covariates, self.recipe.guidance.drop_prob)
-        elif cond is not None and self.recipe.guidance is not None:  # classifier-free guidance: the null condition
-            cond = drop_condition(cond, self.recipe.guidance.drop_prob)
         if self.compiled is not None:
             self.compiled.start()
         with self.compile_errors():
