@@ -15,7 +15,7 @@ demo:
 
 test:
 	bash scripts/setup_env.sh test
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n auto --maxprocesses=2 --dist loadgroup $(ARGS)
 
 bench:
 	bash scripts/setup_env.sh test

@@ -10,9 +10,23 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+#: pytest-xdist workers running this session (``make test`` starts one per core, up to 2): each takes an equal share
+#: of the cores, and so do the commands it starts that do not set their own ``OMP_NUM_THREADS``
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, min(2, os.cpu_count() or 1) // WORKERS)
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+torch.set_num_threads(THREADS)
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that start a Slurm cluster share its fixed ports, bridge and namespaces: under pytest-xdist they run
+    one after another on one worker (``--dist loadgroup``)."""
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 @pytest.fixture(scope="session", autouse=True)
