@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness import (  # noqa: E402  (tests/slurm is on sys.path via conftest)
     EXP11,
@@ -60,10 +61,11 @@ def test_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
     checkpoint. Requeued at a step the test controls: the job holds at step 8 (HoldAtStep) until the requeue has
     been sent, whatever the machine's speed (its periodic last.ckpt is then at step 6). The requeue's SIGTERM ends
     the hold; the batch in flight finishes and the run saves its resume checkpoint at step 9, having logged steps
-    0..8."""
+    0..8. The run is conditioned on the phantom's covariates (age, sex): the requeued start resumes with the
+    encoding its model learned (a resume that would encode them otherwise is refused), and the checkpoint keeps it."""
     max_steps, every, hold = 12, 3, 8
     release = tmp_path / "release"
-    job = submit_exp11(cluster, tmp_path, f"{TINY} trainer.max_steps={max_steps} "
+    job = submit_exp11(cluster, tmp_path, f"{TINY} data.covariates=[age,sex] trainer.max_steps={max_steps} "
                        f"callbacks.last.every_n_train_steps={every} "
                        "trainer.log_every_n_steps=1 +callbacks.hold._target_=voxdiff.lightning.callbacks.HoldAtStep "
                        f"+callbacks.hold.at_step={hold} +callbacks.hold.release_file={release}")
@@ -94,6 +96,8 @@ def test_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
     assert checkpoint_step(last) == max_steps  # the step count continued to the end, not restarted
     # both halves in one file, each step once: 0..8 of the first run, 9..11 of the requeued one
     assert _logged_steps(run_dir) == list(range(max_steps)), log
+    encoding = torch.load(last, map_location="cpu", weights_only=True)["hyper_parameters"]["covariates"]
+    assert [c["name"] for c in encoding["columns"]] == ["age", "sex"], encoding
 
 
 def test_invalid_config_fails_fast_with_preflight_message(cluster, tmp_path):
