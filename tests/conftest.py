@@ -57,7 +57,7 @@ def h100_csv() -> Path:
     return REPO / "reference" / "h100_measured.csv"
 
 
-#: a 3-level UNet of 0.5 M parameters on a 16×32×32 phantom (S2D: 16×8×16×16 in): traced in about a second
+#: a 3-level UNet of 0.5 M parameters on a 16×32×32 phantom (Haar: 16×8×16×16 in): traced in about a second
 TINY_UNET = [
     "experiment=demo",
     "data.volume_shape=[16,32,32]",
@@ -82,7 +82,7 @@ def tiny_cfg():
 
 
 # ---------------------------------------------------------------------------------------------- shared fixtures
-#: the demo experiment at CPU toy size (16×16×16 → S2D 8³ into a 3-level UNet of 8..16 channels)
+#: the demo experiment at CPU toy size (16×16×16 → Haar 8³ into a 3-level UNet of 8..16 channels)
 TINY_DEMO = [
     "experiment=demo",
     "logger=csv",

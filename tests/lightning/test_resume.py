@@ -46,8 +46,8 @@ def test_a_changed_learning_rate_is_applied_and_said(diffusion_ckpt, tiny_demo, 
      ["model.num_res_blocks is [1, 1, 1] in the checkpoint and [2, 2, 2] now",
       "diffusion.prediction_type is sample in the checkpoint and v_prediction now",
       "model.num_res_blocks=[1,1,1]", "diffusion.prediction_type=sample"]),
-    (["encoding=haar"], ["encoding._target_ is voxdiff.encodings.SpaceToDepth in the checkpoint and "
-                         "voxdiff.encodings.HaarWavelet now"]),
+    (["encoding=s2d"], ["encoding._target_ is voxdiff.encodings.HaarWavelet in the checkpoint and "
+                        "voxdiff.encodings.SpaceToDepth now"]),
 ])
 def test_architectural_differences_are_refused_naming_every_key(overrides, keys, diffusion_ckpt, tiny_demo):
     cfg = compose("train", [*tiny_demo, *overrides, "paths.output_dir=/nonexistent"])

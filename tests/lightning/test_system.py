@@ -197,11 +197,12 @@ def test_ema_false_means_no_ema(tmp_path):
 
 def test_resume_from_a_checkpoint_of_the_original_code(repo, tmp_path):
     """``tests/fixtures/pre_step_tiny.ckpt`` was written by voxdiff 9134779 (before the step package): 3 steps of
-    a 4-channel UNet with EMA. Resuming it continues the step count, the optimizer and the EMA."""
+    a 4-channel UNet with EMA, on the demo of the time (space-to-depth). Resuming it continues the step count, the
+    optimizer and the EMA."""
     fixture = repo / "tests" / "fixtures" / "pre_step_tiny.ckpt"
     old = _load(fixture)
     cfg = compose("train", [
-        "experiment=demo", "logger=csv", "data.volume_shape=[16,32,32]", "data.num_subjects=3",
+        "experiment=demo", "encoding=s2d", "logger=csv", "data.volume_shape=[16,32,32]", "data.num_subjects=3",
         "model.channels=[4,4,4]", "model.num_res_blocks=1", "model.num_head_channels=4", "model.norm_num_groups=4",
         "trainer.max_steps=5", "trainer.accelerator=cpu", "system.sampling.final=false", "system.ema.start_step=1",
         "trainer.enable_progress_bar=false", "callbacks.progress_bar=null", "trainer.enable_model_summary=false",
