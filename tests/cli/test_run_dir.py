@@ -110,6 +110,22 @@ def test_a_second_train_py_on_a_running_runs_directory_stops_before_hydra_writes
     assert (run / ".hydra" / "config.yaml").read_text() == "the first run's record\n"
 
 
+def test_paths_output_dir_on_the_command_line_is_refused_with_paths_run_dir_as_the_fix(tiny_demo, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """Through the real entry point: paths.output_dir=X would split the run (checkpoints in X; Hydra's config, log
+    and the lock in paths.run_dir). Refused before Hydra writes anything, naming the key, the value and the fix."""
+    from voxdiff.cli import train
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train.py", *tiny_demo, f"paths.output_dir={tmp_path / 'x'}"])
+    with pytest.raises(SystemExit) as exit_:
+        train.main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert f"paths.output_dir={tmp_path / 'x'}" in err and f"use paths.run_dir={tmp_path / 'x'} instead" in err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "logs").exists()  # nothing written, anywhere
+
+
 def test_the_temporary_file_of_a_checkpoint_write_killed_by_sigkill_is_removed(tmp_path):
     """The real writer (atomic_write), killed with SIGKILL mid-write, leaves its temp file; the next run removes it."""
     code = ("import os, sys; from voxdiff.files import atomic_write; "

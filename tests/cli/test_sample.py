@@ -92,3 +92,20 @@ def test_missing_checkpoint_is_refused(tmp_path):
     with pytest.raises(ConfigError) as e:
         validate(compose("sample", [f"ckpt_path={tmp_path / 'none.ckpt'}"]))
     assert e.value.key == "ckpt_path"
+
+
+def test_a_covariate_value_outside_training_is_refused_before_the_model_is_built(covariate_ckpt, tmp_path,
+                                                                                  monkeypatch):
+    """The checkpoint records its covariates' ranges; a request outside them is refused as soon as the file is read:
+    no weights scanned, no UNet built (which, for a 2.7B-parameter model, is most of the time a refusal would take)."""
+    from voxdiff.lightning import systems
+
+    def built(*args, **kwargs):
+        raise AssertionError("the system was built before the request was checked")
+
+    monkeypatch.setattr(systems, "non_finite_tensor", built)
+    monkeypatch.setattr(systems.DiffusionSystem, "__init__", built)
+    cfg = compose("sample", [f"ckpt_path={covariate_ckpt}", "covariates.age=200", f"paths.output_dir={tmp_path}"])
+    validate(cfg)
+    with pytest.raises(ConfigError, match=r"covariates.age=200: .*outside the range this model was trained on"):
+        sample(cfg)

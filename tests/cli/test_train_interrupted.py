@@ -41,7 +41,7 @@ def _logged_steps(run_dir: Path) -> list[int]:
 
 def _train_py(tmp_path: Path, *extra: str) -> subprocess.Popen:
     run_dir, release = tmp_path / "run", tmp_path / "release"
-    args = [*TINY, f"paths.output_dir={run_dir}", "+callbacks.hold._target_=voxdiff.lightning.callbacks.HoldAtStep",
+    args = [*TINY, f"paths.run_dir={run_dir}", "+callbacks.hold._target_=voxdiff.lightning.callbacks.HoldAtStep",
             f"+callbacks.hold.at_step={HOLD}", f"+callbacks.hold.release_file={release}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path, env=env,

@@ -42,6 +42,13 @@ def requested_covariates(cfg: DictConfig, encoding: CovariateEncoding | None) ->
     return {name: encoding.check_value(f"covariates.{name}", name, v) for name, v in values.items()}
 
 
+def recorded_request(cfg: DictConfig, hyper_parameters: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`requested_covariates` against the encoding a checkpoint's hyper-parameters record (``covariates``;
+    none: a model without covariates), before the model is built."""
+    recorded = hyper_parameters.get("covariates")
+    return requested_covariates(cfg, CovariateEncoding.from_plain(recorded) if recorded else None)
+
+
 def without_table(saved: Mapping[str, Any], encoding: CovariateEncoding | None,
                   requested: Mapping[str, Any]) -> dict[str, Any]:
     """The stored run config for the command's data module: with every covariate requested, ``data.covariates``

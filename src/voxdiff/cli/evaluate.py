@@ -195,7 +195,7 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
         control_cfg = cfg.copy()
         with open_dict(control_cfg):
             control_cfg.ckpt_path = str(control_path)
-        control, _, control_precision, _ = _load(control_cfg, device)
+        control, _, control_precision, _ = _load(control_cfg, device, requested=False)  # a control may have none
         encoding = control.covariate_encoding
         if encoding is not None and set(encoding.names) != set(rows[0]):
             raise ConfigError("control_ckpt", str(control_path), f"was trained with the covariates {encoding.names}, "

@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from voxdiff.cli.exit_codes import EXIT_CONFIG
 from voxdiff.config import check_name
 from voxdiff.errors import ConfigError
@@ -228,6 +230,29 @@ def _release_all() -> None:
         release(key)
 
 
+#: what ``paths.output_dir`` is in ``configs/paths/default.yaml``: the folder Hydra runs in (``paths.run_dir``, or a
+#: multirun's job folder)
+OUTPUT_DIR = "${hydra:runtime.output_dir}"
+
+
+def check_output_dir_follows_hydra(config: Any) -> None:
+    """A command line run of an entry point keeps ``paths.output_dir`` as Hydra's run folder. Set to a folder of its
+    own, the run would be split: checkpoints, samples and metrics there, while Hydra's config and log and the run's
+    lock go to ``paths.run_dir`` (and a second run started in the same second would be refused as a duplicate).
+
+    Raises:
+        ConfigError: naming ``paths.output_dir``, its value and ``paths.run_dir`` as the fix.
+    """
+    paths = config.get("paths")
+    if paths is None or "output_dir" not in paths:
+        return
+    raw = OmegaConf.to_container(paths, resolve=False).get("output_dir")
+    if raw != OUTPUT_DIR:
+        raise ConfigError("paths.output_dir", raw, "is the folder Hydra runs in; set on its own it splits the run "
+                          "(checkpoints there; the config, the log and the run's lock in paths.run_dir)",
+                          f"use paths.run_dir={raw} instead")
+
+
 try:
     from hydra.experimental.callback import Callback as _HydraCallback
 except ImportError:  # pragma: no cover - hydra is a dependency
@@ -249,6 +274,7 @@ class RunDirGuard(_HydraCallback):
             if not str(config.hydra.run.dir).strip():  # paths.run_dir= would run (and write) in the current folder
                 raise ConfigError("paths.run_dir", "", "is empty: the run would write into the current directory",
                                   "name a folder, e.g. paths.run_dir=runs/exp11_a, or leave it out (logs/<task>/<time>)")
+            check_output_dir_follows_hydra(config)
             if "overwrite" in config and process_rank() == 0:
                 for note in claim(Path(str(config.hydra.run.dir)), config.get("ckpt_path"),
                                   bool(config.get("overwrite"))):

@@ -29,7 +29,13 @@ from omegaconf import DictConfig
 
 from voxdiff.checkpoint import CONFIG_KEY
 from voxdiff.cli.checkpoint_paths import command_data, path_choice, stage1_weights
-from voxdiff.cli.covariate_args import covariate_rows, covariate_vectors, requested_covariates, without_table
+from voxdiff.cli.covariate_args import (
+    covariate_rows,
+    covariate_vectors,
+    recorded_request,
+    requested_covariates,
+    without_table,
+)
 from voxdiff.cli.devices import check_device, pick_device
 from voxdiff.cli.exit_codes import hydra_main, refusals
 from voxdiff.config import require, select
@@ -74,16 +80,19 @@ class Loaded(NamedTuple):
     weights: str | None  #: a latent run's stage-1 weights file, as the command chose it (None: weight-free)
 
 
-def _load(cfg: DictConfig, device: Any) -> Loaded:
+def _load(cfg: DictConfig, device: Any, requested: bool = True) -> Loaded:
     """The diffusion system of ``ckpt_path``, built from the run spec its stored config gives for ``device`` (which
     decides ``model.use_flash_attention=auto``), with its (EMA) weights and, for a latent run, the stage-1 weights
     the command names (:func:`voxdiff.cli.checkpoint_paths.stage1_weights`; printed); the stored config; and the
     precision to sample in: ``precision`` if given, else the trained ``trainer.precision`` decided for this device (by
     :func:`voxdiff.step.decide_precision`, as the Trainer decided it).
 
+    ``requested``: check the command's ``covariates.<name>=value`` against the covariates the checkpoint records as
+    soon as it is read, before the model is built (:func:`voxdiff.cli.covariate_args.requested_covariates`).
+
     Raises:
-        ConfigError: the checkpoint is refused, the precision cannot run on this device (naming ``precision``), or a
-            latent run's stage-1 weights are not named, or refused.
+        ConfigError: the checkpoint is refused, a requested covariate value is refused, the precision cannot run on
+            this device (naming ``precision``), or a latent run's stage-1 weights are not named, or refused.
     """
     import torch
 
@@ -92,7 +101,8 @@ def _load(cfg: DictConfig, device: Any) -> Loaded:
 
     device_type = torch.device(device).type
     system, checkpoint, spec = rebuild_system(str(cfg.ckpt_path), "diffusion", _CKPT_FIX, device_type=device_type,
-                                              precision=cfg.get("precision"))
+                                              precision=cfg.get("precision"),
+                                              check=(lambda hp: recorded_request(cfg, hp)) if requested else None)
     if spec is None:  # no run config stored: no trained precision, no validation masks
         raise ConfigError("ckpt_path", cfg.ckpt_path, "the checkpoint carries no data config (voxdiff_config)",
                           "use a checkpoint written by python train.py")

@@ -8,7 +8,7 @@ checkpoints; :func:`rebuild_system` rebuilds that system from a checkpoint for `
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -48,7 +48,8 @@ class Rebuilt(NamedTuple):
 
 
 def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path",
-                   device_type: str | None = None, precision: Any = None) -> Rebuilt:
+                   device_type: str | None = None, precision: Any = None,
+                   check: Callable[[Mapping[str, Any]], None] | None = None) -> Rebuilt:
     """The Lightning system of a checkpoint, rebuilt from what it stores, with its weights (and, for a diffusion
     system, its EMA weights), on the CPU in eval mode; the checkpoint itself; and its run spec.
 
@@ -71,6 +72,9 @@ def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path"
             SDPA attention on a GPU, the stored ``trainer.precision`` decided there); None: the default device.
         precision: the precision the caller runs in (its ``precision`` key), in place of the stored run's
             ``trainer.precision``; None: as trained.
+        check: called with the checkpoint's hyper-parameters as soon as the file is read and of ``kind``, before
+            its weights are scanned or anything is built: a caller's refusal that needs only what the checkpoint
+            records (e.g. a covariate value outside the range it was trained on) comes first.
 
     Raises:
         ConfigError: the file is unreadable, of another kind, or its stored config or weights are refused; the
@@ -81,6 +85,8 @@ def rebuild_system(path: str | Path, kind: str, fix: str, key: str = "ckpt_path"
     found = checkpoint_kind(checkpoint)
     if found != kind:
         raise ConfigError(key, str(path), f"is {KINDS[found]}; this command needs {KINDS[kind]}", fix)
+    if check is not None:
+        check(checkpoint.get("hyper_parameters") or {})
     bad = non_finite_tensor(checkpoint)
     if bad is not None:
         raise ConfigError(key, str(path), f"its weight {bad} holds NaN or infinite values", fix)
