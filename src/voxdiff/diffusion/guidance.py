@@ -77,16 +77,6 @@ def check_guidance_scale(key: str, scale: Any, mode: str, drop_prob: float) -> f
     return s
 
 
-def _kept(n: int, drop_prob: float, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
-    """``(n,)`` bool: which samples keep their condition (each dropped with ``drop_prob``, one draw per sample)."""
-    return torch.rand(n, device=device, generator=generator) >= drop_prob
-
-
-def _null_where_dropped(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``x (B, ...)`` with the samples ``keep (B,)`` marks False replaced by zeros (the null condition)."""
-    return x * keep.to(x.dtype).view(-1, *([1] * (x.dim() - 1)))
-
-
 def drop_condition(cond: torch.Tensor, drop_prob: float, generator: torch.Generator | None = None) -> torch.Tensor:
     """``cond (B, C_cond, d, h, w)`` with each sample replaced by the null condition (zeros) with ``drop_prob``."""
     return drop_conditions(cond, None, drop_prob, generator)[0]
@@ -99,8 +89,9 @@ def drop_conditions(cond: torch.Tensor | None, covariates: torch.Tensor | None, 
     first = cond if cond is not None else covariates
     if drop_prob <= 0 or first is None:
         return cond, covariates
-    keep = _kept(first.shape[0], drop_prob, first.device, generator)  # (B,)
-    return tuple(None if x is None else _null_where_dropped(x, keep) for x in (cond, covariates))
+    keep = torch.rand(first.shape[0], device=first.device, generator=generator) >= drop_prob  # (B,), one draw each
+    return tuple(None if x is None else x * keep.to(x.dtype).view(-1, *([1] * (x.dim() - 1)))
+                 for x in (cond, covariates))
 
 
 def with_covariates(model: Model, covariates: torch.Tensor | None) -> Model:
