@@ -29,6 +29,12 @@ share is against the GPU's dense bf16 peak; samples/s is the batch over the time
 default step against each plain loop, the chosen batch's samples/s against the default's) are of sides measured in
 the same call.
 
+One side alone, in this process: ``--worker '{"side": "voxdiff", "name": "exp11", "overrides": [], "warmup": 5,
+"steps": 20, "profile": true}'`` prints its JSON result last; ``"profile": true`` (voxdiff and auto sides) records the
+steady steps with ``torch.profiler`` and prints the operators that take the host's and the device's time, and the
+device's kernel time per step (``profiled_device_ms_per_step``; against an unprofiled side's ms/step it says how
+much of a step the GPU is busy).
+
 On a machine without a CUDA GPU it runs each experiment with a tiny model and volume (``--tiny`` is implied) on the
 CPU, end to end, and says so: those figures say nothing about a GPU.
 """
@@ -172,8 +178,9 @@ def _flops(step: Any, device: str) -> float:
     return counter.get_total_flops() / 1e12
 
 
-def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str) -> dict[str, Any]:
-    """``trainer.fit`` of the experiment's system as ``train.py`` builds it (validation off)."""
+def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str, profile: bool = False) -> dict[str, Any]:
+    """``trainer.fit`` of the experiment's system as ``train.py`` builds it (validation off). ``profile``: record the
+    steady steps with ``torch.profiler`` (which slows them) and print where the host's and the device's time goes."""
     import lightning as L
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -192,6 +199,7 @@ def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str) -> dict[str, Any
 
     clock = _Clock(device)
     described: list[str] = []
+    profiler = _profiler(device) if profile else None
 
     class Marks(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, i) -> None:
@@ -200,10 +208,14 @@ def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str) -> dict[str, Any
             if trainer.global_step == warmup:
                 described.append(describe_step(module))  # while training (Lightning moves it to the CPU after)
                 clock.mark("steady")
+                if profiler is not None:
+                    profiler.start()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, i) -> None:
             if trainer.global_step == warmup + steps:  # before the end-of-fit checkpoint is written
                 clock.mark("end")
+                if profiler is not None:
+                    profiler.stop()
 
     L.seed_everything(int(cfg.seed))
     system = instantiate(cfg.system)
@@ -218,7 +230,29 @@ def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str) -> dict[str, Any
     out = clock.result(warmup, steps)
     out["step"] = described[0]
     out["batch"] = int(next(iter(host.values())).shape[0])
+    if profiler is not None:
+        out.update(_profile_summary(profiler, steps))
     return out
+
+
+def _profiler(device: str) -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    return profile(activities=activities)
+
+
+def _profile_summary(profiler: Any, steps: int) -> dict[str, Any]:
+    """Print the profiled steps' top operators (by the host's own time, and by the device's) and return the device's
+    busy time per step: kernel time summed (kernels of one stream do not overlap) over the step's wall time."""
+    events = profiler.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+    # kernels, copies and memsets; not the annotated ranges (``Optimizer.step#...``), which span kernels counted already
+    device_us = sum(e.self_device_time_total for e in events
+                    if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False))
+    if device_us:
+        print(events.table(sort_by="self_device_time_total", row_limit=15), flush=True)
+    return {"profiled_device_ms_per_step": device_us / 1e3 / steps}
 
 
 def describe_step(system: Any) -> str:
@@ -242,7 +276,7 @@ def predicted_gib(cfg: Any) -> dict[str, Any]:
     return {"pred_peak_gib": report.peak_allocated / GiB, "pred_note": "; ".join(report.notes)[:200]}
 
 
-def worker(side: str, name: str, overrides: list[str], warmup: int, steps: int) -> dict[str, Any]:
+def worker(side: str, name: str, overrides: list[str], warmup: int, steps: int, profile: bool = False) -> dict[str, Any]:
     import torch
 
     from voxdiff.lightning.trainer import configure_cpu_threads
@@ -259,7 +293,7 @@ def worker(side: str, name: str, overrides: list[str], warmup: int, steps: int) 
 
             choose_batch_size(cfg)
             chosen = f"batch {cfg.data.batch_size}, checkpointing {cfg.model.gradient_checkpointing}"
-        result = run_voxdiff(cfg, warmup, steps, device)
+        result = run_voxdiff(cfg, warmup, steps, device, profile)
         result.update(predicted_gib(cfg))
         if chosen:
             result["chosen"] = chosen
@@ -375,7 +409,8 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         job = json.loads(args.worker)
-        print(json.dumps(worker(job["side"], job["name"], job["overrides"], job["warmup"], job["steps"])),
+        print(json.dumps(worker(job["side"], job["name"], job["overrides"], job["warmup"], job["steps"],
+                                job.get("profile", False))),
               flush=True)
         return
 

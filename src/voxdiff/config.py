@@ -383,7 +383,25 @@ def model_spec(cfg: DictConfig, encoding: Encoding | None = None, device_type: s
                           f"remove it; the UNet takes {', '.join(f for f in UNetSpec.__dataclass_fields__)}")
     args.update(in_channels=c_in, out_channels=c_out)
     spec = unet_spec(**args)
-    return spec if device_type is None else spec.for_device(device_type)
+    return spec if device_type is None else spec.for_device(device_type, cuda_graphs_fit(cfg))
+
+
+def processes(trainer: Any) -> tuple[int, int]:
+    """``(per node, in all)``: the processes of a run with this ``trainer:`` config (``devices`` as a count or a
+    list; ``auto`` and other strings count as one; times ``num_nodes``)."""
+    devices = trainer.get("devices", 1)
+    per_node = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
+    per_node = max(1, per_node)
+    return per_node, per_node * max(1, int(trainer.get("num_nodes") or 1))
+
+
+def cuda_graphs_fit(cfg: DictConfig) -> bool:
+    """Whether ``model.compile_mode=auto`` takes CUDA graphs for this run: one process (replays across ranks,
+    DDP's buckets and FSDP's regathered parameters are unmeasured or cannot work) and no gradient accumulation
+    (a replay overwrites the gradients the previous micro-batch left in ``.grad``; torch raises on the access)."""
+    trainer = cfg.get("trainer") or {}
+    accumulate = trainer.get("accumulate_grad_batches", 1)
+    return processes({k: plain(trainer.get(k)) for k in ("devices", "num_nodes")})[1] == 1 and accumulate in (1, None)
 
 
 def build_model(cfg: DictConfig, encoding: Encoding | None = None, preserve_rng_state: bool = True, *,

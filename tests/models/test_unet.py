@@ -197,3 +197,22 @@ def test_an_input_the_unet_cannot_take_is_refused():
         spec.check_input((1, 16, 8, 10, 16))
     with pytest.raises(ConfigError, match="has 8 channels but in_channels=16"):
         spec.check_input((1, 8, 8, 8, 8))
+
+
+def test_an_auto_compile_mode_takes_cuda_graphs_on_one_gpu_only():
+    """``compile_mode=auto``: ``reduce-overhead`` (CUDA graphs) on a CUDA run that can replay them, torch's default
+    mode (None) on the CPU, on a run that cannot, and with a backend other than inductor; a named mode stays."""
+    from voxdiff.models import unet_spec
+
+    kw = {**BASE, "in_channels": 2, "out_channels": 2, "compile": "auto"}
+    auto = unet_spec(**kw, compile_mode="auto")
+    assert not auto.resolved
+    assert auto.for_device("cuda").compile_mode == "reduce-overhead" and auto.for_device("cuda").cuda_graphs
+    assert auto.for_device("cuda").resolved
+    assert auto.for_device("cuda", cuda_graphs=False).compile_mode is None
+    assert auto.for_device("cpu").compile_mode is None and not auto.for_device("cpu").cuda_graphs
+    assert unet_spec(**kw, compile_mode="auto", compile_backend="aot_eager").for_device("cuda").compile_mode is None
+    named = unet_spec(**kw, compile_mode="max-autotune-no-cudagraphs")
+    assert named.for_device("cuda").compile_mode == "max-autotune-no-cudagraphs"
+    assert not named.for_device("cuda").cuda_graphs
+    assert not unet_spec(**{**kw, "compile": False}, compile_mode="auto").for_device("cuda").cuda_graphs

@@ -60,3 +60,19 @@ def test_batches_larger_than_the_training_split_are_not_tried(tiny_cfg):
     report = autofit(tiny_cfg("data.num_subjects=3", "data.batch_size=auto"), verdict=fast)
     assert {c.batch_size for c in report.candidates} == {1, 2}
     assert any("2 training subjects" in n for n in report.notes)  # 3 subjects, one validates
+
+
+def test_compiled_candidates_are_timed_with_cuda_graphs_where_the_run_takes_them(tiny_cfg):
+    """model.compile_mode=auto takes CUDA graphs on one GPU, whose measured throughput (no launch overhead) times
+    the compiled candidates; a candidate that accumulates gradients compiles in torch's default mode and is timed
+    as such; the eager candidates are timed alike in both."""
+    def rows(*overrides):
+        report = autofit(tiny_cfg(SUBJECTS, "data.batch_size=auto", "preflight.max_batch_size=2", *overrides),
+                         verdict=fast)
+        return {(c.batch_size, c.compile): c.step_ms for c in report.candidates if c.checkpointing == "none"}
+
+    graphs, default = rows(), rows("model.compile_mode=null")
+    held = rows("+preflight.effective_batch=2")  # batch 1 accumulates 2, batch 2 does not
+    assert graphs[(1, True)] < default[(1, True)] and graphs[(2, True)] < default[(2, True)]
+    assert graphs[(1, False)] == default[(1, False)] == held[(1, False)]
+    assert held[(1, True)] == default[(1, True)] and held[(2, True)] == graphs[(2, True)]

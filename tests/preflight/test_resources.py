@@ -139,7 +139,7 @@ def _needs(cfg, **kw):
 
     data = data_memory({k: cfg.data.get(k) for k in ("_target_", "volume_shape", "cache", "num_subjects")})
     args = dict(ema=True, data=data, sample_bytes=2 * 4 * 16**3, processes_per_node=1, world_size=1,
-                cost=StepCost(tflop=0.5, ops=1000), gpu="H100", compiled=True, env={})
+                cost=StepCost(tflop=0.5, ops=1000), gpu="H100", kind="compiled", env={})
     return run_needs(run_spec(cfg, "cuda"), _meta_model(cfg), **{**args, **kw})
 
 

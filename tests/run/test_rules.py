@@ -84,3 +84,23 @@ def test_all_problems_reported_together():
         run_spec(cfg)
     assert "model.norm_num_groups=24" in str(err.value) and "model.in_channels=3" in str(err.value)
     assert [p.key for p in err.value.problems] == ["model.norm_num_groups", "model.in_channels"]
+
+
+def test_rule_cuda_graphs_are_refused_where_a_replay_cannot_work():
+    """A mode with CUDA graphs named on a run that accumulates gradients or shards with FSDP is refused (key,
+    value, fix); ``auto`` takes torch's default mode there instead, and CUDA graphs on one GPU."""
+    (msg,) = _problems("experiment=exp11", "model.compile_mode=reduce-overhead", "trainer.accumulate_grad_batches=2")
+    assert msg.startswith("model.compile_mode=reduce-overhead: captures CUDA graphs, and "
+                          "trainer.accumulate_grad_batches=2 keeps gradients in .grad")
+    assert "Fix: use model.compile_mode=auto" in msg
+    fsdp = _problems("experiment=exp11", "trainer=fsdp", "model.compile_mode=max-autotune")
+    assert any(m.startswith("model.compile_mode=max-autotune: captures CUDA graphs") and "FSDP gathers" in m
+               for m in fsdp), fsdp
+    assert _problems("experiment=exp11", "model.compile_mode=reduce-overhead") == []
+    assert _problems("experiment=exp11", "model.compile_mode=reduce-overhead", "model.compile=false",
+                     "trainer.accumulate_grad_batches=2") == []  # nothing compiled, nothing replayed
+    for overrides, mode in (([], "reduce-overhead"), (["trainer.accumulate_grad_batches=2"], None),
+                            (["trainer=fsdp"], None), (["trainer.devices=2"], None)):
+        cfg = compose("train", ["experiment=exp11", *overrides])
+        assert run_spec(cfg, "cuda").unet.compile_mode == mode, overrides
+        assert run_spec(cfg, "cpu").unet.compile_mode is None

@@ -89,3 +89,20 @@ def test_inductor_compiled_steps_with_checkpointing_agree_with_eager_steps(caplo
     assert any(m.startswith("compiling the training step (model.compile=auto, mode default, backend inductor)")
                for m in messages), messages
     assert sum(m.startswith("compiled the training step in") for m in messages) == 1, messages
+
+
+def test_cuda_graph_modes_start_a_graph_tree_iteration_at_every_training_forward(monkeypatch) -> None:
+    # with CUDA graphs (mode reduce-overhead) the previous step's replayed outputs are overwritten by the next
+    # replay: each training forward must say a new iteration starts, else the graph trees record a new graph
+    from voxdiff.step.compiling import CompiledForward
+
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    model = torch.nn.Linear(2, 2)
+    graphs = CompiledForward(model, CompileSettings(mode="reduce-overhead", backend="inductor"))
+    plain = CompiledForward(model, CompileSettings(mode=None, backend="inductor"))
+    assert graphs.cudagraphs and not plain.cudagraphs
+    for _ in range(3):
+        graphs.start()
+        plain.start()
+    assert len(marks) == 3

@@ -6,6 +6,12 @@ Two switches of the config decide how the model runs rather than what it compute
 CUDA GPU and off on the CPU; :func:`resolve_switch` is the one place that decides it, through
 :meth:`UNetSpec.for_device`, for the device a model is built for (the Lightning system for its run, the sampler for
 its device, the preflight for the GPU it predicts).
+
+``compile_mode`` takes ``auto`` too (:func:`resolve_compile_mode`): CUDA graphs (``reduce-overhead``) for a compiled
+run on one CUDA GPU without gradient accumulation, torch's default mode elsewhere. Measured on one H100
+(``reference/README.md``, session 11): exp11's step 104 ms in the default mode, 31 ms with CUDA graphs (the default
+mode's step was launch-bound: its kernels kept the GPU busy 29 ms of the 104); exp9_ldm_4x_bravo's 203 and 201 ms
+(compute-bound).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from voxdiff.models.covariates import attach_covariates
 
 MODES = ("bravo", "seg")
 AUTO = "auto"  # a run-time switch (model.use_flash_attention, model.compile) that the device decides
+#: ``torch.compile`` modes that capture CUDA graphs (inductor's ``triton.cudagraphs``)
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def check_switch(key: str, value: Any) -> bool | str:
@@ -42,6 +50,15 @@ def resolve_switch(key: str, value: bool | str, device_type: str) -> bool:
     elsewhere; ``true``/``false`` as given. The only place ``auto`` is decided."""
     value = check_switch(key, value)
     return value if isinstance(value, bool) else device_type == "cuda"
+
+
+def resolve_compile_mode(mode: str | None, device_type: str, cuda_graphs: bool) -> str | None:
+    """``model.compile_mode`` for a run on ``device_type``: ``auto`` is ``reduce-overhead`` (CUDA graphs) on ``cuda``
+    when ``cuda_graphs`` (the run can replay them: one process, no gradient accumulation, inductor), else None
+    (torch's default mode); any other value as given. The only place ``auto`` is decided."""
+    if mode != AUTO:
+        return mode
+    return "reduce-overhead" if device_type == "cuda" and cuda_graphs else None
 
 
 def compile_modes() -> tuple[str, ...]:
@@ -123,21 +140,30 @@ class UNetSpec:
     use_flash_attention: bool | str = False  # true, false or auto (resolved by for_device)
     gradient_checkpointing: str = "none"
     compile: bool | str = False  # torch.compile the training forward: true, false or auto
-    compile_mode: str | None = None  # torch.compile(mode=...); None: torch's default mode
+    compile_mode: str | None = None  # torch.compile(mode=...); None: torch's default mode; auto: by the run
     compile_backend: str = "inductor"  # torch.compile(backend=...); aot_eager tells a dynamo/autograd failure apart
     covariate_dim: int = 0  # K of the covariate vector (voxdiff.models.covariates); 0: no covariates
 
-    def for_device(self, device_type: str) -> UNetSpec:
+    def for_device(self, device_type: str, cuda_graphs: bool = True) -> UNetSpec:
         """This spec for a model that runs on ``device_type`` (``cuda``, ``cpu``): ``auto`` switches resolved by
-        :func:`resolve_switch`."""
+        :func:`resolve_switch`, an ``auto`` compile mode by :func:`resolve_compile_mode` (``cuda_graphs``: whether
+        the run could replay CUDA graphs, :func:`voxdiff.config.cuda_graphs_fit`)."""
         return replace(self, use_flash_attention=resolve_switch("model.use_flash_attention", self.use_flash_attention,
                                                                 device_type),
-                       compile=resolve_switch("model.compile", self.compile, device_type))
+                       compile=resolve_switch("model.compile", self.compile, device_type),
+                       compile_mode=resolve_compile_mode(self.compile_mode, device_type,
+                                                         cuda_graphs and self.compile_backend == "inductor"))
 
     @property
     def resolved(self) -> bool:
         """Whether no switch is left at ``auto``."""
-        return isinstance(self.use_flash_attention, bool) and isinstance(self.compile, bool)
+        return (isinstance(self.use_flash_attention, bool) and isinstance(self.compile, bool)
+                and self.compile_mode != AUTO)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the training forward is compiled in a mode that captures CUDA graphs (on a CUDA GPU)."""
+        return bool(self.compile) and self.compile_mode in CUDAGRAPH_MODES
 
     @property
     def levels(self) -> int:
@@ -288,13 +314,13 @@ def unet_spec(
     if compile_backend != "inductor" and compile_backend not in compile_backends():
         raise ConfigError("model.compile_backend", compile_backend, "is not a torch.compile backend",
                           f"use inductor (the default), or one of {', '.join(compile_backends())}")
-    if compile_mode is not None:
+    if compile_mode is not None and compile_mode != AUTO:
         if compile_backend != "inductor":
             raise ConfigError("model.compile_mode", compile_mode, f"is an inductor mode, and model.compile_backend is "
                               f"{compile_backend}", "set model.compile_mode=null, or model.compile_backend=inductor")
         if compile_mode not in compile_modes():
             raise ConfigError("model.compile_mode", compile_mode, "is not a torch.compile mode",
-                              f"use null (torch's default) or one of {', '.join(compile_modes())}")
+                              f"use auto, null (torch's default) or one of {', '.join(compile_modes())}")
     if gradient_checkpointing not in GRANULARITIES:
         raise ConfigError("model.gradient_checkpointing", gradient_checkpointing, "unknown granularity",
                           f"use one of {', '.join(GRANULARITIES)}")

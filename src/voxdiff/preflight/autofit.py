@@ -15,11 +15,12 @@ The search:
   batch that fits without it, checkpointing only recomputes (more FLOPs and calls, the same samples), so it is never
   faster there;
 * compile on and off, where the GPU's throughput was measured for both (memory: the eager trace, an upper bound of
-  the compiled step's; time: each kind's own throughput);
+  the compiled step's; time: each kind's own throughput); compiled in the run's ``model.compile_mode``, whose
+  ``auto`` takes CUDA graphs (their own throughput) for a candidate without gradient accumulation on one GPU;
 * with ``preflight.effective_batch=N`` only batches that divide it (per GPU x GPUs), the rest made up by
   ``trainer.accumulate_grad_batches``: the optimisation sees the same batch;
 * not searched: the EMA interval (``system.ema.every_n_steps``; the time model has no EMA term) and compile modes
-  other than the default (no measured throughput).
+  other than the run's (a mode is chosen by ``model.compile_mode``, not by the batch).
 
 Where the GPU type has no measured throughput (and on a CPU run, against the host's memory), the choice is by
 memory alone: the largest batch that fits, without checkpointing where possible. Every candidate is traced eagerly
@@ -34,13 +35,14 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from voxdiff.config import select
+from voxdiff.config import cuda_graphs_fit, select
 from voxdiff.data.split import split_subjects
 from voxdiff.models.checkpointing import GRANULARITIES
+from voxdiff.models.unet import CUDAGRAPH_MODES, resolve_compile_mode
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.check import PreflightResult, override_args, run_preflight, with_overrides
 from voxdiff.preflight.memory import PREDICTED_DEVICE
-from voxdiff.preflight.resources import STEP_THROUGHPUT, data_subjects
+from voxdiff.preflight.resources import STEP_THROUGHPUT, data_subjects, step_kind
 from voxdiff.run.spec import RunSpec, run_spec
 
 __all__ = ["AutofitReport", "Candidate", "autofit"]
@@ -172,8 +174,11 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
                                        "samples per second" if result.needs is not None and result.needs.step_s
                                        is not None else "memory alone")
             fits = result.ok
+            # the compile mode this candidate's run resolves to (auto: CUDA graphs unless it accumulates)
+            graphs = resolve_compile_mode(select(cfg, "model.compile_mode"), run.device_type,
+                                          cuda_graphs_fit(with_overrides(cfg, overrides))) in CUDAGRAPH_MODES
             for compiled in kinds:
-                step_s = _step_s(result, run.gpu.name, compiled)
+                step_s = _step_s(result, run.gpu.name, step_kind(compiled, graphs))
                 shown = {**overrides, "model.compile": compiled} if compiled != compile_now else overrides
                 report.candidates.append(Candidate(
                     tuple(shown.items()), b, policy, compiled,
@@ -196,9 +201,9 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
     return report
 
 
-def _step_s(result: PreflightResult, gpu: str, compiled: bool) -> float | None:
+def _step_s(result: PreflightResult, gpu: str, kind: str) -> float | None:
     needs = result.needs
-    throughput = STEP_THROUGHPUT.get((gpu, "compiled" if compiled else "eager"))
+    throughput = STEP_THROUGHPUT.get((gpu, kind))
     if needs is None or needs.cost is None or throughput is None:
         return None
     return throughput.seconds(needs.cost)
@@ -231,4 +236,4 @@ def _notes(report: AutofitReport, effective: int | None, world: int, first_misfi
                      "optimizer step averages more samples (consider scaling system.optim.lr, or hold the effective "
                      "batch with +preflight.effective_batch=N, made up by gradient accumulation)")
     notes.append("not searched: system.ema.every_n_steps (no EMA term in the time model), compile modes other than "
-                 "the default (no measured throughput)")
+                 "the run's model.compile_mode (auto: CUDA graphs on one GPU without gradient accumulation)")

@@ -36,7 +36,9 @@ from voxdiff.preflight.memory import (
     traced_unet,
 )
 from voxdiff.preflight.phases import PhasesReport, predict_phases
-from voxdiff.preflight.resources import DataMemory, RunNeeds, data_memory, host_memory_bytes, run_needs, step_cost
+from voxdiff.preflight.resources import (
+    DataMemory, RunNeeds, data_memory, host_memory_bytes, run_needs, step_cost, step_kind,
+)
 from voxdiff.preflight.stage1 import Stage1Report, predict_stage1
 from voxdiff.run.gpus import DEFAULT_GPU, GPUS, GpuSpec
 from voxdiff.run.parallel import Parallel
@@ -208,7 +210,8 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
         sample_bytes=sum(4 * math.prod(v) for v in one.values()), processes_per_node=parallel.processes_per_node,
         world_size=parallel.world_size, cost=step_cost(model, batch, run.mode, run.encoding) if timing else None,
         gpu=run.gpu.name,
-        compiled=report.model_step == "compiled" or (run.unet.compile and report.model_step != "eager"),
+        kind=step_kind(report.model_step == "compiled" or (run.unet.compile and report.model_step != "eager"),
+                       run.unet.cuda_graphs),
         env=os.environ, latent_shape=tuple(latents[1:]) if latents else None)
     result.per_gpu_peak_gib = peak / GiB
     result.need_gib = _need(peak, report, margin)
@@ -248,7 +251,7 @@ def _stage1_preflight(cfg: DictConfig, run: RunSpec, result: PreflightResult, ma
     with torch.device("meta"):
         model = build_vqvae(run.vqvae)
     result.needs = run_needs(run, model, ema=False, data=None, sample_bytes=0, processes_per_node=1, world_size=1,
-                             cost=None, gpu=run.gpu.name, compiled=False, env=os.environ)
+                             cost=None, gpu=run.gpu.name, kind="eager", env=os.environ)
     return result
 
 

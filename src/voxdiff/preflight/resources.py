@@ -346,8 +346,20 @@ STEP_THROUGHPUT: dict[tuple[str, str], Throughput] = {
     # fitted by bench/fit_step_time.py (least squares on relative error); the README states the errors
     ("H100", "eager"): Throughput(383.0, 76.8, f"H100, fused AdamW + flash SDPA, eager; {_GPU_SPEED}"),
     ("H100", "compiled"): Throughput(448.0, 56.5, f"H100, fused AdamW + flash SDPA + torch.compile; {_GPU_SPEED}"),
+    # the two constants solved from two rows of voxdiff's own step with CUDA graphs (reference/
+    # h100_bench_gpu_step_v3.csv): exp11 30.7 ms (3.26 TFLOP, 1207 operator calls), exp9_ldm_4x_bravo 201.1 ms
+    # (59.18 TFLOP, 1068 calls); exact on both, its error elsewhere not measured
+    ("H100", "cudagraphs"): Throughput(323.8, 17.1, "H100, voxdiff's step compiled with CUDA graphs "
+                                                    "(reduce-overhead); two rows, reference/h100_bench_gpu_step_v3.csv"),
 }
-"""Per (GPU type, step kind) throughput. A GPU type without an entry gets no time prediction (never a guess)."""
+"""Per (GPU type, step kind: :func:`step_kind`) throughput. A GPU type without an entry gets no time prediction (never
+a guess)."""
+
+
+def step_kind(compiled: bool, cuda_graphs: bool) -> str:
+    """The :data:`STEP_THROUGHPUT` kind of a step: ``eager``, ``compiled`` (torch's default mode) or ``cudagraphs``
+    (a compile mode that captures CUDA graphs)."""
+    return "cudagraphs" if compiled and cuda_graphs else "compiled" if compiled else "eager"
 
 
 @dataclass(frozen=True)
@@ -488,7 +500,7 @@ def slurm_site(resources: Mapping[str, Any] | None) -> dict[str, str] | None:
 
 
 def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_bytes: int, processes_per_node: int,
-              world_size: int, cost: StepCost | None, gpu: str, compiled: bool, env: Mapping[str, str],
+              world_size: int, cost: StepCost | None, gpu: str, kind: str, env: Mapping[str, str],
               latent_shape: tuple[int, ...] | None = None) -> RunNeeds:
     """Disk, host memory and time of a run.
 
@@ -503,7 +515,7 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
         processes_per_node, world_size: ranks on one node, and in all (each rank is one GPU).
         cost: the step's FLOPs and operator calls (None: no time prediction).
         gpu: the GPU type the run is planned for (a key of :data:`STEP_THROUGHPUT`).
-        compiled: whether the training forward is compiled (``model.compile`` on a GPU).
+        kind: the step's :func:`step_kind` (eager, compiled, or compiled with CUDA graphs), which picks the throughput.
         env: the process environment (a running Slurm job's memory).
         latent_shape: ``(C, d, h, w)`` of one modality's latents, for a run on a latent cache (its bytes on disk).
     """
@@ -564,13 +576,13 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
 
     # time: the step's FLOPs on a GPU whose speed was measured
     run_time, unknown = None, ""
-    throughput = STEP_THROUGHPUT.get((gpu, "compiled" if compiled else "eager"))
+    throughput = STEP_THROUGHPUT.get((gpu, kind))
     max_steps = needs.max_steps
     if cost is None:
         unknown = "not predicted for this step"
     elif throughput is None:
-        unknown = (f"the step's speed on {gpu} has not been measured (voxdiff.preflight.resources.STEP_THROUGHPUT "
-                   f"has {', '.join(sorted({g for g, _ in STEP_THROUGHPUT}))})")
+        unknown = (f"the {kind} step's speed on {gpu} has not been measured (voxdiff.preflight.resources."
+                   f"STEP_THROUGHPUT has {', '.join(f'{g} {k}' for g, k in sorted(STEP_THROUGHPUT))})")
     elif not isinstance(max_steps, int) or max_steps <= 0:
         unknown = f"{throughput.seconds(cost) * 1e3:.0f} ms/step predicted; trainer.max_steps={max_steps} sets no end"
     else:

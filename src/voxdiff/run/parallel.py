@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from voxdiff.config import strategy_kind
+from voxdiff.config import processes, strategy_kind
 
 __all__ = ["Parallel", "parallel_of"]
 
@@ -54,9 +54,6 @@ def parallel_of(trainer: Mapping[str, Any]) -> Parallel:
     name = strategy_kind(strategy)
     # a strategy named, not configured: Lightning's DDP, i.e. DistributedDataParallel's own default
     options = dict(strategy) if isinstance(strategy, Mapping) else {"gradient_as_bucket_view": False}
-    devices = trainer.get("devices", 1)
-    per_node = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
-    per_node = max(1, per_node)
-    world = per_node * max(1, int(trainer.get("num_nodes") or 1))
+    per_node, world = processes(trainer)
     return Parallel(name if world > 1 else "single", world, per_node,
                     bool(options.get("gradient_as_bucket_view", True)), float(options.get("bucket_cap_mb", 25.0)))

@@ -8,7 +8,8 @@
    with the deepest UNet that fits and the padded or cropped volume as fixes);
 3. the UNet arguments are consistent (list lengths = levels, channels divisible by ``norm_num_groups``, channels at
    attention levels divisible by ``num_head_channels``, ...) — :func:`voxdiff.models.unet_spec`;
-4. UNet in/out channels, when a config sets them, agree with the encoding and the mode (:func:`check_io_channels`).
+4. UNet in/out channels, when a config sets them, agree with the encoding and the mode (:func:`check_io_channels`);
+5. a compile mode with CUDA graphs, asked for by name, on a run that cannot replay them (:func:`check_cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ import math
 
 from omegaconf import DictConfig
 
-from voxdiff.config import plain, volume_shape
+from voxdiff.config import plain, strategy_kind, volume_shape
 from voxdiff.encodings import Encoding
 from voxdiff.encodings.base import AXES
 from voxdiff.errors import ConfigError
 from voxdiff.models import unet_io_channels
-from voxdiff.models.unet import unet_downsampling
+from voxdiff.models.unet import CUDAGRAPH_MODES, unet_downsampling
 
 
 def _levels(cfg: DictConfig) -> int:
@@ -72,3 +73,27 @@ def check_io_channels(cfg: DictConfig, encoding: Encoding) -> None:
                 f"mode={cfg.mode} with {encoding.label} has {want} channels ({what})",
                 f"remove model.{key} (it follows from the encoding and the mode) or set it to {want}",
             )
+
+
+def check_cuda_graphs(cfg: DictConfig, device_type: str) -> None:
+    """Refuse ``model.compile_mode`` set to a mode with CUDA graphs (``reduce-overhead``, ``max-autotune``) on a
+    compiled CUDA run that cannot replay them: gradient accumulation (the next micro-batch's replay overwrites the
+    gradients the previous one left in ``.grad``: torch raises when they are read) or FSDP (the graphs replay fixed
+    addresses; FSDP gathers the parameters into new memory at every step). ``auto`` never takes them there
+    (:func:`voxdiff.config.cuda_graphs_fit`)."""
+    model = cfg.get("model") or {}
+    mode, compiled = model.get("compile_mode"), model.get("compile", "auto")
+    if device_type != "cuda" or mode not in CUDAGRAPH_MODES or compiled is False:
+        return
+    trainer = cfg.get("trainer") or {}
+    accumulate = trainer.get("accumulate_grad_batches") or 1
+    if accumulate != 1:
+        raise ConfigError("model.compile_mode", mode, f"captures CUDA graphs, and trainer.accumulate_grad_batches="
+                          f"{accumulate} keeps gradients in .grad between micro-batches, which the next replay "
+                          "overwrites (torch raises when they are read)",
+                          "use model.compile_mode=auto (torch's default mode for this run), or "
+                          "trainer.accumulate_grad_batches=1")
+    if strategy_kind(plain(trainer.get("strategy"))) == "fsdp":
+        raise ConfigError("model.compile_mode", mode, "captures CUDA graphs, which replay fixed memory addresses, "
+                          "and FSDP gathers the parameters into new memory at every step",
+                          "use model.compile_mode=auto (torch's default mode under FSDP)")

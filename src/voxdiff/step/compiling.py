@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from voxdiff.errors import ConfigError, show_value
+from voxdiff.models.unet import CUDAGRAPH_MODES
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,17 @@ class CompiledForward:
                 raise CompileFailed(self.settings, err) from err
             raise
 
+    @property
+    def cudagraphs(self) -> bool:
+        """Whether the mode captures CUDA graphs (replayed from the third step on a GPU; ignored on a CPU)."""
+        return self.settings.mode in CUDAGRAPH_MODES
+
     def start(self) -> None:
-        """Called before each training forward: the first call opens the warm-up phase."""
+        """Called before each training forward: the first call opens the warm-up phase. With CUDA graphs, each call
+        also starts a new iteration of the graph trees, so the outputs of the previous step's replay (which the
+        next replay overwrites) are known to be dead rather than re-recorded as a new graph."""
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
         if self._started is None:
             self._started = time.perf_counter()
             log.info("compiling the training step (%s): the first step takes longer", self.settings.describe())
