@@ -151,6 +151,19 @@ def test_evaluate_reports_whether_age_is_obeyed_beside_a_negative_control(covari
     assert len(list((out / "samples").glob("control_*_generated.nii.gz"))) == 4  # the control's (no covariates)
     saved = json.loads(Path(record["json"]).read_text())
     assert saved["figures"]["covariate_age_ventricles_control"]["checkpoint"] == str(diffusion_ckpt)
+    # the model's other covariate, sex, is measured on the same samples (the head's size), beside the same control
+    assert figures["covariate_sex_head_generated"]["n"] == figures["covariate_sex_head_control"]["n"] == 4
+    assert "Covariates: is sex obeyed?" in Path(record["html"]).read_text()
+
+
+def test_a_sweep_over_sex_alternates_its_levels_and_codes_them_for_the_figure(covariate_ckpt, tmp_path) -> None:
+    record = evaluate(compose("evaluate", [f"ckpt_path={covariate_ckpt}", "n=4", "covariate_sweep=sex",
+                                           "num_inference_steps=2", "random_features_seed=null",
+                                           f"paths.output_dir={tmp_path / 'eval'}"]))
+    assert [row["sex"] for row in record["sampling"]["covariates"]] == ["F", "M", "F", "M"]
+    figures = record["figures"]
+    assert figures["covariate_sex_head_generated"]["n"] == 4 and figures["covariate_sex_head_real"]["n"] == 2
+    assert "covariate_sex_head_control" in record["absent"]  # no control_ckpt: said, not faked
 
 
 def test_the_table_is_skipped_only_where_it_is_not_the_anatomy() -> None:

@@ -16,7 +16,9 @@ from voxdiff.data.covariates import (
     write_table,
 )
 from voxdiff.data.nifti import DataError
-from voxdiff.data.phantom import LABELS, PHANTOM_COVARIATES, make_phantom, phantom_covariates, ventricle_voxels
+from voxdiff.data.phantom import (
+    LABELS, PHANTOM_COVARIATES, head_voxels, make_phantom, phantom_covariates, ventricle_voxels,
+)
 from voxdiff.errors import ConfigError
 
 TABLE = {
@@ -123,6 +125,19 @@ def test_the_phantom_is_unchanged_without_covariates_and_ages_with_them() -> Non
     assert len(set(ages)) > 6 and set(load) <= {1, 2, 3, 4}
     plain_measured = [ventricle_voxels(make_phantom(shape, s)[0]) for s in range(12)]
     assert abs(np.corrcoef(ages, plain_measured)[0, 1]) < 0.5  # without covariates the age is not in the anatomy
+
+
+def test_the_head_measure_sees_the_phantoms_sex() -> None:
+    """sex=M scales the phantom's head by 5%: the evaluation's head count is larger for M on average, and carries
+    nothing of sex without covariates (its subjects then share one scale law)."""
+    shape = (32, 48, 48)
+    sex = np.array([phantom_covariates(s)["sex"] == "M" for s in range(24)], dtype=float)
+    heads = np.array([head_voxels(make_phantom(shape, s, covariates=True)[0]) for s in range(24)], dtype=float)
+    plain = np.array([head_voxels(make_phantom(shape, s)[0]) for s in range(24)], dtype=float)
+    assert 0 < sex.mean() < 1
+    assert heads[sex == 1].mean() > 1.04 * heads[sex == 0].mean()  # 5% in each axis: ~10% in the count
+    assert np.corrcoef(sex, heads)[0, 1] > np.corrcoef(sex, plain)[0, 1] + 0.2
+    assert head_voxels(np.zeros((1, 4, 4, 4))) == 0 and head_voxels(np.ones((4, 4, 4))) == 64
 
 
 def test_the_preflights_width_is_exact_for_the_phantom() -> None:

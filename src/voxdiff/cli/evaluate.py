@@ -34,7 +34,7 @@ from voxdiff.cli.exit_codes import hydra_main, refusals
 from voxdiff.cli.covariate_args import covariate_rows, covariate_vectors, requested_covariates, without_table
 from voxdiff.cli.sample import _CKPT_FIX, _datamodule, _load, validate as validate_sampling
 from voxdiff.config import is_phantom_data, plain
-from voxdiff.data.phantom import ventricle_voxels
+from voxdiff.data.phantom import COVARIATE_EFFECTS, ventricle_voxels
 from voxdiff.errors import ConfigError, integer
 from voxdiff.files import check_output
 from voxdiff.files import load_file
@@ -167,50 +167,65 @@ def _sweep(cfg: DictConfig, encoding: Any, n: int) -> list[dict[str, Any]]:
 def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any, real: Any,
                        generated: Any, rows: list[dict[str, Any]] | None, table: dict[str, Any],
                        device: Any, precision: Any) -> tuple[dict[str, Any], dict[str, str], list[Any]]:
-    """Is age obeyed? On a phantom run (``phantom``: trained and evaluated on the built-in phantom) with the
-    covariate ``age``: Pearson's r between the age each sample was drawn at and its ventricle size, the same for
-    the real images and their ages, and for ``control_ckpt`` (a negative control: sampled with the same masks,
-    noise and ages); with a scatter of the three for the report."""
+    """Is each covariate obeyed? On a phantom run (``phantom``: trained and evaluated on the built-in phantom), for
+    each of its covariates that changes the phantom's anatomy (:data:`~voxdiff.data.phantom.COVARIATE_EFFECTS`: age
+    the ventricles, sex the head): Pearson's r between the value each sample was drawn at (a categorical one as its
+    level's index, e.g. F 0, M 1) and the measure of what it changes, the same for the real images and their own
+    values, and for ``control_ckpt`` (a negative control: sampled once with the same masks, noise and values); with
+    a scatter per covariate for the report."""
     figures: dict[str, Any] = {}
     absent: dict[str, str] = {}
-    if rows is None or "age" not in rows[0] or not phantom or system.mode != "bravo":
+    effects = {name: COVARIATE_EFFECTS[name] for name in (rows[0] if rows else ()) if name in COVARIATE_EFFECTS}
+    if rows is None or not effects or not phantom or system.mode != "bravo":
         if rows is not None:
-            absent["covariate_age_ventricles_generated"] = ("measured on a phantom run (bravo) with the covariate "
-                                                             "age only: the phantom's ventricles widen with age")
+            absent["covariate_age_ventricles_generated"] = (
+                "measured on a phantom run (bravo) with the covariate age or sex only: the phantom's ventricles "
+                "widen with age, its head is larger for M")
         return figures, absent, []
-    ages = [float(r["age"]) for r in rows]
-    sizes = [ventricle_voxels(v) for v in generated]
-    figures["covariate_age_ventricles_generated"] = figure("covariate_age_ventricles_generated", pearson(ages, sizes))
-    real_ages = [float(table[s]["age"]) for s in real.subjects]
-    real_sizes = [ventricle_voxels(v) for v in real.images]
-    series = {"generated": (ages, sizes), "real": (real_ages, real_sizes)}
-    if len(real_ages) >= 2:
-        figures["covariate_age_ventricles_real"] = figure("covariate_age_ventricles_real",
-                                                          pearson(real_ages, real_sizes))
+    levels = {c.name: list(c.levels) for c in system.covariate_encoding.columns if c.kind == "categorical"}
+
+    def coded(name: str, value: Any) -> float:
+        return float(levels[name].index(value)) if name in levels else float(value)
+
+    control = None
     control_path = cfg.get("control_ckpt")
-    if control_path is None:
-        absent["covariate_age_ventricles_control"] = ("no negative control: pass control_ckpt=PATH (a run without "
-                                                      "data.covariates, or with shuffled ones)")
-    else:
+    if control_path is not None:
         control_cfg = cfg.copy()
         with open_dict(control_cfg):
             control_cfg.ckpt_path = str(control_path)
-        control, _, control_precision, _ = _load(control_cfg, device, requested=False)  # a control may have none
-        encoding = control.covariate_encoding
+        model, _, control_precision, _ = _load(control_cfg, device, requested=False)  # a control may have none
+        encoding = model.covariate_encoding
         if encoding is not None and set(encoding.names) != set(rows[0]):
             raise ConfigError("control_ckpt", str(control_path), f"was trained with the covariates {encoding.names}, "
                               f"this model with {list(rows[0])}", "use a control with the same covariates "
                               "(shuffled) or none")
-        print(f"[voxdiff] negative control {control_path}: sampling with the same masks, noise and ages", flush=True)
-        other, _, _ = _generate(cfg, control, sampler, real, device, control_precision, rows, tag="control")
-        control_sizes = [ventricle_voxels(v) for v in other]
-        figures["covariate_age_ventricles_control"] = figure("covariate_age_ventricles_control",
-                                                             pearson(ages, control_sizes), checkpoint=str(control_path))
-        series["negative control"] = (ages, control_sizes)
-    png = scatter_png(series, "age (requested; real: the subject's)", "ventricle voxels (CSF-dark, central box)")
-    section = ("Covariates: is age obeyed?", "ventricle size of each volume against the age it was sampled at "
-               "(generated, negative control) or has (real); r and N in the table", [(data_uri(png), "age")])
-    return figures, absent, [section]
+        print(f"[voxdiff] negative control {control_path}: sampling with the same masks, noise and covariates",
+              flush=True)
+        control, _, _ = _generate(cfg, model, sampler, real, device, control_precision, rows, tag="control")
+    sections = []
+    for name, (measure, of, label) in effects.items():
+        key = f"covariate_{name}_{measure}"
+        values = [coded(name, r[name]) for r in rows]
+        series = {"generated": (values, [of(v) for v in generated])}
+        figures[f"{key}_generated"] = figure(f"{key}_generated", pearson(*series["generated"]))
+        real_values = [coded(name, table[s][name]) for s in real.subjects]
+        if len(real_values) >= 2:
+            series["real"] = (real_values, [of(v) for v in real.images])
+            figures[f"{key}_real"] = figure(f"{key}_real", pearson(*series["real"]))
+        if control is None:
+            absent[f"{key}_control"] = ("no negative control: pass control_ckpt=PATH (a run without "
+                                        "data.covariates, or with shuffled ones)")
+        else:
+            series["negative control"] = (values, [of(v) for v in control])
+            figures[f"{key}_control"] = figure(f"{key}_control", pearson(*series["negative control"]),
+                                               checkpoint=str(control_path))
+        axis = f"{name} (requested; real: the subject's)" + (f", levels {levels[name]} as 0..{len(levels[name]) - 1}"
+                                                             if name in levels else "")
+        png = scatter_png(series, axis, label)
+        sections.append((f"Covariates: is {name} obeyed?", f"{label} of each volume against the {name} it was "
+                         "sampled at (generated, negative control) or has (real); r and N in the table",
+                         [(data_uri(png), name)]))
+    return figures, absent, sections
 
 
 def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:

