@@ -18,7 +18,8 @@ other (``--experiments exp11 --out F.csv --append`` runs one experiment per call
   defaults on this device: optimizer, attention, ``model.compile``, EMA, clipping, the non-finite guard, callbacks
   and CSV logging), validation off.
 * **auto**: the same at the batch and checkpointing the preflight chooses for this GPU (``data.batch_size=auto``,
-  :mod:`voxdiff.preflight.autofit`; ``--no-auto`` leaves it out).
+  :mod:`voxdiff.preflight.autofit`; ``--no-auto`` leaves it out). On the phantom and a GPU it is chosen as for 160
+  subjects, so that the demo data's few subjects do not cap the batch (the sides train on one random batch anyway).
 
 Each side's time per step is the wall time of steps ``warmup+1 .. warmup+steps`` divided by ``steps``
 (synchronised once at each end, not per step), its peak ``torch.cuda.max_memory_allocated()`` over those steps,
@@ -276,7 +277,8 @@ def predicted_gib(cfg: Any) -> dict[str, Any]:
     return {"pred_peak_gib": report.peak_allocated / GiB, "pred_note": "; ".join(report.notes)[:200]}
 
 
-def worker(side: str, name: str, overrides: list[str], warmup: int, steps: int, profile: bool = False) -> dict[str, Any]:
+def worker(side: str, name: str, overrides: list[str], warmup: int, steps: int,
+           profile: bool = False) -> dict[str, Any]:
     import torch
 
     from voxdiff.lightning.trainer import configure_cpu_threads
@@ -285,6 +287,10 @@ def worker(side: str, name: str, overrides: list[str], warmup: int, steps: int, 
     configure_cpu_threads()
     with tempfile.TemporaryDirectory() as out:
         cfg = config(name, [*overrides, *(["data.batch_size=auto"] if side == "auto" else [])], out, device)
+        if side == "auto" and device == "cuda" and cfg.data.get("root") is None and "num_subjects" in cfg.data:
+            # the sides train on one random batch, so the phantom's subject count must not cap the batch the
+            # preflight may choose (it tries no batch larger than the training split): 160 subjects, 120 training
+            cfg = config(name, [*overrides, "data.batch_size=auto", "data.num_subjects=160"], out, device)
         if side in ("plain", "compiled"):
             return run_plain(cfg, warmup, steps, device, compiled=side == "compiled")
         chosen = ""

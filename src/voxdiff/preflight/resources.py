@@ -350,7 +350,7 @@ STEP_THROUGHPUT: dict[tuple[str, str], Throughput] = {
     # h100_bench_gpu_step_v3.csv): exp11 30.7 ms (3.26 TFLOP, 1207 operator calls), exp9_ldm_4x_bravo 201.1 ms
     # (59.18 TFLOP, 1068 calls); exact on both, its error elsewhere not measured
     ("H100", "cudagraphs"): Throughput(323.8, 17.1, "H100, voxdiff's step compiled with CUDA graphs "
-                                                    "(reduce-overhead); two rows, reference/h100_bench_gpu_step_v3.csv"),
+                                                    "(reduce-overhead); two rows, h100_bench_gpu_step_v3.csv"),
 }
 """Per (GPU type, step kind: :func:`step_kind`) throughput. A GPU type without an entry gets no time prediction (never
 a guess)."""
