@@ -145,7 +145,8 @@ def test_evaluate_reports_whether_age_is_obeyed_beside_a_negative_control(covari
     assert generated["n"] == control["n"] == 4 and figures["covariate_age_ventricles_real"]["n"] == 2
     assert all(-1 <= f["value"] <= 1 or np.isnan(f["value"]) for f in (generated, control))
     ages = [row["age"] for row in record["sampling"]["covariates"]]
-    assert ages == sorted(ages) and len(set(ages)) == 4  # the sweep: evenly over the trained range
+    assert len(set(ages)) == 4 and np.allclose(np.diff(sorted(ages)), np.diff(sorted(ages))[0])  # evenly spaced
+    assert ages != sorted(ages)  # in a shuffled order: the second mask does not always get the higher age
     assert "Covariates: is age obeyed?" in Path(record["html"]).read_text()
     assert len(_sidecars(out / "samples")) == 4  # the model's samples, each with its ages
     assert len(list((out / "samples").glob("control_*_generated.nii.gz"))) == 4  # the control's (no covariates)
@@ -160,7 +161,8 @@ def test_a_sweep_over_sex_alternates_its_levels_and_codes_them_for_the_figure(co
     record = evaluate(compose("evaluate", [f"ckpt_path={covariate_ckpt}", "n=4", "covariate_sweep=sex",
                                            "num_inference_steps=2", "random_features_seed=null",
                                            f"paths.output_dir={tmp_path / 'eval'}"]))
-    assert [row["sex"] for row in record["sampling"]["covariates"]] == ["F", "M", "F", "M"]
+    # two validation masks, used in turn: each is drawn at each level (not F on one mask and M on the other)
+    assert [row["sex"] for row in record["sampling"]["covariates"]] == ["F", "F", "M", "M"]
     figures = record["figures"]
     assert figures["covariate_sex_head_generated"]["n"] == 4 and figures["covariate_sex_head_real"]["n"] == 2
     assert "covariate_sex_head_control" in record["absent"]  # no control_ckpt: said, not faked

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind
@@ -147,9 +149,17 @@ def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any
     return torch.cat(generated), sources, pngs
 
 
-def _sweep(cfg: DictConfig, encoding: Any, n: int) -> list[dict[str, Any]]:
-    """``covariate_sweep=NAME``: the ``n`` samples' requested values of that covariate, evenly over its training
-    range (numeric) or its levels in turn (categorical); ``[{}] * n`` without a sweep."""
+def _sweep(cfg: DictConfig, encoding: Any, n: int, masks: int = 1) -> list[dict[str, Any]]:
+    """``covariate_sweep=NAME``: the ``n`` samples' requested values of that covariate (``[{}] * n`` without a
+    sweep), spread so that the value does not follow the mask: sample ``i`` uses mask ``i % masks``, and a mask's
+    features (its subject's head, where its lesions sit) would otherwise move with the value in the figure of the
+    model and of its control alike.
+
+    * categorical: its levels in turn by cycle over the masks (``(i // masks) % levels``): with ``n`` a multiple of
+      ``masks x levels`` every mask is drawn at every level equally often;
+    * numeric: ``n`` values evenly over its training range, in a fixed shuffled order (seed 0), so that no mask
+      gets the low or the high ones (drawn in order, mask ``j`` of each cycle would always get the ``j``-th lowest).
+    """
     name = cfg.get("covariate_sweep")
     if name is None:
         return [{} for _ in range(n)]
@@ -159,9 +169,10 @@ def _sweep(cfg: DictConfig, encoding: Any, n: int) -> list[dict[str, Any]]:
                           f"({encoding.names if encoding is not None else 'it has none'})",
                           "name one of its covariates, or covariate_sweep=null")
     if column.kind == "categorical":
-        return [{column.name: column.levels[i % len(column.levels)]} for i in range(n)]
+        return [{column.name: column.levels[(i // masks) % len(column.levels)]} for i in range(n)]
     step = (column.hi - column.lo) / max(n - 1, 1)
-    return [{column.name: round(column.lo + i * step, 6)} for i in range(n)]
+    order = np.random.default_rng(0).permutation(n)
+    return [{column.name: round(column.lo + int(k) * step, 6)} for k in order]
 
 
 def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any, real: Any,
@@ -245,6 +256,7 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
                                           plain(cfg.get("medicalnet")))
     sources = [i % len(real) for i in range(int(cfg.n))]
     table = getattr(dm, "covariate_values", {})
+    sweep = _sweep(cfg, encoding, int(cfg.n), masks=len(real))  # now that the number of masks is known
     rows = None if encoding is None else [
         covariate_rows(encoding, table, [real.subjects[s]], {**requested, **sweep[i]})[0]
         for i, s in enumerate(sources)]
