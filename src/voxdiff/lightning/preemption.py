@@ -8,9 +8,10 @@ last periodic checkpoint.
 
 :class:`SaveOnSigterm` writes ``checkpoints/last.ckpt`` (atomically, through the trainer's checkpoint IO) in
 ``on_exception``, so ``ckpt_path=auto`` resumes from it, and, in a Slurm job that is still running, requeues the
-job as Lightning does on SIGUSR1. A job that Slurm is already ending (``scancel``, time limit, a preemption that
-cancels) is not requeued: ``scontrol requeue`` would bring back a job its user cancelled. ``train()`` then
-reports what happened and exits with ``EXIT_TERMINATED`` (143).
+job as Lightning does on SIGUSR1, after saying what was saved (Slurm may end the step before ``train()`` reports).
+A job that Slurm is already ending (``scancel``, time limit, a preemption that cancels) is not requeued:
+``scontrol requeue`` would bring back a job its user cancelled. ``train()`` then reports what happened and exits
+with ``EXIT_TERMINATED`` (143).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -86,13 +88,18 @@ class SaveOnSigterm(L.Callback):
             self.saved = path
         job = slurm_job_id()
         if job is not None and trainer.is_global_zero:
+            # Slurm ends this job step as soon as it requeues the job, possibly before train() reports: say what
+            # was saved, and that the requeue follows, first
+            print(f"[voxdiff] {self._stopped()}; requeueing Slurm job {job}", file=sys.stderr, flush=True)
             self.requeue = requeue_slurm_job(job)
+
+    def _stopped(self) -> str:
+        return f"stopped by SIGTERM after step {self.step}: " + (
+            f"resume checkpoint saved to {self.saved}" if self.saved else "no step had finished, nothing to save")
 
     def report(self, run_dir: Any) -> str:
         """What happened, for the user (one line per fact)."""
-        lines = [f"stopped by SIGTERM after step {self.step}: "
-                 + (f"resume checkpoint saved to {self.saved}" if self.saved else "no step had finished, nothing to "
-                    "save")]
+        lines = [self._stopped()]
         if self.requeue:
             lines.append(self.requeue)
         lines.append(f"to continue: python train.py <the same overrides> ckpt_path=auto paths.run_dir={run_dir}")
