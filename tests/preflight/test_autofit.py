@@ -76,3 +76,5 @@ def test_compiled_candidates_are_timed_with_cuda_graphs_where_the_run_takes_them
     assert graphs[(1, True)] < default[(1, True)] and graphs[(2, True)] < default[(2, True)]
     assert graphs[(1, False)] == default[(1, False)] == held[(1, False)]
     assert held[(1, True)] == default[(1, True)] and held[(2, True)] == graphs[(2, True)]
+    # CUDA graphs are inductor's: with another backend auto compiles in torch's default mode, and is timed so
+    assert rows("model.compile_backend=aot_eager")[(1, True)] == default[(1, True)]

@@ -35,10 +35,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from voxdiff.config import cuda_graphs_fit, select
+from voxdiff.config import model_spec, select
 from voxdiff.data.split import split_subjects
 from voxdiff.models.checkpointing import GRANULARITIES
-from voxdiff.models.unet import CUDAGRAPH_MODES, resolve_compile_mode
+from voxdiff.models.unet import CUDAGRAPH_MODES
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.check import PreflightResult, override_args, run_preflight, with_overrides
 from voxdiff.preflight.memory import PREDICTED_DEVICE
@@ -165,7 +165,8 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
             overrides: dict[str, Any] = {"data.batch_size": b, "model.gradient_checkpointing": policy}
             if options.effective_batch is not None:
                 overrides["trainer.accumulate_grad_batches"] = options.effective_batch // (b * world)
-            result = verdict(with_overrides(cfg, overrides))
+            candidate = with_overrides(cfg, overrides)
+            result = verdict(candidate)
             if result.problems:
                 raise result.problems[0]
             if report is None:
@@ -175,8 +176,7 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
                                        is not None else "memory alone")
             fits = result.ok
             # the compile mode this candidate's run resolves to (auto: CUDA graphs unless it accumulates)
-            graphs = resolve_compile_mode(select(cfg, "model.compile_mode"), run.device_type,
-                                          cuda_graphs_fit(with_overrides(cfg, overrides))) in CUDAGRAPH_MODES
+            graphs = model_spec(candidate, run.encoding, run.device_type).compile_mode in CUDAGRAPH_MODES
             for compiled in kinds:
                 step_s = _step_s(result, run.gpu.name, step_kind(compiled, graphs))
                 shown = {**overrides, "model.compile": compiled} if compiled != compile_now else overrides
