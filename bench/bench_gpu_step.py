@@ -290,7 +290,7 @@ def worker(side: str, name: str, overrides: list[str], warmup: int, steps: int,
         if side == "auto" and device == "cuda" and cfg.data.get("root") is None and "num_subjects" in cfg.data:
             # the sides train on one random batch, so the phantom's subject count must not cap the batch the
             # preflight may choose (it tries no batch larger than the training split): 160 subjects, 120 training
-            cfg = config(name, [*overrides, "data.batch_size=auto", "data.num_subjects=160"], out, device)
+            cfg.data.num_subjects = 160
         if side in ("plain", "compiled"):
             return run_plain(cfg, warmup, steps, device, compiled=side == "compiled")
         chosen = ""

@@ -5,10 +5,10 @@ measured in one process and reported as ratios against DDIM-50 unguided.
 
 Each sampler runs ``TrainStep.generate`` (what ``sample.py``, ``evaluate.py`` and validation sampling run: mask
 encoding, the sampler's loop with the EMA weights swapped in, decoding) on the same masks with the same UNet — the
-demo's (``experiment=demo``: Haar wavelets of a 32×48×48 phantom into a 7.2M-parameter 3-level UNet) unless ``--experiment``
-or overrides say otherwise (a latent experiment needs its trained stage 1 to decode and is not for this bench). The
-weights are untrained: a step's cost does not depend on them. The samplers alternate ``--repeats`` times so drift in
-the machine's load hits all of them; the median per volume is reported.
+demo's (``experiment=demo``: Haar wavelets of a 32×48×48 phantom into a 7.2M-parameter 3-level UNet) unless
+``--experiment`` or overrides say otherwise (a latent experiment needs its trained stage 1 to decode and is not for
+this bench). The weights are untrained: a step's cost does not depend on them. The samplers alternate ``--repeats``
+times so drift in the machine's load hits all of them; the median per volume is reported.
 """
 
 from __future__ import annotations

@@ -395,13 +395,19 @@ def processes(trainer: Any) -> tuple[int, int]:
     return per_node, per_node * max(1, int(trainer.get("num_nodes") or 1))
 
 
+def accumulated_batches(trainer: Any) -> int:
+    """``trainer.accumulate_grad_batches`` of a ``trainer:`` config: the batches whose gradients one optimizer step
+    sums (unset or null: 1)."""
+    return int(trainer.get("accumulate_grad_batches") or 1)
+
+
 def cuda_graphs_fit(cfg: DictConfig) -> bool:
     """Whether ``model.compile_mode=auto`` takes CUDA graphs for this run: one process (replays across ranks,
     DDP's buckets and FSDP's regathered parameters are unmeasured or cannot work) and no gradient accumulation
     (a replay overwrites the gradients the previous micro-batch left in ``.grad``; torch raises on the access)."""
     trainer = cfg.get("trainer") or {}
-    accumulate = trainer.get("accumulate_grad_batches", 1)
-    return processes({k: plain(trainer.get(k)) for k in ("devices", "num_nodes")})[1] == 1 and accumulate in (1, None)
+    one_process = processes({k: plain(trainer.get(k)) for k in ("devices", "num_nodes")})[1] == 1
+    return one_process and accumulated_batches(trainer) == 1
 
 
 def build_model(cfg: DictConfig, encoding: Encoding | None = None, preserve_rng_state: bool = True, *,

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind
@@ -149,25 +148,36 @@ def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any
     return torch.cat(generated), sources, pngs
 
 
-def _sweep(cfg: DictConfig, encoding: Any, n: int, masks: int = 1) -> list[dict[str, Any]]:
-    """``covariate_sweep=NAME``: the ``n`` samples' requested values of that covariate (``[{}] * n`` without a
-    sweep), spread so that the value does not follow the mask: sample ``i`` uses mask ``i % masks``, and a mask's
-    features (its subject's head, where its lesions sit) would otherwise move with the value in the figure of the
-    model and of its control alike.
+def _swept(cfg: DictConfig, encoding: Any) -> Any:
+    """The covariate column ``covariate_sweep=NAME`` names (None without a sweep).
+
+    Raises:
+        ConfigError: the model has no such covariate.
+    """
+    name = cfg.get("covariate_sweep")
+    if name is None:
+        return None
+    column = {c.name: c for c in (encoding.columns if encoding is not None else ())}.get(str(name))
+    if column is None:
+        raise ConfigError("covariate_sweep", name, "is not a covariate of this model "
+                          f"({encoding.names if encoding is not None else 'it has none'})",
+                          "name one of its covariates, or covariate_sweep=null")
+    return column
+
+
+def _sweep(column: Any, n: int, masks: int) -> list[dict[str, Any]]:
+    """The ``n`` samples' requested values of the swept ``column`` (``[{}] * n`` without a sweep), spread so that
+    the value does not follow the mask: sample ``i`` uses mask ``i % masks``, and a mask's features (its subject's
+    head, where its lesions sit) would otherwise move with the value in the figure of the model and of its control
+    alike.
 
     * categorical: its levels in turn by cycle over the masks (``(i // masks) % levels``): with ``n`` a multiple of
       ``masks x levels`` every mask is drawn at every level equally often;
     * numeric: ``n`` values evenly over its training range, in a fixed shuffled order (seed 0), so that no mask
       gets the low or the high ones (drawn in order, mask ``j`` of each cycle would always get the ``j``-th lowest).
     """
-    name = cfg.get("covariate_sweep")
-    if name is None:
-        return [{} for _ in range(n)]
-    column = {c.name: c for c in (encoding.columns if encoding is not None else ())}.get(str(name))
     if column is None:
-        raise ConfigError("covariate_sweep", name, "is not a covariate of this model "
-                          f"({encoding.names if encoding is not None else 'it has none'})",
-                          "name one of its covariates, or covariate_sweep=null")
+        return [{} for _ in range(n)]
     if column.kind == "categorical":
         return [{column.name: column.levels[(i // masks) % len(column.levels)]} for i in range(n)]
     step = (column.hi - column.lo) / max(n - 1, 1)
@@ -244,10 +254,11 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"))
     encoding = system.covariate_encoding
     requested = requested_covariates(cfg, encoding)
-    sweep = _sweep(cfg, encoding, int(cfg.n))
-    if encoding is not None and cfg.get("covariate_sweep") is not None:
-        requested = {k: v for k, v in requested.items() if k != cfg.covariate_sweep}
-    dm, data = _datamodule(without_table(saved, encoding, {**requested, **sweep[0]}), cfg, weights)
+    swept = _swept(cfg, encoding)
+    if swept is not None:  # the sweep gives its values, not the command line
+        requested = {k: v for k, v in requested.items() if k != swept.name}
+    dm, data = _datamodule(without_table(saved, encoding, {**requested, **({swept.name: None} if swept else {})}),
+                           cfg, weights)
     dataset = _split(dm, str(cfg.split))
     ms_ssim = MS_SSIM_PRESETS[cfg.ms_ssim]
     check_volume_shape(tuple(dataset[0]["image"].shape[1:]), ms_ssim)
@@ -256,7 +267,7 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
                                           plain(cfg.get("medicalnet")))
     sources = [i % len(real) for i in range(int(cfg.n))]
     table = getattr(dm, "covariate_values", {})
-    sweep = _sweep(cfg, encoding, int(cfg.n), masks=len(real))  # now that the number of masks is known
+    sweep = _sweep(swept, int(cfg.n), masks=len(real))
     rows = None if encoding is None else [
         covariate_rows(encoding, table, [real.subjects[s]], {**requested, **sweep[i]})[0]
         for i, s in enumerate(sources)]

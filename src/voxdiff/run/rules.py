@@ -18,7 +18,7 @@ import math
 
 from omegaconf import DictConfig
 
-from voxdiff.config import plain, strategy_kind, volume_shape
+from voxdiff.config import accumulated_batches, plain, strategy_kind, volume_shape
 from voxdiff.encodings import Encoding
 from voxdiff.encodings.base import AXES
 from voxdiff.errors import ConfigError
@@ -86,7 +86,7 @@ def check_cuda_graphs(cfg: DictConfig, device_type: str) -> None:
     if device_type != "cuda" or mode not in CUDAGRAPH_MODES or compiled is False:
         return
     trainer = cfg.get("trainer") or {}
-    accumulate = trainer.get("accumulate_grad_batches") or 1
+    accumulate = accumulated_batches(trainer)
     if accumulate != 1:
         raise ConfigError("model.compile_mode", mode, f"captures CUDA graphs, and trainer.accumulate_grad_batches="
                           f"{accumulate} keeps gradients in .grad between micro-batches, which the next replay "
