@@ -145,6 +145,32 @@ def test_the_compiled_training_forward_through_fit_validation_sampling_and_resum
     assert any(not torch.equal(again["state_dict"][k], v) for k, v in ckpt["state_dict"].items())
 
 
+def test_a_channels_last_run_trains_validates_samples_and_resumes_in_either_layout(tiny_cfg, tmp_path):
+    """model.channels_last=true through fit, validation (EMA swapped in), final sampling and a checkpoint, which a
+    run in the default layout resumes (and the reverse): the state dict's keys and shapes are the same."""
+    common = [*FAST, "system.sampling.final=true", f"paths.output_dir={tmp_path}"]
+    first = train(tiny_cfg(*common, "model.channels_last=true", "trainer.max_steps=3", config_name="train"))
+    ckpt = _load(first["last_checkpoint"])
+    assert ckpt["global_step"] == 3 and ckpt["hyper_parameters"]["model"]["channels_last"] is True
+    assert list((tmp_path / "samples").glob("final_step0000003*")), "no samples at the end"
+    conv = next(v for k, v in ckpt["state_dict"].items() if k.startswith("model.") and v.dim() == 5
+                and not v.is_contiguous())
+    assert conv.is_contiguous(memory_format=torch.channels_last_3d)
+    resumed = train(tiny_cfg(*common, "model.channels_last=false", "trainer.max_steps=6",
+                             f"ckpt_path={first['last_checkpoint']}", config_name="train"))
+    again = _load(resumed["last_checkpoint"])
+    assert again["global_step"] == 6 and again["hyper_parameters"]["model"]["channels_last"] is False
+    assert {k: v.shape for k, v in again["state_dict"].items()} == {k: v.shape for k, v in ckpt["state_dict"].items()}
+    # the weights, AdamW's moments and the EMA take the resumed run's layout (fused AdamW refuses mixed layouts)
+    moments = [v for st in again["optimizer_states"][0]["state"].values() for v in st.values() if v.dim() == 5]
+    shadow = [v for v in again["ema"]["shadow"].values() if v.dim() == 5]
+    assert moments and shadow
+    assert all(v.is_contiguous() for v in [*again["state_dict"].values(), *moments, *shadow])
+    back = train(tiny_cfg(*common, "model.channels_last=true", "trainer.max_steps=8",
+                          f"ckpt_path={resumed['last_checkpoint']}", config_name="train"))
+    assert _load(back["last_checkpoint"])["global_step"] == 8
+
+
 def test_a_compile_failure_stops_the_run_naming_model_compile_false(tiny_cfg, tmp_path, capsys):
     """Inductor without a C++ compiler (as on a node without one): exit 2 with one line that says how to train
     without compiling; nothing falls back to eager behind the user's back."""

@@ -100,6 +100,43 @@ def test_middle_block_attention_head_size_checked_even_without_attention_levels(
                       "num_head_channels": 64})
 
 
+def test_a_channels_last_unet_keeps_that_layout_and_computes_what_the_contiguous_one_does():
+    """``model.channels_last=true``: the convolution weights and the input are channels-last (the input converted at
+    every call, whatever layout it comes in), the output and the gradients are those of the contiguous model with the
+    same weights, and the state dict is the same (a checkpoint loads either way)."""
+    kw = dict(in_channels=2, out_channels=2, channels=[8, 16], attention_levels=[False, True], num_res_blocks=1,
+              num_head_channels=8, norm_num_groups=4)
+    torch.manual_seed(0)
+    plain = build_unet(**kw)
+    for p in plain.parameters():  # MONAI zero-initialises output convs: perturb so that every path carries signal
+        p.data.add_(0.05 * torch.randn_like(p))
+    last = build_unet(**kw, channels_last=True)
+    last.load_state_dict(plain.state_dict())
+    layout = torch.channels_last_3d
+    weights = [p for p in last.parameters() if p.dim() == 5]
+    assert all(p.is_contiguous(memory_format=layout) for p in weights)
+    assert any(not p.is_contiguous() for p in weights)  # (a 1x1x1 kernel is contiguous in both layouts)
+    assert all(p.is_contiguous() for p in plain.parameters())
+    seen = []
+    last.conv_in.register_forward_pre_hook(lambda m, args: seen.append(args[0].is_contiguous(memory_format=layout)))
+    x, t = torch.randn(2, 2, 8, 8, 8), torch.tensor([3, 700])
+    outs, grads = [], []
+    for model in (plain, last):
+        out = model(x, t)
+        out.square().mean().backward()
+        outs.append(out)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert seen == [True] and x.is_contiguous()  # converted for the model, the caller's tensor untouched
+    assert outs[1].shape == outs[0].shape and outs[1].is_contiguous(memory_format=layout)
+    # equal up to the order of float sums (the kernels differ by layout): 1e-5 of the largest value
+    assert (outs[1] - outs[0]).abs().max() <= 1e-5 * outs[0].abs().max()
+    assert (grads[1] - grads[0]).abs().max() <= 1e-5 * grads[0].abs().max()
+    assert not torch.equal(outs[0], torch.zeros_like(outs[0]))
+    assert list(last.state_dict()) == list(plain.state_dict())
+    with pytest.raises(ConfigError, match=r"model.channels_last=yes: must be true or false"):
+        build_unet(**kw, channels_last="yes")
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
 def test_sdpa_attention_matches_the_materialised_path(dtype, tol):
     """``use_flash_attention=True`` (MONAI's ``F.scaled_dot_product_attention`` path, flash on a GPU) computes the

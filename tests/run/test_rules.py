@@ -104,3 +104,14 @@ def test_rule_cuda_graphs_are_refused_where_a_replay_cannot_work():
         cfg = compose("train", ["experiment=exp11", *overrides])
         assert run_spec(cfg, "cuda").unet.compile_mode == mode, overrides
         assert run_spec(cfg, "cpu").unet.compile_mode is None
+
+
+def test_rule_channels_last_is_refused_under_fsdp():
+    """``model.channels_last=true`` under FSDP (which flattens the weights into one contiguous buffer) is refused
+    with key, value and fix; with DDP or on one GPU it passes."""
+    (msg,) = _problems("experiment=exp11", "trainer=fsdp", "model.channels_last=true", "model.compile_mode=null")
+    assert msg.startswith("model.channels_last=true: keeps the convolution weights channels-last, and FSDP flattens")
+    assert "Fix: use model.channels_last=false under FSDP, or trainer.strategy=ddp" in msg
+    assert _problems("experiment=exp11", "model.channels_last=true") == []
+    assert _problems("experiment=exp11", "trainer=fsdp", "model.compile_mode=null") == []
+    assert run_spec(compose("train", ["experiment=exp11", "model.channels_last=true"]), "cuda").unet.channels_last

@@ -21,13 +21,13 @@ from voxdiff.step import CompileSettings, TrainStep, system_recipe
 STEPS = 3
 
 
-def _step(compile: CompileSettings | None, checkpointing: str = "none") -> TrainStep:
+def _step(compile: CompileSettings | None, checkpointing: str = "none", channels_last: bool = False) -> TrainStep:
     torch.manual_seed(0)
     spec = unet_spec(4, 2, [8, 8], [False, True], [1, 1], 8, 4, use_flash_attention=True,
-                     gradient_checkpointing=checkpointing)
+                     gradient_checkpointing=checkpointing, channels_last=channels_last)
     model = build_unet_from_spec(spec)
     for p in model.parameters():  # MONAI zero-initialises output convs: perturb so that every path carries signal
-        p.data.add_(0.05 * torch.randn_like(p))
+        p.data.add_(0.05 * torch.randn(p.shape))  # (randn_like would draw a channels-last weight in another order)
     step = TrainStep(model, system_recipe({"lr": LR}, {"decay": 0.5}, {}), mode="bravo", compile=compile)
     step.configure_optimizer()
     return step
@@ -89,6 +89,34 @@ def test_inductor_compiled_steps_with_checkpointing_agree_with_eager_steps(caplo
     assert any(m.startswith("compiling the training step (model.compile=auto, mode default, backend inductor)")
                for m in messages), messages
     assert sum(m.startswith("compiled the training step in") for m in messages) == 1, messages
+
+
+def test_a_channels_last_compiled_step_trains_as_the_contiguous_eager_step_and_keeps_its_layout():
+    """``model.channels_last``: three inductor-compiled steps with channels-last weights and input, and inductor
+    told to lay the graph out channels-last, leave the same weights and EMA as three eager contiguous steps, and
+    the weights, their gradients, AdamW's moments and the EMA's copies stay channels-last."""
+    settings = CompileSettings(backend="inductor", configured="auto", channels_last=True)
+    assert settings.compile_kwargs() == {"options": {"force_layout_optimization": True}}
+    assert "channels-last" in settings.describe()
+    eager = _step(None)
+    compiled = _step(settings, channels_last=True)
+    losses = _train(eager)
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
+        losses = (losses, _train(compiled))
+    _assert_same_training(eager, compiled, losses)
+    layout = torch.channels_last_3d
+    weights = [p for p in compiled.model.parameters() if p.dim() == 5]
+    assert all(p.is_contiguous(memory_format=layout) for p in weights)
+    assert any(not p.is_contiguous() for p in weights)  # (a 1x1x1 kernel is contiguous in both layouts)
+    moments = [compiled.optimizer.state[p]["exp_avg"] for p in weights]
+    assert all(m.is_contiguous(memory_format=layout) for m in moments)
+    shadows = [s for s in compiled.ema.shadow if s.dim() == 5]
+    assert shadows and all(s.is_contiguous(memory_format=layout) for s in shadows)
+    # torch.compile takes a mode or options, not both: a CUDA-graph mode becomes its inductor options
+    graphs = CompileSettings(mode="reduce-overhead", backend="inductor", channels_last=True)
+    assert graphs.compile_kwargs() == {"options": {"triton.cudagraphs": True, "force_layout_optimization": True}}
+    assert CompileSettings(mode="reduce-overhead").compile_kwargs() == {"mode": "reduce-overhead"}
+    assert CompileSettings(backend="aot_eager", channels_last=True).compile_kwargs() == {}
 
 
 def test_cuda_graph_modes_start_a_graph_tree_iteration_at_every_training_forward(monkeypatch) -> None:

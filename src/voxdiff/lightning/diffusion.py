@@ -151,7 +151,8 @@ class DiffusionSystem(L.LightningModule):
         self.model = build_unet_from_spec(self.spec)
         recipe = replace(spec.recipe, clip=None)  # the Trainer's clipping is set at the start of fit
         self.process = build_process(recipe.diffusion, clip_range=encoded_range(self.encoding))
-        compiled = (CompileSettings(self.spec.compile_mode, self.spec.compile_backend, model.get("compile", True))
+        compiled = (CompileSettings(self.spec.compile_mode, self.spec.compile_backend, model.get("compile", True),
+                                    self.spec.channels_last)
                     if self.spec.compile else None)
         # the training step (a plain object, and so is its compiled forward: the checkpoint keys stay model.*)
         self.step = TrainStep(self.model, recipe, encoding=self.encoding, mode=self.mode, process=self.process,

@@ -40,7 +40,7 @@ from voxdiff.run.spec import RunSpec, run_spec, system_spec
 
 #: UNet arguments that change memory and speed, not the weights
 RUNTIME_MODEL_KEYS = ("use_flash_attention", "gradient_checkpointing", "compile", "compile_mode", "compile_backend",
-                      "in_channels", "out_channels", "covariate_dim")
+                      "channels_last", "in_channels", "out_channels", "covariate_dim")
 #: diffusion settings that define what the UNet predicts (a key the other process does not have compares as absent)
 PROCESS_KEYS = ("process", "num_train_timesteps", "schedule", "beta_start", "beta_end", "prediction_type")
 #: VQ-VAE settings that do not change its weights' shapes

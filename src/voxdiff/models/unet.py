@@ -12,6 +12,13 @@ run on one CUDA GPU without gradient accumulation, torch's default mode elsewher
 (``reference/README.md``, session 11): exp11's step 104 ms in the default mode, 31 ms with CUDA graphs (the default
 mode's step was launch-bound: its kernels kept the GPU busy 29 ms of the 104); exp9_ldm_4x_bravo's 203 and 201 ms
 (compute-bound).
+
+``channels_last`` (off by default) keeps the UNet's 5-D weights and its input in ``torch.channels_last_3d``
+(:func:`apply_channels_last`), and makes inductor lay out the compiled graph's tensors the same way
+(:class:`voxdiff.step.CompileSettings`). Why: in exp11's default-mode step on an H100, 5.6 of the 28.7 ms of GPU
+kernels were cuDNN converting NCDHW tensors to NDHWC and back around its bf16 convolutions; inductor does not choose
+channels-last by itself for a UNet (its heuristic skips graphs with a convolution of fewer output than input
+channels, as a UNet's decoder has). Whether it is faster is still to be measured on a GPU, so it stays off.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from monai.networks.nets import DiffusionModelUNet
+from torch import nn
 
 from voxdiff.encodings.base import Encoding
 from voxdiff.errors import ConfigError, int_list, integer, plain
@@ -143,6 +152,7 @@ class UNetSpec:
     compile_mode: str | None = None  # torch.compile(mode=...); None: torch's default mode; auto: by the run
     compile_backend: str = "inductor"  # torch.compile(backend=...); aot_eager tells a dynamo/autograd failure apart
     covariate_dim: int = 0  # K of the covariate vector (voxdiff.models.covariates); 0: no covariates
+    channels_last: bool = False  # 5-D weights and input in torch.channels_last_3d (apply_channels_last)
 
     def for_device(self, device_type: str, cuda_graphs: bool = True) -> UNetSpec:
         """This spec for a model that runs on ``device_type`` (``cuda``, ``cpu``): ``auto`` switches resolved by
@@ -266,6 +276,7 @@ def unet_spec(
     compile: bool | str = False,
     compile_mode: str | None = None,
     compile_backend: str = "inductor",
+    channels_last: bool = False,
 ) -> UNetSpec:
     """Validate the model config; every failure names the key, the value and a fix.
 
@@ -324,6 +335,9 @@ def unet_spec(
     if gradient_checkpointing not in GRANULARITIES:
         raise ConfigError("model.gradient_checkpointing", gradient_checkpointing, "unknown granularity",
                           f"use one of {', '.join(GRANULARITIES)}")
+    if not isinstance(channels_last, bool):
+        raise ConfigError("model.channels_last", channels_last, "must be true or false",
+                          "use model.channels_last=false (the default) or true")
     return UNetSpec(
         in_channels=in_channels,
         out_channels=out_channels,
@@ -337,6 +351,7 @@ def unet_spec(
         compile=compile,
         compile_mode=compile_mode,
         compile_backend=compile_backend,
+        channels_last=channels_last,
     )
 
 
@@ -355,6 +370,7 @@ def build_unet(
     compile: bool | str = False,
     compile_mode: str | None = None,
     compile_backend: str = "inductor",
+    channels_last: bool = False,
 ) -> DiffusionModelUNet:
     """Build ``DiffusionModelUNet(spatial_dims=3, ...)`` and apply the gradient-checkpointing policy.
 
@@ -376,10 +392,11 @@ def build_unet(
         device_type: the device the model will run on, which resolves ``auto`` (:meth:`UNetSpec.for_device`).
         compile, compile_mode, compile_backend: validated here; the training step compiles its forward
             (:class:`voxdiff.step.TrainStep`), the model itself is never compiled.
+        channels_last: weights and input in ``torch.channels_last_3d`` (:func:`apply_channels_last`).
     """
     spec = unet_spec(in_channels, out_channels, channels, attention_levels, num_res_blocks, num_head_channels,
                      norm_num_groups, use_flash_attention, gradient_checkpointing, compile, compile_mode,
-                     compile_backend)
+                     compile_backend, channels_last)
     return build_unet_from_spec(spec, preserve_rng_state=preserve_rng_state, device_type=device_type)
 
 
@@ -400,6 +417,25 @@ def build_unet_from_spec(spec: UNetSpec, preserve_rng_state: bool = True,
     if spec.covariate_dim:
         attach_covariates(model, spec.covariate_dim)
     apply_gradient_checkpointing(model, spec.gradient_checkpointing, preserve_rng_state=preserve_rng_state)
+    if spec.channels_last:
+        apply_channels_last(model)
+    return model
+
+
+def _input_channels_last(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    x = args[0]  # (B, C_in, D, H, W)
+    return (x.contiguous(memory_format=torch.channels_last_3d), *args[1:])
+
+
+def apply_channels_last(model: nn.Module) -> nn.Module:
+    """Keep ``model``'s 5-D weights (the convolutions') in ``torch.channels_last_3d``, and convert its input ``x``
+    ``(B, C, D, H, W)`` to that layout at every call (a forward pre-hook, so the eager module, its compiled forward,
+    validation and sampling all see it). Its outputs follow (``(B, C_out, D, H, W)``, channels-last strides); the
+    values are those of the contiguous model up to the order of floating-point sums. Moving the model to another
+    device keeps the layout, and so do its gradients, the optimizer's state and the EMA's copies (made from the
+    weights); ``state_dict`` keys and shapes do not change, so checkpoints load either way."""
+    model.to(memory_format=torch.channels_last_3d)
+    model.register_forward_pre_hook(_input_channels_last)
     return model
 
 

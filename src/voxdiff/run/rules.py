@@ -9,7 +9,8 @@
 3. the UNet arguments are consistent (list lengths = levels, channels divisible by ``norm_num_groups``, channels at
    attention levels divisible by ``num_head_channels``, ...) — :func:`voxdiff.models.unet_spec`;
 4. UNet in/out channels, when a config sets them, agree with the encoding and the mode (:func:`check_io_channels`);
-5. a compile mode with CUDA graphs, asked for by name, on a run that cannot replay them (:func:`check_cuda_graphs`).
+5. a compile mode with CUDA graphs, asked for by name, on a run that cannot replay them (:func:`check_cuda_graphs`);
+6. channels-last weights under FSDP, which flattens them (:func:`check_channels_last`).
 """
 
 from __future__ import annotations
@@ -97,3 +98,16 @@ def check_cuda_graphs(cfg: DictConfig, device_type: str) -> None:
         raise ConfigError("model.compile_mode", mode, "captures CUDA graphs, which replay fixed memory addresses, "
                           "and FSDP gathers the parameters into new memory at every step",
                           "use model.compile_mode=auto (torch's default mode under FSDP)")
+
+
+def check_channels_last(cfg: DictConfig) -> None:
+    """Refuse ``model.channels_last=true`` under FSDP: it flattens each wrapped module's weights into one contiguous
+    buffer and hands the convolutions views of it, so no weight can be channels-last there."""
+    model = cfg.get("model") or {}
+    if model.get("channels_last") is not True:
+        return
+    trainer = cfg.get("trainer") or {}
+    if strategy_kind(plain(trainer.get("strategy"))) == "fsdp":
+        raise ConfigError("model.channels_last", True, "keeps the convolution weights channels-last, and FSDP "
+                          "flattens the weights into one contiguous buffer",
+                          "use model.channels_last=false under FSDP, or trainer.strategy=ddp")

@@ -47,7 +47,7 @@ from voxdiff.errors import ConfigError, Problems, boolean, integer, number, one_
 from voxdiff.models.unet import UNetSpec
 from voxdiff.run.gpus import resolve_gpu
 from voxdiff.run.parallel import parallel_of
-from voxdiff.run.rules import check_cuda_graphs, check_io_channels, check_unet_divisibility
+from voxdiff.run.rules import check_channels_last, check_cuda_graphs, check_io_channels, check_unet_divisibility
 from voxdiff.run.stage1 import MODALITIES, stage1_settings
 from voxdiff.step.precision import Precision, accelerator_device, decide_precision
 from voxdiff.step.recipe import RECIPES, ClipSettings, Recipe, clip_settings, recipe_from_config
@@ -337,6 +337,7 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
                 collect(lambda: check_unet_divisibility(cfg, encoding))
             collect(lambda: check_io_channels(cfg, encoding))
         collect(lambda: check_cuda_graphs(cfg, device))
+        collect(lambda: check_channels_last(cfg))
         recipe = collect(lambda: recipe_from_config(cfg, "system"))
         mask_weight = getattr(recipe.diffusion, "mask_weight", 0.0) if recipe is not None else 0.0
         if mask_weight and isinstance(encoding, LearnedEncoding) and not select(cfg, "data.masks", True):

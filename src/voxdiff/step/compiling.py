@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,15 +47,29 @@ class CompileSettings:
         backend: ``torch.compile(backend=...)``: ``inductor``, or ``aot_eager`` to tell a dynamo/autograd problem
             from an inductor one.
         configured: ``model.compile`` as configured (``true``, or ``auto`` resolved on a GPU), for messages.
+        channels_last: ``model.channels_last``: inductor lays out every tensor of the graph that feeds or leaves a
+            convolution channels-last (its ``force_layout_optimization``; by itself it skips a UNet's graph).
     """
 
     mode: str | None = None
     backend: str = "inductor"
     configured: bool | str = True
+    channels_last: bool = False
 
     def describe(self) -> str:
         return (f"model.compile={show_value(self.configured)}, mode {self.mode or 'default'}, "
-                f"backend {self.backend}")
+                f"backend {self.backend}" + (", channels-last" if self.channels_last else ""))
+
+    def compile_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``torch.compile`` besides the model: ``mode``, or, for a channels-last inductor
+        graph, the mode's inductor options plus ``force_layout_optimization`` (``torch.compile`` takes a mode or
+        options, not both)."""
+        if self.channels_last and self.backend == "inductor":
+            import torch._inductor  # imported only for a channels-last run
+
+            return {"options": {**torch._inductor.list_mode_options(self.mode or "default"),
+                                "force_layout_optimization": True}}
+        return {"mode": self.mode} if self.mode is not None else {}
 
 
 class CompileFailed(ConfigError):
@@ -90,8 +105,7 @@ class CompiledForward:
 
     def __init__(self, model: nn.Module, settings: CompileSettings) -> None:
         self.settings = settings
-        kwargs = {"mode": settings.mode} if settings.mode is not None else {}
-        self.module = torch.compile(model, backend=settings.backend, dynamic=False, **kwargs)
+        self.module = torch.compile(model, backend=settings.backend, dynamic=False, **settings.compile_kwargs())
         self.seconds: float | None = None
         self._started: float | None = None
 

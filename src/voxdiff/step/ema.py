@@ -184,11 +184,12 @@ def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _like(full: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-    """``full`` laid out as ``current``: on its device, and split as it is if it is a DTensor (each rank keeps its
-    own shard of its own copy of ``full``; no communication)."""
+    """``full`` laid out as ``current``: on its device, in its memory layout (a checkpoint of a channels-last run
+    loads into a contiguous one and back), and split as it is if it is a DTensor (each rank keeps its own shard of
+    its own copy of ``full``; no communication)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if isinstance(current, DTensor):
         return distribute_tensor(full.to(current.device), current.device_mesh, current.placements,
                                  src_data_rank=None)
-    return full.to(current.device).clone()
+    return torch.empty_like(current, dtype=full.dtype).copy_(full)

@@ -141,8 +141,22 @@ def build_optimizer(
     impl = impl or optimizer_impl(s, params_device_type(p for g in groups for p in g["params"]))
     if impl not in OPTIMIZER_IMPLS:
         raise ValueError(f"impl={impl!r}: use one of {', '.join(OPTIMIZER_IMPLS)}")
-    return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, foreach=impl == "foreach",
-                             fused=impl == "fused")
+    optimizer = torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, foreach=impl == "foreach",
+                                  fused=impl == "fused")
+    optimizer.register_load_state_dict_post_hook(_state_in_parameter_layout)
+    return optimizer
+
+
+def _state_in_parameter_layout(optimizer: torch.optim.Optimizer) -> None:
+    """After a checkpoint's state is loaded: each moment in its parameter's memory layout (strides), as AdamW creates
+    them. A checkpoint of a ``model.channels_last`` run resumed in the default layout (or the reverse) would
+    otherwise pair contiguous weights with channels-last moments, which fused AdamW refuses and foreach AdamW runs
+    tensor by tensor."""
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if (isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 1
+                    and value.stride() != param.stride()):
+                state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
 
 
 class WarmupCosine:
