@@ -22,7 +22,8 @@ other (``--experiments exp11 --out F.csv --append`` runs one experiment per call
   subjects, so that the demo data's few subjects do not cap the batch (the sides train on one random batch anyway).
 
 Each side's time per step is the wall time of steps ``warmup+1 .. warmup+steps`` divided by ``steps``
-(synchronised once at each end, not per step), its peak ``torch.cuda.max_memory_allocated()`` over those steps,
+(synchronised once at each end, not per step), its peak ``torch.cuda.max_memory_allocated()`` over those steps
+(and ``max_memory_reserved()``, which counts a CUDA graph's private pool, beside the preflight's estimate of it),
 its warm-up the wall time of the first ``warmup`` steps minus theirs at the steady rate (the compile, when
 compiled). The preflight's prediction of the voxdiff step is printed beside its measured peak. TFLOP/s counts one
 forward+backward (``torch.utils.flop_counter``, at the experiment's batch, scaled by the side's batch) per step; the
@@ -35,6 +36,10 @@ One side alone, in this process: ``--worker '{"side": "voxdiff", "name": "exp11"
 steady steps with ``torch.profiler`` and prints the operators that take the host's and the device's time, and the
 device's kernel time per step (``profiled_device_ms_per_step``; against an unprofiled side's ms/step it says how
 much of a step the GPU is busy).
+
+The trailing overrides reach the voxdiff and auto sides (``train.py``'s config); the plain loops build their own
+UNet and take only its sizes. So ``--worker`` with ``"overrides": ["model.channels_last=true"]`` beside one without
+measures that option of voxdiff's step.
 
 On a machine without a CUDA GPU it runs each experiment with a tiny model and volume (``--tiny`` is implied) on the
 CPU, end to end, and says so: those figures say nothing about a GPU.
@@ -114,6 +119,9 @@ class _Clock:
                "warmup_s": max(0.0, self.marks["steady"] - self.marks["start"] - warmup * per_step)}
         if self.device == "cuda":
             out["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
+            # the caching allocator's segments, CUDA graphs' private pools included (which max_memory_allocated
+            # does not count while a replay writes them)
+            out["reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
         return out
 
 
@@ -274,7 +282,8 @@ def predicted_gib(cfg: Any) -> dict[str, Any]:
     from voxdiff.preflight.memory import predict_memory
 
     report = predict_memory(cfg)
-    return {"pred_peak_gib": report.peak_allocated / GiB, "pred_note": "; ".join(report.notes)[:200]}
+    return {"pred_peak_gib": report.peak_allocated / GiB, "pred_reserved_gib": report.estimated_reserved / GiB,
+            "pred_note": "; ".join(report.notes)[:200]}
 
 
 def worker(side: str, name: str, overrides: list[str], warmup: int, steps: int,
