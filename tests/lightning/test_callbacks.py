@@ -1,6 +1,7 @@
 """Small parts: the steps-per-second callback and the progress bar, precision resolution, the logger and callback
 factories."""
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -40,6 +41,23 @@ def test_precision_resolution():
     assert resolve_precision(None, "cpu") == "32-true"
     if not torch.cuda.is_available():
         assert resolve_precision(None, "auto") == "32-true"
+
+
+def test_bf16_on_a_cpu_without_it_in_hardware_trains_with_a_warning_naming_the_fix(monkeypatch, caplog):
+    import voxdiff.lightning.trainer as trainer_module
+
+    for native, warned in ((False, True), (True, False)):
+        monkeypatch.setattr(trainer_module, "cpu_has_native_bf16", lambda native=native: native)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="voxdiff.lightning.trainer"):
+            assert resolve_precision("bf16-mixed", "cpu") == "bf16-mixed"
+            assert resolve_precision(None, "cpu") == "32-true"
+        messages = [r.getMessage() for r in caplog.records]
+        assert bool(messages) == warned, messages
+        if warned:
+            assert messages == ["trainer.precision=bf16-mixed on a CPU without bf16 in hardware (AVX512-BF16 or AMX): "
+                                "autocast emulates it, slower than fp32. Set trainer.precision=32-true (for the demo, "
+                                "also data.batch_size=4: its fp32 recipe, docs/demo_recipe.md)"]
 
 
 def test_logger_and_callback_factories(tmp_path):

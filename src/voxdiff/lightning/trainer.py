@@ -7,6 +7,7 @@ sampler call too. Checkpoints are written by :class:`AtomicCheckpointIO`.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,13 +17,22 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor
 
 from voxdiff.lightning.checkpoint_io import AtomicCheckpointIO
-from voxdiff.step.precision import accelerator_device, decide_precision
+from voxdiff.step.precision import accelerator_device, cpu_has_native_bf16, decide_precision
+
+log = logging.getLogger(__name__)
 
 
 def resolve_precision(precision: Any, accelerator: Any = "auto") -> str:
     """``trainer.precision`` as Lightning takes it, decided by :func:`voxdiff.step.decide_precision` for the device
-    of ``trainer.accelerator`` (raises ConfigError for a precision voxdiff does not run)."""
-    return decide_precision(precision, accelerator_device(accelerator)).name
+    of ``trainer.accelerator`` (raises ConfigError for a precision voxdiff does not run). ``bf16-mixed`` on a CPU
+    without bf16 in hardware trains, with a warning that says it is slow and what to set instead."""
+    device = accelerator_device(accelerator)
+    name = decide_precision(precision, device).name
+    if name == "bf16-mixed" and device == "cpu" and not cpu_has_native_bf16():
+        log.warning("trainer.precision=%s on a CPU without bf16 in hardware (AVX512-BF16 or AMX): autocast emulates "
+                    "it, slower than fp32. Set trainer.precision=32-true (for the demo, also data.batch_size=4: "
+                    "its fp32 recipe, docs/demo_recipe.md)", precision)
+    return name
 
 
 def configure_cpu_threads() -> int:
