@@ -109,3 +109,73 @@ def test_a_covariate_value_outside_training_is_refused_before_the_model_is_built
     validate(cfg)
     with pytest.raises(ConfigError, match=r"covariates.age=200: .*outside the range this model was trained on"):
         sample(cfg)
+
+
+@pytest.fixture(scope="module")
+def guided_run(tmp_path_factory, tiny_demo):
+    """A tiny demo run that takes its guide snapshot after step 1 (callbacks.guide.step) and ends at step 2 (with
+    condition dropout, so that classifier-free guidance is possible too)."""
+    out = tmp_path_factory.mktemp("guided_run")
+    report = train(compose("train", [*tiny_demo, *SIZE, "callbacks.guide.step=1", "system.guidance.drop_prob=0.2",
+                                     f"paths.output_dir={out}"]))
+    return report["last_checkpoint"]
+
+
+def test_autoguidance_samples_with_the_runs_own_guide_snapshot(guided_run, tmp_path, capsys):
+    """The run wrote ``guide-step0000001.ckpt`` once (the step-1 weights, not the last ones); ``autoguide_scale``
+    samples with it (found beside ``ckpt_path``) and says so."""
+    from pathlib import Path
+
+    from voxdiff.lightning.callbacks import guide_checkpoint_name
+
+    folder = Path(guided_run).parent
+    assert sorted(p.name for p in folder.glob("guide-step*")) == [guide_checkpoint_name(1)] == ["guide-step0000001.ckpt"]
+    guide = torch.load(folder / guide_checkpoint_name(1), map_location="cpu", weights_only=True)
+    last = torch.load(guided_run, map_location="cpu", weights_only=True)
+    assert guide["global_step"] == 1 and last["global_step"] == 2
+    assert any(not torch.equal(v, last["state_dict"][k]) for k, v in guide["state_dict"].items())
+    pngs = _sample(tmp_path, f"ckpt_path={guided_run}", "n=1", "autoguide_scale=1.5")
+    assert len(pngs) == 1
+    out = capsys.readouterr().out
+    assert f"[voxdiff] autoguidance: scale 1.5, guide {folder / 'guide-step0000001.ckpt'}" in out
+    assert "autoguidance scale 1.5" in out  # the sampler's description
+
+
+def test_autoguidance_without_a_guide_or_with_classifier_free_guidance_is_refused(guided_run, nifti_run, tmp_path):
+    _, unguided = nifti_run  # a run without callbacks.guide.step: no snapshot beside it
+    with pytest.raises(ConfigError, match=r"autoguide_ckpt=null: autoguide_scale=1.5 needs a guide, and .* has no "
+                                          r"guide snapshot \(guide-step\*.ckpt\). Fix: name one"):
+        _sample(tmp_path / "a", f"ckpt_path={unguided}", "n=1", "autoguide_scale=1.5")
+    with pytest.raises(ConfigError, match=r"autoguide_scale=1.5: and guidance_scale=2 \(the command's, or the run's "
+                                          r"system.sampling.guidance_scale\) both guide this sample"):
+        _sample(tmp_path / "b", f"ckpt_path={guided_run}", "n=1", "autoguide_scale=1.5", "guidance_scale=2")
+    # the run's own default (system.sampling.autoguide_scale=1.25) gives way to the command's classifier-free guidance
+    from voxdiff.lightning.systems import rebuild_system
+
+    system, _, _ = rebuild_system(str(guided_run), "diffusion", "")
+    assert system.sampler().autoguide_scale == 1.25
+    assert (system.sampler(guidance_scale=2).guidance_scale, system.sampler(guidance_scale=2).autoguide_scale) == (2, 1)
+    with pytest.raises(ConfigError, match=r"autoguide_ckpt=.*: no such checkpoint file"):
+        validate(compose("sample", [f"ckpt_path={guided_run}", f"autoguide_ckpt={tmp_path / 'none.ckpt'}"]))
+    with pytest.raises(ConfigError, match=r"autoguide_scale=-1: must be"):
+        validate(compose("sample", [f"ckpt_path={guided_run}", "autoguide_scale=-1"]))
+
+
+def test_a_run_that_never_took_its_guide_samples_without_autoguidance_and_says_so(nifti_run, tmp_path, capsys):
+    """The demo's runs autoguide by default (system.sampling.autoguide_scale=1.25 with callbacks.guide.step=200); one
+    that ended before step 200 has no snapshot: the default falls back to no autoguidance, and the command says
+    why (an explicit autoguide_scale is refused instead: above)."""
+    _, unguided = nifti_run
+    assert _sample(tmp_path, f"ckpt_path={unguided}", "n=1", "data.from_checkpoint=true")
+    out = capsys.readouterr().out
+    assert "[voxdiff] autoguidance: this run's default scale 1.25 needs its guide snapshot (callbacks.guide.step), " \
+           "which it never took" in out and "sampling without autoguidance" in out
+    assert "autoguidance scale" not in out  # the sampler's description: none
+
+
+def test_a_guide_of_another_model_is_refused(guided_run, tiny_demo, tmp_path):
+    other = train(compose("train", [*tiny_demo, f"paths.output_dir={tmp_path / 'other'}"]))  # 16^3, other widths
+    with pytest.raises(ConfigError, match=r"autoguide_ckpt=.*: is another model .* a guide is the same network, "
+                                          r"less trained"):
+        _sample(tmp_path / "c", f"ckpt_path={guided_run}", "n=1", "autoguide_scale=1.5",
+                f"autoguide_ckpt={other['last_checkpoint']}")

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from voxdiff.diffusion import DiffusionProcess, diffusion_settings, encode_volume
-from voxdiff.diffusion.guidance import check_guidance_scale, denoiser, drop_condition, guidance_settings
+from voxdiff.diffusion.guidance import (
+    autoguided,
+    check_guidance_scale,
+    denoiser,
+    drop_condition,
+    guidance_settings,
+)
 from voxdiff.encodings import HaarWavelet, Identity, SpaceToDepth
 from voxdiff.errors import ConfigError
 
@@ -103,3 +109,55 @@ def test_a_guidance_scale_that_cannot_work_is_refused(scale, mode, drop, says) -
     with pytest.raises(ConfigError, match=says):
         check_guidance_scale("guidance_scale", scale, mode, drop)
     assert check_guidance_scale("guidance_scale", 1, mode, drop) == 1.0  # no guidance is always fine
+
+
+def test_autoguidance_pushes_the_prediction_away_from_the_guide_and_scale_1_is_the_model_itself() -> None:
+    calls = []
+
+    def model(x, timesteps=None, class_labels=None):
+        calls.append(("model", timesteps, class_labels))
+        return 2 * x
+
+    def guide(x, timesteps=None, class_labels=None):
+        calls.append(("guide", timesteps, class_labels))
+        return x.to(torch.bfloat16)  # an autocast output: mixed in float32
+
+    assert autoguided(model, guide, 1.0) is model and autoguided(model, None, 2.0) is model
+    x, t, cov = torch.randn(2, 3, 4, 4, 4), torch.tensor([5, 900]), torch.ones(2, 2)
+    out = autoguided(model, guide, 1.5)(x, timesteps=t, class_labels=cov)
+    bad = x.to(torch.bfloat16).float()
+    torch.testing.assert_close(out, bad + 1.5 * (2 * x - bad))
+    assert out.dtype == torch.float32
+    assert [c[0] for c in calls] == ["model", "guide"] and all(c[1] is t and c[2] is cov for c in calls)
+
+
+def test_a_guide_equal_to_the_model_changes_no_sample_and_another_guide_does() -> None:
+    """Through the real sampler (TrainStep.generate, DDIM): a guide with the model's own weights leaves every sample
+    bit for bit as it is, at any scale (guide + s·0); a guide with other weights moves it."""
+    import copy
+
+    from voxdiff.encodings.space_to_depth import SpaceToDepth
+    from voxdiff.models.unet import build_unet_from_spec, unet_spec
+    from voxdiff.step import TrainStep, system_recipe
+
+    torch.manual_seed(0)
+    model = build_unet_from_spec(unet_spec(16, 8, [8, 8], [False, False], 1, 8, 4))
+    for p in model.parameters():  # MONAI zero-initialises output convs: perturb so that every path carries signal
+        p.data.add_(0.05 * torch.randn(p.shape))
+    recipe = system_recipe({}, {"decay": 0.9}, {"prediction_type": "sample"})
+    step = TrainStep(model, recipe, encoding=SpaceToDepth(2), mode="bravo")
+    masks = (torch.rand(2, 1, 8, 8, 8, generator=torch.Generator().manual_seed(1)) > 0.7).float()
+
+    def sample(guide=None, scale=1.0):
+        return step.generate(masks, 8, 3, generator=torch.Generator().manual_seed(3), use_ema=False, guide=guide,
+                             autoguide_scale=scale)
+
+    plain = sample()
+    same = copy.deepcopy(model)
+    assert torch.equal(sample(same, 1.7), plain)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn(p.shape))
+    assert torch.equal(sample(other, 1.0), plain)  # scale 1: the guide is not called
+    assert not torch.allclose(sample(other, 1.7), plain, atol=1e-3)

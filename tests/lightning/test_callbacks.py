@@ -104,3 +104,15 @@ def test_a_checkpoint_callbacks_stored_paths_are_kept_only_inside_its_folder(tmp
     assert state["best_k_models"] == {good: torch.tensor(1.0)} and state["kth_best_model_path"] == good
     assert state["best_model_path"] == "" and state["last_model_path"] == "" and state["monitor"] == "val/loss"
     assert sorted(dropped) == sorted(set(bad))
+
+
+def test_a_guide_snapshot_step_that_is_not_a_positive_integer_is_refused_naming_the_key(tmp_path):
+    from voxdiff.errors import ConfigError
+    from voxdiff.lightning.callbacks import GuideSnapshot
+
+    for step in (0, -5, 2.5, True):
+        with pytest.raises(ConfigError, match=r"callbacks.guide.step=.*: must be a positive integer.*Fix: e.g. "
+                                              r"callbacks.guide.step=200"):
+            GuideSnapshot(tmp_path, step)
+    assert GuideSnapshot(tmp_path, None).path is None
+    assert GuideSnapshot(tmp_path, 200).path == tmp_path / "guide-step0000200.ckpt"

@@ -115,3 +115,13 @@ def test_rule_channels_last_is_refused_under_fsdp():
     assert _problems("experiment=exp11", "model.channels_last=true") == []
     assert _problems("experiment=exp11", "trainer=fsdp", "model.compile_mode=null") == []
     assert run_spec(compose("train", ["experiment=exp11", "model.channels_last=true"]), "cuda").unet.channels_last
+
+
+def test_a_run_that_autoguides_by_default_takes_a_guide_snapshot():
+    (msg,) = _problems("experiment=demo", "callbacks.guide.step=null")
+    assert msg.startswith("system.sampling.autoguide_scale=1.25: makes sample.py and evaluate.py autoguide with the "
+                          "run's guide snapshot, and callbacks.guide.step is null")
+    assert "Fix: set callbacks.guide.step=N" in msg
+    assert _problems("experiment=demo", "callbacks.guide.step=null", "system.sampling.autoguide_scale=1") == []
+    # a run may set both: its commands then take classifier-free guidance, and autoguidance only when asked alone
+    assert _problems("experiment=demo", "system.guidance.drop_prob=0.1", "system.sampling.guidance_scale=2") == []

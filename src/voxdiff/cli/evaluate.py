@@ -33,7 +33,7 @@ from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind
 from voxdiff.cli.devices import pick_device
 from voxdiff.cli.exit_codes import hydra_main, refusals
 from voxdiff.cli.covariate_args import covariate_rows, covariate_vectors, requested_covariates, without_table
-from voxdiff.cli.sample import _CKPT_FIX, _datamodule, _load, validate as validate_sampling
+from voxdiff.cli.sample import _CKPT_FIX, _datamodule, _guide, _load, validate as validate_sampling
 from voxdiff.config import is_phantom_data, plain
 from voxdiff.data.phantom import COVARIATE_EFFECTS, ventricle_voxels
 from voxdiff.errors import ConfigError, integer
@@ -120,9 +120,10 @@ def _split(dm: Any, split: str):
 
 
 def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any, precision: Any,
-              rows: list[dict[str, Any]] | None = None, tag: str = "eval") -> tuple[Any, list[int], list[Path]]:
+              rows: list[dict[str, Any]] | None = None, tag: str = "eval",
+              guide: Any = None) -> tuple[Any, list[int], list[Path]]:
     """``n`` samples conditioned on the real masks in turn (and on ``rows[i]``'s covariates, written beside each
-    when the model has covariates); writes NIfTI + montage per sample."""
+    when the model has covariates), autoguided by ``guide`` when given; writes NIfTI + montage per sample."""
     import torch
     from tqdm.auto import tqdm
 
@@ -140,7 +141,8 @@ def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any
             x = system.generate(real.masks[src], num_inference_steps=sampler.num_inference_steps,
                                 generator=generator, use_ema=bool(cfg.use_ema), eta=sampler.eta,
                                 guidance_scale=sampler.guidance_scale, batch_size=int(cfg.batch_size),
-                                covariates=covariate_vectors(system.covariate_encoding, used)).float().cpu()
+                                covariates=covariate_vectors(system.covariate_encoding, used), guide=guide,
+                                autoguide_scale=sampler.autoguide_scale).float().cpu()
         generated.append(x)
         names = [f"{real.subjects[s]}_s{i:03d}" for s, i in zip(src, idx)]
         pngs += save_samples(out, tag, system.mode, x, real.masks[src], real.images[src], real.affines[src], names,
@@ -251,7 +253,9 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
 
 def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     system, saved, precision, weights = _load(cfg, device)
-    sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"))
+    sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"),
+                             cfg.get("autoguide_scale"))
+    guide, sampler = _guide(cfg, device, system, sampler)
     encoding = system.covariate_encoding
     requested = requested_covariates(cfg, encoding)
     swept = _swept(cfg, encoding)
@@ -272,7 +276,7 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
         covariate_rows(encoding, table, [real.subjects[s]], {**requested, **sweep[i]})[0]
         for i, s in enumerate(sources)]
     t0 = time.perf_counter()
-    generated, sources, pngs = _generate(cfg, system, sampler, real, device, precision, rows)
+    generated, sources, pngs = _generate(cfg, system, sampler, real, device, precision, rows, guide=guide)
     t1 = time.perf_counter()
     print(f"[voxdiff] {len(generated)} samples in {t1 - t0:.1f} s; computing the figures", flush=True)
     # trained and evaluated on the built-in phantom: its ventricles can be counted

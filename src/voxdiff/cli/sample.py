@@ -67,6 +67,14 @@ def validate(cfg: DictConfig) -> None:
         number("guidance_scale", cfg.guidance_scale, lo=0, fix="e.g. guidance_scale=2, 1 for none, or null as trained")
     if cfg.get("eta") is not None:
         number("eta", cfg.eta, lo=0, hi=1, fix="use eta=0 (deterministic DDIM) to 1, or null as trained")
+    if cfg.get("autoguide_scale") is not None:  # what this run can do is checked once it is loaded
+        number("autoguide_scale", cfg.autoguide_scale, lo=0,
+               fix="e.g. autoguide_scale=1.25 (with the run's guide snapshot), 1 for none, or null as trained")
+    guide = cfg.get("autoguide_ckpt")
+    if guide is not None and not Path(str(guide)).is_file():
+        raise ConfigError("autoguide_ckpt", guide, "no such checkpoint file",
+                          "point it at a guide snapshot (<run dir>/checkpoints/guide-step*.ckpt), or null for the "
+                          "one beside ckpt_path")
     check_device(cfg.device)
     path_choice(cfg)
 
@@ -118,6 +126,61 @@ def _load(cfg: DictConfig, device: Any, requested: bool = True) -> Loaded:
     return Loaded(system.to(device), checkpoint[CONFIG_KEY], spec.precision, weights)
 
 
+def _guide_path(cfg: DictConfig) -> Path | None:
+    """``autoguide_ckpt``, else the one guide snapshot (``guide-step*.ckpt``, written in training by
+    :class:`voxdiff.lightning.callbacks.GuideSnapshot`) in the folder of ``ckpt_path``; None when there is none and
+    the scale is the run's own (``autoguide_scale=null``), not the command's."""
+    if cfg.get("autoguide_ckpt") is not None:
+        return Path(str(cfg.autoguide_ckpt))
+    folder = Path(str(cfg.ckpt_path)).parent
+    found = sorted(folder.glob("guide-step*.ckpt"))
+    if not found and cfg.get("autoguide_scale") is None:
+        return None
+    if len(found) != 1:
+        what = "has no guide snapshot (guide-step*.ckpt)" if not found else \
+            f"has {len(found)} guide snapshots ({', '.join(p.name for p in found)})"
+        raise ConfigError("autoguide_ckpt", None, f"autoguide_scale={cfg.autoguide_scale} needs a guide, and "
+                          f"{folder} {what}",
+                          "name one (autoguide_ckpt=<run dir>/checkpoints/guide-step<N>.ckpt; a run takes one with "
+                          "callbacks.guide.step=N), or autoguide_scale=1")
+    return found[0]
+
+
+def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any) -> tuple[Any, Any]:
+    """``(guide, sampler)``: the guide of autoguidance when ``sampler.autoguide_scale`` is not 1 (else None): the
+    UNet of :func:`_guide_path`, on ``device``, with its EMA weights written in (``use_ema``), refused unless it has
+    this model's mode, encoding and weight shapes; it adds one copy of the UNet's weights to the sampling memory.
+    A run that asks for autoguidance by default but ended before its guide snapshot samples without it (the sampler
+    returned says so), and the command prints why.
+
+    Raises:
+        ConfigError: the command's ``autoguide_scale`` without a guide to use, or a guide of another model.
+    """
+    if sampler.autoguide_scale == 1.0:
+        return None, sampler
+    from dataclasses import replace
+
+    from omegaconf import OmegaConf
+
+    path = _guide_path(cfg)
+    if path is None:
+        print(f"[voxdiff] autoguidance: this run's default scale {sampler.autoguide_scale:g} needs its guide snapshot "
+              f"(callbacks.guide.step), which it never took (no guide-step*.ckpt beside {cfg.ckpt_path}): sampling "
+              "without autoguidance", flush=True)
+        return None, replace(sampler, autoguide_scale=1.0)
+    guide = _load(OmegaConf.merge(cfg, {"ckpt_path": str(path)}), device, requested=False).system
+    shapes = lambda sys_: {k: tuple(v.shape) for k, v in sys_.step.model.state_dict().items()}  # noqa: E731
+    if (guide.mode, guide.encoding.label) != (system.mode, system.encoding.label) or shapes(guide) != shapes(system):
+        raise ConfigError("autoguide_ckpt", str(path), f"is another model (mode {guide.mode}, "
+                          f"{guide.encoding.label}) than {cfg.ckpt_path} (mode {system.mode}, {system.encoding.label}) "
+                          "or has other weight shapes: a guide is the same network, less trained",
+                          "use the guide snapshot of the same run (its checkpoints/guide-step*.ckpt)")
+    if bool(cfg.use_ema) and guide.step.ema is not None:
+        guide.step.ema.copy_to(guide.step.model)
+    print(f"[voxdiff] autoguidance: scale {sampler.autoguide_scale:g}, guide {path}", flush=True)
+    return guide.step.model, sampler
+
+
 def _datamodule(saved: dict[str, Any], cfg: DictConfig, weights: str | None = None) -> tuple[Any, str]:
     """The data module the command conditions on, and which data it is (printed): from the command line and the
     stored config without its paths (:func:`voxdiff.cli.checkpoint_paths.command_data`)."""
@@ -138,7 +201,9 @@ def sample(cfg: DictConfig) -> list[Path]:
     configure_cpu_threads()
     device = pick_device(cfg.device)
     system, saved, precision, weights = _load(cfg, device)
-    sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"))
+    sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"),
+                             cfg.get("autoguide_scale"))
+    guide, sampler = _guide(cfg, device, system, sampler)
     encoding = system.covariate_encoding
     requested = requested_covariates(cfg, encoding)
     dm, _ = _datamodule(without_table(saved, encoding, requested), cfg, weights)
@@ -159,7 +224,8 @@ def sample(cfg: DictConfig) -> list[Path]:
             generated = system.generate(batch["mask"], num_inference_steps=sampler.num_inference_steps,
                                         generator=generator, use_ema=bool(cfg.use_ema), eta=sampler.eta,
                                         guidance_scale=sampler.guidance_scale, batch_size=int(cfg.batch_size),
-                                        covariates=covariate_vectors(encoding, rows))
+                                        covariates=covariate_vectors(encoding, rows), guide=guide,
+                                        autoguide_scale=sampler.autoguide_scale)
         pngs += save_samples(out_dir, "sample", system.mode, generated.cpu(), batch["mask"], batch.get("image"),
                              batch["affine"], batch["subject"], covariates=rows)
         print(f"[voxdiff] {len(pngs)}/{n}: {pngs[-1]}", flush=True)

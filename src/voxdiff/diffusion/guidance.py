@@ -94,6 +94,30 @@ def drop_conditions(cond: torch.Tensor | None, covariates: torch.Tensor | None, 
                  for x in (cond, covariates))
 
 
+def autoguided(model: Model, guide: Model | None, scale: float = 1.0) -> Model:
+    """Autoguidance (Karras et al. 2024, "Guiding a diffusion model with a bad version of itself"): ``model``'s
+    prediction pushed away from that of ``guide``, the same network less trained, as
+    ``guide(x) + scale · (model(x) − guide(x))``, both called with the same arguments (the noisy input with its
+    condition, the timesteps, the covariates). Where classifier-free guidance pushes away from the unconditional
+    prediction, and so follows the condition harder, this pushes away from the guide's errors, which a short run
+    makes mostly where the subject varies (the anatomy the condition does not fix). The predictions mix linearly,
+    as the denoisers of the paper do: for x₀, ε, v and velocity predictions alike the mixed output is the mixed
+    denoiser. ``scale = 1`` (or no guide) is ``model`` itself, untouched.
+
+    Returns:
+        A callable like ``model``: ``(N, C_out, d, h, w)`` float32.
+    """
+    if guide is None or scale == 1.0:
+        return model
+
+    def mixed(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        good = model(x, *args, **kwargs).float()
+        bad = guide(x, *args, **kwargs).float()
+        return bad + scale * (good - bad)
+
+    return mixed
+
+
 def with_covariates(model: Model, covariates: torch.Tensor | None) -> Model:
     """``model`` called with the covariates ``(B, K)`` as MONAI's ``class_labels`` (the covariate embedding,
     :mod:`voxdiff.models.covariates`); ``model`` itself without covariates."""

@@ -115,6 +115,39 @@ class LastCheckpoint(ModelCheckpoint):
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
+GUIDE_PREFIX = "guide-step"
+
+
+def guide_checkpoint_name(step: int) -> str:
+    """The file name of a run's guide snapshot (:class:`GuideSnapshot`) taken after optimizer step ``step``."""
+    return f"{GUIDE_PREFIX}{step:07d}.ckpt"
+
+
+class GuideSnapshot(L.Callback):
+    """One checkpoint of the run as it was after optimizer step ``step``: ``checkpoints/guide-step<N>.ckpt``, the
+    *guide* of autoguidance (``sample.py`` / ``evaluate.py`` ``autoguide_scale=``; Karras et al. 2024, "Guiding a
+    diffusion model with a bad version of itself"): the same model, less trained, whose errors the final model's
+    prediction is pushed away from. Written once, through the Trainer (atomically, on every rank as Lightning
+    saves), and never rewritten: a resumed run past ``step`` keeps the file it has.
+
+    Args:
+        dirpath: the checkpoint folder (``<run dir>/checkpoints``).
+        step: the optimizer step after which the snapshot is taken (> 0); None: none is taken.
+    """
+
+    def __init__(self, dirpath: str | Path, step: int | None = None) -> None:
+        if step is not None:
+            integer("callbacks.guide.step", step, minimum=1,
+                    fix="e.g. callbacks.guide.step=200 (about a third of the run), or null for no guide snapshot")
+        self.path = Path(dirpath) / guide_checkpoint_name(step) if step is not None else None
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.path is not None and trainer.global_step == self.step and not self.path.exists():
+            trainer.save_checkpoint(str(self.path))
+
+
 class ConfigInCheckpoint(L.Callback):
     """Store the run's resolved config (plain data) in every checkpoint under ``voxdiff_config``.
 

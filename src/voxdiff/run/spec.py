@@ -348,6 +348,7 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
         val_timesteps = select(cfg, "system.val_timesteps", 4)
         drop = recipe.guidance.drop_prob if recipe is not None and recipe.guidance is not None else 0.0
         sampling = collect(lambda: sampling_settings(select(cfg, "system.sampling"), val_timesteps, mode, drop))
+        collect(lambda: check_guide_snapshot(cfg, sampling))
     elif kind == "stage1":
         def get(key: str, default: Any = None) -> Any:
             return select(cfg, f"system.{key}", default)
@@ -362,6 +363,23 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
                                                      get("modalities", MODALITIES), volume, get("codebook")))
     return SystemSpec(kind=kind, mode=mode, encoding=encoding, device_type=device, unet=unet, recipe=recipe,
                       sampling=sampling, val_timesteps=val_timesteps, stage1=stage1)
+
+
+def check_guide_snapshot(cfg: DictConfig, sampling: SamplingSettings | None) -> None:
+    """A run whose commands autoguide by default (``system.sampling.autoguide_scale``) takes a guide snapshot
+    (``callbacks.guide.step``). (A run that ends before that step has none: its commands then sample without
+    autoguidance and say so.)
+
+    Raises:
+        ConfigError: naming the key, the value and a fix.
+    """
+    if OmegaConf.select(cfg, "callbacks") is None:  # a system's stored hyper-parameters: no callbacks to check
+        return
+    if sampling is not None and sampling.autoguide_scale != 1.0 and select(cfg, "callbacks.guide.step") is None:
+        raise ConfigError("system.sampling.autoguide_scale", sampling.autoguide_scale, "makes sample.py and "
+                          "evaluate.py autoguide with the run's guide snapshot, and callbacks.guide.step is null",
+                          "set callbacks.guide.step=N (e.g. a third of trainer.max_steps), or "
+                          "system.sampling.autoguide_scale=1")
 
 
 def covariate_dim(cfg: DictConfig) -> int:

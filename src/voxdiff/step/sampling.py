@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from voxdiff.diffusion.guidance import check_guidance_scale
-from voxdiff.errors import ConfigError, boolean, integer, settings_from
+from voxdiff.errors import ConfigError, boolean, integer, number, settings_from
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,9 @@ class SamplingSettings:
     final: bool = True  # also sample when training ends
     guidance_scale: float = 1.0  # classifier-free guidance (needs system.guidance.drop_prob > 0); 1 = none
     batch_size: int = 1  # masks sampled at once (the sampling peak is one such chunk's)
+    # autoguidance scale that sample.py / evaluate.py take by default for this run, with its guide snapshot
+    # (callbacks.guide.step); sampling during training never autoguides (it would hold a second UNet)
+    autoguide_scale: float = 1.0
 
 
 def sampling_settings(sampling: Mapping[str, Any] | None, val_timesteps: Any = 4, mode: str = "bravo",
@@ -47,6 +50,8 @@ def sampling_settings(sampling: Mapping[str, Any] | None, val_timesteps: Any = 4
     boolean("system.sampling.final", s.final, fix="use true")
     check_guidance_scale("system.sampling.guidance_scale", s.guidance_scale, mode, drop_prob)
     integer("system.sampling.batch_size", s.batch_size, minimum=1, example="1")
+    number("system.sampling.autoguide_scale", s.autoguide_scale, lo=0,
+           fix="e.g. system.sampling.autoguide_scale=1.25 (with callbacks.guide.step=N), or 1 for none")
     return s
 
 
@@ -59,11 +64,13 @@ class SamplerChoice:
     num_inference_steps: int
     eta: float | None  # DDIM's; None for Euler
     guidance_scale: float  # 1: none
+    autoguide_scale: float = 1.0  # autoguidance by the run's guide snapshot (voxdiff.diffusion.guidance.autoguided)
 
     def describe(self) -> str:
         eta = f", eta {self.eta:g}" if self.eta is not None else ""
         guide = f", guidance scale {self.guidance_scale:g}" if self.guidance_scale != 1.0 else ""
-        return f"{self.sampler} {self.num_inference_steps} steps{eta}{guide}"
+        auto = f", autoguidance scale {self.autoguide_scale:g}" if self.autoguide_scale != 1.0 else ""
+        return f"{self.sampler} {self.num_inference_steps} steps{eta}{guide}{auto}"
 
 
 def sampler_choice(
@@ -75,12 +82,15 @@ def sampler_choice(
     num_inference_steps: Any = None,
     eta: Any = None,
     guidance_scale: Any = None,
+    autoguide_scale: Any = None,
 ) -> SamplerChoice:
-    """The sampler a command runs: its own ``num_inference_steps``, ``eta`` and ``guidance_scale`` (None: as
-    trained — ``system.sampling``, then ``diffusion``) for the run's diffusion settings, mode and condition dropout.
+    """The sampler a command runs: its own ``num_inference_steps``, ``eta``, ``guidance_scale`` and
+    ``autoguide_scale`` (None: as trained — ``system.sampling``, then ``diffusion``) for the run's diffusion
+    settings, mode and condition dropout.
 
     Raises:
-        ConfigError: naming the command's key (``eta`` for rectified flow, a guidance scale the model cannot do).
+        ConfigError: naming the command's key (``eta`` for rectified flow, a guidance scale the model cannot do,
+            autoguidance and classifier-free guidance at once).
     """
     rflow = diffusion.process == "rflow"
     if rflow and eta is not None:
@@ -89,5 +99,17 @@ def sampler_choice(
     steps = num_inference_steps or sampling.num_inference_steps or diffusion.num_inference_steps
     scale = check_guidance_scale("guidance_scale", sampling.guidance_scale if guidance_scale is None else guidance_scale,
                                  mode, drop_prob)
+    # autoguidance: the command's scale, else the run's unless classifier-free guidance runs (they are not combined:
+    # how they would is not measured), in which case none
+    if autoguide_scale is None:
+        auto = sampling.autoguide_scale if scale == 1.0 else 1.0
+    else:
+        auto = number("autoguide_scale", autoguide_scale, lo=0,
+                      fix="e.g. autoguide_scale=1.25 (with the run's guide snapshot), or 1 for none")
+        if auto != 1.0 and scale != 1.0:
+            raise ConfigError("autoguide_scale", autoguide_scale, f"and guidance_scale={scale:g} (the command's, or "
+                              "the run's system.sampling.guidance_scale) both guide this sample, and how they combine "
+                              "is not measured", "use one of them: guidance_scale=1, or autoguide_scale=1")
     return SamplerChoice(sampler="Euler" if rflow else "DDIM", num_inference_steps=int(steps),
-                         eta=None if rflow else float(diffusion.eta if eta is None else eta), guidance_scale=scale)
+                         eta=None if rflow else float(diffusion.eta if eta is None else eta), guidance_scale=scale,
+                         autoguide_scale=float(auto))

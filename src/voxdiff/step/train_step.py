@@ -38,7 +38,7 @@ from torch import nn
 
 from voxdiff.diffusion import build_process, decode_volume, encode_batch, encode_volume
 from voxdiff.diffusion.batch import mask_loss_weights
-from voxdiff.diffusion.guidance import drop_conditions, with_covariates
+from voxdiff.diffusion.guidance import autoguided, drop_conditions, with_covariates
 from voxdiff.diffusion.processes import Process
 from voxdiff.diffusion.seed import seed_loss
 from voxdiff.encodings.base import Encoding, LearnedEncoding
@@ -317,6 +317,8 @@ class TrainStep:
         guidance_scale: float = 1.0,
         batch_size: int | None = None,
         covariates: torch.Tensor | None = None,
+        guide: nn.Module | None = None,
+        autoguide_scale: float = 1.0,
     ) -> torch.Tensor:
         """Samples (DDIM, or Euler for rectified flow) decoded to volumes, with the EMA weights swapped in (by
         default), on ``mask``'s device.
@@ -334,11 +336,16 @@ class TrainStep:
                 model alone; any other scale runs the conditional and unconditional halves as one batch of 2×.
             batch_size: masks sampled at once (None: all B); the peak memory is that of one chunk.
             covariates: ``(B, K)`` covariate vectors, one per mask (a model trained with ``data.covariates``).
+            guide: the same UNet less trained (its weights as they are: the caller puts its EMA in), for
+                autoguidance (:func:`voxdiff.diffusion.guidance.autoguided`); None: none.
+            autoguide_scale: how far the prediction is pushed away from the guide's (1: the model alone).
 
         Returns:
             ``(B, 1, D, H, W)`` float32: images in [0, 1] (bravo) or masks in {0, 1} (seg).
         """
         process = self._require_process("generate")
+        if guide is not None:
+            guide.eval()
         probe = probe or _NoProbe()
         chunk = batch_size or mask.shape[0]
         was_training = self.model.training
@@ -349,16 +356,18 @@ class TrainStep:
                 covs = covariates.split(chunk) if covariates is not None else [None] * len(mask.split(chunk))
                 for part, cov in zip(mask.split(chunk), covs, strict=True):
                     outs.append(self._generate_chunk(process, part, out_channels, num_inference_steps, generator,
-                                                     eta, probe, guidance_scale, cov))
+                                                     eta, probe, guidance_scale, cov,
+                                                     autoguided(self.model, guide, autoguide_scale)))
         finally:
             self.model.train(was_training)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _generate_chunk(self, process: Process, mask: torch.Tensor, out_channels: int, num_inference_steps: int | None,
                         generator: torch.Generator | None, eta: float | None, probe: PhaseProbe,
-                        guidance_scale: float, covariates: torch.Tensor | None = None) -> torch.Tensor:
+                        guidance_scale: float, covariates: torch.Tensor | None = None,
+                        model: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
         """:meth:`generate` of one chunk of masks ``(b, 1, D, H, W)`` and covariates ``(b, K)`` or None (the model in
-        eval mode, weights in place)."""
+        eval mode, weights in place; ``model``: what the sampler calls, default the UNet itself)."""
         probe.begin("condition")
         if self.mode == "bravo":
             cond = encode_volume(self.encoding, mask)  # (b, C, d, h, w)
@@ -368,7 +377,7 @@ class TrainStep:
             spatial = self.encoding.encoded_shape((1, *mask.shape[2:]))[1:]
         probe.end("condition")
         probe.begin("sampling")
-        z = process.sample(self.model, (mask.shape[0], out_channels, *spatial), cond, num_inference_steps,
+        z = process.sample(model or self.model, (mask.shape[0], out_channels, *spatial), cond, num_inference_steps,
                            generator=generator, device=mask.device, eta=eta, guidance_scale=guidance_scale,
                            **({} if covariates is None else {"covariates": covariates.to(mask.device)}))
         probe.end("sampling")
