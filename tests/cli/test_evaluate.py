@@ -111,6 +111,21 @@ def test_the_report_renders_in_a_real_browser(late, tmp_path):
     assert result["blank"] is False  # the screenshot shows the page, not an empty canvas
 
 
+def test_an_autoguided_evaluation_records_its_guide_and_samples_otherwise(run, late, tmp_path):
+    """``autoguide_scale`` with a guide (here the run's step-2 checkpoint: the same network, less trained) changes the
+    samples, and ``metrics.json`` records the scale and the guide; the plain evaluation records scale 1 (the run
+    asks for 1.25 by default, as the demo does, but ended before its guide snapshot at step 200)."""
+    _, early_ckpt, last = run
+    guided = _evaluate(last, tmp_path, "autoguide_scale=1.5", f"autoguide_ckpt={early_ckpt}")
+    plain = json.loads((late[1] / "metrics.json").read_text())
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert (saved["sampling"]["autoguide_scale"], saved["sampling"]["autoguide_ckpt"]) == (1.5, str(early_ckpt))
+    assert plain["sampling"]["autoguide_scale"] == 1.0 and "autoguide_ckpt" not in plain["sampling"]
+    assert saved["sampling"]["conditioned_on"] == plain["sampling"]["conditioned_on"]  # same masks, same noise
+    assert saved["figures"]["psnr"]["value"] != plain["figures"]["psnr"]["value"]
+    assert guided is not None
+
+
 def test_figures_move_the_right_way_from_an_early_to_a_late_checkpoint(early, late):
     e, l = early["figures"], late[0]["figures"]
     assert early["checkpoint"]["global_step"] == 2

@@ -7,7 +7,7 @@ names; a latent run's stage 1: ``encoding.checkpoint=PATH`` or ``encoding.from_c
 ``sample.py`` and :mod:`voxdiff.cli.checkpoint_paths`) → then
 
 * a diffusion checkpoint: ``n`` samples with the run's sampler (DDIM, or Euler for rectified flow; with
-  ``guidance_scale``) and the EMA weights, conditioned on those subjects' masks (in
+  ``guidance_scale``, or ``autoguide_scale`` and the run's guide snapshot) and the EMA weights, conditioned on those subjects' masks (in
   turn, when ``n`` exceeds them), decoded through the encoding (as ``sample.py`` does) → diversity, paired
   fidelity, intensity statistics, MMD and Fréchet distances (:mod:`voxdiff.evaluation`);
 * a VQ-VAE (stage-1) checkpoint: reconstructions of the real images → SSIM, PSNR, MS-SSIM, codebook usage;
@@ -255,7 +255,7 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     system, saved, precision, weights = _load(cfg, device)
     sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"),
                              cfg.get("autoguide_scale"))
-    guide, sampler = _guide(cfg, device, system, sampler)
+    guide, sampler, guide_path = _guide(cfg, device, system, sampler)
     encoding = system.covariate_encoding
     requested = requested_covariates(cfg, encoding)
     swept = _swept(cfg, encoding)
@@ -297,7 +297,10 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
         "sections": sections, "n_generated": len(generated), "real": real,
         "sampler": sampler,
         "sampling": {"sampler": sampler.sampler, "num_inference_steps": sampler.num_inference_steps,
-                     "eta": sampler.eta, "guidance_scale": sampler.guidance_scale, "use_ema": bool(cfg.use_ema), "seed": int(cfg.seed), "batch_size": int(cfg.batch_size),
+                     "eta": sampler.eta, "guidance_scale": sampler.guidance_scale,
+                     "autoguide_scale": sampler.autoguide_scale,
+                     **({"autoguide_ckpt": str(guide_path)} if guide is not None else {}),
+                     "use_ema": bool(cfg.use_ema), "seed": int(cfg.seed), "batch_size": int(cfg.batch_size),
                      "conditioned_on": [real.subjects[s] for s in sources],
                      **({"covariates": rows} if rows is not None else {})},
         "feature_extractors": {e.name: e.label for e in extractors},

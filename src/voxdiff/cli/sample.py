@@ -146,8 +146,8 @@ def _guide_path(cfg: DictConfig) -> Path | None:
     return found[0]
 
 
-def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any) -> tuple[Any, Any]:
-    """``(guide, sampler)``: the guide of autoguidance when ``sampler.autoguide_scale`` is not 1 (else None): the
+def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any) -> tuple[Any, Any, Path | None]:
+    """``(guide, sampler, path)``: the guide of autoguidance when ``sampler.autoguide_scale`` is not 1 (else None): the
     UNet of :func:`_guide_path`, on ``device``, with its EMA weights written in (``use_ema``), refused unless it has
     this model's mode, encoding and weight shapes; it adds one copy of the UNet's weights to the sampling memory.
     A run that asks for autoguidance by default but ended before its guide snapshot samples without it (the sampler
@@ -157,7 +157,7 @@ def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any) -> tuple[Any
         ConfigError: the command's ``autoguide_scale`` without a guide to use, or a guide of another model.
     """
     if sampler.autoguide_scale == 1.0:
-        return None, sampler
+        return None, sampler, None
     from dataclasses import replace
 
     from omegaconf import OmegaConf
@@ -167,7 +167,7 @@ def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any) -> tuple[Any
         print(f"[voxdiff] autoguidance: this run's default scale {sampler.autoguide_scale:g} needs its guide snapshot "
               f"(callbacks.guide.step), which it never took (no guide-step*.ckpt beside {cfg.ckpt_path}): sampling "
               "without autoguidance", flush=True)
-        return None, replace(sampler, autoguide_scale=1.0)
+        return None, replace(sampler, autoguide_scale=1.0), None
     guide = _load(OmegaConf.merge(cfg, {"ckpt_path": str(path)}), device, requested=False).system
     shapes = lambda sys_: {k: tuple(v.shape) for k, v in sys_.step.model.state_dict().items()}  # noqa: E731
     if (guide.mode, guide.encoding.label) != (system.mode, system.encoding.label) or shapes(guide) != shapes(system):
@@ -178,7 +178,7 @@ def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any) -> tuple[Any
     if bool(cfg.use_ema) and guide.step.ema is not None:
         guide.step.ema.copy_to(guide.step.model)
     print(f"[voxdiff] autoguidance: scale {sampler.autoguide_scale:g}, guide {path}", flush=True)
-    return guide.step.model, sampler
+    return guide.step.model, sampler, path
 
 
 def _datamodule(saved: dict[str, Any], cfg: DictConfig, weights: str | None = None) -> tuple[Any, str]:
@@ -203,7 +203,7 @@ def sample(cfg: DictConfig) -> list[Path]:
     system, saved, precision, weights = _load(cfg, device)
     sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"),
                              cfg.get("autoguide_scale"))
-    guide, sampler = _guide(cfg, device, system, sampler)
+    guide, sampler, _ = _guide(cfg, device, system, sampler)
     encoding = system.covariate_encoding
     requested = requested_covariates(cfg, encoding)
     dm, _ = _datamodule(without_table(saved, encoding, requested), cfg, weights)
