@@ -216,6 +216,7 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
         control_cfg = cfg.copy()
         with open_dict(control_cfg):
             control_cfg.ckpt_path = str(control_path)
+            control_cfg.autoguide_ckpt = None  # autoguided as the model is, by its own run's guide snapshot
         model, _, control_precision, _ = _load(control_cfg, device, requested=False)  # a control may have none
         encoding = model.covariate_encoding
         if encoding is not None and set(encoding.names) != set(rows[0]):
@@ -224,7 +225,9 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
                               "(shuffled) or none")
         print(f"[voxdiff] negative control {control_path}: sampling with the same masks, noise and covariates",
               flush=True)
-        control, _, _ = _generate(cfg, model, sampler, real, device, control_precision, rows, tag="control")
+        control_guide, control_sampler, _ = _guide(control_cfg, device, model, sampler)
+        control, _, _ = _generate(cfg, model, control_sampler, real, device, control_precision, rows, tag="control",
+                                  guide=control_guide)
     sections = []
     for name, (measure, of, label) in effects.items():
         key = f"covariate_{name}_{measure}"
