@@ -149,7 +149,8 @@ def _guide_path(cfg: DictConfig) -> Path | None:
 def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any) -> tuple[Any, Any, Path | None]:
     """``(guide, sampler, path)``: the guide of autoguidance when ``sampler.autoguide_scale`` is not 1 (else None): the
     UNet of :func:`_guide_path`, on ``device``, with its EMA weights written in (``use_ema``), refused unless it has
-    this model's mode, encoding and weight shapes; it adds one copy of the UNet's weights to the sampling memory.
+    this model's mode, encoding and weight shapes; it adds one copy of the UNet's weights (and, for a latent run, of
+    the stage-1 model) to the sampling memory.
     A run that asks for autoguidance by default but ended before its guide snapshot samples without it (the sampler
     returned says so), and the command prints why.
 

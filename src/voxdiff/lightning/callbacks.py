@@ -127,8 +127,10 @@ class GuideSnapshot(L.Callback):
     """One checkpoint of the run as it was after optimizer step ``step``: ``checkpoints/guide-step<N>.ckpt``, the
     *guide* of autoguidance (``sample.py`` / ``evaluate.py`` ``autoguide_scale=``; Karras et al. 2024, "Guiding a
     diffusion model with a bad version of itself"): the same model, less trained, whose errors the final model's
-    prediction is pushed away from. Written once, through the Trainer (atomically, on every rank as Lightning
-    saves), and never rewritten: a resumed run past ``step`` keeps the file it has.
+    prediction is pushed away from. Written through the Trainer (atomically; every rank calls it, as Lightning's
+    saving needs) when the run's step is ``step``, which a run reaches once: a resumed run past ``step`` keeps the
+    file it has. (No rank asks whether the file exists first: on a shared disk a slower rank would see rank 0's file
+    and skip a save the others wait in.)
 
     Args:
         dirpath: the checkpoint folder (``<run dir>/checkpoints``).
@@ -144,7 +146,7 @@ class GuideSnapshot(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self.path is not None and trainer.global_step == self.step and not self.path.exists():
+        if self.path is not None and trainer.global_step == self.step:
             trainer.save_checkpoint(str(self.path))
 
 
