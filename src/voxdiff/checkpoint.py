@@ -21,6 +21,16 @@ from voxdiff.errors import ConfigError
 #: :func:`voxdiff.run.spec.stored_run_spec`; written by :class:`voxdiff.lightning.callbacks.ConfigInCheckpoint`)
 CONFIG_KEY = "voxdiff_config"
 
+#: a run's guide snapshot for autoguidance, ``checkpoints/guide-step<N>.ckpt`` (written by
+#: :class:`voxdiff.lightning.callbacks.GuideSnapshot`, found by ``sample.py`` / ``evaluate.py`` beside ``ckpt_path``)
+GUIDE_GLOB = "guide-step*.ckpt"
+
+
+def guide_checkpoint_name(step: int) -> str:
+    """The file name of a run's guide snapshot taken after optimizer step ``step`` (matches :data:`GUIDE_GLOB`)."""
+    return f"guide-step{step:07d}.ckpt"
+
+
 #: what kind of checkpoint a file is, keyed as :func:`checkpoint_kind` returns it: the kind of run that wrote it
 #: (:data:`voxdiff.config.RUN_KINDS`), or ``unknown``
 KINDS = {

@@ -126,10 +126,11 @@ def test_autoguidance_samples_with_the_runs_own_guide_snapshot(guided_run, tmp_p
     samples with it (found beside ``ckpt_path``) and says so."""
     from pathlib import Path
 
-    from voxdiff.lightning.callbacks import guide_checkpoint_name
+    from voxdiff.checkpoint import guide_checkpoint_name
 
     folder = Path(guided_run).parent
-    assert sorted(p.name for p in folder.glob("guide-step*")) == [guide_checkpoint_name(1)] == ["guide-step0000001.ckpt"]
+    assert sorted(p.name for p in folder.glob("guide-step*")) == [guide_checkpoint_name(1)]
+    assert guide_checkpoint_name(1) == "guide-step0000001.ckpt"
     guide = torch.load(folder / guide_checkpoint_name(1), map_location="cpu", weights_only=True)
     last = torch.load(guided_run, map_location="cpu", weights_only=True)
     assert guide["global_step"] == 1 and last["global_step"] == 2

@@ -7,9 +7,9 @@ names; a latent run's stage 1: ``encoding.checkpoint=PATH`` or ``encoding.from_c
 ``sample.py`` and :mod:`voxdiff.cli.checkpoint_paths`) → then
 
 * a diffusion checkpoint: ``n`` samples with the run's sampler (DDIM, or Euler for rectified flow; with
-  ``guidance_scale``, or ``autoguide_scale`` and the run's guide snapshot) and the EMA weights, conditioned on those subjects' masks (in
-  turn, when ``n`` exceeds them), decoded through the encoding (as ``sample.py`` does) → diversity, paired
-  fidelity, intensity statistics, MMD and Fréchet distances (:mod:`voxdiff.evaluation`);
+  ``guidance_scale``, or ``autoguide_scale`` and the run's guide snapshot) and the EMA weights, conditioned on those
+  subjects' masks (in turn, when ``n`` exceeds them), decoded through the encoding (as ``sample.py`` does) →
+  diversity, paired fidelity, intensity statistics, MMD and Fréchet distances (:mod:`voxdiff.evaluation`);
 * a VQ-VAE (stage-1) checkpoint: reconstructions of the real images → SSIM, PSNR, MS-SSIM, codebook usage;
 
 → ``metrics.json`` and ``report.html`` (one self-contained page) in ``<run dir of the checkpoint>/eval/<time>/``

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from omegaconf import DictConfig
 
-from voxdiff.checkpoint import CONFIG_KEY
+from voxdiff.checkpoint import CONFIG_KEY, GUIDE_GLOB
 from voxdiff.cli.checkpoint_paths import command_data, path_choice, stage1_weights
 from voxdiff.cli.covariate_args import (
     covariate_rows,
@@ -39,6 +39,7 @@ from voxdiff.cli.covariate_args import (
 from voxdiff.cli.devices import check_device, pick_device
 from voxdiff.cli.exit_codes import hydra_main, refusals
 from voxdiff.config import require, select
+from voxdiff.diffusion.guidance import check_autoguide_scale
 from voxdiff.encodings import LearnedEncoding
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
@@ -68,12 +69,11 @@ def validate(cfg: DictConfig) -> None:
     if cfg.get("eta") is not None:
         number("eta", cfg.eta, lo=0, hi=1, fix="use eta=0 (deterministic DDIM) to 1, or null as trained")
     if cfg.get("autoguide_scale") is not None:  # what this run can do is checked once it is loaded
-        number("autoguide_scale", cfg.autoguide_scale, lo=0,
-               fix="e.g. autoguide_scale=1.25 (with the run's guide snapshot), 1 for none, or null as trained")
+        check_autoguide_scale("autoguide_scale", cfg.autoguide_scale, null=True)
     guide = cfg.get("autoguide_ckpt")
     if guide is not None and not Path(str(guide)).is_file():
         raise ConfigError("autoguide_ckpt", guide, "no such checkpoint file",
-                          "point it at a guide snapshot (<run dir>/checkpoints/guide-step*.ckpt), or null for the "
+                          f"point it at a guide snapshot (<run dir>/checkpoints/{GUIDE_GLOB}), or null for the "
                           "one beside ckpt_path")
     check_device(cfg.device)
     path_choice(cfg)
@@ -127,17 +127,17 @@ def _load(cfg: DictConfig, device: Any, requested: bool = True) -> Loaded:
 
 
 def _guide_path(cfg: DictConfig) -> Path | None:
-    """``autoguide_ckpt``, else the one guide snapshot (``guide-step*.ckpt``, written in training by
-    :class:`voxdiff.lightning.callbacks.GuideSnapshot`) in the folder of ``ckpt_path``; None when there is none and
+    """``autoguide_ckpt``, else the one guide snapshot (:data:`~voxdiff.checkpoint.GUIDE_GLOB`, written in training
+    by :class:`voxdiff.lightning.callbacks.GuideSnapshot`) in the folder of ``ckpt_path``; None when there is none and
     the scale is the run's own (``autoguide_scale=null``), not the command's."""
     if cfg.get("autoguide_ckpt") is not None:
         return Path(str(cfg.autoguide_ckpt))
     folder = Path(str(cfg.ckpt_path)).parent
-    found = sorted(folder.glob("guide-step*.ckpt"))
+    found = sorted(folder.glob(GUIDE_GLOB))
     if not found and cfg.get("autoguide_scale") is None:
         return None
     if len(found) != 1:
-        what = "has no guide snapshot (guide-step*.ckpt)" if not found else \
+        what = f"has no guide snapshot ({GUIDE_GLOB})" if not found else \
             f"has {len(found)} guide snapshots ({', '.join(p.name for p in found)})"
         raise ConfigError("autoguide_ckpt", None, f"autoguide_scale={cfg.autoguide_scale} needs a guide, and "
                           f"{folder} {what}",
@@ -166,7 +166,7 @@ def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any) -> tuple[Any
     path = _guide_path(cfg)
     if path is None:
         print(f"[voxdiff] autoguidance: this run's default scale {sampler.autoguide_scale:g} needs its guide snapshot "
-              f"(callbacks.guide.step), which it never took (no guide-step*.ckpt beside {cfg.ckpt_path}): sampling "
+              f"(callbacks.guide.step), which it never took (no {GUIDE_GLOB} beside {cfg.ckpt_path}): sampling "
               "without autoguidance", flush=True)
         return None, replace(sampler, autoguide_scale=1.0), None
     guide = _load(OmegaConf.merge(cfg, {"ckpt_path": str(path)}), device, requested=False).system
@@ -175,7 +175,7 @@ def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any) -> tuple[Any
         raise ConfigError("autoguide_ckpt", str(path), f"is another model (mode {guide.mode}, "
                           f"{guide.encoding.label}) than {cfg.ckpt_path} (mode {system.mode}, {system.encoding.label}) "
                           "or has other weight shapes: a guide is the same network, less trained",
-                          "use the guide snapshot of the same run (its checkpoints/guide-step*.ckpt)")
+                          f"use the guide snapshot of the same run (its checkpoints/{GUIDE_GLOB})")
     if bool(cfg.use_ema) and guide.step.ema is not None:
         guide.step.ema.copy_to(guide.step.model)
     print(f"[voxdiff] autoguidance: scale {sampler.autoguide_scale:g}, guide {path}", flush=True)

@@ -77,6 +77,17 @@ def check_guidance_scale(key: str, scale: Any, mode: str, drop_prob: float) -> f
     return s
 
 
+def check_autoguide_scale(key: str, scale: Any, null: bool = False) -> float:
+    """An autoguidance scale (:func:`autoguided`): a number ≥ 0, 1 for none; ``null``: the key also takes null (as
+    trained), which the fix says.
+
+    Raises:
+        ConfigError: naming the key, the value and a fix.
+    """
+    return number(key, scale, lo=0, fix=f"e.g. {key}=1.25 (with the run's guide snapshot, callbacks.guide.step), "
+                  f"1 for none{', or null as trained' if null else ''}")
+
+
 def drop_condition(cond: torch.Tensor, drop_prob: float, generator: torch.Generator | None = None) -> torch.Tensor:
     """``cond (B, C_cond, d, h, w)`` with each sample replaced by the null condition (zeros) with ``drop_prob``."""
     return drop_conditions(cond, None, drop_prob, generator)[0]

@@ -18,7 +18,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
-from voxdiff.checkpoint import CONFIG_KEY  # key of the run's resolved config in a checkpoint
+from voxdiff.checkpoint import CONFIG_KEY, guide_checkpoint_name  # CONFIG_KEY: the run's resolved config
 from voxdiff.errors import integer
 
 log = logging.getLogger(__name__)
@@ -113,14 +113,6 @@ class LastCheckpoint(ModelCheckpoint):
         if trainer.fast_dev_run or trainer.global_step == self._last_global_step_saved:
             return
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-
-GUIDE_PREFIX = "guide-step"
-
-
-def guide_checkpoint_name(step: int) -> str:
-    """The file name of a run's guide snapshot (:class:`GuideSnapshot`) taken after optimizer step ``step``."""
-    return f"{GUIDE_PREFIX}{step:07d}.ckpt"
 
 
 class GuideSnapshot(L.Callback):

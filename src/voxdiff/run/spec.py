@@ -242,6 +242,8 @@ def run_spec_problems(cfg: DictConfig, device_type: str | None = None) -> tuple[
         bf16 = gpu[0].bf16 if predicted and device == "cuda" and gpu[1] != "local GPU" else None
         precision = collect(lambda: decide_precision(plain(trainer.get("precision")), device, bf16))
     system = _system_part(cfg, kind, encoding, device, collect, shapes_ok=sizes is not None)
+    if system is not None and system.sampling is not None:  # the run's callbacks: not a system's hyper-parameters
+        collect(lambda: check_guide_snapshot(cfg, system.sampling))
     clip = collect(lambda: clip_settings(select(cfg, "trainer.gradient_clip_val"),
                                          select(cfg, "trainer.gradient_clip_algorithm")))
     options = collect(lambda: preflight_options(cfg))
@@ -348,7 +350,6 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
         val_timesteps = select(cfg, "system.val_timesteps", 4)
         drop = recipe.guidance.drop_prob if recipe is not None and recipe.guidance is not None else 0.0
         sampling = collect(lambda: sampling_settings(select(cfg, "system.sampling"), val_timesteps, mode, drop))
-        collect(lambda: check_guide_snapshot(cfg, sampling))
     elif kind == "stage1":
         def get(key: str, default: Any = None) -> Any:
             return select(cfg, f"system.{key}", default)
@@ -365,7 +366,7 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
                       sampling=sampling, val_timesteps=val_timesteps, stage1=stage1)
 
 
-def check_guide_snapshot(cfg: DictConfig, sampling: SamplingSettings | None) -> None:
+def check_guide_snapshot(cfg: DictConfig, sampling: SamplingSettings) -> None:
     """A run whose commands autoguide by default (``system.sampling.autoguide_scale``) takes a guide snapshot
     (``callbacks.guide.step``). (A run that ends before that step has none: its commands then sample without
     autoguidance and say so.)
@@ -373,9 +374,7 @@ def check_guide_snapshot(cfg: DictConfig, sampling: SamplingSettings | None) -> 
     Raises:
         ConfigError: naming the key, the value and a fix.
     """
-    if OmegaConf.select(cfg, "callbacks") is None:  # a system's stored hyper-parameters: no callbacks to check
-        return
-    if sampling is not None and sampling.autoguide_scale != 1.0 and select(cfg, "callbacks.guide.step") is None:
+    if sampling.autoguide_scale != 1.0 and select(cfg, "callbacks.guide.step") is None:
         raise ConfigError("system.sampling.autoguide_scale", sampling.autoguide_scale, "makes sample.py and "
                           "evaluate.py autoguide with the run's guide snapshot, and callbacks.guide.step is null",
                           "set callbacks.guide.step=N (e.g. a third of trainer.max_steps), or "

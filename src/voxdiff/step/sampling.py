@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from voxdiff.diffusion.guidance import check_guidance_scale
-from voxdiff.errors import ConfigError, boolean, integer, number, settings_from
+from voxdiff.diffusion.guidance import check_autoguide_scale, check_guidance_scale
+from voxdiff.errors import ConfigError, boolean, integer, settings_from
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,7 @@ def sampling_settings(sampling: Mapping[str, Any] | None, val_timesteps: Any = 4
     boolean("system.sampling.final", s.final, fix="use true")
     check_guidance_scale("system.sampling.guidance_scale", s.guidance_scale, mode, drop_prob)
     integer("system.sampling.batch_size", s.batch_size, minimum=1, example="1")
-    number("system.sampling.autoguide_scale", s.autoguide_scale, lo=0,
-           fix="e.g. system.sampling.autoguide_scale=1.25 (with callbacks.guide.step=N), or 1 for none")
+    check_autoguide_scale("system.sampling.autoguide_scale", s.autoguide_scale)
     return s
 
 
@@ -104,8 +103,7 @@ def sampler_choice(
     if autoguide_scale is None:
         auto = sampling.autoguide_scale if scale == 1.0 else 1.0
     else:
-        auto = number("autoguide_scale", autoguide_scale, lo=0,
-                      fix="e.g. autoguide_scale=1.25 (with the run's guide snapshot), or 1 for none")
+        auto = check_autoguide_scale("autoguide_scale", autoguide_scale, null=True)
         if auto != 1.0 and scale != 1.0:
             raise ConfigError("autoguide_scale", autoguide_scale, f"and guidance_scale={scale:g} (the command's, or "
                               "the run's system.sampling.guidance_scale) both guide this sample, and how they combine "

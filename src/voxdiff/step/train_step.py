@@ -346,6 +346,7 @@ class TrainStep:
         process = self._require_process("generate")
         if guide is not None:
             guide.eval()
+        sampled = autoguided(self.model, guide, autoguide_scale)  # the model itself without a guide
         probe = probe or _NoProbe()
         chunk = batch_size or mask.shape[0]
         was_training = self.model.training
@@ -356,8 +357,7 @@ class TrainStep:
                 covs = covariates.split(chunk) if covariates is not None else [None] * len(mask.split(chunk))
                 for part, cov in zip(mask.split(chunk), covs, strict=True):
                     outs.append(self._generate_chunk(process, part, out_channels, num_inference_steps, generator,
-                                                     eta, probe, guidance_scale, cov,
-                                                     autoguided(self.model, guide, autoguide_scale)))
+                                                     eta, probe, guidance_scale, cov, sampled))
         finally:
             self.model.train(was_training)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
