@@ -211,7 +211,7 @@ def test_a_setting_that_repr_does_not_show_is_another_profile() -> None:
 def test_a_ddp_rank_is_traced_compiled_an_fsdp_rank_eager_and_said_so() -> None:
     """DDP wraps the compiled model as it wraps the eager one: its buckets come on top of the compiled step.
     FSDP's compiled units run between its hooks, graphs the plan does not cover: the eager rank, an upper bound."""
-    from voxdiff.run.parallel import Parallel
+    from voxdiff.run.spec import Parallel
 
     shape = (1, 2, 16, 16, 16)
 

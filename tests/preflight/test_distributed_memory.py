@@ -20,7 +20,7 @@ from voxdiff.preflight.check import run_preflight
 from voxdiff.config import compose
 from voxdiff.preflight.distributed import fake_world, wrap_for_rank
 from voxdiff.preflight.resources import data_memory
-from voxdiff.run.parallel import Parallel, parallel_of
+from voxdiff.run.spec import Parallel, parallel_of
 from voxdiff.preflight.memory import trace_training_step, unet_batch
 from voxdiff.preflight.world import EmulatedPrecision
 from voxdiff.units import GiB

@@ -33,7 +33,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning as L
 import torch
@@ -45,15 +45,11 @@ from voxdiff.encodings.vqvae import SCALE_KEY, build_vqvae
 from voxdiff.lightning.optim import configure_adamw
 from voxdiff.lightning.resume import check_weights_fit
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
-from voxdiff.run.spec import system_spec
-from voxdiff.run.stage1 import MODALITIES
+from voxdiff.run.spec import MODALITIES, SystemSpec, system_spec
 from voxdiff.step import PhaseProbe
 from voxdiff.step.optim import clip_gradients
 from voxdiff.step.recipe import clip_settings
 from voxdiff.viz import save_montage
-
-if TYPE_CHECKING:
-    from voxdiff.run.spec import SystemSpec
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +91,7 @@ class VQVAESystem(L.LightningModule):
         kind: ``system.kind``, what the run trains (:func:`voxdiff.config.run_kind`): must be :attr:`kind`, which
             is saved among the hyper-parameters (what :func:`voxdiff.checkpoint.checkpoint_kind` reads).
         spec: the run spec's system part (:attr:`voxdiff.run.spec.RunSpec.system`, its
-            :class:`~voxdiff.run.stage1.Stage1Settings` validated with the rest of the config); None: the
+            :class:`~voxdiff.run.spec.Stage1Settings` validated with the rest of the config); None: the
             arguments above are validated here the same way. Not a hyper-parameter.
     """
 

@@ -86,7 +86,7 @@ def compile_backends() -> tuple[str, ...]:
 
 def unet_downsampling(levels: int) -> int:
     """Total spatial down-sampling of a UNet of ``levels`` levels: every input size must divide by it, or the skip
-    connections do not match (:meth:`UNetSpec.check_input`, :mod:`voxdiff.run.rules`)."""
+    connections do not match (:meth:`UNetSpec.check_input`, the rules of :mod:`voxdiff.run.spec`)."""
     return 2 ** (levels - 1)
 
 

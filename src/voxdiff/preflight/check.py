@@ -41,8 +41,7 @@ from voxdiff.preflight.resources import (
 )
 from voxdiff.preflight.stage1 import Stage1Report, predict_stage1
 from voxdiff.run.gpus import DEFAULT_GPU, GPUS, GpuSpec
-from voxdiff.run.parallel import Parallel
-from voxdiff.run.spec import RunSpec, run_spec, run_spec_problems
+from voxdiff.run.spec import Parallel, RunSpec, run_spec, run_spec_problems
 from voxdiff.units import GiB
 
 
@@ -76,7 +75,7 @@ class PreflightResult:
     levels: int = 0
     params: int = 0
     report: MemoryReport | None = None
-    strategy: str = "single"  # single | ddp | fsdp (voxdiff.run.parallel.parallel_of)
+    strategy: str = "single"  # single | ddp | fsdp (voxdiff.run.spec.parallel_of)
     world_size: int = 1
     per_gpu_peak_gib: float = 0.0  # predicted max_memory_allocated of one GPU (one rank of DDP/FSDP)
     need_gib: float = 0.0  # per_gpu_peak * (1 + margin) + CUDA context

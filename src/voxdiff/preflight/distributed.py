@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from voxdiff.models.sharding import shard_unet
-from voxdiff.run.parallel import Parallel
+from voxdiff.run.spec import Parallel
 
 
 @contextlib.contextmanager

@@ -59,8 +59,7 @@ from voxdiff.preflight.distributed import fake_world, wrap_for_rank
 from voxdiff.preflight.tracker import StorageTracker, round_block
 from voxdiff.preflight.world import EmulatedPrecision, meta_step, tracker_for
 from voxdiff.run.gpus import DEFAULT_GPU, GpuSpec, gpu_type
-from voxdiff.run.parallel import Parallel
-from voxdiff.run.spec import RunSpec, run_spec
+from voxdiff.run.spec import Parallel, RunSpec, run_spec
 from voxdiff.step import SEED, Recipe, TrainStep
 from voxdiff.step.precision import AUTOCAST_DTYPES
 from voxdiff.units import GiB
@@ -151,7 +150,7 @@ class MemoryReport:
         model_step: how the model runs in the predicted step: ``eager``, ``compiled`` (``torch.compile``,
             inductor) or ``upper bound (eager)`` (compiled was asked, its prediction failed: see ``notes``).
         parallel: what the trace is of: ``one GPU``, or one rank of ``ddp×N`` / ``fsdp×N``
-            (:meth:`voxdiff.run.parallel.Parallel.describe`); ``param_bytes`` and ``ema_bytes`` are then
+            (:meth:`voxdiff.run.spec.Parallel.describe`); ``param_bytes`` and ``ema_bytes`` are then
             this rank's (shards under FSDP).
     """
 

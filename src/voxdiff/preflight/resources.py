@@ -35,7 +35,7 @@ import torch
 from voxdiff.config import config_dir
 from voxdiff.data.nifti import readable_subjects
 from voxdiff.errors import ConfigError
-from voxdiff.run.parallel import Parallel
+from voxdiff.run.spec import Parallel
 from voxdiff.slurm import parse_slurm_memory, parse_slurm_time, read_site_env, slurm_job_memory
 from voxdiff.step import SEED, TrainStep, decide_precision
 from voxdiff.units import GiB, memory_size, size

@@ -16,12 +16,34 @@ run's resolved config (plain data, ``voxdiff_config``) and the system's plain hy
 checkpoint) rebuilds its part from the second (:func:`system_spec`), through the same checks. The system, the sampler
 and the preflight's stages after the spec read no config tree (``docs/architecture.md``, "Where OmegaConf stops").
 
+The parts, in the order written here:
+
+* :class:`Parallel` (:func:`parallel_of`): how a run is spread over GPUs (``trainer.strategy``, ``devices``,
+  ``num_nodes``), :attr:`RunSpec.parallel`; what one rank of it holds is traced by :mod:`voxdiff.preflight.world`;
+* :class:`Stage1Settings` (:func:`stage1_settings`): how a VQ-VAE stage 1 trains, :attr:`SystemSpec.stage1`. It checks
+  ``system.vqvae``, ``.optim``, ``.loss``, ``.modalities``, ``.volume_shape`` and ``.codebook``; the architecture's
+  own arguments are :func:`voxdiff.encodings.vqvae.vqvae_spec`'s;
+* the UNet's rules, checked before anything is traced or built, each failure naming key, value and a fix:
+
+  1. the volume divides by the encoding's factor (``data.volume_shape`` vs ``encoding``: the encoding's own check,
+     through :func:`voxdiff.config.shapes`);
+  2. every encoded spatial size divides by ``2 ** (levels - 1)`` for the UNet's levels
+     (:func:`check_unet_divisibility`, with the deepest UNet that fits and the padded or cropped volume as fixes);
+  3. the UNet arguments are consistent (list lengths = levels, channels divisible by ``norm_num_groups``, channels at
+     attention levels divisible by ``num_head_channels``, ...) — :func:`voxdiff.models.unet_spec`;
+  4. UNet in/out channels, when a config sets them, agree with the encoding and the mode (:func:`check_io_channels`);
+  5. a compile mode with CUDA graphs, asked for by name, on a run that cannot replay them (:func:`check_cuda_graphs`);
+  6. channels-last weights under FSDP, which flattens them (:func:`check_channels_last`);
+* :class:`SystemSpec`, :class:`RunSpec` and the functions that build them (:func:`run_spec_problems` runs every
+  check above with the rest). The GPU table is :mod:`voxdiff.run.gpus`.
+
 Lightning is not imported here (the preflight runs on a login node without it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,33 +52,243 @@ from omegaconf import DictConfig, OmegaConf
 
 from voxdiff.config import (
     Shapes,
+    accumulated_batches,
     batch_size,
     build_encoding,
     is_phantom_data,
     model_spec,
     plain,
+    processes,
     run_kind,
     select,
     shapes,
     strategy_kind,
+    volume_shape,
 )
 from voxdiff.data.covariates import TABLE_NAME, CovariateEncoding, estimated_width, parse_covariates, table_width
 from voxdiff.data.nifti import readable_subjects
-from voxdiff.encodings.base import Encoding, LearnedEncoding
+from voxdiff.encodings.base import AXES, Encoding, LearnedEncoding
+from voxdiff.encodings.vqvae import VQVAESpec, as_list, vqvae_spec
 from voxdiff.errors import ConfigError, Problems, boolean, integer, number, one_of, raise_all
-from voxdiff.models.unet import UNetSpec
+from voxdiff.models import unet_io_channels
+from voxdiff.models.unet import CUDAGRAPH_MODES, UNetSpec, unet_downsampling
 from voxdiff.run.gpus import resolve_gpu
-from voxdiff.run.parallel import parallel_of
-from voxdiff.run.rules import check_channels_last, check_cuda_graphs, check_io_channels, check_unet_divisibility
-from voxdiff.run.stage1 import MODALITIES, stage1_settings
+from voxdiff.step.optim import OptimSettings, optim_settings
 from voxdiff.step.precision import Precision, accelerator_device, decide_precision
 from voxdiff.step.recipe import RECIPES, ClipSettings, Recipe, clip_settings, recipe_from_config
 from voxdiff.step.sampling import SamplingSettings, sampling_settings
 from voxdiff.step.train_step import batch_shapes
 
-__all__ = ["DATA_MEMORY_KEYS", "PRECISIONS", "PreflightOptions", "RunResources", "RunSpec", "SystemSpec",
-           "preflight_options", "run_resources", "run_spec", "run_spec_problems", "stored_run_spec", "system_spec",
-           "validate_trainer"]
+__all__ = ["DATA_MEMORY_KEYS", "MODALITIES", "PRECISIONS", "RECONSTRUCTION_LOSSES", "Parallel", "PreflightOptions",
+           "RunResources", "RunSpec", "Stage1Settings", "SystemSpec", "check_channels_last", "check_cuda_graphs",
+           "check_io_channels", "check_unet_divisibility", "parallel_of", "preflight_options", "run_resources",
+           "run_spec", "run_spec_problems", "stage1_settings", "stored_run_spec", "system_spec", "validate_trainer"]
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How a run is spread over GPUs, as far as one rank's memory is concerned.
+
+    Attributes:
+        strategy: ``single`` (one process, or a strategy the preflight does not model), ``ddp`` or ``fsdp``.
+        world_size: processes (GPUs) over all nodes.
+        processes_per_node: processes on one node (host memory per node).
+        gradient_as_bucket_view: DDP's gradients are views into its all-reduce buckets.
+        bucket_cap_mb: DDP's bucket size in MiB.
+    """
+
+    strategy: str = "single"
+    world_size: int = 1
+    processes_per_node: int = 1
+    gradient_as_bucket_view: bool = True
+    bucket_cap_mb: float = 25.0
+
+    @property
+    def distributed(self) -> bool:
+        """More than one process, with a strategy whose ranks the preflight traces."""
+        return self.strategy != "single" and self.world_size > 1
+
+    def describe(self) -> str:
+        """``one GPU``, ``fsdp×4`` or ``ddp×2 (gradient_as_bucket_view=..., bucket_cap_mb=...)``."""
+        if self.strategy == "ddp":
+            return (f"ddp×{self.world_size} (gradient_as_bucket_view={str(self.gradient_as_bucket_view).lower()}, "
+                    f"bucket_cap_mb={self.bucket_cap_mb:g})")
+        return f"{self.strategy}×{self.world_size}" if self.distributed else "one GPU"
+
+
+def parallel_of(trainer: Mapping[str, Any]) -> Parallel:
+    """The :class:`Parallel` of a plain ``trainer:`` config: the strategy's kind
+    (:func:`voxdiff.config.strategy_kind`: ``trainer.strategy.kind`` of ``trainer=ddp`` / ``trainer=fsdp``; a
+    strategy name as Lightning registers it, ``auto`` counting as DDP with torch's defaults; others, e.g.
+    ``deepspeed``, are traced as one GPU)."""
+    strategy = trainer.get("strategy") or "auto"
+    name = strategy_kind(strategy)
+    # a strategy named, not configured: Lightning's DDP, i.e. DistributedDataParallel's own default
+    options = dict(strategy) if isinstance(strategy, Mapping) else {"gradient_as_bucket_view": False}
+    per_node, world = processes(trainer)
+    return Parallel(name if world > 1 else "single", world, per_node,
+                    bool(options.get("gradient_as_bucket_view", True)), float(options.get("bucket_cap_mb", 25.0)))
+
+
+#: batch keys a stage 1 trains on (``system.modalities``), and its reconstruction losses (``system.loss``)
+MODALITIES = ("image", "mask")
+RECONSTRUCTION_LOSSES = ("mse", "l1")
+
+
+@dataclass(frozen=True)
+class Stage1Settings:
+    """How stage 1 trains (``configs/system/vqvae.yaml``), validated: what
+    :class:`voxdiff.lightning.vqvae.VQVAESystem` is built from and saves as plain hyper-parameters.
+
+    Attributes:
+        vqvae: the architecture.
+        optim: AdamW and its schedule (:class:`voxdiff.step.OptimSettings`).
+        loss: ``{"reconstruction": "mse" | "l1", "quantization_weight": float}``.
+        modalities: batch keys stacked into the autoencoder's batch.
+        volume_shape: ``(D, H, W)`` of the training volumes (each divisible by the factor), or None.
+        codebook: ``{"init_from_data": bool, "dead_code_fraction": float in [0, 1)}``.
+    """
+
+    vqvae: VQVAESpec
+    optim: OptimSettings
+    loss: dict[str, Any]
+    modalities: tuple[str, ...]
+    volume_shape: tuple[int, int, int] | None
+    codebook: dict[str, Any]
+
+
+def stage1_settings(
+    vqvae: Mapping[str, Any],
+    optim: Mapping[str, Any] | None = None,
+    loss: Mapping[str, Any] | None = None,
+    modalities: Sequence[str] = MODALITIES,
+    volume_shape: Sequence[int] | None = None,
+    codebook: Mapping[str, Any] | None = None,
+) -> Stage1Settings:
+    """Validate ``system.vqvae``, ``.optim``, ``.loss``, ``.modalities``, ``.volume_shape`` and ``.codebook`` of a
+    stage-1 run (plain values; missing keys of ``loss`` and ``codebook`` take their defaults).
+
+    Raises:
+        ConfigError: the one problem, or :class:`~voxdiff.errors.ConfigErrors` naming every problem found.
+    """
+    collect = Problems()
+    spec = collect(lambda: vqvae_spec(**dict(vqvae or {})))
+    optim_ = collect(lambda: optim_settings(optim or {}))
+    loss = {"reconstruction": "mse", "quantization_weight": 1.0, **dict(loss or {})}
+    codebook = {"init_from_data": True, "dead_code_fraction": 0.03, **dict(codebook or {})}
+    modalities = tuple(as_list(modalities) or ())
+    if loss["reconstruction"] not in RECONSTRUCTION_LOSSES:
+        collect.found.append(ConfigError("system.loss.reconstruction", loss["reconstruction"],
+                                         "unknown reconstruction loss",
+                                         f"use one of {', '.join(RECONSTRUCTION_LOSSES)}"))
+    collect(lambda: number("system.loss.quantization_weight", loss["quantization_weight"], lo=0,
+                           fix="use 1.0 (the weight of the VQ loss)"))
+    if not modalities or not set(modalities) <= set(MODALITIES) or len(set(modalities)) != len(modalities):
+        collect.found.append(ConfigError("system.modalities", list(modalities),
+                                         f"must be distinct batch keys out of {MODALITIES}",
+                                         "use [image, mask] (one shared VQ-VAE for both)"))
+    collect(lambda: boolean("system.codebook.init_from_data", codebook["init_from_data"], fix="use true"))
+    collect(lambda: number("system.codebook.dead_code_fraction", codebook["dead_code_fraction"], lo=0, hi=1,
+                           hi_open=True, fix="use 0.03 (or 0 to turn dead-code restarts off)"))
+    shape = None
+    if volume_shape is not None:
+        shape = tuple(int(v) for v in as_list(volume_shape))
+        for axis, size in zip(("depth", "height", "width"), shape):
+            if spec is not None and size % spec.factor:
+                collect.found.append(ConfigError(
+                    "data.volume_shape", list(shape), f"the {axis} {size} is not divisible by the VQ-VAE factor "
+                    f"{spec.factor}", f"pad or crop the {axis} to a multiple of {spec.factor}"))
+                break
+    collect.raise_all()
+    return Stage1Settings(vqvae=spec, optim=optim_, loss=loss, modalities=modalities, volume_shape=shape,
+                          codebook=codebook)
+
+
+def _levels(cfg: DictConfig) -> int:
+    channels = plain(cfg.model.get("channels"))
+    return len(channels) if isinstance(channels, (list, tuple)) else 0
+
+
+def check_unet_divisibility(cfg: DictConfig, encoding: Encoding) -> None:
+    levels = _levels(cfg)
+    if levels < 2:
+        return  # reported by check_model_arguments
+    vol = volume_shape(cfg)
+    need = unet_downsampling(levels)
+    encoded = [s // encoding.factor for s in vol]
+    for axis, size in zip(AXES, encoded):
+        if size % need:
+            # the deepest UNet every axis allows, and the volume padded so that this depth works
+            fits = [lv for lv in range(2, levels) if all(e % unet_downsampling(lv) == 0 for e in encoded)]
+            step = encoding.factor * need
+            padded = [math.ceil(s / step) * step for s in vol]
+            cropped = [s // step * step for s in vol]
+            i = AXES.index(axis)
+            options = []
+            if fits:
+                options.append(f"use {fits[-1]} levels (model.channels with {fits[-1]} entries)")
+            options.append(f"pad the volume to {padded[i]} (data.volume_shape={padded})")
+            if all(cropped) and cropped[i] != padded[i]:
+                options.append(f"crop it to {cropped[i]} (data.volume_shape={cropped})")
+            shape = "×".join(map(str, encoded))
+            raise ConfigError(
+                "data.volume_shape", list(vol),
+                f"{axis} {size} of {encoding.label} ({shape}) is not divisible by {need}, which a {levels}-level "
+                f"UNet needs",
+                ", or ".join(options),
+            )
+
+
+def check_io_channels(cfg: DictConfig, encoding: Encoding) -> None:
+    expected = dict(zip(("in_channels", "out_channels"), unet_io_channels(encoding, cfg.mode)))
+    for key, want in expected.items():
+        got = cfg.model.get(key)
+        if got is not None and got != want:
+            what = ("the image and mask encodings" if cfg.mode == "bravo" and key == "in_channels"
+                    else "the image encoding" if cfg.mode == "bravo" else "the mask encoding")
+            raise ConfigError(
+                f"model.{key}", got,
+                f"mode={cfg.mode} with {encoding.label} has {want} channels ({what})",
+                f"remove model.{key} (it follows from the encoding and the mode) or set it to {want}",
+            )
+
+
+def check_cuda_graphs(cfg: DictConfig, device_type: str) -> None:
+    """Refuse ``model.compile_mode`` set to a mode with CUDA graphs (``reduce-overhead``, ``max-autotune``) on a
+    compiled CUDA run that cannot replay them: gradient accumulation (the next micro-batch's replay overwrites the
+    gradients the previous one left in ``.grad``: torch raises when they are read) or FSDP (the graphs replay fixed
+    addresses; FSDP gathers the parameters into new memory at every step). ``auto`` never takes them there
+    (:func:`voxdiff.config.cuda_graphs_fit`)."""
+    model = cfg.get("model") or {}
+    mode, compiled = model.get("compile_mode"), model.get("compile", "auto")
+    if device_type != "cuda" or mode not in CUDAGRAPH_MODES or compiled is False:
+        return
+    trainer = cfg.get("trainer") or {}
+    accumulate = accumulated_batches(trainer)
+    if accumulate != 1:
+        raise ConfigError("model.compile_mode", mode, f"captures CUDA graphs, and trainer.accumulate_grad_batches="
+                          f"{accumulate} keeps gradients in .grad between micro-batches, which the next replay "
+                          "overwrites (torch raises when they are read)",
+                          "use model.compile_mode=auto (torch's default mode for this run), or "
+                          "trainer.accumulate_grad_batches=1")
+    if strategy_kind(plain(trainer.get("strategy"))) == "fsdp":
+        raise ConfigError("model.compile_mode", mode, "captures CUDA graphs, which replay fixed memory addresses, "
+                          "and FSDP gathers the parameters into new memory at every step",
+                          "use model.compile_mode=auto (torch's default mode under FSDP)")
+
+
+def check_channels_last(cfg: DictConfig) -> None:
+    """Refuse ``model.channels_last=true`` under FSDP: it flattens each wrapped module's weights into one contiguous
+    buffer and hands the convolutions views of it, so no weight can be channels-last there."""
+    model = cfg.get("model") or {}
+    if model.get("channels_last") is not True:
+        return
+    trainer = cfg.get("trainer") or {}
+    if strategy_kind(plain(trainer.get("strategy"))) == "fsdp":
+        raise ConfigError("model.channels_last", True, "keeps the convolution weights channels-last, and FSDP "
+                          "flattens the weights into one contiguous buffer",
+                          "use model.channels_last=false under FSDP, or trainer.strategy=ddp")
+
 
 #: values of ``trainer.precision`` that Lightning accepts (an int from the command line, e.g. 32, counts too)
 PRECISIONS = ("64-true", "64", "32-true", "32", "16-true", "16-mixed", "16", "bf16-true", "bf16-mixed", "bf16")
@@ -89,7 +321,7 @@ class SystemSpec:
     recipe: Recipe | None = None
     sampling: SamplingSettings | None = None
     val_timesteps: int = 0
-    stage1: Any = None  # voxdiff.run.stage1.Stage1Settings
+    stage1: Stage1Settings | None = None
 
     @property
     def vqvae(self) -> Any:
@@ -183,7 +415,7 @@ class RunSpec:
     batch_size: int
     device_type: str
     precision: Precision
-    parallel: Any  # voxdiff.run.parallel.Parallel
+    parallel: Parallel
     gpu: Any  # voxdiff.run.gpus.GpuSpec
     gpu_source: str
     clip: ClipSettings | None = None
@@ -218,7 +450,7 @@ def run_spec_problems(cfg: DictConfig, device_type: str | None = None) -> tuple[
     The checks, in order: ``trainer`` (:func:`validate_trainer`); ``system.kind``; the strategy (FSDP trains a
     diffusion UNet only); the GPU type; the encoding; the volume and its encoded shapes; the batch; the precision
     on the device; then for a diffusion run the UNet's arguments, the divisibility of the encoded volume by its
-    levels and its in/out channels (:mod:`voxdiff.run.rules`), the step's recipe and validation sampling;
+    levels and its in/out channels (the rules above), the step's recipe and validation sampling;
     for a stage 1 the VQ-VAE's arguments.
     """
     collect = Problems()
