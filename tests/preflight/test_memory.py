@@ -14,7 +14,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from cpu_allocator import profiler_peaks
 from voxdiff.preflight import predict_step_memory
-from voxdiff.preflight.allocator import K_LARGE_BUFFER, K_SMALL_BUFFER, simulate_reserved
 from voxdiff.units import MiB
 from voxdiff.preflight.autocast import (
     CUDA_FP32_OPS,
@@ -26,7 +25,7 @@ from voxdiff.preflight.autocast import (
 from voxdiff.preflight.memory import trace_training_step, unet_batch
 from voxdiff.preflight.world import EmulatedPrecision
 from voxdiff.models import apply_gradient_checkpointing
-from voxdiff.preflight.tracker import StorageTracker
+from voxdiff.preflight.tracker import K_LARGE_BUFFER, K_SMALL_BUFFER, StorageTracker, simulate_reserved
 from voxdiff.step import SEED, EMASettings, OptimSettings, TrainStep
 
 

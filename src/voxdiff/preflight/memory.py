@@ -51,12 +51,11 @@ from torch.distributed.tensor import DTensor
 from voxdiff.diffusion import Process
 from voxdiff.encodings.base import Encoding
 from voxdiff.models.unet import UNetSpec, build_unet_from_spec
-from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES, simulate_reserved
 from voxdiff.preflight.attention import FlashAttentionEmulator
 from voxdiff.preflight.autocast import CudaAutocastEmulator
 from voxdiff.preflight.compiled import CompiledModule, CompiledTraceError, compiled_profile
 from voxdiff.preflight.distributed import fake_world, wrap_for_rank
-from voxdiff.preflight.tracker import StorageTracker, round_block
+from voxdiff.preflight.tracker import CUDA_CONTEXT_BYTES, StorageTracker, round_block, simulate_reserved
 from voxdiff.preflight.world import EmulatedPrecision, meta_step, tracker_for
 from voxdiff.run.gpus import DEFAULT_GPU, GpuSpec, gpu_type
 from voxdiff.run.spec import Parallel, RunSpec, run_spec

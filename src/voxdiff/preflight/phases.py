@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 from voxdiff.diffusion import build_process, encoded_range
 from voxdiff.encodings.base import LearnedEncoding
 from voxdiff.errors import ConfigError
-from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES
+from voxdiff.preflight.tracker import CUDA_CONTEXT_BYTES
 from voxdiff.preflight.attention import FlashAttentionEmulator
 from voxdiff.preflight.memory import MemoryReport, diffusion_run, predict_memory, traced_unet
 from voxdiff.preflight.stage1 import attach_meta_autoencoder, latent_stage1_spec

@@ -44,7 +44,7 @@ from voxdiff.encodings.vqvae import (
     vqvae_spec,
 )
 from voxdiff.errors import ConfigError
-from voxdiff.preflight.allocator import CUDA_CONTEXT_BYTES, simulate_reserved
+from voxdiff.preflight.tracker import CUDA_CONTEXT_BYTES, simulate_reserved
 from voxdiff.preflight.autocast import CudaAutocastEmulator
 from voxdiff.preflight.memory import PREDICTED_DEVICE
 from voxdiff.preflight.world import (

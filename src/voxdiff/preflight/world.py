@@ -180,7 +180,7 @@ class PhaseTrace:
     Attributes:
         peaks: phase name -> peak live bytes (``max_memory_allocated`` after a reset at the phase start).
         start_bytes: live bytes when tracing began (what was resident: weights, optimizer state, EMA, ...).
-        events: the allocation/free sequence for :func:`voxdiff.preflight.allocator.simulate_reserved`.
+        events: the allocation/free sequence for :func:`voxdiff.preflight.tracker.simulate_reserved`.
     """
 
     peaks: dict[str, int]
