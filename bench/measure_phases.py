@@ -13,7 +13,7 @@ resets ``torch.cuda`` peak statistics at each phase's start and reads ``max_memo
 * ``validation``: from the validation epoch's start (the EMA swap included) to its last batch's end;
 * ``sampling``: from there to the validation's end (the masks encoded, the sampler's loop, decoding, the files).
 
-The prediction is :func:`voxdiff.preflight.phases.predict_phases` (diffusion) or
+The prediction is :func:`voxdiff.preflight.memory.predict_phases` (diffusion) or
 :func:`voxdiff.preflight.stage1.predict_stage1` (stage 1; its validation is not predicted apart) of the same config.
 A latent diffusion experiment needs a trained stage 1 to sample from and is refused here; measure its stage 1
 (``vqvae_4x``, ``vqvae_8x``) instead. Without a CUDA GPU it refuses to run: these are GPU figures.
@@ -120,7 +120,7 @@ def measure(cfg: Any, steps: int) -> dict[str, Any]:
 
 def predicted(cfg: Any) -> dict[str, Any]:
     """The preflight's prediction of the same phases, GiB."""
-    from voxdiff.preflight.memory import PREDICTED_DEVICE
+    from voxdiff.preflight.world import PREDICTED_DEVICE
     from voxdiff.run.spec import run_spec
 
     run = run_spec(cfg, PREDICTED_DEVICE)
@@ -129,7 +129,7 @@ def predicted(cfg: Any) -> dict[str, Any]:
 
         report = predict_stage1(cfg, run)
         return {"pred_training": report.peak_allocated / GiB}
-    from voxdiff.preflight.phases import predict_phases
+    from voxdiff.preflight.memory import predict_phases
 
     report = predict_phases(run)
     return {"pred_training": report.training / GiB, "pred_validation": report.validation / GiB,

@@ -14,11 +14,9 @@ from cpu_allocator import profiler_peaks
 from voxdiff.diffusion import DiffusionProcess
 from voxdiff.encodings import SpaceToDepth
 from voxdiff.models.unet import build_unet_from_spec, unet_spec
-from voxdiff.preflight.autocast import CudaAutocastEmulator
-from voxdiff.preflight.memory import predict_memory
+from voxdiff.preflight.memory import predict_memory, predict_phases, trace_sampling, trace_validation
+from voxdiff.preflight.world import CudaAutocastEmulator, EmulatedPrecision
 from voxdiff.run.spec import run_spec
-from voxdiff.preflight.phases import predict_phases, trace_sampling, trace_validation
-from voxdiff.preflight.world import EmulatedPrecision
 from voxdiff.step import TrainStep, system_recipe
 
 

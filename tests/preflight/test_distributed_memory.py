@@ -1,4 +1,4 @@
-"""Per-rank memory of DDP and FSDP (``voxdiff.preflight.distributed``): the step traced on meta tensors as rank 0
+"""Per-rank memory of DDP and FSDP (``voxdiff.preflight.world``): the step traced on meta tensors as rank 0
 of a fake world, against the CPU allocator of each rank of real two-process gloo runs; and what the preflight
 reports for them."""
 
@@ -15,16 +15,14 @@ from monai.networks.nets import DiffusionModelUNet
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from cpu_allocator import profiler_peaks
-from voxdiff.preflight.autocast import CudaAutocastEmulator
-from voxdiff.preflight.check import run_preflight
 from voxdiff.config import compose
-from voxdiff.preflight.distributed import fake_world, wrap_for_rank
-from voxdiff.preflight.resources import data_memory
-from voxdiff.run.spec import Parallel, parallel_of
+from voxdiff.preflight.check import run_preflight
 from voxdiff.preflight.memory import trace_training_step, unet_batch
-from voxdiff.preflight.world import EmulatedPrecision
-from voxdiff.units import GiB
+from voxdiff.preflight.resources import data_memory
+from voxdiff.preflight.world import CudaAutocastEmulator, EmulatedPrecision, fake_world, wrap_for_rank
+from voxdiff.run.spec import Parallel, parallel_of
 from voxdiff.step import TrainStep, system_recipe
+from voxdiff.units import GiB
 
 #: the system's step (EMA, clipping, the guard, gradients freed after the step), foreach AdamW as on a GPU
 RECIPE = system_recipe({"lr": 1e-4, "foreach": True}, {"decay": 0.9}, {})

@@ -13,20 +13,20 @@ from monai.networks.nets import DiffusionModelUNet
 from torch.profiler import ProfilerActivity, profile
 
 from cpu_allocator import profiler_peaks
+from voxdiff.models import apply_gradient_checkpointing
 from voxdiff.preflight import predict_step_memory
-from voxdiff.units import MiB
-from voxdiff.preflight.autocast import (
+from voxdiff.preflight.memory import trace_training_step, unet_batch
+from voxdiff.preflight.tracker import K_LARGE_BUFFER, K_SMALL_BUFFER, StorageTracker, simulate_reserved
+from voxdiff.preflight.world import (
     CUDA_FP32_OPS,
     CUDA_FP32_SET_OPT_DTYPE_OPS,
     CUDA_LOWER_PRECISION_OPS,
     CUDA_PROMOTE_OPS,
     CudaAutocastEmulator,
+    EmulatedPrecision,
 )
-from voxdiff.preflight.memory import trace_training_step, unet_batch
-from voxdiff.preflight.world import EmulatedPrecision
-from voxdiff.models import apply_gradient_checkpointing
-from voxdiff.preflight.tracker import K_LARGE_BUFFER, K_SMALL_BUFFER, StorageTracker, simulate_reserved
 from voxdiff.step import SEED, EMASettings, OptimSettings, TrainStep
+from voxdiff.units import MiB
 
 
 

@@ -14,9 +14,8 @@ from voxdiff.diffusion import DiffusionProcess
 from voxdiff.encodings import SpaceToDepth, VQVAELatent
 from voxdiff.encodings.vqvae import Stage1Checkpoint, build_vqvae, vqvae_spec
 from voxdiff.errors import ConfigError
-from voxdiff.preflight.autocast import CudaAutocastEmulator
-from voxdiff.preflight.world import EmulatedPrecision
-from voxdiff.preflight.phases import predict_phases, trace_sampling, trace_validation
+from voxdiff.preflight.memory import predict_phases, trace_sampling, trace_validation
+from voxdiff.preflight.world import CudaAutocastEmulator, EmulatedPrecision
 from voxdiff.step import EMA, TrainStep, system_recipe
 
 VOLUME = (16, 32, 32)

@@ -15,9 +15,8 @@ from voxdiff.config import compose
 from voxdiff.encodings.vqvae import Stage1Checkpoint, VQVAELatent, build_vqvae, vqvae_spec
 from voxdiff.errors import ConfigError
 from voxdiff.lightning.vqvae import VQVAESystem
-from voxdiff.preflight.autocast import CudaAutocastEmulator
-from voxdiff.preflight.world import EmulatedPrecision
 from voxdiff.preflight.stage1 import STAGE1_PHASES, predict_stage1, trace_cache_pass, trace_stage1_step
+from voxdiff.preflight.world import CudaAutocastEmulator, EmulatedPrecision
 from voxdiff.step import clip_settings
 from voxdiff.step.optim import build_optimizer
 

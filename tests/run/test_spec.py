@@ -9,6 +9,7 @@ import voxdiff.run.spec as run_spec_module
 from voxdiff.cli.train import validate
 from voxdiff.config import compose
 from voxdiff.errors import ConfigError, ConfigErrors
+from voxdiff.preflight.world import PREDICTED_DEVICE
 from voxdiff.run.spec import run_spec, run_spec_problems
 
 
@@ -208,7 +209,7 @@ def test_the_preflights_later_stages_read_the_spec_not_the_config(tiny_cfg):
     from omegaconf import OmegaConf
 
     cfg = tiny_cfg("trainer.max_steps=5000", "preflight.disk_free_gib=100", "data.cache=memory")
-    spec = run_spec(cfg, memory.PREDICTED_DEVICE)
+    spec = run_spec(cfg, PREDICTED_DEVICE)
     full = check.run_preflight(cfg, compile=False)
     bare = check.run_preflight(OmegaConf.create({"task_name": "demo"}), compile=False, run=spec)
     assert (bare.fits, bare.per_gpu_peak_gib, bare.need_gib, bare.budget_gib, bare.budget_source) == (

@@ -37,12 +37,12 @@ from omegaconf import DictConfig
 
 from voxdiff.config import model_spec, select
 from voxdiff.data.split import split_subjects
+from voxdiff.errors import ConfigError
 from voxdiff.models.checkpointing import GRANULARITIES
 from voxdiff.models.unet import CUDAGRAPH_MODES
-from voxdiff.errors import ConfigError
 from voxdiff.preflight.check import PreflightResult, override_args, run_preflight, with_overrides
-from voxdiff.preflight.memory import PREDICTED_DEVICE
 from voxdiff.preflight.resources import STEP_THROUGHPUT, data_subjects, step_kind
+from voxdiff.preflight.world import PREDICTED_DEVICE
 from voxdiff.run.spec import RunSpec, run_spec
 
 __all__ = ["AutofitReport", "Candidate", "autofit"]

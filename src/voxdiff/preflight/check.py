@@ -2,9 +2,9 @@
 its disk and its nodes' memory, and fixes where it does not.
 
 :func:`run_preflight` (``preflight.py``) resolves the run spec once (:func:`voxdiff.run.spec.run_spec_problems`, for
-the GPU predicted: :data:`~voxdiff.preflight.memory.PREDICTED_DEVICE`), then reads everything from it: the training
+the GPU predicted: :data:`~voxdiff.preflight.world.PREDICTED_DEVICE`), then reads everything from it: the training
 step's peak (:func:`voxdiff.preflight.memory.predict_memory`), validation and sampling
-(:func:`voxdiff.preflight.phases.predict_phases`) or a stage 1 (:func:`voxdiff.preflight.stage1.predict_stage1`),
+(:func:`voxdiff.preflight.memory.predict_phases`) or a stage 1 (:func:`voxdiff.preflight.stage1.predict_stage1`),
 disk, host memory and time (:func:`voxdiff.preflight.resources.run_needs`); the verdict is on the largest peak
 against the GPU's budget. A config that does not fit gets fixes, each a config override resolved into a spec of its
 own and traced eagerly (an upper bound of its compiled step). :func:`training_verdict` runs the same for
@@ -25,21 +25,28 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from voxdiff.config import Shapes, select
-from voxdiff.errors import ConfigError
 from voxdiff.encodings.vqvae import build_vqvae
+from voxdiff.errors import ConfigError
 from voxdiff.preflight.memory import (
     DEFAULT_SAFETY_MARGIN,
-    PREDICTED_DEVICE,
     MemoryReport,
+    PhasesReport,
     predict_memory,
+    predict_phases,
     traced_recipe,
     traced_unet,
 )
-from voxdiff.preflight.phases import PhasesReport, predict_phases
 from voxdiff.preflight.resources import (
-    DataMemory, RunNeeds, data_memory, host_memory_bytes, run_needs, step_cost, step_kind,
+    DataMemory,
+    RunNeeds,
+    data_memory,
+    host_memory_bytes,
+    run_needs,
+    step_cost,
+    step_kind,
 )
 from voxdiff.preflight.stage1 import Stage1Report, predict_stage1
+from voxdiff.preflight.world import PREDICTED_DEVICE
 from voxdiff.run.gpus import DEFAULT_GPU, GPUS, GpuSpec
 from voxdiff.run.spec import Parallel, RunSpec, run_spec, run_spec_problems
 from voxdiff.units import GiB

@@ -8,7 +8,7 @@ so most intermediates are never written to memory. Both decide the peak.
 
 :func:`trace_compiled` runs that same tracing and partitioning on fake CPU tensors made from the meta model (no
 memory, no GPU), with CUDA autocast emulated as the eager trace does it
-(:class:`~voxdiff.preflight.autocast.CudaAutocastEmulator`): the forward and backward graphs that come out are
+(:class:`~voxdiff.preflight.world.CudaAutocastEmulator`): the forward and backward graphs that come out are
 those inductor would compile on the GPU, up to the device of the fake tensors. :func:`plan_graph` then simulates
 the liveness of the buffers inductor materialises in each graph (:data:`EXTERN_OPS` — convolutions, matrix
 products, attention —, reductions, graph outputs, inputs of extern kernels, and pointwise results that inductor's
@@ -47,9 +47,8 @@ import torch
 from torch import Tensor, fx, nn
 
 from voxdiff.models import checkpointed_modules
-from voxdiff.preflight.attention import flash_backward_temporary_bytes
-from voxdiff.preflight.autocast import CudaAutocastEmulator
 from voxdiff.preflight.tracker import BLOCK_BYTES, round_block
+from voxdiff.preflight.world import CudaAutocastEmulator, flash_backward_temporary_bytes
 
 __all__ = [
     "EXTERN_OPS",
@@ -339,7 +338,7 @@ def plan_graph(
     made earlier that dies there writes into it (``inplace_buffers``; inputs of the graph are not reused), and a
     scatter works in place on its first input. The outputs of a multi-output kernel appear together, before its
     inputs are freed. FlashAttention-2's backward adds its fp32 temporaries on the GPU
-    (:func:`~voxdiff.preflight.attention.flash_backward_temporary_bytes`).
+    (:func:`~voxdiff.preflight.world.flash_backward_temporary_bytes`).
 
     Args:
         gm: a forward or backward graph of :func:`trace_compiled` (nodes carry ``meta["val"]``).

@@ -45,9 +45,9 @@ from voxdiff.encodings.vqvae import (
 )
 from voxdiff.errors import ConfigError
 from voxdiff.preflight.tracker import CUDA_CONTEXT_BYTES, simulate_reserved
-from voxdiff.preflight.autocast import CudaAutocastEmulator
-from voxdiff.preflight.memory import PREDICTED_DEVICE
 from voxdiff.preflight.world import (
+    PREDICTED_DEVICE,
+    CudaAutocastEmulator,
     EmulatedPrecision,
     PhaseRecorder,
     PhaseTrace,
@@ -271,7 +271,7 @@ def predict_stage1(cfg: DictConfig, run: RunSpec | None = None, cache_batch: int
     run = run or run_spec(cfg, PREDICTED_DEVICE)
     if run.kind != "stage1":
         raise ConfigError("system.kind", run.kind, "is not a VQ-VAE stage 1", "use experiment=vqvae_4x or "
-                          "vqvae_8x (or voxdiff.preflight.phases.predict_phases for a diffusion run)")
+                          "vqvae_8x (or voxdiff.preflight.memory.predict_phases for a diffusion run)")
     t0 = time.perf_counter()
     spec_gpu = run.gpu
     vol, bs = run.shapes.volume, run.batch_size

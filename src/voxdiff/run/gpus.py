@@ -82,7 +82,7 @@ class GpuSpec:
     def flash_attention(self) -> bool:
         """Whether ``F.scaled_dot_product_attention`` can take FlashAttention-2 here (sm80 and later: torch's
         ``sdp_utils`` ``check_flash_attention_hardware_support``); below it SDPA takes another kernel, which the
-        preflight traces as the math path (:mod:`voxdiff.preflight.attention`)."""
+        preflight traces as the math path (:mod:`voxdiff.preflight.world`)."""
         return self.capability >= (8, 0)
 
     def describe(self) -> str:
