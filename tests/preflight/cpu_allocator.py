@@ -51,14 +51,20 @@ def allocator_events(prof: profile, old_frees: bool = False) -> tuple[list[tuple
     Kernel scratch is a block freed before the ATen op that requested it returns (e.g. the im2col buffers of
     ``slow_conv3d``): the tracker follows the storages that ops *return* and does not see scratch by design (on
     CUDA the known scratch buffers are added by explicit rules). Communication buffers: see :data:`_COMMUNICATION`.
-    Frees of blocks allocated before the profile are kept when ``old_frees`` (they lower the live bytes), dropped
-    otherwise.
+    Frees of blocks allocated before the profile are kept in both when ``old_frees`` (they lower the live bytes),
+    dropped from both otherwise (the allocator reports such a free when an earlier profiler saw the block allocated:
+    garbage of an earlier test, collected during this profile).
     """
     allocs, _ = _walk(prof)
-    raw, kept, open_blocks, communication = [], [], {}, set()
+    raw, kept, open_blocks, communication, profiled = [], [], {}, set(), set()
     for node in allocs:
         size, ptr = node.extra_fields.alloc_size, node.extra_fields.ptr
-        raw.append((node.start_time_ns, size))
+        if size > 0:
+            profiled.add(ptr)
+        if size > 0 or ptr in profiled or old_frees:
+            raw.append((node.start_time_ns, size))
+        if size < 0:
+            profiled.discard(ptr)
         if size > 0:
             if _inside_communication(node.parent):
                 communication.add(ptr)
