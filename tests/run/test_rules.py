@@ -117,6 +117,16 @@ def test_rule_channels_last_is_refused_under_fsdp():
     assert run_spec(compose("train", ["experiment=exp11", "model.channels_last=true"]), "cuda").unet.channels_last
 
 
+
+@pytest.mark.parametrize("step", ["abc", "0", "2.5"])
+def test_rule_a_guide_snapshot_step_that_is_not_a_positive_integer_is_refused_before_launch(step):
+    """The preflight (and train.py's validation, before the run directory is claimed) refuse what the callback would
+    refuse while it is built."""
+    problems = _problems("experiment=demo", f"callbacks.guide.step={step}")
+    assert len(problems) == 1 and problems[0].startswith(f"callbacks.guide.step={step}: must be a positive integer")
+    assert "Fix: e.g. callbacks.guide.step=200" in problems[0]
+    assert _problems("experiment=demo", "callbacks.guide.step=300") == []
+
 def test_a_run_that_autoguides_by_default_takes_a_guide_snapshot():
     (msg,) = _problems("experiment=demo", "callbacks.guide.step=null")
     assert msg.startswith("system.sampling.autoguide_scale=1.25: makes sample.py and evaluate.py autoguide with the "

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from voxdiff.errors import ConfigError, number, settings_from
+from voxdiff.errors import ConfigError, integer, number, settings_from
 
 Model = Callable[..., torch.Tensor]
 #: ``denoise(x, t) -> prediction``: ``x (B, C_out, d, h, w)`` the noisy sample, ``t (B,)`` its timesteps
@@ -86,6 +86,19 @@ def check_autoguide_scale(key: str, scale: Any, null: bool = False) -> float:
     """
     return number(key, scale, lo=0, fix=f"e.g. {key}=1.25 (with the run's guide snapshot, callbacks.guide.step), "
                   f"1 for none{', or null as trained' if null else ''}")
+
+
+def check_guide_step(step: Any) -> int | None:
+    """``callbacks.guide.step``: the optimizer step after which a run keeps its guide snapshot, a positive integer;
+    None: no snapshot.
+
+    Raises:
+        ConfigError: naming the key, the value and a fix.
+    """
+    if step is None:
+        return None
+    return integer("callbacks.guide.step", step, minimum=1,
+                   fix="e.g. callbacks.guide.step=200 (about a third of the run), or null for no guide snapshot")
 
 
 def drop_condition(cond: torch.Tensor, drop_prob: float, generator: torch.Generator | None = None) -> torch.Tensor:

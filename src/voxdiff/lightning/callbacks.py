@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
 from voxdiff.checkpoint import CONFIG_KEY, guide_checkpoint_name  # CONFIG_KEY: the run's resolved config
+from voxdiff.diffusion.guidance import check_guide_step
 from voxdiff.errors import integer
 
 log = logging.getLogger(__name__)
@@ -130,9 +131,7 @@ class GuideSnapshot(L.Callback):
     """
 
     def __init__(self, dirpath: str | Path, step: int | None = None) -> None:
-        if step is not None:
-            integer("callbacks.guide.step", step, minimum=1,
-                    fix="e.g. callbacks.guide.step=200 (about a third of the run), or null for no guide snapshot")
+        check_guide_step(step)
         self.path = Path(dirpath) / guide_checkpoint_name(step) if step is not None else None
         self.step = step
 

@@ -67,6 +67,7 @@ from voxdiff.config import (
 )
 from voxdiff.data.covariates import TABLE_NAME, CovariateEncoding, estimated_width, parse_covariates, table_width
 from voxdiff.data.nifti import readable_subjects
+from voxdiff.diffusion.guidance import check_guide_step
 from voxdiff.encodings.base import AXES, Encoding, LearnedEncoding
 from voxdiff.encodings.vqvae import VQVAESpec, as_list, vqvae_spec
 from voxdiff.errors import ConfigError, Problems, boolean, integer, number, one_of, raise_all
@@ -599,14 +600,14 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
 
 
 def check_guide_snapshot(cfg: DictConfig, sampling: SamplingSettings) -> None:
-    """A run whose commands autoguide by default (``system.sampling.autoguide_scale``) takes a guide snapshot
-    (``callbacks.guide.step``). (A run that ends before that step has none: its commands then sample without
-    autoguidance and say so.)
+    """The guide snapshot's step (``callbacks.guide.step``) is a positive integer or null, and a run whose commands
+    autoguide by default (``system.sampling.autoguide_scale``) takes a snapshot. (A run that ends before that step
+    has none: its commands then sample without autoguidance and say so.)
 
     Raises:
         ConfigError: naming the key, the value and a fix.
     """
-    if sampling.autoguide_scale != 1.0 and select(cfg, "callbacks.guide.step") is None:
+    if check_guide_step(select(cfg, "callbacks.guide.step")) is None and sampling.autoguide_scale != 1.0:
         raise ConfigError("system.sampling.autoguide_scale", sampling.autoguide_scale, "makes sample.py and "
                           "evaluate.py autoguide with the run's guide snapshot, and callbacks.guide.step is null",
                           "set callbacks.guide.step=N (e.g. a third of trainer.max_steps), or "
