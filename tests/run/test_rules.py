@@ -127,6 +127,14 @@ def test_rule_a_guide_snapshot_step_that_is_not_a_positive_integer_is_refused_be
     assert "Fix: e.g. callbacks.guide.step=200" in problems[0]
     assert _problems("experiment=demo", "callbacks.guide.step=300") == []
 
+
+def test_rule_an_unknown_data_cache_is_refused_before_launch():
+    """The preflight predicts host memory from data.cache: an unknown mode is refused there as the data module
+    refuses it (which train.py builds only after claiming its run directory)."""
+    assert _problems("experiment=demo", "data.cache=ram") == [
+        "data.cache=ram: is not one of none, memory, disk. Fix: e.g. data.cache=memory"]
+    assert _problems("experiment=demo", "data.cache=disk") == []
+
 def test_a_run_that_autoguides_by_default_takes_a_guide_snapshot():
     (msg,) = _problems("experiment=demo", "callbacks.guide.step=null")
     assert msg.startswith("system.sampling.autoguide_scale=1.25: makes sample.py and evaluate.py autoguide with the "

@@ -27,11 +27,11 @@ from voxdiff.data.covariates import (
     read_table,
     subject_covariates,
 )
-from voxdiff.data.nifti import CACHE_MODES, IMAGE_NAME, MASK_NAME, DataError, NiftiDataset, _stamp, find_subjects
+from voxdiff.data.nifti import IMAGE_NAME, MASK_NAME, DataError, NiftiDataset, _stamp, check_cache, find_subjects
 from voxdiff.data.phantom import PHANTOM_COVARIATES, PhantomDataset, check_volume_shape, subject_name
 from voxdiff.data.shared import launch_rank, one_writes
 from voxdiff.data.split import split_subjects
-from voxdiff.errors import ConfigError, integer, number, one_of, plain
+from voxdiff.errors import ConfigError, integer, number, plain
 from voxdiff.files import atomic_write
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class VolumeDataModule(L.LightningDataModule):
         self.batch_size = integer("data.batch_size", batch_size, minimum=1, fix="set data.batch_size to 1 or more")
         self.num_workers = integer("data.num_workers", num_workers, minimum=0,
                                    fix="set data.num_workers to 0 (main process) or more")
-        self.cache = str(one_of("data.cache", cache, CACHE_MODES, fix="e.g. data.cache=memory"))
+        self.cache = check_cache(cache)
         cache_dir = plain(cache_dir)
         self.cache_dir: str | None = None if cache_dir is None else str(Path(str(cache_dir)).expanduser())
         if self.cache == "disk" and self.root is not None and self.cache_dir is None:

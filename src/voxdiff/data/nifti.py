@@ -41,6 +41,7 @@ from monai.transforms import MapTransform
 from torch.utils.data import Dataset
 
 from voxdiff.data.phantom import check_volume_shape
+from voxdiff.errors import one_of
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,14 @@ class DataError(ValueError):
 
 # ------------------------------------------------------------------------------------------------ discovery
 
+
+def check_cache(cache: Any) -> str:
+    """``data.cache``: one of :data:`CACHE_MODES` (read by the data module, and by the run spec for host memory).
+
+    Raises:
+        ConfigError: naming the key, the value and a fix.
+    """
+    return str(one_of("data.cache", cache, CACHE_MODES, fix="e.g. data.cache=memory"))
 
 def find_subjects(
     root: str | os.PathLike[str],

@@ -66,7 +66,7 @@ from voxdiff.config import (
     volume_shape,
 )
 from voxdiff.data.covariates import TABLE_NAME, CovariateEncoding, estimated_width, parse_covariates, table_width
-from voxdiff.data.nifti import readable_subjects
+from voxdiff.data.nifti import check_cache, readable_subjects
 from voxdiff.diffusion.guidance import check_guide_step
 from voxdiff.encodings.base import AXES, Encoding, LearnedEncoding
 from voxdiff.encodings.vqvae import VQVAESpec, as_list, vqvae_spec
@@ -532,6 +532,8 @@ def run_resources(cfg: DictConfig) -> RunResources:
                                         minimum=-1, fix="e.g. callbacks.best.save_top_k=1 (-1: keep every one)"))
     workers = select(cfg, "data.num_workers", 0)
     prefetch = select(cfg, "data.prefetch_factor")
+    if select(cfg, "data.cache") is not None:  # a data module without the key (latents) caches nothing
+        collect(lambda: check_cache(select(cfg, "data.cache")))
     slurm = select(cfg, "slurm")
     if slurm is not None and not isinstance(slurm, Mapping):
         collect.found.append(ConfigError("slurm", slurm, "must be a mapping of slurm/site.env keys (or null: no "
