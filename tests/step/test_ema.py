@@ -140,5 +140,7 @@ def test_every_n_steps_keeps_the_horizon(k):
             torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
     assert a.num_updates == b.num_updates == 6 * k
     assert not torch.allclose(a.shadow[0], target[0])  # still an average, not a copy
-    with pytest.raises(ConfigError, match="every_n_steps"):
-        ema_settings({"every_n_steps": 0})
+    for bad in (0, "abc"):  # one message for both (it said ">= 0" for "abc", then refused 0 apart)
+        with pytest.raises(ConfigError, match=r"system.ema.every_n_steps=.*: must be a positive integer. Fix: e.g. "
+                                              r"system.ema.every_n_steps=4"):
+            ema_settings({"every_n_steps": bad})

@@ -50,9 +50,7 @@ def ema_settings(cfg: Mapping[str, Any] | bool | None) -> EMASettings | None:
     e = settings_from(EMASettings, "system.ema", cfg)
     number("system.ema.decay", e.decay, lo=0, hi=1, hi_open=True, example=0.9999)
     integer("system.ema.start_step", e.start_step, minimum=0, example="1000")
-    integer("system.ema.every_n_steps", e.every_n_steps, minimum=0, example="4")
-    if e.every_n_steps == 0:
-        raise ConfigError("system.ema.every_n_steps", 0, "must be at least 1", "use 1 (every step) or e.g. 4")
+    integer("system.ema.every_n_steps", e.every_n_steps, minimum=1, example="4")
     return e
 
 
