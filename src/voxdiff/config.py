@@ -392,13 +392,19 @@ def processes(trainer: Any) -> tuple[int, int]:
     devices = trainer.get("devices", 1)
     per_node = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
     per_node = max(1, per_node)
-    return per_node, per_node * max(1, int(trainer.get("num_nodes") or 1))
+    nodes = integer("trainer.num_nodes", trainer.get("num_nodes") or 1, minimum=1, fix="e.g. trainer.num_nodes=1")
+    return per_node, per_node * nodes
 
 
 def accumulated_batches(trainer: Any) -> int:
     """``trainer.accumulate_grad_batches`` of a ``trainer:`` config: the batches whose gradients one optimizer step
-    sums (unset or null: 1)."""
-    return int(trainer.get("accumulate_grad_batches") or 1)
+    sums (unset or null: 1).
+
+    Raises:
+        ConfigError: not a positive integer (as :func:`voxdiff.run.spec.validate_trainer` says first).
+    """
+    return integer("trainer.accumulate_grad_batches", trainer.get("accumulate_grad_batches") or 1, minimum=1,
+                   fix="e.g. trainer.accumulate_grad_batches=1 (a positive integer)")
 
 
 def cuda_graphs_fit(cfg: DictConfig) -> bool:

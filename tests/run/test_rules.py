@@ -4,6 +4,7 @@ import pytest
 
 from voxdiff.config import compose
 from voxdiff.errors import ConfigErrors
+from voxdiff.preflight import check
 from voxdiff.preflight.check import static_problems
 from voxdiff.run.spec import run_spec
 
@@ -134,6 +135,16 @@ def test_rule_an_unknown_data_cache_is_refused_before_launch():
     assert _problems("experiment=demo", "data.cache=ram") == [
         "data.cache=ram: is not one of none, memory, disk. Fix: e.g. data.cache=memory"]
     assert _problems("experiment=demo", "data.cache=disk") == []
+
+
+@pytest.mark.parametrize("key", ["trainer.num_nodes", "trainer.accumulate_grad_batches", "data.num_subjects",
+                                 "data.val_fraction", "data.split_seed"])
+def test_rule_a_word_where_a_number_goes_is_one_clear_problem_not_a_traceback(key):
+    """These raised ValueError from int() while the spec was resolved or the host memory predicted, in preflight.py
+    and train.py alike; now the preflight names the key, the value and a fix, once."""
+    (msg,) = _problems("experiment=demo", f"{key}=junkval")
+    assert msg.startswith(f"{key}=junkval: must be ") and "Fix: " in msg
+    check.run_preflight(compose("train", ["experiment=demo", f"{key}=junkval"]), compile=False)  # no traceback
 
 def test_a_run_that_autoguides_by_default_takes_a_guide_snapshot():
     (msg,) = _problems("experiment=demo", "callbacks.guide.step=null")

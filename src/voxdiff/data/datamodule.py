@@ -30,8 +30,8 @@ from voxdiff.data.covariates import (
 from voxdiff.data.nifti import IMAGE_NAME, MASK_NAME, DataError, NiftiDataset, _stamp, check_cache, find_subjects
 from voxdiff.data.phantom import PHANTOM_COVARIATES, PhantomDataset, check_volume_shape, subject_name
 from voxdiff.data.shared import launch_rank, one_writes
-from voxdiff.data.split import split_subjects
-from voxdiff.errors import ConfigError, integer, number, plain
+from voxdiff.data.split import check_num_subjects, split_settings, split_subjects
+from voxdiff.errors import ConfigError, integer, plain
 from voxdiff.files import atomic_write
 
 log = logging.getLogger(__name__)
@@ -102,11 +102,8 @@ class VolumeDataModule(L.LightningDataModule):
         self.root: str | None = None if root is None else str(Path(str(root)).expanduser())
         self.image_name = self._name("data.image_name", plain(image_name))
         self.mask_name = self._name("data.mask_name", plain(mask_name))
-        self.num_subjects = integer("data.num_subjects", num_subjects, minimum=0,
-                                    fix="set data.num_subjects to 2 or more")
-        self.val_fraction = number("data.val_fraction", val_fraction, lo=0, hi=1, lo_open=True, hi_open=True,
-                                   example=0.25)
-        self.split_seed = integer("data.split_seed", split_seed, fix="set data.split_seed to an integer")
+        self.num_subjects = check_num_subjects(num_subjects)
+        self.val_fraction, self.split_seed = split_settings(val_fraction, split_seed)
         self.batch_size = integer("data.batch_size", batch_size, minimum=1, fix="set data.batch_size to 1 or more")
         self.num_workers = integer("data.num_workers", num_workers, minimum=0,
                                    fix="set data.num_workers to 0 (main process) or more")

@@ -53,10 +53,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from voxdiff.config import voxdiff_class
 from voxdiff.data.covariates import TABLE_NAME, WithCovariates, parse_covariates, read_table, subject_covariates
-from voxdiff.data.split import split_subjects
+from voxdiff.data.split import split_settings, split_subjects
 from voxdiff.data.phantom import check_volume_shape
 from voxdiff.encodings.base import LearnedEncoding
-from voxdiff.errors import ConfigError, integer, number, plain
+from voxdiff.errors import ConfigError, integer, plain
 from voxdiff.files import atomic_write, load_file
 
 INDEX_NAME = "index.json"
@@ -432,7 +432,7 @@ class LatentDataModule(L.LightningDataModule):
                               "data.volume_shape=[D,H,W]) and set data.latent_dir=DIR")
         self.latent_dir = Path(str(latent_dir)).expanduser()
         self.volume_shape = check_volume_shape(plain(volume_shape), key="data.volume_shape")
-        number("data.val_fraction", val_fraction, lo=0, hi=1, lo_open=True, hi_open=True, example=0.25)
+        val_fraction, split_seed = split_settings(val_fraction, split_seed)
         for key, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
             integer(f"data.{key}", value, minimum=low, example=low)
         self.index = check_latent_cache(self.latent_dir, self.volume_shape, plain(stage1_checkpoint), factor,
@@ -442,7 +442,7 @@ class LatentDataModule(L.LightningDataModule):
             raise ConfigError("data.latent_dir", str(self.latent_dir),
                               f"the cache holds {len(names)} subject(s); at least 2 are needed (1 train + 1 val)",
                               "cache a dataset with more subjects")
-        train_idx, val_idx = split_subjects(names, float(val_fraction), int(split_seed))
+        train_idx, val_idx = split_subjects(names, val_fraction, split_seed)
         self.train_subjects = [names[i] for i in train_idx]
         self.val_subjects = [names[i] for i in val_idx]
         self.batch_size = batch_size

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
+
+from voxdiff.errors import integer, number
 
 
 def split_subjects(names: Sequence[str], val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -30,3 +33,22 @@ def split_subjects(names: Sequence[str], val_fraction: float, seed: int) -> tupl
     val = sorted(rank[:n_val])
     train = sorted(rank[n_val:])
     return train, val
+
+
+def split_settings(val_fraction: Any, split_seed: Any) -> tuple[float, int]:
+    """``data.val_fraction`` in (0, 1) and ``data.split_seed``, an integer: what :func:`split_subjects` takes.
+
+    Raises:
+        ConfigError: naming the key, the value and a fix.
+    """
+    return (number("data.val_fraction", val_fraction, lo=0, hi=1, lo_open=True, hi_open=True, example=0.25),
+            integer("data.split_seed", split_seed, fix="set data.split_seed to an integer"))
+
+
+def check_num_subjects(num_subjects: Any) -> int:
+    """``data.num_subjects``, the subjects a data module makes (the phantom's, or a template's): an integer >= 0.
+
+    Raises:
+        ConfigError: naming the key, the value and a fix.
+    """
+    return integer("data.num_subjects", num_subjects, minimum=0, fix="set data.num_subjects to 2 or more")

@@ -67,6 +67,7 @@ from voxdiff.config import (
 )
 from voxdiff.data.covariates import TABLE_NAME, CovariateEncoding, estimated_width, parse_covariates, table_width
 from voxdiff.data.nifti import check_cache, readable_subjects
+from voxdiff.data.split import check_num_subjects, split_settings
 from voxdiff.diffusion.guidance import check_guide_step
 from voxdiff.encodings.base import AXES, Encoding, LearnedEncoding
 from voxdiff.encodings.vqvae import VQVAESpec, as_list, vqvae_spec
@@ -534,6 +535,9 @@ def run_resources(cfg: DictConfig) -> RunResources:
     prefetch = select(cfg, "data.prefetch_factor")
     if select(cfg, "data.cache") is not None:  # a data module without the key (latents) caches nothing
         collect(lambda: check_cache(select(cfg, "data.cache")))
+    if select(cfg, "data.num_subjects") is not None:  # host memory and the batch choice count them
+        collect(lambda: check_num_subjects(select(cfg, "data.num_subjects")))
+    collect(lambda: split_settings(select(cfg, "data.val_fraction", 0.25), select(cfg, "data.split_seed", 0)))
     slurm = select(cfg, "slurm")
     if slurm is not None and not isinstance(slurm, Mapping):
         collect.found.append(ConfigError("slurm", slurm, "must be a mapping of slurm/site.env keys (or null: no "
