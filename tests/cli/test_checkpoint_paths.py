@@ -428,3 +428,6 @@ def test_sample_py_encodes_and_decodes_in_the_windows_it_is_given(latent, diffus
     with pytest.raises(ConfigError) as err:
         _sample(tmp_path / "s2d", f"ckpt_path={diffusion_ckpt}", "encoding.window=[2,2,2]")
     assert err.value.key == "encoding.window" and "no encoder or decoder" in str(err.value)
+    with pytest.raises(ConfigError) as err:  # a number, not a list: the same refusal (it was a TypeError)
+        _sample(tmp_path / "s2d_scalar", f"ckpt_path={diffusion_ckpt}", "encoding.window=-3")
+    assert err.value.key == "encoding.window" and "no encoder or decoder" in str(err.value)

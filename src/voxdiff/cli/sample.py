@@ -41,7 +41,7 @@ from voxdiff.cli.exit_codes import hydra_main, refusals
 from voxdiff.config import require, select
 from voxdiff.diffusion.guidance import check_autoguide_scale
 from voxdiff.encodings import LearnedEncoding
-from voxdiff.errors import ConfigError, boolean, integer, number, one_of
+from voxdiff.errors import ConfigError, boolean, integer, number, one_of, plain
 
 SPLITS = ("val", "all")
 _CKPT_FIX = "point it at a training checkpoint, e.g. ckpt_path=<run dir>/checkpoints/last.ckpt"
@@ -120,7 +120,7 @@ def _load(cfg: DictConfig, device: Any, requested: bool = True) -> Loaded:
     window = select(cfg, "encoding.window")
     if window is not None:  # encode and decode in windows here, whatever the run did (less GPU memory)
         if not isinstance(system.encoding, LearnedEncoding):
-            raise ConfigError("encoding.window", list(window), f"{cfg.ckpt_path} uses {system.encoding.label}, "
+            raise ConfigError("encoding.window", plain(window), f"{cfg.ckpt_path} uses {system.encoding.label}, "
                               "which has no encoder or decoder to run in windows", "leave encoding.window unset")
         system.encoding.use_window(window, system.encoding.window_overlap)
     return Loaded(system.to(device), checkpoint[CONFIG_KEY], spec.precision, weights)
