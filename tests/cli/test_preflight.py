@@ -136,6 +136,19 @@ def test_sweep_needs_the_step_named(capsys, reference_csv, tmp_path):
     assert "preflight.recipe=null" in err and "preflight.recipe=seed" in err and not (tmp_path / "out.csv").exists()
 
 
+
+@pytest.mark.parametrize("key, value, problem", [("preflight.suggest", "junkval", "must be true or false"),
+                                                 ("preflight.autofit", "junkval", "must be true or false"),
+                                                 ("preflight.measure", "junkval", "must be true or false"),
+                                                 ("preflight.measure_steps", "1", "must be an integer >= 2")])
+def test_the_commands_switches_are_refused_naming_the_key_before_anything_is_predicted(capsys, key, value, problem):
+    """They were read for their truth: autofit=junkval ran the batch choice, measure=junkval said
+    "preflight.measure=true: needs a CUDA GPU", suggest=junkval was taken for true."""
+    assert run(["experiment=demo", f"{key}={value}"]) == EXIT_CONFIG
+    captured = capsys.readouterr()
+    assert f"{key}={value}: {problem}" in captured.err and "Fix: " in captured.err
+    assert "configurations valid" not in captured.out
+
 def test_measure_needs_a_gpu(capsys):
     import torch
 

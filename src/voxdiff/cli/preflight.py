@@ -23,7 +23,7 @@ from voxdiff.benchmarks.sweep import sweep
 from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_NO_FIT, EXIT_OK, command_line_refusal
 from voxdiff.config import batch_size_is_auto, compose, config_dir
 from voxdiff.files import check_output
-from voxdiff.errors import ConfigError
+from voxdiff.errors import ConfigError, Problems, boolean, integer
 from voxdiff.preflight.autofit import autofit
 from voxdiff.preflight.check import PreflightResult, run_preflight, with_overrides
 from voxdiff.run.gpus import resolve_gpu
@@ -174,9 +174,26 @@ def run(overrides: list[str]) -> int:
         return EXIT_CONFIG
 
 
+def check_switches(cfg: DictConfig) -> None:
+    """The command's own switches, before anything is predicted: ``preflight.suggest``, ``.autofit`` and ``.measure``
+    true or false; ``preflight.measure_steps`` at least 2 (step 1, then the steady state).
+
+    Raises:
+        ConfigError: naming the key, the value and a fix (every problem at once).
+    """
+    options = cfg.preflight
+    collect = Problems()
+    for key in ("suggest", "autofit", "measure"):
+        collect(lambda key=key: boolean(f"preflight.{key}", options.get(key, False)))
+    collect(lambda: integer("preflight.measure_steps", options.get("measure_steps", 3), minimum=2,
+                            fix="e.g. preflight.measure_steps=3 (step 1, then the steady state)"))
+    collect.raise_all()
+
+
 def _run(overrides: list[str]) -> int:
     os.environ.setdefault("VOXDIFF_TARGET", "gpu")  # resolve ${voxdiff.cpu_or:...} as the GPU run will
     base = compose("preflight", overrides)
+    check_switches(base)
     if base.preflight.measure:  # refused now on a machine without a GPU, not after the prediction
         require_cuda()
     if base.preflight.measure and base.preflight.out:  # the measured row is written after minutes on the GPU
