@@ -152,9 +152,25 @@ def test_run_needs_refuses_a_run_directory_without_room_for_one_checkpoint_write
     kept = _needs(tiny_cfg(f"paths.run_dir={tmp_path}/run", f"preflight.disk_free_gib={2.5 * need / 2**30}",
                            "callbacks.best.save_top_k=3"))
     assert not kept.misfits and "save_top_k" in kept.warnings[0]
-    none = _needs(tiny_cfg("callbacks.best=null", "callbacks.last=null"))
+    none = _needs(tiny_cfg("callbacks.best=null", "callbacks.last=null", "callbacks.guide.step=null",
+                           "system.sampling.autoguide_scale=1"))
     assert none.disk is None
 
+
+
+def test_a_guide_snapshot_is_one_more_checkpoint_kept_on_disk(tiny_cfg, tmp_path):
+    """``callbacks.guide.step`` keeps ``checkpoints/guide-step<N>.ckpt`` beside the best and last ones for the rest of
+    the run: the disk prediction counts it, and a disk with room for the others only says which key keeps it."""
+    run = f"paths.run_dir={tmp_path}/run"
+    unguided = ("callbacks.guide.step=null", "system.sampling.autoguide_scale=1")  # the demo autoguides by default
+    without = _needs(tiny_cfg(run, *unguided))
+    guided = _needs(tiny_cfg(run, "callbacks.guide.step=100"))
+    assert without.disk is not None and guided.disk is not None
+    assert guided.disk.kept == without.disk.kept + 1 and not without.warnings and not guided.warnings
+    room = (without.disk.kept + 1) * without.disk.checkpoint / 2**30  # the kept ones and the one being written
+    assert not _needs(tiny_cfg(run, f"preflight.disk_free_gib={room}", *unguided)).warnings
+    tight = _needs(tiny_cfg(run, f"preflight.disk_free_gib={room}", "callbacks.guide.step=100"))
+    assert not tight.misfits and "callbacks.guide.step" in tight.warnings[0]
 
 def test_run_needs_refuses_a_memory_cache_larger_than_the_host_budget(tiny_cfg):
     import math

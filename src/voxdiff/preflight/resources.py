@@ -100,8 +100,8 @@ class DiskNeed:
 
     Attributes:
         checkpoint: bytes of one checkpoint file.
-        kept: how many checkpoint files the run keeps at once (``save_top_k`` best ones and ``last.ckpt``);
-            None when ``save_top_k=-1`` keeps every one.
+        kept: how many checkpoint files the run keeps at once (``save_top_k`` best ones, ``last.ckpt`` and a guide
+            snapshot); None when ``save_top_k=-1`` keeps every one.
         free: free bytes where the run directory will be.
         where: the existing folder that was measured.
         latent_cache: bytes of the latent cache a latent run reads (of ``latent_subjects`` subjects, or of one
@@ -138,11 +138,12 @@ class DiskNeed:
                 f"{verdict}")
 
 
-def kept_checkpoints(save_top_k: int | None, last: bool) -> int | None:
-    """Checkpoint files kept at once: the ``save_top_k`` best (None for -1, every one) and ``last.ckpt``."""
+def kept_checkpoints(save_top_k: int | None, last: bool, guide: bool = False) -> int | None:
+    """Checkpoint files kept at once: the ``save_top_k`` best (None for -1, every one), ``last.ckpt`` and the guide
+    snapshot of autoguidance (``guide-step<N>.ckpt``)."""
     if save_top_k is not None and save_top_k < 0:
         return None
-    return max(0, save_top_k or 0) + int(last)
+    return max(0, save_top_k or 0) + int(last) + int(guide)
 
 
 # ------------------------------------------------------------------------------------------------------ host memory
@@ -524,7 +525,7 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
 
     # disk: the checkpoints, under the run directory
     needs, options = run.resources, run.preflight
-    kept = kept_checkpoints(needs.best_top_k, needs.keep_last)
+    kept = kept_checkpoints(needs.best_top_k, needs.keep_last, needs.guide_snapshot)
     disk = None
     if kept != 0:
         run_dir = needs.run_dir
@@ -544,9 +545,11 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
                 f"atomically needs {size(2 * disk.checkpoint)} (the previous {size(disk.checkpoint)} checkpoint and "
                 "the new one side by side)", "point paths.run_dir at a file system with room, or free space there"))
         elif not disk.kept_fits:
+            keys = "callbacks.best.save_top_k, callbacks.last" + (", callbacks.guide.step" if needs.guide_snapshot
+                                                                   else "")
             warnings.append(f"the kept checkpoints ({'every one' if kept is None else kept} of "
-                            f"{size(disk.checkpoint)}, callbacks.best.save_top_k and callbacks.last) will not all fit "
-                            f"the {size(disk.free)} free under {where}")
+                            f"{size(disk.checkpoint)}: {keys}) will not all fit the {size(disk.free)} free under "
+                            f"{where}")
 
     # host memory: the data cache of every rank of a node, and the batches the workers hold ahead
     host = None

@@ -67,6 +67,7 @@ from voxdiff.config import (
 )
 from voxdiff.data.covariates import TABLE_NAME, CovariateEncoding, estimated_width, parse_covariates, table_width
 from voxdiff.data.nifti import check_cache, readable_subjects
+from voxdiff.data.phantom import check_volume_shape
 from voxdiff.data.split import check_num_subjects, split_settings
 from voxdiff.diffusion.guidance import check_guide_step
 from voxdiff.encodings.base import AXES, Encoding, LearnedEncoding
@@ -194,7 +195,8 @@ def stage1_settings(
                            hi_open=True, fix="use 0.03 (or 0 to turn dead-code restarts off)"))
     shape = None
     if volume_shape is not None:
-        shape = tuple(int(v) for v in as_list(volume_shape))
+        shape = collect(lambda: check_volume_shape(volume_shape, key="system.volume_shape"))
+    if shape is not None:
         for axis, size in zip(("depth", "height", "width"), shape):
             if spec is not None and size % spec.factor:
                 collect.found.append(ConfigError(
@@ -371,6 +373,7 @@ class RunResources:
         run_dir: ``paths.run_dir``, where the checkpoints are written.
         best_top_k: ``callbacks.best.save_top_k`` (-1: every one), 0 without a best-checkpoint callback.
         keep_last: whether ``callbacks.last`` keeps ``last.ckpt``.
+        guide_snapshot: whether ``callbacks.guide.step`` keeps a guide snapshot (``guide-step<N>.ckpt``).
         data: the ``data:`` values of :data:`DATA_MEMORY_KEYS` (None where absent).
         masks: ``data.masks``: whether a latent batch carries its full-size mask (default true).
         num_workers, prefetch_factor: the DataLoader's workers and the batches each prepares ahead (None:
@@ -382,6 +385,7 @@ class RunResources:
     run_dir: str = "."
     best_top_k: int = 0
     keep_last: bool = False
+    guide_snapshot: bool = False
     data: Mapping[str, Any] | None = None
     masks: bool = True
     num_workers: int = 0
@@ -531,6 +535,9 @@ def run_resources(cfg: DictConfig) -> RunResources:
     if best is not None:
         top_k = collect(lambda: integer("callbacks.best.save_top_k", select(cfg, "callbacks.best.save_top_k", 1),
                                         minimum=-1, fix="e.g. callbacks.best.save_top_k=1 (-1: keep every one)"))
+    guide = None  # the step after which the run keeps its guide snapshot, another checkpoint on disk
+    if OmegaConf.select(cfg, "callbacks.guide") is not None:
+        guide = collect(lambda: check_guide_step(select(cfg, "callbacks.guide.step")))
     workers = select(cfg, "data.num_workers", 0)
     prefetch = select(cfg, "data.prefetch_factor")
     if select(cfg, "data.cache") is not None:  # a data module without the key (latents) caches nothing
@@ -546,6 +553,7 @@ def run_resources(cfg: DictConfig) -> RunResources:
         run_dir=str(select(cfg, "paths.run_dir", ".")),
         best_top_k=top_k,
         keep_last=OmegaConf.select(cfg, "callbacks.last") is not None,
+        guide_snapshot=guide is not None,
         data={k: select(cfg, f"data.{k}") for k in DATA_MEMORY_KEYS},
         masks=bool(select(cfg, "data.masks", True)),
         num_workers=collect(lambda: integer("data.num_workers", 0 if workers is None else workers, minimum=0,
@@ -606,14 +614,14 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
 
 
 def check_guide_snapshot(cfg: DictConfig, sampling: SamplingSettings) -> None:
-    """The guide snapshot's step (``callbacks.guide.step``) is a positive integer or null, and a run whose commands
-    autoguide by default (``system.sampling.autoguide_scale``) takes a snapshot. (A run that ends before that step
-    has none: its commands then sample without autoguidance and say so.)
+    """A run whose commands autoguide by default (``system.sampling.autoguide_scale``) takes a guide snapshot
+    (``callbacks.guide.step``, whose value :func:`run_resources` checks). (A run that ends before that step has none:
+    its commands then sample without autoguidance and say so.)
 
     Raises:
         ConfigError: naming the key, the value and a fix.
     """
-    if check_guide_step(select(cfg, "callbacks.guide.step")) is None and sampling.autoguide_scale != 1.0:
+    if sampling.autoguide_scale != 1.0 and select(cfg, "callbacks.guide.step") is None:
         raise ConfigError("system.sampling.autoguide_scale", sampling.autoguide_scale, "makes sample.py and "
                           "evaluate.py autoguide with the run's guide snapshot, and callbacks.guide.step is null",
                           "set callbacks.guide.step=N (e.g. a third of trainer.max_steps), or "
