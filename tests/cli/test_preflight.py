@@ -136,7 +136,6 @@ def test_sweep_needs_the_step_named(capsys, reference_csv, tmp_path):
     assert "preflight.recipe=null" in err and "preflight.recipe=seed" in err and not (tmp_path / "out.csv").exists()
 
 
-
 @pytest.mark.parametrize("key, value, problem", [("preflight.suggest", "junkval", "must be true or false"),
                                                  ("preflight.autofit", "junkval", "must be true or false"),
                                                  ("preflight.measure", "junkval", "must be true or false"),

@@ -67,7 +67,6 @@ def test_tracker_matches_cpu_allocator(checkpointing: bool, attention_levels: tu
     assert op_peak <= raw_peak  # the scratch-free reference can only be lower than the allocator's raw peak
 
 
-
 def test_a_block_from_before_the_profile_freed_inside_it_is_in_neither_peak(one_thread) -> None:
     """The reference's two peaks count the same blocks: one allocated before the profile and freed inside it lowers
     neither. Such a block is garbage of an earlier profiled test, collected while a trace runs (the allocator reports

@@ -157,7 +157,6 @@ def test_run_needs_refuses_a_run_directory_without_room_for_one_checkpoint_write
     assert none.disk is None
 
 
-
 def test_a_guide_snapshot_is_one_more_checkpoint_kept_on_disk(tiny_cfg, tmp_path):
     """``callbacks.guide.step`` keeps ``checkpoints/guide-step<N>.ckpt`` beside the best and last ones for the rest of
     the run: the disk prediction counts it, and a disk with room for the others only says which key keeps it."""

@@ -118,7 +118,6 @@ def test_rule_channels_last_is_refused_under_fsdp():
     assert run_spec(compose("train", ["experiment=exp11", "model.channels_last=true"]), "cuda").unet.channels_last
 
 
-
 @pytest.mark.parametrize("step", ["abc", "0", "2.5"])
 def test_rule_a_guide_snapshot_step_that_is_not_a_positive_integer_is_refused_before_launch(step):
     """The preflight (and train.py's validation, before the run directory is claimed) refuse what the callback would

@@ -73,6 +73,7 @@ def check_cache(cache: Any) -> str:
     """
     return str(one_of("data.cache", cache, CACHE_MODES, fix="e.g. data.cache=memory"))
 
+
 def find_subjects(
     root: str | os.PathLike[str],
     image_name: str = IMAGE_NAME,
