@@ -148,6 +148,7 @@ def test_the_commands_switches_are_refused_naming_the_key_before_anything_is_pre
     assert f"{key}={value}: {problem}" in captured.err and "Fix: " in captured.err
     assert "configurations valid" not in captured.out
 
+
 def test_measure_needs_a_gpu(capsys):
     import torch
 

@@ -81,6 +81,7 @@ def test_a_block_from_before_the_profile_freed_inside_it_is_in_neither_peak(one_
     raw_peak, op_peak = profiler_peaks(prof)
     assert raw_peak == op_peak == 2 * MiB
 
+
 def test_checkpointing_really_recomputes_on_cpu(one_thread) -> None:
     """The tracker sees checkpointing's effect on real tensors: a lower step peak (x0.75 or better here)."""
     peaks = {}

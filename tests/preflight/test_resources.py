@@ -171,6 +171,20 @@ def test_a_guide_snapshot_is_one_more_checkpoint_kept_on_disk(tiny_cfg, tmp_path
     tight = _needs(tiny_cfg(run, f"preflight.disk_free_gib={room}", "callbacks.guide.step=100"))
     assert not tight.misfits and "callbacks.guide.step" in tight.warnings[0]
 
+
+def test_a_guide_snapshot_at_or_after_the_last_step_is_warned_of_and_not_on_the_disk_bill(tiny_cfg, tmp_path):
+    """``callbacks.guide.step`` not before ``trainer.max_steps``: the run never takes its guide (or takes the final
+    model, which guides nothing), so its commands would sample without autoguidance; the preflight says so, with a
+    step that works, and counts no snapshot on disk."""
+    run = f"paths.run_dir={tmp_path}/run"
+    early = _needs(tiny_cfg(run, "trainer.max_steps=600", "callbacks.guide.step=200"))
+    late = _needs(tiny_cfg(run, "trainer.max_steps=100", "callbacks.guide.step=200"))
+    assert not early.warnings and late.disk.kept == early.disk.kept - 1
+    (warning,) = late.warnings
+    assert "callbacks.guide.step=200 is not before trainer.max_steps=100" in warning
+    assert "e.g. callbacks.guide.step=33" in warning
+
+
 def test_run_needs_refuses_a_memory_cache_larger_than_the_host_budget(tiny_cfg):
     import math
 

@@ -151,6 +151,7 @@ def test_rule_a_stage_1_volume_shape_that_is_not_three_sizes_is_one_clear_proble
     (msg,) = _problems("experiment=vqvae_4x", "system.volume_shape=junkval")
     assert msg.startswith("system.volume_shape=junkval: ") and "Fix: " in msg
 
+
 def test_a_run_that_autoguides_by_default_takes_a_guide_snapshot():
     (msg,) = _problems("experiment=demo", "callbacks.guide.step=null")
     assert msg.startswith("system.sampling.autoguide_scale=1.25: makes sample.py and evaluate.py autoguide with the "

@@ -525,7 +525,14 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
 
     # disk: the checkpoints, under the run directory
     needs, options = run.resources, run.preflight
-    kept = kept_checkpoints(needs.best_top_k, needs.keep_last, needs.guide_snapshot)
+    guide = needs.guide_step
+    if guide is not None and 0 < needs.max_steps <= guide:  # the snapshot would be the trained model, or never taken
+        warnings.append(f"callbacks.guide.step={guide} is not before trainer.max_steps={needs.max_steps}: the run "
+                        "keeps no earlier model to guide with, and its commands sample without autoguidance. Fix: "
+                        + (f"e.g. callbacks.guide.step={max(1, needs.max_steps // 3)} (a third of the run)"
+                           if needs.max_steps > 1 else "callbacks.guide.step=null (one step has no earlier model)"))
+        guide = None if guide > needs.max_steps else guide
+    kept = kept_checkpoints(needs.best_top_k, needs.keep_last, guide is not None)
     disk = None
     if kept != 0:
         run_dir = needs.run_dir
@@ -545,7 +552,7 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
                 f"atomically needs {size(2 * disk.checkpoint)} (the previous {size(disk.checkpoint)} checkpoint and "
                 "the new one side by side)", "point paths.run_dir at a file system with room, or free space there"))
         elif not disk.kept_fits:
-            keys = "callbacks.best.save_top_k, callbacks.last" + (", callbacks.guide.step" if needs.guide_snapshot
+            keys = "callbacks.best.save_top_k, callbacks.last" + (", callbacks.guide.step" if guide is not None
                                                                    else "")
             warnings.append(f"the kept checkpoints ({'every one' if kept is None else kept} of "
                             f"{size(disk.checkpoint)}: {keys}) will not all fit the {size(disk.free)} free under "

@@ -373,7 +373,8 @@ class RunResources:
         run_dir: ``paths.run_dir``, where the checkpoints are written.
         best_top_k: ``callbacks.best.save_top_k`` (-1: every one), 0 without a best-checkpoint callback.
         keep_last: whether ``callbacks.last`` keeps ``last.ckpt``.
-        guide_snapshot: whether ``callbacks.guide.step`` keeps a guide snapshot (``guide-step<N>.ckpt``).
+        guide_step: ``callbacks.guide.step``, after which the run keeps a guide snapshot (``guide-step<N>.ckpt``);
+            None: no snapshot.
         data: the ``data:`` values of :data:`DATA_MEMORY_KEYS` (None where absent).
         masks: ``data.masks``: whether a latent batch carries its full-size mask (default true).
         num_workers, prefetch_factor: the DataLoader's workers and the batches each prepares ahead (None:
@@ -385,7 +386,7 @@ class RunResources:
     run_dir: str = "."
     best_top_k: int = 0
     keep_last: bool = False
-    guide_snapshot: bool = False
+    guide_step: int | None = None
     data: Mapping[str, Any] | None = None
     masks: bool = True
     num_workers: int = 0
@@ -553,7 +554,7 @@ def run_resources(cfg: DictConfig) -> RunResources:
         run_dir=str(select(cfg, "paths.run_dir", ".")),
         best_top_k=top_k,
         keep_last=OmegaConf.select(cfg, "callbacks.last") is not None,
-        guide_snapshot=guide is not None,
+        guide_step=guide,
         data={k: select(cfg, f"data.{k}") for k in DATA_MEMORY_KEYS},
         masks=bool(select(cfg, "data.masks", True)),
         num_workers=collect(lambda: integer("data.num_workers", 0 if workers is None else workers, minimum=0,
