@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from omegaconf import DictConfig
 
-from voxdiff.checkpoint import CONFIG_KEY, GUIDE_GLOB
+from voxdiff.checkpoint import CONFIG_KEY, GUIDE_GLOB, weights_differences
 from voxdiff.cli.checkpoint_paths import command_data, path_choice, stage1_weights
 from voxdiff.cli.covariate_args import (
     covariate_rows,
@@ -170,11 +170,12 @@ def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any) -> tuple[Any
               "without autoguidance", flush=True)
         return None, replace(sampler, autoguide_scale=1.0), None
     guide = _load(OmegaConf.merge(cfg, {"ckpt_path": str(path)}), device, requested=False).system
-    shapes = lambda sys_: {k: tuple(v.shape) for k, v in sys_.step.model.state_dict().items()}  # noqa: E731
-    if (guide.mode, guide.encoding.label) != (system.mode, system.encoding.label) or shapes(guide) != shapes(system):
+    differences = weights_differences(system.step.model.state_dict(), {"state_dict": guide.step.model.state_dict()})
+    if (guide.mode, guide.encoding.label) != (system.mode, system.encoding.label) or differences:
         raise ConfigError("autoguide_ckpt", str(path), f"is another model (mode {guide.mode}, "
                           f"{guide.encoding.label}) than {cfg.ckpt_path} (mode {system.mode}, {system.encoding.label}) "
-                          "or has other weight shapes: a guide is the same network, less trained",
+                          f"or has other weights{f' ({differences})' if differences else ''}: a guide is the same "
+                          "network, less trained",
                           f"use the guide snapshot of the same run (its checkpoints/{GUIDE_GLOB})")
     if bool(cfg.use_ema) and guide.step.ema is not None:
         guide.step.ema.copy_to(guide.step.model)

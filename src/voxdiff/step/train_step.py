@@ -364,10 +364,10 @@ class TrainStep:
 
     def _generate_chunk(self, process: Process, mask: torch.Tensor, out_channels: int, num_inference_steps: int | None,
                         generator: torch.Generator | None, eta: float | None, probe: PhaseProbe,
-                        guidance_scale: float, covariates: torch.Tensor | None = None,
-                        model: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+                        guidance_scale: float, covariates: torch.Tensor | None,
+                        model: Callable[..., torch.Tensor]) -> torch.Tensor:
         """:meth:`generate` of one chunk of masks ``(b, 1, D, H, W)`` and covariates ``(b, K)`` or None (the model in
-        eval mode, weights in place; ``model``: what the sampler calls, default the UNet itself)."""
+        eval mode, weights in place; ``model``: what the sampler calls, the UNet or its autoguided mix)."""
         probe.begin("condition")
         if self.mode == "bravo":
             cond = encode_volume(self.encoding, mask)  # (b, C, d, h, w)
@@ -377,7 +377,7 @@ class TrainStep:
             spatial = self.encoding.encoded_shape((1, *mask.shape[2:]))[1:]
         probe.end("condition")
         probe.begin("sampling")
-        z = process.sample(model or self.model, (mask.shape[0], out_channels, *spatial), cond, num_inference_steps,
+        z = process.sample(model, (mask.shape[0], out_channels, *spatial), cond, num_inference_steps,
                            generator=generator, device=mask.device, eta=eta, guidance_scale=guidance_scale,
                            **({} if covariates is None else {"covariates": covariates.to(mask.device)}))
         probe.end("sampling")
