@@ -220,3 +220,13 @@ def test_the_default_output_is_the_runs_eval_folder(run):
     run_dir = Path(cfg.paths.run_dir)
     assert run_dir.parent == out / "eval" and run_dir.name[:4].isdigit()
     assert compose("evaluate", [f"ckpt_path={last}", "out_dir=/tmp/x"]).paths.run_dir == "/tmp/x"
+
+
+def test_an_evaluation_above_its_memory_budget_is_refused_before_it_samples(run, tmp_path):
+    """evaluate.py predicts its sampling memory as sample.py does (one check: voxdiff.cli.sample.ready): a budget
+    that not even batch 1 fits is refused naming ``device``, before any sample or figure is written."""
+    _, _, last = run
+    with pytest.raises(ConfigError) as e:
+        _evaluate(last, tmp_path, "batch_size=4", "memory_budget_gib=1e-9")
+    assert e.value.key == "device" and "even at batch_size=1" in str(e.value)
+    assert not (tmp_path / "samples").exists() and not (tmp_path / "metrics.json").exists()

@@ -180,3 +180,50 @@ def test_a_guide_of_another_model_is_refused(guided_run, tiny_demo, tmp_path):
                                           r"less trained"):
         _sample(tmp_path / "c", f"ckpt_path={guided_run}", "n=1", "autoguide_scale=1.5",
                 f"autoguide_ckpt={other['last_checkpoint']}")
+
+
+def test_sampling_memory_is_predicted_and_a_batch_above_the_budget_is_refused_with_one_that_fits(nifti_run, tmp_path,
+                                                                                                  capsys):
+    """Before anything goes to the device the command predicts its peak (voxdiff.preflight.memory.predict_sampling)
+    and prints it; a batch predicted above ``memory_budget_gib`` is refused naming ``batch_size`` and the largest batch
+    predicted to fit; one that not even batch 1 fits is refused naming ``device``; within the budget it samples."""
+    from voxdiff.cli.sample import _load
+    from voxdiff.preflight.memory import predict_sampling
+
+    GiB = 2**30
+    data, ckpt = nifti_run
+    base = [f"ckpt_path={ckpt}", f"data.root={data}", "split=all", "n=3", "batch_size=3"]
+    loaded = _load(compose("sample", base), torch.device("cpu"))
+    need = {b: predict_sampling(loaded.spec, b, num_inference_steps=2, encoding=loaded.system.encoding)
+            .required_bytes() for b in (1, 2, 3)}
+    assert need[1] < need[2] < need[3]
+    with pytest.raises(ConfigError) as e:
+        _sample(tmp_path / "a", *base, f"memory_budget_gib={(need[2] + need[3]) / 2 / GiB!r}")
+    assert e.value.key == "batch_size" and e.value.value == 3
+    assert "Fix: use batch_size=2 (predicted" in str(e.value)
+    assert not (tmp_path / "a" / "samples").exists()  # refused before anything was sampled
+    with pytest.raises(ConfigError) as e:
+        _sample(tmp_path / "b", *base, f"memory_budget_gib={need[1] / 2 / GiB!r}")
+    assert e.value.key == "device" and "even at batch_size=1" in str(e.value)
+    capsys.readouterr()
+    assert len(_sample(tmp_path / "c", *base, f"memory_budget_gib={need[3] * 1.01 / GiB!r}")) == 3
+    out = capsys.readouterr().out
+    assert f"[voxdiff] sampling memory on cpu (predicted): peak {need[3] / 1.1 / GiB:.3g} GiB" in out
+    with pytest.raises(ConfigError, match=r"memory_budget_gib=0: must be a positive number. Fix: e.g. memory_budget_gib=40"):
+        validate(compose("sample", [*base, "memory_budget_gib=0"]))
+
+
+def test_a_guide_the_budget_cannot_hold_is_refused_naming_autoguide_scale(guided_run, tmp_path):
+    """Autoguidance holds a second UNet: where batch 1 fits only without it, the refusal names ``autoguide_scale``."""
+    from voxdiff.cli.sample import _load
+    from voxdiff.preflight.memory import predict_sampling
+
+    GiB = 2**30
+    base = [f"ckpt_path={guided_run}", "n=1", "batch_size=1", "autoguide_scale=1.5"]
+    loaded = _load(compose("sample", base), torch.device("cpu"))
+    alone, guided = (predict_sampling(loaded.spec, 1, autoguide_scale=s, num_inference_steps=2,
+                                      encoding=loaded.system.encoding).required_bytes() for s in (1.0, 1.5))
+    assert guided > alone
+    with pytest.raises(ConfigError) as e:
+        _sample(tmp_path, *base, f"memory_budget_gib={(alone + guided) / 2 / GiB!r}")
+    assert e.value.key == "autoguide_scale" and "Fix: use autoguide_scale=1 (no guide" in str(e.value)

@@ -70,6 +70,81 @@ def test_sampling_and_vqvae_decode_match_cpu_allocator(one_thread) -> None:
     assert trace.peak - trace.start_bytes == pytest.approx(op_peak, rel=0.05)
 
 
+def test_autoguided_sampling_outside_training_matches_cpu_allocator(one_thread) -> None:
+    """What sample.py / evaluate.py hold: the UNet with its EMA folded in (no EMA, no AdamW state) and the guide's
+    UNet beside it, both run at every step (autoguidance): the tracked transient peak = the allocator's within 5 %,
+    and the resident bytes are exactly the two UNets' weights and buffers."""
+    torch.manual_seed(0)
+    batch = {"image": (2, 1, *VOLUME), "mask": (2, 1, *VOLUME)}
+    step = _trained_step(SpaceToDepth(2), 16, 8, batch)
+    step.fold_ema(True)
+    step.optimizer = None  # as the commands rebuild it: no optimizer, so no AdamW state
+    guide = _trained_step(SpaceToDepth(2), 16, 8, batch).model
+    held = [*step.model.parameters(), *step.model.buffers(), *guide.parameters(), *guide.buffers()]
+    traces = {}
+    for scale in (1.0, 1.5):
+        traces[scale], op_peak = _profiled(lambda: trace_sampling(
+            step, (2, 1, *VOLUME), 8, 2, device_type="cpu", resident=list(guide.parameters()) + list(guide.buffers()),
+            guide=guide, autoguide_scale=scale))
+        trace = traces[scale]
+        assert trace.start_bytes == sum(t.untyped_storage().nbytes() for t in held)
+        assert trace.peak - trace.start_bytes == pytest.approx(op_peak, rel=0.05)
+    # the guide's prediction is a second forward at every step: its output is live beside the model's
+    guided, alone = (traces[s].peaks["sampling"] - traces[s].start_bytes for s in (1.5, 1.0))
+    assert guided > alone
+
+
+def test_frozen_weights_keep_no_autocast_copies_while_sample_py_samples(one_thread) -> None:
+    """sample.py samples under ``torch.no_grad()`` in the run's autocast (bf16 here, on the CPU): ATen caches a bf16
+    copy of every weight that requires gradients until the region exits, which the trace (in inference mode, as
+    Lightning samples) does not see. ``TrainStep.fold_ema`` freezes the weights: the allocator's peak falls by those
+    copies, half the fp32 weights, to what it is with no cache."""
+    batch = {"image": (1, 1, *VOLUME), "mask": (1, 1, *VOLUME)}
+    step = _trained_step(SpaceToDepth(2), 16, 8, batch, ema=False)
+    step.optimizer = None
+    mask = torch.rand(1, 1, *VOLUME).round()
+
+    def sample() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            step.generate(mask, 8, 2, generator=torch.Generator().manual_seed(0))
+
+    peaks = {}
+    for frozen in (False, True):
+        step.model.requires_grad_(not frozen)
+        peaks[frozen] = _profiled(sample)[1]
+    weights = sum(p.numel() * 4 for p in step.model.parameters())
+    assert peaks[False] - peaks[True] == pytest.approx(weights / 2, rel=0.05)
+    step.model.requires_grad_(True)
+    step.fold_ema(True)
+    assert _profiled(sample)[1] == peaks[True]
+
+
+def test_sampling_outside_training_holds_one_unet_and_the_guide(gpu_run) -> None:
+    """exp9_ldm_4x_bravo (meta, seconds): sample.py holds one fp32 copy of the UNet (a run's sampling holds four:
+    weights, two AdamW moments, EMA), plus the guide's when it autoguides, plus the VQ-VAE; classifier-free
+    guidance doubles the UNet's batch; a larger batch of masks costs more."""
+    from voxdiff.preflight.memory import predict_sampling
+
+    cfg = compose("preflight", ["experiment=exp9_ldm_4x_bravo", "model.compile=false"])
+    alone = predict_sampling(cfg, 1)
+    guided = predict_sampling(cfg, 1, autoguide_scale=1.25)
+    two = predict_sampling(cfg, 2, autoguide_scale=1.25)
+    in_run = predict_phases(cfg)
+    weights = in_run.training_report.param_bytes
+    assert alone.model_bytes == pytest.approx(weights, rel=0.01) and alone.guide_bytes == 0
+    assert guided.guide_bytes == guided.model_bytes == alone.model_bytes
+    assert guided.resident - alone.resident == guided.guide_bytes
+    autoencoder = alone.resident - alone.model_bytes
+    assert 0 < autoencoder < weights / 10
+    assert in_run.resident - autoencoder == pytest.approx(4 * weights, rel=0.02)
+    assert guided.peak - alone.peak >= guided.guide_bytes
+    assert two.peak > guided.peak and two.batch == 2 and two.unet_batch == 2
+    assert guided.peak < in_run.sampling
+    steps = predict_sampling(compose("preflight", ["experiment=exp11", "diffusion=rflow",
+                                                   "system.guidance.drop_prob=0.1"]), 1, guidance_scale=2.0)
+    assert steps.unet_batch == 2 and steps.inference_steps == 30 and "UNet batch 2, 30 steps" in steps.describe()
+
+
 @pytest.fixture
 def gpu_run(monkeypatch):
     """Resolve ``${voxdiff.cpu_or:...}`` as the GPU run will, as ``python preflight.py`` does."""

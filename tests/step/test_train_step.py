@@ -197,3 +197,42 @@ def test_the_mask_weight_reaches_the_loss(process):
     torch.testing.assert_close(empty, plain[0])
     with pytest.raises(ConfigError, match="diffusion.mask_weight"):
         system_recipe({}, False, {"process": process, "mask_weight": -1})
+
+
+def test_fold_ema_leaves_one_copy_of_the_weights_that_samples_as_the_ema_swap_does():
+    """What sample.py and evaluate.py hold (``fold_ema`` before the model goes to the device): the EMA's weights
+    written into the model (``use_ema``) or the raw ones kept, and no EMA copy; sampling then gives bit for bit what
+    the swap of the unfolded step gives."""
+    from voxdiff.encodings import SpaceToDepth
+    from voxdiff.models import unet_spec
+
+    torch.manual_seed(0)
+    recipe = system_recipe({"lr": 1e-2}, {"decay": 0.5, "start_step": 0}, {"num_inference_steps": 2})
+    model = build_unet_from_spec(unet_spec(16, 8, [8, 8], [False, False], [1, 1], 8, 4))  # S2D(2): 8 + 8 channels in
+    step = TrainStep(model, recipe, encoding=SpaceToDepth(2), process=DiffusionProcess(recipe.diffusion,
+                                                                                        clip_range=1.0))
+    step.configure_optimizer()
+    volume = (1, 1, 16, 16, 16)
+    for _ in range(3):
+        step.run({"image": torch.rand(volume), "mask": torch.rand(volume).round()})
+    raw = [p.detach().clone() for p in step.model.parameters()]
+    shadow = [s.clone() for s in step.ema.shadow]
+    assert any(not torch.equal(r, s) for r, s in zip(raw, shadow))  # the EMA lags the raw weights
+
+    mask = torch.rand(volume).round()
+
+    def sample(s: TrainStep, use_ema: bool = True) -> torch.Tensor:
+        return s.generate(mask, 8, 2, generator=torch.Generator().manual_seed(3), use_ema=use_ema)
+
+    swapped, swapped_raw = sample(step), sample(step, use_ema=False)
+    ema_side, raw_side = copy.deepcopy(step), copy.deepcopy(step)
+    ema_side.fold_ema(True)
+    raw_side.fold_ema(False)
+    assert ema_side.ema is None and raw_side.ema is None
+    assert not any(p.requires_grad for p in ema_side.model.parameters())  # frozen: no autocast weight cache
+    assert all(torch.equal(p, s) for p, s in zip(ema_side.model.parameters(), shadow))
+    assert all(torch.equal(p, r) for p, r in zip(raw_side.model.parameters(), raw))
+    assert torch.equal(sample(ema_side), swapped)  # whatever use_ema says, the folded weights sample
+    assert torch.equal(sample(ema_side, use_ema=False), swapped)
+    assert torch.equal(sample(raw_side), swapped_raw)
+    assert not torch.equal(swapped, swapped_raw)

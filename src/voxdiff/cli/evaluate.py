@@ -33,7 +33,8 @@ from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind
 from voxdiff.cli.devices import pick_device
 from voxdiff.cli.exit_codes import hydra_main, refusals
 from voxdiff.cli.covariate_args import covariate_rows, covariate_vectors, requested_covariates, without_table
-from voxdiff.cli.sample import _CKPT_FIX, _datamodule, _guide, _load, validate as validate_sampling
+from voxdiff.cli.sample import _CKPT_FIX, _datamodule, measured_memory, ready, release
+from voxdiff.cli.sample import validate as validate_sampling
 from voxdiff.config import is_phantom_data, plain
 from voxdiff.data.phantom import COVARIATE_EFFECTS, ventricle_voxels
 from voxdiff.errors import ConfigError, integer
@@ -217,7 +218,9 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
         with open_dict(control_cfg):
             control_cfg.ckpt_path = str(control_path)
             control_cfg.autoguide_ckpt = None  # autoguided as the model is, by its own run's guide snapshot
-        model, _, control_precision, _ = _load(control_cfg, device, requested=False)  # a control may have none
+        # a control may have no covariates; it samples as the model did (its guide, if it has one, is its own)
+        model, control_sampler, control_guide, _, _, control_precision, _, _ = ready(control_cfg, device,
+                                                                                    requested=False, sampler=sampler)
         encoding = model.covariate_encoding
         if encoding is not None and set(encoding.names) != set(rows[0]):
             raise ConfigError("control_ckpt", str(control_path), f"was trained with the covariates {encoding.names}, "
@@ -225,9 +228,9 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
                               "(shuffled) or none")
         print(f"[voxdiff] negative control {control_path}: sampling with the same masks, noise and covariates",
               flush=True)
-        control_guide, control_sampler, _ = _guide(control_cfg, device, model, sampler)
         control, _, _ = _generate(cfg, model, control_sampler, real, device, control_precision, rows, tag="control",
                                   guide=control_guide)
+        release(model, control_guide)
     sections = []
     for name, (measure, of, label) in effects.items():
         key = f"covariate_{name}_{measure}"
@@ -255,10 +258,7 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
 
 
 def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
-    system, saved, precision, weights = _load(cfg, device)
-    sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"),
-                             cfg.get("autoguide_scale"))
-    guide, sampler, guide_path = _guide(cfg, device, system, sampler)
+    system, sampler, guide, guide_path, saved, precision, weights, memory = ready(cfg, device)
     encoding = system.covariate_encoding
     requested = requested_covariates(cfg, encoding)
     swept = _swept(cfg, encoding)
@@ -281,6 +281,8 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     generated, sources, pngs = _generate(cfg, system, sampler, real, device, precision, rows, guide=guide)
     t1 = time.perf_counter()
+    measured_memory(device, memory)
+    release(system, guide)  # the device is the feature extractors' and the negative control's from here on
     print(f"[voxdiff] {len(generated)} samples in {t1 - t0:.1f} s; computing the figures", flush=True)
     # trained and evaluated on the built-in phantom: its ventricles can be counted
     phantom = is_phantom_data(saved.get("data")) and cfg.data.get("root") is None
@@ -302,7 +304,7 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
         "sampling": {"sampler": sampler.sampler, "num_inference_steps": sampler.num_inference_steps,
                      "eta": sampler.eta, "guidance_scale": sampler.guidance_scale,
                      "autoguide_scale": sampler.autoguide_scale,
-                     **({"autoguide_ckpt": str(guide_path)} if guide is not None else {}),
+                     **({"autoguide_ckpt": str(guide_path)} if guide_path is not None else {}),
                      "use_ema": bool(cfg.use_ema), "seed": int(cfg.seed), "batch_size": int(cfg.batch_size),
                      "conditioned_on": [real.subjects[s] for s in sources],
                      **({"covariates": rows} if rows is not None else {})},

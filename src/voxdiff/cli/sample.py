@@ -2,7 +2,10 @@
 
 compose → validate → rebuild the run spec from the config stored in the checkpoint, for this device
 (:func:`voxdiff.lightning.systems.rebuild_system`) → the system from it, with the checkpoint's weights (a latent
-run: and the stage-1 weights ``encoding.checkpoint=PATH`` names) → take ``n`` masks (the validation subjects of the
+run: and the stage-1 weights ``encoding.checkpoint=PATH`` names), on the CPU with one copy of the weights (the EMA's
+written in) → its peak device memory predicted (:func:`check_memory`: the UNet, the guide's when autoguided, the
+sampler's and decoder's tensors) and refused above ``memory_budget_gib`` or a GPU's free memory, naming the batch that
+fits → the model (and the guide) on the device → take ``n`` masks (the validation subjects of the
 data the command names: ``data.root=DIR``, a latent run's ``data.latent_dir=DIR``, the built-in phantom where the
 run trained on it, or with ``data.from_checkpoint=true`` the folder the checkpoint names) → the run's sampler
 (DDIM, or Euler for rectified flow; ``guidance_scale`` for classifier-free guidance) with the EMA weights → decode →
@@ -42,6 +45,7 @@ from voxdiff.config import require, select
 from voxdiff.diffusion.guidance import check_autoguide_scale
 from voxdiff.encodings import LearnedEncoding
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of, plain
+from voxdiff.units import GiB
 
 SPLITS = ("val", "all")
 _CKPT_FIX = "point it at a training checkpoint, e.g. ckpt_path=<run dir>/checkpoints/last.ckpt"
@@ -70,6 +74,10 @@ def validate(cfg: DictConfig) -> None:
         number("eta", cfg.eta, lo=0, hi=1, fix="use eta=0 (deterministic DDIM) to 1, or null as trained")
     if cfg.get("autoguide_scale") is not None:  # what this run can do is checked once it is loaded
         check_autoguide_scale("autoguide_scale", cfg.autoguide_scale, null=True)
+    if cfg.get("memory_budget_gib") is not None:
+        number("memory_budget_gib", cfg.memory_budget_gib, lo=0, lo_open=True,
+               fix="e.g. memory_budget_gib=40 (GiB this command may take on its device), or null for what a GPU has "
+                   "free")
     guide = cfg.get("autoguide_ckpt")
     if guide is not None and not Path(str(guide)).is_file():
         raise ConfigError("autoguide_ckpt", guide, "no such checkpoint file",
@@ -82,18 +90,22 @@ def validate(cfg: DictConfig) -> None:
 class Loaded(NamedTuple):
     """What :func:`_load` returns."""
 
-    system: Any  #: the diffusion system, on the sampling device, with its (EMA) weights
+    system: Any  #: the diffusion system, on the CPU, with the weights to sample (:meth:`TrainStep.fold_ema`)
     saved: dict[str, Any]  #: the checkpoint's stored config (``voxdiff_config``)
     precision: Any  #: the precision to sample in (:class:`voxdiff.step.precision.Precision`)
     weights: str | None  #: a latent run's stage-1 weights file, as the command chose it (None: weight-free)
+    spec: Any  #: the run spec (:class:`voxdiff.run.spec.RunSpec`) rebuilt for the sampling device
 
 
 def _load(cfg: DictConfig, device: Any, requested: bool = True) -> Loaded:
     """The diffusion system of ``ckpt_path``, built from the run spec its stored config gives for ``device`` (which
-    decides ``model.use_flash_attention=auto``), with its (EMA) weights and, for a latent run, the stage-1 weights
-    the command names (:func:`voxdiff.cli.checkpoint_paths.stage1_weights`; printed); the stored config; and the
-    precision to sample in: ``precision`` if given, else the trained ``trainer.precision`` decided for this device (by
-    :func:`voxdiff.step.decide_precision`, as the Trainer decided it).
+    decides ``model.use_flash_attention=auto``), with its weights and, for a latent run, the stage-1 weights the
+    command names (:func:`voxdiff.cli.checkpoint_paths.stage1_weights`; printed); the stored config; the precision to
+    sample in: ``precision`` if given, else the trained ``trainer.precision`` decided for this device (by
+    :func:`voxdiff.step.decide_precision`, as the Trainer decided it); and the run spec.
+
+    The system stays on the CPU, with one copy of the weights: the EMA's written in when ``use_ema``, the raw ones
+    otherwise, and no EMA (:meth:`voxdiff.step.TrainStep.fold_ema`): :func:`ready` puts it on the device.
 
     ``requested``: check the command's ``covariates.<name>=value`` against the covariates the checkpoint records as
     soon as it is read, before the model is built (:func:`voxdiff.cli.covariate_args.requested_covariates`).
@@ -123,7 +135,8 @@ def _load(cfg: DictConfig, device: Any, requested: bool = True) -> Loaded:
             raise ConfigError("encoding.window", plain(window), f"{cfg.ckpt_path} uses {system.encoding.label}, "
                               "which has no encoder or decoder to run in windows", "leave encoding.window unset")
         system.encoding.use_window(window, system.encoding.window_overlap)
-    return Loaded(system.to(device), checkpoint[CONFIG_KEY], spec.precision, weights)
+    system.step.fold_ema(bool(cfg.use_ema))
+    return Loaded(system, checkpoint[CONFIG_KEY], spec.precision, weights, spec)
 
 
 def _guide_path(cfg: DictConfig) -> Path | None:
@@ -148,9 +161,9 @@ def _guide_path(cfg: DictConfig) -> Path | None:
 
 def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any) -> tuple[Any, Any, Path | None]:
     """``(guide, sampler, path)``: the guide of autoguidance when ``sampler.autoguide_scale`` is not 1 (else None): the
-    UNet of :func:`_guide_path`, on ``device``, with its EMA weights written in (``use_ema``), refused unless it has
-    this model's mode, encoding and weight shapes; it adds one copy of the UNet's weights (and, for a latent run, of
-    the stage-1 model) to the sampling memory.
+    UNet of :func:`_guide_path`, on the CPU, with its EMA weights written in (``use_ema``) and nothing else of its
+    run kept, refused unless it has this model's mode, encoding and weight shapes; on the device it adds one copy of
+    the UNet's weights to the sampling memory.
     A run that asks for autoguidance by default but ended before its guide snapshot samples without it (the sampler
     returned says so), and the command prints why.
 
@@ -177,10 +190,128 @@ def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any) -> tuple[Any
                           f"or has other weights{f' ({differences})' if differences else ''}: a guide is the same "
                           "network, less trained",
                           f"use the guide snapshot of the same run (its checkpoints/{GUIDE_GLOB})")
-    if bool(cfg.use_ema) and guide.step.ema is not None:
-        guide.step.ema.copy_to(guide.step.model)
     print(f"[voxdiff] autoguidance: scale {sampler.autoguide_scale:g}, guide {path}", flush=True)
     return guide.step.model, sampler, path
+
+
+def check_memory(cfg: DictConfig, device: Any, spec: Any, system: Any, sampler: Any) -> Any:
+    """Predict the peak device memory of sampling ``batch_size`` masks at once with ``system`` and ``sampler``
+    (:func:`voxdiff.preflight.memory.predict_sampling`: the weights, the guide's when autoguided, the sampler's and
+    the decoder's tensors), print it, and refuse it before anything goes to the device when it exceeds the budget:
+    ``memory_budget_gib`` when set, else the free memory of a CUDA device (a CPU run without a budget is not
+    refused). Returns the prediction.
+
+    Raises:
+        ConfigError: naming the key to change: ``batch_size`` (with the largest batch predicted to fit),
+            ``autoguide_scale`` (when only sampling without the guide fits), else ``device``.
+    """
+    # deferred: the prediction's tracer is only needed once a checkpoint is loaded
+    from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, predict_sampling
+
+    def predict(batch: int, autoguide: float = sampler.autoguide_scale) -> Any:
+        return predict_sampling(spec, batch, guidance_scale=sampler.guidance_scale, autoguide_scale=autoguide,
+                                num_inference_steps=sampler.num_inference_steps, encoding=system.encoding)
+
+    batch = min(int(cfg.batch_size), int(cfg.n))
+    report = predict(batch)
+    budget, where = _memory_budget(cfg, device)
+    print(f"[voxdiff] sampling memory on {device} (predicted): {report.describe()}"
+          + (f"; {where} {budget / GiB:.3g} GiB" if budget is not None else ""), flush=True)
+    if budget is None or report.required_bytes() <= budget:
+        return report
+    need = (f"{report.required_bytes() / GiB:.3g} GiB with a {DEFAULT_SAFETY_MARGIN:.0%} margin "
+            f"({report.describe()})")
+    fits = _largest_batch(predict, batch, budget)
+    if fits is not None:
+        raise ConfigError("batch_size", batch, f"sampling is predicted to need {need}, more than the {where} "
+                          f"{budget / GiB:.3g} GiB", f"use batch_size={fits} (predicted "
+                          f"{predict(fits).required_bytes() / GiB:.3g} GiB)")
+    if sampler.autoguide_scale != 1.0 and predict(1, 1.0).required_bytes() <= budget:
+        raise ConfigError("autoguide_scale", sampler.autoguide_scale, f"holds the guide's UNet beside the model "
+                          f"({report.guide_bytes / GiB:.3g} GiB), and sampling is predicted to need {need} even at "
+                          f"batch_size=1, more than the {where} {budget / GiB:.3g} GiB",
+                          f"use autoguide_scale=1 (no guide; batch_size=1 predicted "
+                          f"{predict(1, 1.0).required_bytes() / GiB:.3g} GiB), or a device with more memory")
+    window = "" if not isinstance(system.encoding, LearnedEncoding) or system.encoding.window else \
+        ", or encoding.window=[d,h,w] (encode and decode in windows of that many latent voxels)"
+    raise ConfigError("device", plain(cfg.device), f"sampling is predicted to need {need} even at batch_size=1, "
+                      f"more than the {where} {budget / GiB:.3g} GiB",
+                      f"use a device with {predict(1).required_bytes() / GiB:.3g} GiB free{window}")
+
+
+def _largest_batch(predict: Any, batch: int, budget: int) -> int | None:
+    """The largest batch below ``batch`` whose prediction (``predict(b).required_bytes()``) fits ``budget``, or
+    None when batch 1 does not: the straight line through batch 1 and ``batch`` gives the first guess (a chunk's
+    tensors grow with it, the weights do not), then each guess is predicted until one fits."""
+    one = predict(1).required_bytes()
+    if one > budget:
+        return None
+    per_mask = (predict(batch).required_bytes() - one) / max(batch - 1, 1)
+    b = batch - 1 if per_mask <= 0 else max(1, min(batch - 1, int((budget - one) / per_mask) + 1))
+    while b > 1 and predict(b).required_bytes() > budget:
+        b -= 1
+    return b
+
+
+def _memory_budget(cfg: DictConfig, device: Any) -> tuple[int | None, str]:
+    """``(bytes, what they are)``: ``memory_budget_gib`` when set, else what a CUDA device has free now, else
+    ``(None, ...)`` (a CPU run without a budget)."""
+    import torch
+
+    set_to = cfg.get("memory_budget_gib")
+    if set_to is not None:
+        return int(float(set_to) * GiB), "budget (memory_budget_gib)"
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0]), f"free memory of the {torch.cuda.get_device_name(device)}"
+    return None, ""
+
+
+class Ready(NamedTuple):
+    """What :func:`ready` returns."""
+
+    system: Any  #: the diffusion system on the device, with the weights to sample
+    sampler: Any  #: the sampler (:class:`voxdiff.step.sampling.SamplerChoice`)
+    guide: Any  #: the guide's UNet on the device, or None without autoguidance
+    guide_path: Path | None  #: its checkpoint
+    saved: dict[str, Any]  #: the checkpoint's stored config
+    precision: Any  #: the precision to sample in
+    weights: str | None  #: a latent run's stage-1 weights file
+    memory: Any  #: the predicted memory (:class:`voxdiff.preflight.memory.SamplingReport`)
+
+
+def ready(cfg: DictConfig, device: Any, requested: bool = True, sampler: Any = None) -> Ready:
+    """Everything a command samples with, checked before any of it goes to ``device``: the system of ``ckpt_path``
+    (:func:`_load`), its sampler with the command's settings (or ``sampler``, already chosen), the guide
+    (:func:`_guide`), the predicted memory (:func:`check_memory`); then the model and the guide on the device.
+
+    Raises:
+        ConfigError: as :func:`_load`, :func:`_guide` and :func:`check_memory`, or a sampler setting the model
+            cannot take.
+    """
+    import torch
+
+    loaded = _load(cfg, device, requested)
+    system = loaded.system
+    if sampler is None:
+        sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"),
+                                 cfg.get("autoguide_scale"))
+    guide, sampler, path = _guide(cfg, device, system, sampler)
+    memory = check_memory(cfg, device, loaded.spec, system, sampler)
+    if torch.device(device).type == "cuda":  # what measured_memory compares with the prediction
+        torch.cuda.reset_peak_memory_stats(device)
+    return Ready(system.to(device), sampler, None if guide is None else guide.to(device), path, loaded.saved,
+                 loaded.precision, loaded.weights, memory)
+
+
+def measured_memory(device: Any, predicted: Any) -> None:
+    """On a CUDA device, print the peak ``torch.cuda.max_memory_allocated`` since :func:`ready` beside the predicted
+    peak (``predicted``, a :class:`voxdiff.preflight.memory.SamplingReport`); nothing elsewhere."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        measured = torch.cuda.max_memory_allocated(device)
+        print(f"[voxdiff] sampling memory on {device}: measured peak {measured / GiB:.3g} GiB, predicted "
+              f"{predicted.peak / GiB:.3g} GiB ({measured / predicted.peak - 1:+.1%})", flush=True)
 
 
 def _datamodule(saved: dict[str, Any], cfg: DictConfig, weights: str | None = None) -> tuple[Any, str]:
@@ -202,10 +333,7 @@ def sample(cfg: DictConfig) -> list[Path]:
 
     configure_cpu_threads()
     device = pick_device(cfg.device)
-    system, saved, precision, weights = _load(cfg, device)
-    sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"),
-                             cfg.get("autoguide_scale"))
-    guide, sampler, _ = _guide(cfg, device, system, sampler)
+    system, sampler, guide, _, saved, precision, weights, memory = ready(cfg, device)
     encoding = system.covariate_encoding
     requested = requested_covariates(cfg, encoding)
     dm, _ = _datamodule(without_table(saved, encoding, requested), cfg, weights)
@@ -231,7 +359,20 @@ def sample(cfg: DictConfig) -> list[Path]:
         pngs += save_samples(out_dir, "sample", system.mode, generated.cpu(), batch["mask"], batch.get("image"),
                              batch["affine"], batch["subject"], covariates=rows)
         print(f"[voxdiff] {len(pngs)}/{n}: {pngs[-1]}", flush=True)
+    measured_memory(device, memory)
     return pngs
+
+
+def release(*modules: Any) -> None:
+    """Move ``modules`` (a system, a guide; None is skipped) back to the CPU and hand their device memory back to
+    the driver, so that what runs next on the device (the feature extractors, a second model) has it."""
+    import torch
+
+    for module in modules:
+        if module is not None:
+            module.to("cpu")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @hydra_main("sample")

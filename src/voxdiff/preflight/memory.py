@@ -52,12 +52,18 @@ emulator, the fused-AdamW stand-in — running the code the system runs:
 
 The run's peak is the largest of training, validation and sampling; :class:`PhasesReport` says which phase sets it.
 
+**Sampling outside training** (``sample.py``, ``evaluate.py``): :func:`predict_sampling` traces the same
+:meth:`TrainStep.generate` with what those commands hold on the device: the UNet with its EMA weights written in (no
+EMA copy, no AdamW state), the guide's UNet beside it when they autoguide, a latent run's autoencoder, and the
+command's own batch, guidance and window (:class:`SamplingReport`).
+
 Units: every ``*_bytes`` value is in bytes; the ``*_gib`` properties divide by 2**30.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -83,6 +89,7 @@ from voxdiff.preflight.world import (
     FlashAttentionEmulator,
     PhaseRecorder,
     PhaseTrace,
+    emulated_precision,
     fake_world,
     meta_step,
     tracker_for,
@@ -94,9 +101,9 @@ from voxdiff.step import SEED, Recipe, TrainStep
 from voxdiff.step.precision import AUTOCAST_DTYPES
 from voxdiff.units import GiB
 
-__all__ = ["DEFAULT_SAFETY_MARGIN", "MemoryReport", "PhasesReport", "StepPeaks", "TraceResult", "diffusion_run",
-           "predict_memory", "predict_phases", "predict_step_memory", "trace_sampling", "trace_training_step",
-           "trace_validation", "traced_recipe", "traced_unet", "unet_batch"]
+__all__ = ["DEFAULT_SAFETY_MARGIN", "MemoryReport", "PhasesReport", "SamplingReport", "StepPeaks", "TraceResult",
+           "diffusion_run", "predict_memory", "predict_phases", "predict_sampling", "predict_step_memory",
+           "trace_sampling", "trace_training_step", "trace_validation", "traced_recipe", "traced_unet", "unet_batch"]
 
 
 AttentionMode = Literal["materialised", "flash"]
@@ -662,6 +669,8 @@ def trace_sampling(
     resident: Iterable[torch.Tensor] = (),
     guidance_scale: float = 1.0,
     covariate_dim: int = 0,
+    guide: nn.Module | None = None,
+    autoguide_scale: float = 1.0,
 ) -> PhaseTrace:
     """Trace sampling as ``DiffusionSystem.write_samples`` runs it: ``(B, 1, D, H, W)`` masks on the device, then
     :meth:`TrainStep.generate` in an autocast region (phases ``condition``, ``sampling``, ``decode``).
@@ -675,13 +684,15 @@ def trace_sampling(
         num_inference_steps: DDIM steps to trace.
         attention, device_type, granularity, cuda_kernels, resident: as :func:`trace_validation`.
         covariate_dim: ``K`` of a model with covariates (one ``(B, K)`` vector per mask), 0 without.
+        guide, autoguide_scale: autoguidance (:meth:`TrainStep.generate`): the guide's UNet (its weights in
+            ``resident`` too) runs beside the model at every step when the scale is not 1.
     """
     with _traced(step, resident, attention, device_type, granularity, cuda_kernels) as (rec, trace):
         mask = torch.rand(tuple(mask_shape), device=device_type).round_()  # {0, 1}, as the cached masks
         covariates = torch.rand((mask_shape[0], covariate_dim), device=device_type) if covariate_dim else None
         with step.precision.autocast.region():
             out = step.generate(mask, out_channels, num_inference_steps, probe=rec, guidance_scale=guidance_scale,
-                                covariates=covariates)
+                                covariates=covariates, guide=guide, autoguide_scale=autoguide_scale)
         del mask, out
     return trace
 
@@ -804,3 +815,111 @@ def predict_phases(run: RunSpec | DictConfig, training: MemoryReport | None = No
         peak_allocated=peaks[phase], peak_phase=phase, training_report=training, gpu=gpu.name,
         trace_seconds=time.perf_counter() - t0, notes=tuple(notes),
     )
+
+
+# ------------------------------------------------------------------------------------------- standalone sampling
+@dataclass(frozen=True)
+class SamplingReport:
+    """Predicted peak GPU memory (``max_memory_allocated``, the cuBLAS workspace included) of sampling outside
+    training, as ``sample.py`` and ``evaluate.py`` hold it: the UNet with its EMA weights written in (no EMA copy, no
+    AdamW state: :meth:`TrainStep.fold_ema`), the guide's UNet when autoguided, a latent run's autoencoder.
+
+    Attributes:
+        peak: the largest of ``parts``.
+        parts: ``condition`` (encoding the masks), ``sampling`` (the sampler), ``decode``: each phase's peak, the
+            resident weights and the workspace included.
+        resident: bytes on the device before the first chunk: ``model_bytes`` + ``guide_bytes`` + the autoencoder.
+        model_bytes, guide_bytes: the UNet's weights and buffers; the guide's (0 without autoguidance).
+        batch: masks sampled at once (the command's ``batch_size``); unet_batch: the UNet's batch (twice that with
+            classifier-free guidance); inference_steps: the sampling steps (two traced: each step holds the same).
+        gpu: the GPU type predicted for; notes: caveats.
+    """
+
+    peak: int
+    parts: dict[str, int]
+    resident: int
+    model_bytes: int
+    guide_bytes: int
+    batch: int
+    unet_batch: int
+    inference_steps: int
+    gpu: str
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def required_bytes(self, safety_margin: float = DEFAULT_SAFETY_MARGIN) -> int:
+        """Device memory the command's tensors need: ``peak * (1 + safety_margin)`` (the CUDA context aside)."""
+        return math.ceil(self.peak * (1.0 + safety_margin))
+
+    def describe(self) -> str:
+        """One line: the peak, the phase that sets it, and what is resident (GiB to three significant digits)."""
+        phase = max(self.parts, key=self.parts.get)
+        guide = f", guide {self.guide_bytes / GiB:.3g}" if self.guide_bytes else ""
+        return (f"peak {self.peak / GiB:.3g} GiB in {phase} (batch {self.batch}, UNet batch {self.unet_batch}, "
+                f"{self.inference_steps} steps; weights {self.resident / GiB:.3g} GiB: UNet "
+                f"{self.model_bytes / GiB:.3g}{guide})")
+
+
+def predict_sampling(
+    run: RunSpec | DictConfig,
+    batch_size: int,
+    *,
+    guidance_scale: float = 1.0,
+    autoguide_scale: float = 1.0,
+    num_inference_steps: int | None = None,
+    encoding: Encoding | None = None,
+) -> SamplingReport:
+    """Predict the peak GPU memory of ``sample.py`` / ``evaluate.py`` sampling ``batch_size`` masks at once from a
+    model of ``run``, without a GPU: :meth:`TrainStep.generate` traced on the meta device as :func:`trace_sampling`
+    traces a run's own sampling, but with what the commands hold (see :class:`SamplingReport`). The commands sample
+    under ``torch.no_grad()`` with frozen weights, where autocast caches no weight copies, as in the inference mode
+    of the trace.
+
+    Args:
+        run: the run spec (a checkpoint's, rebuilt for the device it samples on), or a composed config.
+        batch_size: masks per chunk (``batch_size``).
+        guidance_scale: classifier-free guidance as the command resolved it (not 1: the UNet's batch doubles).
+        autoguide_scale: autoguidance as the command resolved it (not 1: the guide's UNet is on the device too).
+        num_inference_steps: as the command resolved it (None: the run's).
+        encoding: the encoding the command samples with (its ``encoding.window``; a latent run's stage-1
+            architecture from the weights it loaded); it is copied, never changed. None: the run's.
+
+    Raises:
+        ConfigError: not a diffusion run; a stage-1 architecture that cannot be found (:func:`latent_stage1_spec`).
+    """
+    run = diffusion_run(run)
+    if run.kind != "diffusion":
+        raise ConfigError("system.kind", run.kind, "is not a diffusion run; sampling is a diffusion system's",
+                          "use voxdiff.preflight.stage1.predict_stage1 for a stage-1 config")
+    gpu, notes = run.gpu, []
+    encoding = copy.copy(encoding if encoding is not None else run.encoding)
+    resident: list[torch.Tensor] = []
+    if isinstance(encoding, LearnedEncoding):  # a latent run: its autoencoder, as the command loaded it
+        stage1 = getattr(encoding, "stage1", None)
+        spec, note = (stage1.spec, "stage-1 architecture of the weights loaded") if stage1 is not None else \
+            latent_stage1_spec(encoding)
+        notes.append(note)
+        ae = attach_meta_autoencoder(encoding, spec).autoencoder
+        resident = [*ae.parameters(), *ae.buffers()]
+    guided = float(autoguide_scale) != 1.0
+    with torch.device("meta"):
+        model = traced_unet(run).requires_grad_(False)  # frozen, as TrainStep.fold_ema leaves them
+        guide = traced_unet(run).requires_grad_(False) if guided else None
+    recipe = replace(run.recipe, ema=None)  # the commands write the EMA into the weights before they move
+    process = build_process(recipe.diffusion, clip_range=encoded_range(encoding))
+    step = TrainStep(model, recipe, encoding=encoding, mode=run.mode, process=process,
+                     precision=emulated_precision(run.precision.name), device_type=PREDICTED_DEVICE)
+    guide_tensors = [*guide.parameters(), *guide.buffers()] if guide is not None else []
+    steps = num_inference_steps or run.sampling.num_inference_steps or recipe.diffusion.num_inference_steps
+    trace = trace_sampling(step, (batch_size, 1, *run.shapes.volume), run.unet.out_channels,
+                           min(steps, MAX_TRACED_DDIM_STEPS),
+                           attention="flash" if run.unet.use_flash_attention else "materialised",
+                           resident=[*resident, *guide_tensors], guidance_scale=float(guidance_scale),
+                           covariate_dim=run.unet.covariate_dim, guide=guide, autoguide_scale=float(autoguide_scale))
+    ws = gpu.cublas_workspace_bytes  # one handle: no backward runs, so the autograd thread's never exists
+    parts = {k: v + ws for k, v in trace.peaks.items()}
+    model_bytes = sum(_rank_bytes(t) for t in (*model.parameters(), *model.buffers()))
+    return SamplingReport(
+        peak=max(parts.values()), parts=parts, resident=trace.start_bytes, model_bytes=model_bytes,
+        guide_bytes=sum(_rank_bytes(t) for t in guide_tensors), batch=batch_size,
+        unet_batch=batch_size * (1 if float(guidance_scale) == 1.0 else 2), inference_steps=steps, gpu=gpu.name,
+        notes=tuple(notes))

@@ -52,7 +52,8 @@ Limits of the emulation (documented rather than hidden):
 * Autocast's cache of bf16 weight copies lives until the outermost emulated region exits, as in ATen, and is not
   used under ``torch.inference_mode()`` (ATen casts the weights afresh at every op there: each copy dies with its
   op). Lightning runs validation, and the sampling at its end, in inference mode; ``sample.py`` runs under
-  ``torch.no_grad()``, where the cache is used.
+  ``torch.no_grad()``, where the cache is used for weights that require gradients, which it freezes
+  (:meth:`voxdiff.step.TrainStep.fold_ema`).
   During backward (where only recomputation by ``torch.utils.checkpoint`` issues Python-level calls), the
   cache is off: on the GPU each recomputed segment re-enters autocast as its own outermost region, so its
   weight casts die with the segment's saved tensors.

@@ -179,6 +179,18 @@ class TrainStep:
             self.ema.to(device)
         return self
 
+    def fold_ema(self, use_ema: bool) -> None:
+        """Keep one copy of the weights, frozen, as sampling outside training needs: the EMA's written into the model
+        when ``use_ema`` (the raw ones kept otherwise), the EMA dropped, and ``requires_grad`` off. :meth:`generate`
+        then samples those weights whatever its ``use_ema``. Call it before the model goes to the device: the device
+        never holds the EMA's copy (a whole fp32 UNet: 10.7 GB for exp9's 2.7B parameters), and autocast keeps no
+        bf16 copy of frozen weights under ``torch.no_grad()`` (it does of weights that require gradients: another
+        half of the fp32 weights while a sample is drawn)."""
+        if self.ema is not None and use_ema:
+            self.ema.copy_to(self.model)
+        self.ema = None
+        self.model.requires_grad_(False)
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the step keeps between steps: weights, buffers, gradients, optimizer state, EMA."""
         out = [*self.model.parameters(), *self.model.buffers()]
