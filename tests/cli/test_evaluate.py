@@ -122,6 +122,9 @@ def test_an_autoguided_evaluation_records_its_guide_and_samples_otherwise(run, l
     assert (saved["sampling"]["autoguide_scale"], saved["sampling"]["autoguide_ckpt"]) == (1.5, str(early_ckpt))
     assert plain["sampling"]["autoguide_scale"] == 1.0 and "autoguide_ckpt" not in plain["sampling"]
     assert saved["sampling"]["conditioned_on"] == plain["sampling"]["conditioned_on"]  # same masks, same noise
+    # the predicted memory is recorded (measured only on a GPU): the guide's UNet is on the device too
+    assert set(plain["sampling"]["memory_gib"]) == {"predicted"}
+    assert saved["sampling"]["memory_gib"]["predicted"] > plain["sampling"]["memory_gib"]["predicted"] > 0
     assert saved["figures"]["psnr"]["value"] != plain["figures"]["psnr"]["value"]
     assert guided is not None
 

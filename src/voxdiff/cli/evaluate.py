@@ -38,6 +38,7 @@ from voxdiff.cli.sample import validate as validate_sampling
 from voxdiff.config import is_phantom_data, plain
 from voxdiff.data.phantom import COVARIATE_EFFECTS, ventricle_voxels
 from voxdiff.errors import ConfigError, integer
+from voxdiff.units import GiB
 from voxdiff.files import check_output
 from voxdiff.files import load_file
 from voxdiff.evaluation.features import build_extractors, file_sha256
@@ -281,7 +282,7 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     generated, sources, pngs = _generate(cfg, system, sampler, real, device, precision, rows, guide=guide)
     t1 = time.perf_counter()
-    measured_memory(device, memory)
+    measured = measured_memory(device, memory)
     release(system, guide)  # the device is the feature extractors' and the negative control's from here on
     print(f"[voxdiff] {len(generated)} samples in {t1 - t0:.1f} s; computing the figures", flush=True)
     # trained and evaluated on the built-in phantom: its ventricles can be counted
@@ -306,6 +307,10 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
                      "autoguide_scale": sampler.autoguide_scale,
                      **({"autoguide_ckpt": str(guide_path)} if guide_path is not None else {}),
                      "use_ema": bool(cfg.use_ema), "seed": int(cfg.seed), "batch_size": int(cfg.batch_size),
+                     # GiB of device memory: predicted before loading (voxdiff.preflight.memory.predict_sampling);
+                     # measured (max_memory_allocated) on a GPU only
+                     "memory_gib": {"predicted": round(memory.peak / GiB, 4),
+                                    **({"measured": round(measured / GiB, 4)} if measured is not None else {})},
                      "conditioned_on": [real.subjects[s] for s in sources],
                      **({"covariates": rows} if rows is not None else {})},
         "feature_extractors": {e.name: e.label for e in extractors},

@@ -303,15 +303,17 @@ def ready(cfg: DictConfig, device: Any, requested: bool = True, sampler: Any = N
                  loaded.precision, loaded.weights, memory)
 
 
-def measured_memory(device: Any, predicted: Any) -> None:
-    """On a CUDA device, print the peak ``torch.cuda.max_memory_allocated`` since :func:`ready` beside the predicted
-    peak (``predicted``, a :class:`voxdiff.preflight.memory.SamplingReport`); nothing elsewhere."""
+def measured_memory(device: Any, predicted: Any) -> int | None:
+    """On a CUDA device, the peak ``torch.cuda.max_memory_allocated`` since :func:`ready`, printed beside the
+    predicted peak (``predicted``, a :class:`voxdiff.preflight.memory.SamplingReport`); None elsewhere."""
     import torch
 
-    if torch.device(device).type == "cuda":
-        measured = torch.cuda.max_memory_allocated(device)
-        print(f"[voxdiff] sampling memory on {device}: measured peak {measured / GiB:.3g} GiB, predicted "
-              f"{predicted.peak / GiB:.3g} GiB ({measured / predicted.peak - 1:+.1%})", flush=True)
+    if torch.device(device).type != "cuda":
+        return None
+    measured = torch.cuda.max_memory_allocated(device)
+    print(f"[voxdiff] sampling memory on {device}: measured peak {measured / GiB:.3g} GiB, predicted "
+          f"{predicted.peak / GiB:.3g} GiB ({measured / predicted.peak - 1:+.1%})", flush=True)
+    return measured
 
 
 def _datamodule(saved: dict[str, Any], cfg: DictConfig, weights: str | None = None) -> tuple[Any, str]:
