@@ -194,8 +194,8 @@ def test_sampling_memory_is_predicted_and_a_batch_above_the_budget_is_refused_wi
     data, ckpt = nifti_run
     base = [f"ckpt_path={ckpt}", f"data.root={data}", "split=all", "n=3", "batch_size=3"]
     loaded = _load(compose("sample", base), torch.device("cpu"))
-    need = {b: predict_sampling(loaded.spec, b, num_inference_steps=2, encoding=loaded.system.encoding)
-            .required_bytes() for b in (1, 2, 3)}
+    need = {b: predict_sampling(loaded.spec, b, num_inference_steps=2, encoding=loaded.system.encoding,
+                                device_type="cpu").required_bytes() for b in (1, 2, 3)}
     assert need[1] < need[2] < need[3]
     with pytest.raises(ConfigError) as e:
         _sample(tmp_path / "a", *base, f"memory_budget_gib={(need[2] + need[3]) / 2 / GiB!r}")
@@ -222,7 +222,8 @@ def test_a_guide_the_budget_cannot_hold_is_refused_naming_autoguide_scale(guided
     base = [f"ckpt_path={guided_run}", "n=1", "batch_size=1", "autoguide_scale=1.5"]
     loaded = _load(compose("sample", base), torch.device("cpu"))
     alone, guided = (predict_sampling(loaded.spec, 1, autoguide_scale=s, num_inference_steps=2,
-                                      encoding=loaded.system.encoding).required_bytes() for s in (1.0, 1.5))
+                                      encoding=loaded.system.encoding, device_type="cpu").required_bytes()
+                     for s in (1.0, 1.5))
     assert guided > alone
     with pytest.raises(ConfigError) as e:
         _sample(tmp_path, *base, f"memory_budget_gib={(alone + guided) / 2 / GiB!r}")

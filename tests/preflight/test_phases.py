@@ -124,6 +124,7 @@ def test_sampling_outside_training_holds_one_unet_and_the_guide(gpu_run) -> None
     weights, two AdamW moments, EMA), plus the guide's when it autoguides, plus the VQ-VAE; classifier-free
     guidance doubles the UNet's batch; a larger batch of masks costs more."""
     from voxdiff.preflight.memory import predict_sampling
+    from voxdiff.run.gpus import gpu_type
 
     cfg = compose("preflight", ["experiment=exp9_ldm_4x_bravo", "model.compile=false"])
     alone = predict_sampling(cfg, 1)
@@ -140,6 +141,8 @@ def test_sampling_outside_training_holds_one_unet_and_the_guide(gpu_run) -> None
     assert guided.peak - alone.peak >= guided.guide_bytes
     assert two.peak > guided.peak and two.batch == 2 and two.unet_batch == 2
     assert guided.peak < in_run.sampling
+    on_cpu = predict_sampling(cfg, 1, device_type="cpu")  # the same tensors, without a cuBLAS workspace
+    assert alone.peak - on_cpu.peak == gpu_type(alone.gpu).cublas_workspace_bytes
     steps = predict_sampling(compose("preflight", ["experiment=exp11", "diffusion=rflow",
                                                    "system.guidance.drop_prob=0.1"]), 1, guidance_scale=2.0)
     assert steps.unet_batch == 2 and steps.inference_steps == 30 and "UNet batch 2, 30 steps" in steps.describe()

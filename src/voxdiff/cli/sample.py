@@ -205,12 +205,15 @@ def check_memory(cfg: DictConfig, device: Any, spec: Any, system: Any, sampler: 
         ConfigError: naming the key to change: ``batch_size`` (with the largest batch predicted to fit),
             ``autoguide_scale`` (when only sampling without the guide fits), else ``device``.
     """
+    import torch
+
     # deferred: the prediction's tracer is only needed once a checkpoint is loaded
     from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, predict_sampling
 
     def predict(batch: int, autoguide: float = sampler.autoguide_scale) -> Any:
         return predict_sampling(spec, batch, guidance_scale=sampler.guidance_scale, autoguide_scale=autoguide,
-                                num_inference_steps=sampler.num_inference_steps, encoding=system.encoding)
+                                num_inference_steps=sampler.num_inference_steps, encoding=system.encoding,
+                                device_type=torch.device(device).type)
 
     batch = min(int(cfg.batch_size), int(cfg.n))
     report = predict(batch)

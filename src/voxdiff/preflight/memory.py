@@ -832,7 +832,7 @@ class SamplingReport:
         model_bytes, guide_bytes: the UNet's weights and buffers; the guide's (0 without autoguidance).
         batch: masks sampled at once (the command's ``batch_size``); unet_batch: the UNet's batch (twice that with
             classifier-free guidance); inference_steps: the sampling steps (two traced: each step holds the same).
-        gpu: the GPU type predicted for; notes: caveats.
+        gpu: the GPU type predicted for (its cuBLAS workspace; none on the CPU); notes: caveats.
     """
 
     peak: int
@@ -867,6 +867,7 @@ def predict_sampling(
     autoguide_scale: float = 1.0,
     num_inference_steps: int | None = None,
     encoding: Encoding | None = None,
+    device_type: str = PREDICTED_DEVICE,
 ) -> SamplingReport:
     """Predict the peak GPU memory of ``sample.py`` / ``evaluate.py`` sampling ``batch_size`` masks at once from a
     model of ``run``, without a GPU: :meth:`TrainStep.generate` traced on the meta device as :func:`trace_sampling`
@@ -882,6 +883,8 @@ def predict_sampling(
         num_inference_steps: as the command resolved it (None: the run's).
         encoding: the encoding the command samples with (its ``encoding.window``; a latent run's stage-1
             architecture from the weights it loaded); it is copied, never changed. None: the run's.
+        device_type: where the command samples: ``cuda`` counts the cuBLAS workspace (``run.gpu``'s), ``cpu``
+            none (the tensors are the same; the CPU allocator rounds nothing).
 
     Raises:
         ConfigError: not a diffusion run; a stage-1 architecture that cannot be found (:func:`latent_stage1_spec`).
@@ -915,7 +918,8 @@ def predict_sampling(
                            attention="flash" if run.unet.use_flash_attention else "materialised",
                            resident=[*resident, *guide_tensors], guidance_scale=float(guidance_scale),
                            covariate_dim=run.unet.covariate_dim, guide=guide, autoguide_scale=float(autoguide_scale))
-    ws = gpu.cublas_workspace_bytes  # one handle: no backward runs, so the autograd thread's never exists
+    # one handle: no backward runs, so the autograd thread's never exists
+    ws = gpu.cublas_workspace_bytes if device_type == "cuda" else 0
     parts = {k: v + ws for k, v in trace.peaks.items()}
     model_bytes = sum(_rank_bytes(t) for t in (*model.parameters(), *model.buffers()))
     return SamplingReport(
