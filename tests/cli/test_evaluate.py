@@ -173,6 +173,15 @@ def test_a_stage1_checkpoint_without_a_recorded_kind_is_evaluated_as_before(stag
     assert old["figures"] == record["figures"] and old["n_real"] == record["n_real"]
 
 
+def test_batch_size_auto_reconstructs_a_vqvae_one_volume_at_a_time(stage1, tmp_path, capsys):
+    """``batch_size=auto`` chooses a diffusion model's sampling batch; a VQ-VAE evaluation says so and reconstructs
+    one volume at a time: the same figures as its batch-2 evaluation."""
+    ckpt, record, _ = stage1
+    auto = _evaluate(ckpt, tmp_path, "n=2", "batch_size=auto")
+    assert "a VQ-VAE reconstructs one volume at a time" in capsys.readouterr().out
+    assert auto["figures"]["codebook_perplexity"] == record["figures"]["codebook_perplexity"]
+
+
 def test_the_report_follows_the_recorded_kind(stage1, tmp_path):
     """A stage 1's weights and keys under a recorded diffusion kind are evaluated as a diffusion checkpoint (and
     refused: its hyper-parameters build no UNet), not guessed from its keys; a file of no kind is refused."""
@@ -225,7 +234,8 @@ def test_the_default_output_is_the_runs_eval_folder(run):
     assert compose("evaluate", [f"ckpt_path={last}", "out_dir=/tmp/x"]).paths.run_dir == "/tmp/x"
 
 
-def test_an_evaluation_above_its_memory_budget_is_refused_before_it_samples(run, tmp_path):
+def test_an_evaluation_above_its_memory_budget_is_refused_before_it_samples_and_auto_takes_the_largest_batch(
+        run, tmp_path):
     """evaluate.py predicts its sampling memory as sample.py does (one check: voxdiff.cli.sample.ready): a budget
     that not even batch 1 fits is refused naming ``device``, before any sample or figure is written."""
     _, _, last = run
@@ -233,3 +243,7 @@ def test_an_evaluation_above_its_memory_budget_is_refused_before_it_samples(run,
         _evaluate(last, tmp_path, "batch_size=4", "memory_budget_gib=1e-9")
     assert e.value.key == "device" and "even at batch_size=1" in str(e.value)
     assert not (tmp_path / "samples").exists() and not (tmp_path / "metrics.json").exists()
+    # batch_size=auto on the CPU: the host's available memory holds all n=4 masks of this tiny model at once,
+    # and metrics.json records the batch it chose
+    _evaluate(last, tmp_path / "auto", "batch_size=auto")
+    assert json.loads((tmp_path / "auto" / "metrics.json").read_text())["sampling"]["batch_size"] == 4

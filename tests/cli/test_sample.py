@@ -209,6 +209,14 @@ def test_sampling_memory_is_predicted_and_a_batch_above_the_budget_is_refused_wi
     assert len(_sample(tmp_path / "c", *base, f"memory_budget_gib={need[3] * 1.01 / GiB!r}")) == 3
     out = capsys.readouterr().out
     assert f"[voxdiff] sampling memory on cpu (predicted): peak {need[3] / 1.1 / GiB:.3g} GiB" in out
+    # batch_size=auto: the largest batch up to n predicted to fit the budget
+    assert len(_sample(tmp_path / "d", *base, "batch_size=auto",
+                       f"memory_budget_gib={(need[2] + need[3]) / 2 / GiB!r}")) == 3
+    out = capsys.readouterr().out
+    assert "[voxdiff] batch_size=auto: 2, the largest of at most 3 predicted to fit the budget" in out
+    assert "(batch 2, UNet batch 2," in out
+    with pytest.raises(ConfigError, match=r"batch_size=0: must be a positive integer. Fix: .* or batch_size=auto"):
+        validate(compose("sample", [*base, "batch_size=0"]))
     with pytest.raises(ConfigError, match=r"memory_budget_gib=0: must be a positive number. Fix: e.g. memory_budget_gib=40"):
         validate(compose("sample", [*base, "memory_budget_gib=0"]))
 

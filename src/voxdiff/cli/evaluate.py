@@ -33,7 +33,7 @@ from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind
 from voxdiff.cli.devices import pick_device
 from voxdiff.cli.exit_codes import hydra_main, refusals
 from voxdiff.cli.covariate_args import covariate_rows, covariate_vectors, requested_covariates, without_table
-from voxdiff.cli.sample import _CKPT_FIX, _datamodule, measured_memory, ready, release
+from voxdiff.cli.sample import _CKPT_FIX, _datamodule, batch_is_auto, measured_memory, ready, release
 from voxdiff.cli.sample import validate as validate_sampling
 from voxdiff.config import is_phantom_data, plain
 from voxdiff.data.phantom import COVARIATE_EFFECTS, ventricle_voxels
@@ -331,8 +331,12 @@ def _vqvae(cfg: DictConfig, device: Any) -> dict[str, Any]:
     ms_ssim = MS_SSIM_PRESETS[cfg.ms_ssim]
     check_volume_shape(tuple(dataset[0]["image"].shape[1:]), ms_ssim)
     real = load_real(dataset, int(cfg.n))
+    batch = 1 if batch_is_auto(cfg) else int(cfg.batch_size)  # no prediction of a reconstruction's memory
+    if batch_is_auto(cfg):
+        print("[voxdiff] batch_size=auto chooses a diffusion model's sampling batch; a VQ-VAE reconstructs one "
+              "volume at a time", flush=True)
     t0 = time.perf_counter()
-    recon, codes = vqvae_reconstructions(system, real, int(cfg.batch_size), device)
+    recon, codes = vqvae_reconstructions(system, real, batch, device)
     figures = vqvae_figures(real, recon, codes, system.spec.num_embeddings, ms_ssim)
     out = Path(cfg.paths.output_dir) / "samples"
     pngs = [save_montage(out / f"recon_{s}.png", {"image": real.images[i, 0], "reconstruction": recon[i, 0],

@@ -28,7 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from voxdiff.checkpoint import CONFIG_KEY, GUIDE_GLOB, weights_differences
 from voxdiff.cli.checkpoint_paths import command_data, path_choice, stage1_weights
@@ -41,7 +41,7 @@ from voxdiff.cli.covariate_args import (
 )
 from voxdiff.cli.devices import check_device, pick_device
 from voxdiff.cli.exit_codes import hydra_main, refusals
-from voxdiff.config import require, select
+from voxdiff.config import AUTO_BATCH, require, select
 from voxdiff.diffusion.guidance import check_autoguide_scale
 from voxdiff.encodings import LearnedEncoding
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of, plain
@@ -61,8 +61,11 @@ def validate(cfg: DictConfig) -> None:
     ckpt = cfg.get("ckpt_path")
     if ckpt is None or not Path(str(ckpt)).is_file():
         raise ConfigError("ckpt_path", ckpt, "no such checkpoint file", _CKPT_FIX)
-    for key, minimum in (("n", 1), ("batch_size", 1), ("seed", 0)):
+    for key, minimum in (("n", 1), ("seed", 0)):
         integer(key, cfg.get(key), minimum=minimum, example=max(minimum, 1))
+    if not batch_is_auto(cfg):
+        integer("batch_size", cfg.get("batch_size"), minimum=1,
+                fix="e.g. batch_size=2 (masks sampled at once), or batch_size=auto (the largest predicted to fit)")
     steps = cfg.get("num_inference_steps")
     if steps is not None:
         integer("num_inference_steps", steps, minimum=1, fix="e.g. num_inference_steps=50, or null for the run's")
@@ -194,12 +197,23 @@ def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any) -> tuple[Any
     return guide.step.model, sampler, path
 
 
+#: the most masks one chunk samples with ``batch_size=auto``
+AUTO_MAX_BATCH = 64
+
+
+def batch_is_auto(cfg: DictConfig) -> bool:
+    """Whether the command asks for the largest batch predicted to fit (``batch_size=auto``)."""
+    return str(cfg.get("batch_size")).strip().lower() == AUTO_BATCH
+
+
 def check_memory(cfg: DictConfig, device: Any, spec: Any, system: Any, sampler: Any) -> Any:
     """Predict the peak device memory of sampling ``batch_size`` masks at once with ``system`` and ``sampler``
     (:func:`voxdiff.preflight.memory.predict_sampling`: the weights, the guide's when autoguided, the sampler's and
     the decoder's tensors), print it, and refuse it before anything goes to the device when it exceeds the budget:
     ``memory_budget_gib`` when set, else the free memory of a CUDA device (a CPU run without a budget is not
-    refused). Returns the prediction.
+    refused). ``batch_size=auto`` is resolved here, written into ``cfg``: the largest batch up to ``n`` and
+    :data:`AUTO_MAX_BATCH` predicted to fit the budget (on the CPU without one, the host's available memory).
+    Returns the prediction.
 
     Raises:
         ConfigError: naming the key to change: ``batch_size`` (with the largest batch predicted to fit),
@@ -215,9 +229,16 @@ def check_memory(cfg: DictConfig, device: Any, spec: Any, system: Any, sampler: 
                                 num_inference_steps=sampler.num_inference_steps, encoding=system.encoding,
                                 device_type=torch.device(device).type)
 
-    batch = min(int(cfg.batch_size), int(cfg.n))
+    auto = batch_is_auto(cfg)
+    batch = min(AUTO_MAX_BATCH if auto else int(cfg.batch_size), int(cfg.n))
+    budget, where = _memory_budget(cfg, device, auto)
+    if auto:
+        batch = (batch if predict(batch).required_bytes() <= budget else _largest_batch(predict, batch, budget)) or 1
+        with open_dict(cfg):
+            cfg.batch_size = batch
+        print(f"[voxdiff] batch_size=auto: {batch}, the largest of at most {min(AUTO_MAX_BATCH, int(cfg.n))} "
+              f"predicted to fit the {where} {budget / GiB:.3g} GiB", flush=True)
     report = predict(batch)
-    budget, where = _memory_budget(cfg, device)
     print(f"[voxdiff] sampling memory on {device} (predicted): {report.describe()}"
           + (f"; {where} {budget / GiB:.3g} GiB" if budget is not None else ""), flush=True)
     if budget is None or report.required_bytes() <= budget:
@@ -256,9 +277,10 @@ def _largest_batch(predict: Any, batch: int, budget: int) -> int | None:
     return b
 
 
-def _memory_budget(cfg: DictConfig, device: Any) -> tuple[int | None, str]:
-    """``(bytes, what they are)``: ``memory_budget_gib`` when set, else what a CUDA device has free now, else
-    ``(None, ...)`` (a CPU run without a budget)."""
+def _memory_budget(cfg: DictConfig, device: Any, auto: bool = False) -> tuple[int | None, str]:
+    """``(bytes, what they are)``: ``memory_budget_gib`` when set, else what a CUDA device has free now, else, to
+    choose an ``auto`` batch on the CPU, the host's available memory; else ``(None, "")`` (a CPU run without a
+    budget is not refused)."""
     import torch
 
     set_to = cfg.get("memory_budget_gib")
@@ -266,7 +288,24 @@ def _memory_budget(cfg: DictConfig, device: Any) -> tuple[int | None, str]:
         return int(float(set_to) * GiB), "budget (memory_budget_gib)"
     if torch.device(device).type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0]), f"free memory of the {torch.cuda.get_device_name(device)}"
+    if auto:
+        return _available_host_bytes(), "available host memory"
     return None, ""
+
+
+def _available_host_bytes() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` (Linux), else the machine's memory
+    (:func:`voxdiff.preflight.resources.host_memory_bytes`)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    # deferred: only where /proc/meminfo does not say
+    from voxdiff.preflight.resources import host_memory_bytes
+
+    return host_memory_bytes()
 
 
 class Ready(NamedTuple):
