@@ -247,3 +247,46 @@ def test_a_strategy_kind_that_is_wrong_is_refused():
         strategy_kind({"_target_": "voxdiff.lightning.distributed.DDPStrategy", "kind": "zero3"})
     with pytest.raises(ConfigError, match="trainer.strategy.kind=fsdp: DDPStrategy is of kind ddp"):
         DDPStrategy(kind="fsdp")
+
+
+@pytest.mark.parametrize("devices", [2, [0, 2], "3", "0,1", "1, 3", -1, "-1", "auto"])
+def test_the_processes_per_node_are_those_lightning_starts_for_trainer_devices(monkeypatch, devices):
+    """``trainer.devices`` read as Lightning reads it on a node with 4 visible GPUs (a count, a list or a string of
+    GPU ids; -1, "-1" and "auto" are every GPU): the processes the preflight predicts for, the strategy's world size
+    and whether CUDA graphs are taken follow from it."""
+    import lightning.fabric.utilities.device_parser as lightning_devices
+
+    from voxdiff.config import cuda_graphs_fit, processes
+    from voxdiff.run.spec import run_spec
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr("voxdiff.run.gpus.local_gpu", lambda: None)  # the GPU type: the default (H100)
+    monkeypatch.setattr(lightning_devices, "_get_all_available_gpus", lambda **_: [0, 1, 2, 3])
+    lightning = 4 if devices == "auto" else len(lightning_devices._parse_gpu_ids(devices, include_cuda=True))
+    assert processes({"devices": devices, "num_nodes": 2}, "cuda") == (lightning, 2 * lightning)
+    value = str(devices).replace(" ", "") if isinstance(devices, list) else \
+        f"'{devices}'" if isinstance(devices, str) else devices
+    cfg = compose("train", ["experiment=demo", "trainer=ddp", f"trainer.devices={value}", "trainer.num_nodes=1"])
+    assert run_spec(cfg, "cuda").parallel.world_size == lightning
+    assert cuda_graphs_fit(cfg, "cuda") is (lightning == 1)
+    assert processes({"devices": None}, "cuda") == (1, 1)  # unset: a system rebuilt from its hyper-parameters
+
+
+@pytest.mark.parametrize("devices, device_type, visible, message", [
+    (-1, "cuda", 0, "means every GPU of the machine the run starts on, and none is visible here"),
+    ("auto", "cuda", 0, "means every GPU of the machine the run starts on, and none is visible here"),
+    (-1, "cpu", 0, "on the CPU"),
+    (0, "cuda", 4, "starts no process"),
+    ("two", "cuda", 4, "is not a device count"),
+])
+def test_a_device_count_that_cannot_be_known_or_run_is_refused(monkeypatch, devices, device_type, visible, message):
+    """Where the GPUs that -1 or "auto" stand for are not visible (the preflight on a login node), the count is not
+    guessed: the refusal names trainer.devices and says to give the count."""
+    from voxdiff.config import processes
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    with pytest.raises(ConfigError, match=rf"trainer.devices={devices}: .*{message}.* Fix: "):
+        processes({"devices": devices}, device_type)
+    assert processes({"devices": "auto"}, "cpu") == (1, 1)  # Lightning's CPU accelerator: one process

@@ -383,15 +383,68 @@ def model_spec(cfg: DictConfig, encoding: Encoding | None = None, device_type: s
                           f"remove it; the UNet takes {', '.join(f for f in UNetSpec.__dataclass_fields__)}")
     args.update(in_channels=c_in, out_channels=c_out)
     spec = unet_spec(**args)
-    return spec if device_type is None else spec.for_device(device_type, cuda_graphs_fit(cfg))
+    return spec if device_type is None else spec.for_device(device_type, cuda_graphs_fit(cfg, device_type))
 
 
-def processes(trainer: Any) -> tuple[int, int]:
-    """``(per node, in all)``: the processes of a run with this ``trainer:`` config (``devices`` as a count or a
-    list; ``auto`` and other strings count as one; times ``num_nodes``)."""
-    devices = trainer.get("devices", 1)
-    per_node = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
-    per_node = max(1, per_node)
+#: ``trainer.devices`` values that ask Lightning for every device of the node (``auto`` is Lightning's default)
+EVERY_DEVICE = (-1, "-1", "auto")
+
+
+def devices_per_node(devices: Any, device_type: str) -> int:
+    """The processes Lightning starts on each node for ``trainer.devices`` on ``device_type`` (``cuda`` or ``cpu``),
+    read as Lightning reads it: a count (an integer, or a string of digits), a list or a comma-separated string of
+    GPU ids (as many processes as ids); -1, ``"-1"`` or ``auto``: on a GPU every GPU visible here
+    (``torch.cuda.device_count()``, what Lightning counts on the node the run starts on), on the CPU ``auto`` is one;
+    unset (null: a system rebuilt from a checkpoint has no ``trainer:``) is one, ``configs/trainer``'s default.
+
+    Raises:
+        ConfigError: naming ``trainer.devices``: every GPU asked for where none is visible (the preflight on a
+            machine without the run's GPUs: the count is not guessed), -1 on the CPU, 0, or not a device count.
+    """
+    import torch
+
+    if devices is None:
+        return 1
+    fix = "give the number of GPUs per node, e.g. trainer.devices=4 (or a list of GPU ids, trainer.devices=[0,1])"
+    shown = plain(devices)
+    if isinstance(devices, bool):
+        raise ConfigError("trainer.devices", shown, "is not a device count", fix)
+    text = devices.strip().lower() if isinstance(devices, str) else devices
+    if text in EVERY_DEVICE:
+        if device_type != "cuda":
+            if text in (-1, "-1"):
+                raise ConfigError("trainer.devices", shown, "asks for every GPU, and this run is on the CPU, where "
+                                  "Lightning needs a count of processes", "e.g. trainer.devices=1 on the CPU")
+            return 1
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if visible == 0:
+            raise ConfigError("trainer.devices", shown, "means every GPU of the machine the run starts on, and none "
+                              "is visible here to count (a preflight on a login node?)",
+                              f"{fix}; or run the preflight where the GPUs are (slurm/*.slurm runs it in the job)")
+        return visible
+    if isinstance(text, (list, tuple)):
+        count = len(text)
+    elif isinstance(text, int):
+        count = text
+    elif isinstance(text, str) and all(part.strip().isdigit() for part in text.split(",") if part.strip()) \
+            and text.strip(", "):
+        parts = [part for part in text.split(",") if part.strip()]
+        count = int(parts[0]) if len(parts) == 1 and "," not in text else len(parts)
+    else:
+        raise ConfigError("trainer.devices", shown, "is not a device count", fix)
+    if count < 1:
+        raise ConfigError("trainer.devices", shown, "starts no process", fix)
+    return count
+
+
+def processes(trainer: Any, device_type: str) -> tuple[int, int]:
+    """``(per node, in all)``: the processes of a run with this ``trainer:`` config on ``device_type``
+    (:func:`devices_per_node`, times ``num_nodes``).
+
+    Raises:
+        ConfigError: naming ``trainer.devices`` (:func:`devices_per_node`) or ``trainer.num_nodes``.
+    """
+    per_node = devices_per_node(trainer.get("devices", 1), device_type)
     nodes = integer("trainer.num_nodes", trainer.get("num_nodes") or 1, minimum=1, fix="e.g. trainer.num_nodes=1")
     return per_node, per_node * nodes
 
@@ -407,12 +460,13 @@ def accumulated_batches(trainer: Any) -> int:
                    fix="e.g. trainer.accumulate_grad_batches=1 (a positive integer)")
 
 
-def cuda_graphs_fit(cfg: DictConfig) -> bool:
-    """Whether ``model.compile_mode=auto`` takes CUDA graphs for this run: one process (replays across ranks,
-    DDP's buckets and FSDP's regathered parameters are unmeasured or cannot work) and no gradient accumulation
-    (a replay overwrites the gradients the previous micro-batch left in ``.grad``; torch raises on the access)."""
+def cuda_graphs_fit(cfg: DictConfig, device_type: str) -> bool:
+    """Whether ``model.compile_mode=auto`` takes CUDA graphs for this run on ``device_type``: one process (replays
+    across ranks, DDP's buckets and FSDP's regathered parameters are unmeasured or cannot work) and no gradient
+    accumulation (a replay overwrites the gradients the previous micro-batch left in ``.grad``; torch raises on the
+    access)."""
     trainer = cfg.get("trainer") or {}
-    one_process = processes({k: plain(trainer.get(k)) for k in ("devices", "num_nodes")})[1] == 1
+    one_process = processes({k: plain(trainer.get(k)) for k in ("devices", "num_nodes")}, device_type)[1] == 1
     return one_process and accumulated_batches(trainer) == 1
 
 

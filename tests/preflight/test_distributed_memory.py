@@ -125,7 +125,7 @@ def test_ddp_buckets_are_traced_as_configured(tiny_cfg, view) -> None:
 
 def test_the_data_cache_is_reported_per_rank_and_node() -> None:
     trainer = parallel_of({"strategy": {"_target_": "voxdiff.lightning.distributed.DDPStrategy"}, "devices": 4,
-                           "num_nodes": 2})
+                           "num_nodes": 2}, "cuda")
     assert (trainer.strategy, trainer.world_size, trainer.processes_per_node) == ("ddp", 8, 4)
     data = {"_target_": "voxdiff.data.VolumeDataModule", "volume_shape": [48, 64, 64], "root": None,
             "num_subjects": 8, "cache": "memory"}

@@ -119,16 +119,16 @@ class Parallel:
         return f"{self.strategy}×{self.world_size}" if self.distributed else "one GPU"
 
 
-def parallel_of(trainer: Mapping[str, Any]) -> Parallel:
-    """The :class:`Parallel` of a plain ``trainer:`` config: the strategy's kind
+def parallel_of(trainer: Mapping[str, Any], device_type: str) -> Parallel:
+    """The :class:`Parallel` of a plain ``trainer:`` config on ``device_type``: the strategy's kind
     (:func:`voxdiff.config.strategy_kind`: ``trainer.strategy.kind`` of ``trainer=ddp`` / ``trainer=fsdp``; a
     strategy name as Lightning registers it, ``auto`` counting as DDP with torch's defaults; others, e.g.
-    ``deepspeed``, are traced as one GPU)."""
+    ``deepspeed``, are traced as one GPU), over the processes Lightning starts (:func:`voxdiff.config.processes`)."""
     strategy = trainer.get("strategy") or "auto"
     name = strategy_kind(strategy)
     # a strategy named, not configured: Lightning's DDP, i.e. DistributedDataParallel's own default
     options = dict(strategy) if isinstance(strategy, Mapping) else {"gradient_as_bucket_view": False}
-    per_node, world = processes(trainer)
+    per_node, world = processes(trainer, device_type)
     return Parallel(name if world > 1 else "single", world, per_node,
                     bool(options.get("gradient_as_bucket_view", True)), float(options.get("bucket_cap_mb", 25.0)))
 
@@ -464,7 +464,10 @@ def run_spec_problems(cfg: DictConfig, device_type: str | None = None) -> tuple[
     trainer = cfg.get("trainer") or {}  # read key by key: a key may interpolate Hydra's run-time values
     collect(lambda: validate_trainer(trainer))
     kind = collect(lambda: run_kind(cfg))
-    parallel = collect(lambda: parallel_of({k: plain(trainer.get(k)) for k in ("strategy", "devices", "num_nodes")}))
+    predicted = device_type is not None
+    device = device_type or accelerator_device(trainer.get("accelerator"))
+    parallel = collect(lambda: parallel_of({k: plain(trainer.get(k)) for k in ("strategy", "devices", "num_nodes")},
+                                           device))
     if kind == "stage1" and parallel is not None and strategy_kind(trainer.get("strategy")) == "fsdp":
         collect.found.append(ConfigError(
             "trainer", "fsdp", "FSDP shards the diffusion UNet; the VQ-VAE stage 1 trains with one device or DDP",
@@ -473,8 +476,6 @@ def run_spec_problems(cfg: DictConfig, device_type: str | None = None) -> tuple[
     encoding = collect(lambda: build_encoding(cfg))
     sizes = collect(lambda: shapes(cfg, encoding)) if encoding is not None else None
     batch = collect(lambda: batch_size(cfg))
-    predicted = device_type is not None
-    device = device_type or accelerator_device(trainer.get("accelerator"))
     precision = None
     if not (predicted and device == "cuda" and gpu is None):
         # a predicted GPU answers bf16 from its type (the local GPU is asked, as the Trainer asks it)
