@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from voxdiff.encodings.base import Encoding
@@ -401,8 +402,6 @@ def devices_per_node(devices: Any, device_type: str) -> int:
         ConfigError: naming ``trainer.devices``: every GPU asked for where none is visible (the preflight on a
             machine without the run's GPUs: the count is not guessed), -1 on the CPU, 0, or not a device count.
     """
-    import torch
-
     if devices is None:
         return 1
     fix = "give the number of GPUs per node, e.g. trainer.devices=4 (or a list of GPU ids, trainer.devices=[0,1])"

@@ -69,9 +69,11 @@ ROWS = [
     ("stage1_garbage", TRAIN, ["experiment=exp9_demo", "encoding.checkpoint={garbage}",
                                "data.latent_dir={cache_bad_index}"], CONFIG,
      ["encoding.checkpoint", "garbage.ckpt", "not a PyTorch checkpoint"]),
+    # trainer.devices as Lightning reads it (config.devices_per_node), refused by the run spec
+    ("trainer_devices_zero", TRAIN, ["trainer.devices=0"], CONFIG, ["trainer.devices=0", "starts no process", "Fix:"]),
+    ("trainer_devices_text", TRAIN, ["trainer.devices=abc"], CONFIG,
+     ["trainer.devices=abc", "is not a device count", "Fix:", "trainer.devices=4"]),
     # refused while the Trainer and its callbacks are built (Hydra's and Lightning's own errors), before any data
-    ("trainer_devices_zero", TRAIN, ["trainer.devices=0"], CONFIG, ["trainer.devices=0", "Fix:"]),
-    ("trainer_devices_text", TRAIN, ["trainer.devices=abc"], CONFIG, ["trainer.devices=abc", "int > 0", "Fix:"]),
     ("trainer_gpu_without_one", TRAIN, ["trainer.accelerator=gpu"], CONFIG,
      ["trainer.accelerator=gpu", "gpu", "Fix:"]),
     ("best_mode_median", TRAIN, ["callbacks.best.mode=median"], CONFIG,
