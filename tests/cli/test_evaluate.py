@@ -217,7 +217,8 @@ def test_the_loss_curve_comes_from_the_runs_csv(run, tmp_path):
 @pytest.mark.parametrize("override, key", [
     ("n=1", "n"), ("montages=-1", "montages"), ("random_features_seed=-2", "random_features_seed"),
     ("stage1_ckpt=/nonexistent.ckpt", "stage1_ckpt"), ("ms_ssim=hagan", "ms_ssim"),
-    ("medicalnet.weights=/some.pth", "medicalnet.sha256"),
+    ("medicalnet.weights=/some.pth", "medicalnet.sha256"), ("diversity_pairs=0", "diversity_pairs"),
+    ("batch_size=many", "batch_size"), ("memory_budget_gib=-1", "memory_budget_gib"),
 ])
 def test_bad_evaluation_configs_are_refused(run, override, key):
     _, _, last = run
@@ -245,5 +246,10 @@ def test_an_evaluation_above_its_memory_budget_is_refused_before_it_samples_and_
     assert not (tmp_path / "samples").exists() and not (tmp_path / "metrics.json").exists()
     # batch_size=auto on the CPU: the host's available memory holds all n=4 masks of this tiny model at once,
     # and metrics.json records the batch it chose
-    _evaluate(last, tmp_path / "auto", "batch_size=auto")
-    assert json.loads((tmp_path / "auto" / "metrics.json").read_text())["sampling"]["batch_size"] == 4
+    _evaluate(last, tmp_path / "auto", "batch_size=auto", "diversity_pairs=2")
+    record = json.loads((tmp_path / "auto" / "metrics.json").read_text())
+    assert record["sampling"]["batch_size"] == 4
+    # and the diversity over 2 of the 6 pairs of the 4 samples, drawn with the seed: the report says so
+    diversity = record["figures"]["diversity_ms_ssim_generated"]
+    assert (diversity["pairs"], diversity["all_pairs"], diversity["sampled"]) == (2, 6, True)
+    assert "2 of 6 pairs, drawn at random" in (tmp_path / "auto" / "report.html").read_text()

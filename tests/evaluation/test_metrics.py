@@ -33,6 +33,31 @@ def test_pairwise_ms_ssim_counts_pairs_and_follows_diversity():
     assert M.pairwise_ms_ssim(_volumes(4, 2))["value"] < 0.2  # four independent noise volumes: diverse
 
 
+def test_pair_indices_follow_combinations_order():
+    import itertools
+
+    for n in (2, 3, 7):
+        i, j = M.pair_indices(n, torch.arange(n * (n - 1) // 2))
+        assert list(zip(i.tolist(), j.tolist())) == list(itertools.combinations(range(n), 2))
+
+
+def test_pairwise_ms_ssim_over_a_seeded_random_subset_of_pairs():
+    """Above ``max_pairs`` the figure is the mean over that many distinct pairs drawn with the seed (the same pairs
+    for the same seed, others for another), exactly the mean of MS-SSIM on those pairs; at or below it, every pair."""
+    volumes = _volumes(6, 3)
+    every = M.pairwise_ms_ssim(volumes)
+    assert (every["pairs"], every["all_pairs"], every["sampled"]) == (15, 15, False)
+    assert M.pairwise_ms_ssim(volumes, max_pairs=15) == every
+    some = M.pairwise_ms_ssim(volumes, max_pairs=5, seed=1)
+    assert (some["pairs"], some["all_pairs"], some["sampled"], some["n"]) == (5, 15, True, 6)
+    assert M.pairwise_ms_ssim(volumes, max_pairs=5, seed=1) == some
+    picks = torch.randperm(15, generator=torch.Generator().manual_seed(1))[:5].sort().values
+    i, j = M.pair_indices(6, picks)
+    assert len(set(zip(i.tolist(), j.tolist()))) == 5 and bool((i < j).all())
+    assert some["value"] == pytest.approx(float(M.ms_ssim(volumes[i], volumes[j]).mean()))
+    assert M.pairwise_ms_ssim(volumes, max_pairs=5, seed=2)["value"] != some["value"]
+
+
 def test_ms_ssim_settings_work_from_the_stated_minimum_size_and_refuse_below():
     assert M.MS_SSIM_MIN_SIZE == 20
     assert sum(M.MS_SSIM_SETTINGS.weights) == pytest.approx(1.0, abs=1e-5)

@@ -93,6 +93,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("n", cfg.n, "diversity and distribution figures need at least 2 samples", "e.g. n=8")
     for key, minimum in (("montages", 0), ("histogram_bins", 2)):
         integer(key, cfg.get(key), minimum=minimum, example=max(minimum, 4))
+    if cfg.get("diversity_pairs") is not None:
+        integer("diversity_pairs", cfg.diversity_pairs, minimum=1,
+                fix="e.g. diversity_pairs=1000 (random pairs of each set), or null for every pair")
     if cfg.get("ms_ssim") not in MS_SSIM_PRESETS:
         raise ConfigError("ms_ssim", cfg.get("ms_ssim"), "unknown MS-SSIM settings",
                           f"use one of {', '.join(MS_SSIM_PRESETS)} (voxdiff: any axis >= 20; wdm: WDM's, axes >= 112)")
@@ -289,7 +292,8 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     phantom = is_phantom_data(saved.get("data")) and cfg.data.get("root") is None
     figures, more_absent = diffusion_figures(real, generated, sources, system.mode, extractors,
                                              bins=int(cfg.histogram_bins), device=str(device), ms_ssim=ms_ssim,
-                                             ventricles=ventricle_voxels if phantom else None)
+                                             ventricles=ventricle_voxels if phantom else None,
+                                             diversity_pairs=cfg.get("diversity_pairs"), seed=int(cfg.seed))
     cov_figures, cov_absent, cov_sections = _covariate_figures(cfg, phantom, system, sampler, real, generated, rows,
                                                                table, device, precision)
     figures.update(cov_figures)

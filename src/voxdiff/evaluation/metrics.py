@@ -4,7 +4,8 @@ Volumes are ``(N, 1, D, H, W)`` tensors in [0, 1] (images) or {0, 1} (masks); fe
 
 * Structural similarity: MONAI's ``SSIMMetric``, ``MultiScaleSSIMMetric`` and ``PSNRMetric`` with the settings
   of :data:`SSIM_SETTINGS` and :data:`MS_SSIM_SETTINGS` (data range 1).
-* Diversity: the mean MS-SSIM over all ``N·(N-1)/2`` unordered pairs of a set (:func:`pairwise_ms_ssim`).
+* Diversity: the mean MS-SSIM over the ``N·(N-1)/2`` unordered pairs of a set, or a seeded random subset of them
+  (:func:`pairwise_ms_ssim`).
 * Distribution: MONAI's ``MMDMetric`` (unbiased, linear kernel) on intensity histograms (:func:`histograms`),
   and the Fréchet distance of two feature sets through MONAI's ``FIDMetric`` (:func:`frechet_distance`), made
   safe for ``N`` smaller than the feature dimension.
@@ -21,7 +22,6 @@ every axis ≥ :data:`MS_SSIM_MIN_SIZE` (20) and works for all configured experi
 
 from __future__ import annotations
 
-import itertools
 import math
 import warnings
 from dataclasses import asdict, dataclass
@@ -146,25 +146,45 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _per_pair(PSNRMetric(max_val=1.0, reduction="none"), a, b)
 
 
-def pairwise_ms_ssim(volumes: torch.Tensor, settings: SSIMSettings = MS_SSIM_SETTINGS) -> dict[str, float | int]:
-    """Mean MS-SSIM over all unordered pairs of a set (the diversity figure: lower = more diverse).
+def pair_indices(n: int, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(i, j)`` of the unordered pairs ``picks`` indexes, in ``itertools.combinations(range(n), 2)`` order: pair
+    ``k`` is the ``k``-th of ``(0, 1), (0, 2), ..., (0, n-1), (1, 2), ...``; ``picks`` ``(K,)`` int64 in
+    ``[0, n·(n-1)/2)``."""
+    per_row = torch.arange(n - 1, 0, -1)  # the pairs whose first index is i
+    starts = torch.cumsum(per_row, 0) - per_row
+    i = torch.searchsorted(starts, picks, right=True) - 1
+    return i, i + 1 + (picks - starts[i])
+
+
+def pairwise_ms_ssim(volumes: torch.Tensor, settings: SSIMSettings = MS_SSIM_SETTINGS, max_pairs: int | None = None,
+                     seed: int = 0) -> dict[str, float | int | bool]:
+    """Mean MS-SSIM over the unordered pairs of a set (the diversity figure: lower = more diverse): all of them, or,
+    when there are more than ``max_pairs``, ``max_pairs`` distinct pairs drawn at random (seeded by ``seed``), as
+    the field measures diversity over large sample sets (N = 1000 volumes make 499,500 pairs).
 
     Args:
         volumes: ``(N, 1, D, H, W)`` in [0, 1], ``N >= 2``.
         settings: the MS-SSIM settings.
+        max_pairs: the most pairs to compute (None: every pair).
+        seed: the seed of the pairs drawn.
 
     Returns:
-        ``{"value": mean, "std": standard deviation over pairs, "n": N, "pairs": N·(N-1)/2}``.
+        ``{"value": mean, "std": standard deviation over pairs, "n": N, "pairs": pairs computed,
+        "all_pairs": N·(N-1)/2, "sampled": whether the pairs were drawn}``.
     """
     n = volumes.shape[0]
     if n < 2:
         raise ValueError(f"pairwise MS-SSIM needs at least 2 volumes, got {n}")
-    pairs = list(itertools.combinations(range(n), 2))
-    i, j = (list(k) for k in zip(*pairs))
+    total = n * (n - 1) // 2
+    sampled = max_pairs is not None and total > max_pairs
+    picks = (torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:max_pairs].sort().values
+             if sampled else torch.arange(total))
+    i, j = (t.tolist() for t in pair_indices(n, picks))
     step = max(1, VOXELS_PER_CALL // volumes[0].numel())  # index per chunk: never a copy of every pair at once
     v = torch.cat([ms_ssim(volumes[i[k : k + step]], volumes[j[k : k + step]], settings)
                    for k in range(0, len(i), step)])
-    return {"value": float(v.mean()), "std": float(v.std()) if len(v) > 1 else 0.0, "n": n, "pairs": len(pairs)}
+    return {"value": float(v.mean()), "std": float(v.std()) if len(v) > 1 else 0.0, "n": n, "pairs": len(i),
+            "all_pairs": total, "sampled": sampled}
 
 
 def summary(values: torch.Tensor) -> dict[str, float | int]:

@@ -26,7 +26,8 @@ DEFINITIONS: dict[str, tuple[str, str, str]] = {
     # name: (label, direction, definition)
     "diversity_ms_ssim_generated": (
         "Diversity: mean pairwise MS-SSIM, generated", "match",
-        "Mean MS-SSIM over all unordered pairs of generated volumes (float64). Lower = more diverse; compare "
+        "Mean MS-SSIM over the unordered pairs of generated volumes (float64): all of them, or a seeded random "
+        "subset of diversity_pairs of them (N and the pairs computed are beside it). Lower = more diverse; compare "
         "with the same figure for the real volumes (a much higher value: too little variety, mode collapse)."),
     "diversity_ms_ssim_real": (
         "Diversity: mean pairwise MS-SSIM, real", "info",
@@ -162,6 +163,7 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
                       extractors: Sequence[FeatureExtractor], bins: int = 64, device: str = "cpu",
                       ms_ssim: M.SSIMSettings = M.MS_SSIM_SETTINGS,
                       ventricles: Callable[[torch.Tensor], int] | None = None,
+                      diversity_pairs: int | None = None, seed: int = 0,
                       ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """All figures of a generated set against the real one.
 
@@ -176,6 +178,8 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
         ventricles: where the real volumes are the built-in phantom's, its ventricle measure of one ``(1, D, H, W)``
             image (:func:`voxdiff.data.phantom.ventricle_voxels`, passed in by the command: the data layer is
             not the evaluation's to import): the ventricle figures are added.
+        diversity_pairs, seed: the diversity figures over at most this many pairs of each set, drawn with ``seed``
+            (:func:`voxdiff.evaluation.metrics.pairwise_ms_ssim`); None: every pair.
 
     Returns:
         ``(figures, absent)``: ``{name: figure}`` and ``{name: why it was not computed}``.
@@ -184,10 +188,10 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
     absent: dict[str, str] = {}
     reference = real.images if mode == "bravo" else real.masks  # what the generated volumes should look like
     paired = reference[list(sources)]
-    figures["diversity_ms_ssim_generated"] = figure("diversity_ms_ssim_generated", M.pairwise_ms_ssim(generated, ms_ssim))
-    if len(real) >= 2:
-        figures["diversity_ms_ssim_real"] = figure("diversity_ms_ssim_real", M.pairwise_ms_ssim(reference, ms_ssim))
-    else:
+    for name, volumes in (("diversity_ms_ssim_generated", generated), ("diversity_ms_ssim_real", reference)):
+        if len(volumes) >= 2:
+            figures[name] = figure(name, M.pairwise_ms_ssim(volumes, ms_ssim, diversity_pairs, seed))
+    if len(real) < 2:
         absent["diversity_ms_ssim_real"] = "the split has 1 subject: no pair of real volumes"
     if mode == "bravo":
         masks = real.masks[list(sources)]

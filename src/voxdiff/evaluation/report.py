@@ -169,7 +169,8 @@ def render_html(title: str, meta: Mapping[str, Any], figures: Mapping[str, Mappi
     for name, f in figures.items():
         n = f.get("n", f.get("n_generated", ""))
         if "pairs" in f:
-            n = f"{n} ({f['pairs']} pairs)"
+            n = f"{n} ({f['pairs']} of {f['all_pairs']} pairs, drawn at random)" if f.get("sampled") else \
+                f"{n} ({f['pairs']} pairs)"
         elif "n_real" in f:
             n = f"{f['n_generated']} gen / {f['n_real']} real"
         value = _fmt(f["value"]) + (f" ± {_fmt(f['std'])}" if "std" in f else "")
