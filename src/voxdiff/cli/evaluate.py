@@ -33,7 +33,15 @@ from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind
 from voxdiff.cli.devices import pick_device
 from voxdiff.cli.exit_codes import hydra_main, refusals
 from voxdiff.cli.covariate_args import covariate_rows, covariate_vectors, requested_covariates, without_table
-from voxdiff.cli.sample import _CKPT_FIX, _datamodule, batch_is_auto, measured_memory, ready, release
+from voxdiff.cli.sample import (
+    _CKPT_FIX,
+    _datamodule,
+    available_host_bytes,
+    batch_is_auto,
+    measured_memory,
+    ready,
+    release,
+)
 from voxdiff.cli.sample import validate as validate_sampling
 from voxdiff.config import is_phantom_data, plain
 from voxdiff.data.phantom import COVARIATE_EFFECTS, ventricle_voxels
@@ -137,7 +145,8 @@ def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any
 
     n, out = int(cfg.n), Path(cfg.paths.output_dir) / "samples"
     sources = [i % len(real) for i in range(n)]
-    generated, pngs = [], []
+    generated = torch.empty((n, *real.images.shape[1:]))  # filled batch by batch: never a second copy (no cat)
+    pngs: list[Path] = []
     for b, idx in enumerate(tqdm(list(batches(n, int(cfg.batch_size))), desc=f"[voxdiff] {sampler.sampler}", unit="batch")):
         src = [sources[i] for i in idx]
         generator = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1_000_003 + b)
@@ -148,11 +157,35 @@ def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any
                                 guidance_scale=sampler.guidance_scale, batch_size=int(cfg.batch_size),
                                 covariates=covariate_vectors(system.covariate_encoding, used), guide=guide,
                                 autoguide_scale=sampler.autoguide_scale).float().cpu()
-        generated.append(x)
+        generated[idx[0]:idx[-1] + 1] = x
         names = [f"{real.subjects[s]}_s{i:03d}" for s, i in zip(src, idx)]
         pngs += save_samples(out, tag, system.mode, x, real.masks[src], real.images[src], real.affines[src], names,
                              covariates=used)
-    return torch.cat(generated), sources, pngs
+    return generated, sources, pngs
+
+
+def check_host_memory(cfg: DictConfig, real: Any) -> int:
+    """The host memory the generated volumes take (``n`` of the real volumes' shape, float32; twice with a negative
+    control, ``control_ckpt``, whose ``n`` are held beside them), refused above what this machine has available
+    (:func:`voxdiff.cli.sample.available_host_bytes`) before anything is sampled. Returns the bytes.
+
+    Raises:
+        ConfigError: naming ``n``, with the largest ``n`` that fits.
+    """
+    import math
+
+    sets = 2 if cfg.get("control_ckpt") is not None else 1
+    per_volume = 4 * math.prod(real.images.shape[1:])
+    need = int(cfg.n) * per_volume * sets
+    available = available_host_bytes()
+    if need > available:
+        what = " (twice: the negative control's too)" if sets == 2 else ""
+        most = available // (per_volume * sets)
+        raise ConfigError("n", cfg.n, f"holds {need / GiB:.3g} GiB of generated volumes in host memory "
+                          f"({per_volume / 2**20:.3g} MiB each{what}), more than the {available / GiB:.3g} GiB "
+                          "available here", (f"use n={most} or fewer, or " if most >= 2 else "use ")
+                          + f"a node with more memory (n=2 needs {2 * per_volume * sets / GiB:.3g} GiB)")
+    return need
 
 
 def _swept(cfg: DictConfig, encoding: Any) -> Any:
@@ -282,6 +315,7 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     rows = None if encoding is None else [
         covariate_rows(encoding, table, [real.subjects[s]], {**requested, **sweep[i]})[0]
         for i, s in enumerate(sources)]
+    check_host_memory(cfg, real)
     t0 = time.perf_counter()
     generated, sources, pngs = _generate(cfg, system, sampler, real, device, precision, rows, guide=guide)
     t1 = time.perf_counter()

@@ -289,11 +289,11 @@ def _memory_budget(cfg: DictConfig, device: Any, auto: bool = False) -> tuple[in
     if torch.device(device).type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0]), f"free memory of the {torch.cuda.get_device_name(device)}"
     if auto:
-        return _available_host_bytes(), "available host memory"
+        return available_host_bytes(), "available host memory"
     return None, ""
 
 
-def _available_host_bytes() -> int:
+def available_host_bytes() -> int:
     """``MemAvailable`` of ``/proc/meminfo`` (Linux), else the machine's memory
     (:func:`voxdiff.preflight.resources.host_memory_bytes`)."""
     try:
