@@ -255,25 +255,24 @@ def test_an_evaluation_above_its_memory_budget_is_refused_before_it_samples_and_
     assert "2 of 6 pairs, drawn at random" in (tmp_path / "auto" / "report.html").read_text()
 
 
-def test_the_generated_volumes_host_memory_is_checked_before_sampling(monkeypatch):
-    """evaluate.py holds its n generated volumes (float32, the real volumes' shape; twice with a negative control)
-    in host memory: above what the machine has available it is refused naming n, with the largest n that fits."""
-    from types import SimpleNamespace
-
-    import torch
+def test_the_volumes_host_memory_is_checked_before_the_real_set_is_loaded(monkeypatch):
+    """evaluate.py holds its n generated volumes (float32; twice with a negative control) and the real subjects'
+    images and masks in host memory: above what the machine has available it is refused naming n, with the largest
+    n that fits."""
     from omegaconf import OmegaConf
 
     from voxdiff.cli import evaluate as E
 
-    real = SimpleNamespace(images=torch.empty(2, 1, 16, 32, 32))
-    per_volume = 4 * 16 * 32 * 32
-    monkeypatch.setattr(E, "available_host_bytes", lambda: 5 * per_volume)
-    assert E.check_host_memory(OmegaConf.create({"n": 5, "control_ckpt": None}), real) == 5 * per_volume
-    with pytest.raises(ConfigError, match=r"n=8: holds .* GiB of generated volumes in host memory \(0.0625 MiB "
-                                          r"each\), more than .* Fix: use n=5 or fewer, or a node with more memory"):
-        E.check_host_memory(OmegaConf.create({"n": 8, "control_ckpt": None}), real)
+    volume, per_volume = (1, 16, 32, 32), 4 * 16 * 32 * 32
+    real = 2 * 3 * per_volume  # 3 real subjects, image and mask
+    monkeypatch.setattr(E, "available_host_bytes", lambda: 5 * per_volume + real)
+    assert E.check_host_memory(OmegaConf.create({"n": 5, "control_ckpt": None}), volume, 3) == 5 * per_volume + real
+    with pytest.raises(ConfigError, match=r"n=8: holds .* GiB of volumes in host memory \(0.0625 MiB each: 8 "
+                                          r"generated, and 3 real subjects' images and masks\), more than .* Fix: use "
+                                          r"n=5 or fewer, or a node with more memory"):
+        E.check_host_memory(OmegaConf.create({"n": 8, "control_ckpt": None}), volume, 3)
     with pytest.raises(ConfigError, match=r"twice: the negative control's too.* Fix: use n=2 or fewer"):
-        E.check_host_memory(OmegaConf.create({"n": 5, "control_ckpt": "control.ckpt"}), real)
-    monkeypatch.setattr(E, "available_host_bytes", lambda: per_volume)
+        E.check_host_memory(OmegaConf.create({"n": 5, "control_ckpt": "control.ckpt"}), volume, 3)
+    monkeypatch.setattr(E, "available_host_bytes", lambda: real)
     with pytest.raises(ConfigError, match=r"Fix: use a node with more memory \(n=2 needs"):
-        E.check_host_memory(OmegaConf.create({"n": 2, "control_ckpt": None}), real)
+        E.check_host_memory(OmegaConf.create({"n": 2, "control_ckpt": None}), volume, 3)

@@ -164,10 +164,12 @@ def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any
     return generated, sources, pngs
 
 
-def check_host_memory(cfg: DictConfig, real: Any) -> int:
-    """The host memory the generated volumes take (``n`` of the real volumes' shape, float32; twice with a negative
-    control, ``control_ckpt``, whose ``n`` are held beside them), refused above what this machine has available
-    (:func:`voxdiff.cli.sample.available_host_bytes`) before anything is sampled. Returns the bytes.
+def check_host_memory(cfg: DictConfig, volume: tuple[int, ...], real_subjects: int) -> int:
+    """The host memory an evaluation's volumes take, all float32 of shape ``volume`` ``(C, D, H, W)``: the
+    ``real_subjects`` real ones (image and mask each) and the ``n`` generated ones (twice with a negative control,
+    ``control_ckpt``, whose ``n`` are held beside them), refused above what this machine has available
+    (:func:`voxdiff.cli.sample.available_host_bytes`) before the real set is loaded or anything sampled. Returns the
+    bytes.
 
     Raises:
         ConfigError: naming ``n``, with the largest ``n`` that fits.
@@ -175,16 +177,18 @@ def check_host_memory(cfg: DictConfig, real: Any) -> int:
     import math
 
     sets = 2 if cfg.get("control_ckpt") is not None else 1
-    per_volume = 4 * math.prod(real.images.shape[1:])
-    need = int(cfg.n) * per_volume * sets
+    per_volume = 4 * math.prod(volume)
+    real = 2 * real_subjects * per_volume
+    need = int(cfg.n) * per_volume * sets + real
     available = available_host_bytes()
     if need > available:
-        what = " (twice: the negative control's too)" if sets == 2 else ""
-        most = available // (per_volume * sets)
-        raise ConfigError("n", cfg.n, f"holds {need / GiB:.3g} GiB of generated volumes in host memory "
-                          f"({per_volume / 2**20:.3g} MiB each{what}), more than the {available / GiB:.3g} GiB "
-                          "available here", (f"use n={most} or fewer, or " if most >= 2 else "use ")
-                          + f"a node with more memory (n=2 needs {2 * per_volume * sets / GiB:.3g} GiB)")
+        control = ", twice: the negative control's too" if sets == 2 else ""
+        most = (available - real) // (per_volume * sets)
+        raise ConfigError("n", cfg.n, f"holds {need / GiB:.3g} GiB of volumes in host memory ({per_volume / 2**20:.3g} "
+                          f"MiB each: {cfg.n} generated{control}, and {real_subjects} real subjects' images and masks)"
+                          f", more than the {available / GiB:.3g} GiB available here",
+                          (f"use n={most} or fewer, or " if most >= 2 else "use ")
+                          + f"a node with more memory (n=2 needs {(2 * per_volume * sets + real) / GiB:.3g} GiB)")
     return need
 
 
@@ -305,7 +309,9 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
                            cfg, weights)
     dataset = _split(dm, str(cfg.split))
     ms_ssim = MS_SSIM_PRESETS[cfg.ms_ssim]
-    check_volume_shape(tuple(dataset[0]["image"].shape[1:]), ms_ssim)
+    volume = tuple(dataset[0]["image"].shape)
+    check_volume_shape(volume[1:], ms_ssim)
+    check_host_memory(cfg, volume, min(int(cfg.n), len(dataset)))
     real = load_real(dataset, int(cfg.n))
     extractors, absent = build_extractors(cfg.get("random_features_seed"), cfg.get("stage1_ckpt"),
                                           plain(cfg.get("medicalnet")))
@@ -315,7 +321,6 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     rows = None if encoding is None else [
         covariate_rows(encoding, table, [real.subjects[s]], {**requested, **sweep[i]})[0]
         for i, s in enumerate(sources)]
-    check_host_memory(cfg, real)
     t0 = time.perf_counter()
     generated, sources, pngs = _generate(cfg, system, sampler, real, device, precision, rows, guide=guide)
     t1 = time.perf_counter()

@@ -44,8 +44,8 @@ TABLE: tuple[ExitCode, ...] = (
              "latent-cache index) cannot work, or the run directory is in use or holds another run; a folder or "
              "file a checkpoint names that the command line did not choose (data.root, data.latent_dir, "
              "encoding.checkpoint); a setting Hydra or Lightning refuses while the Trainer, its callbacks and "
-             "loggers are built (trainer.devices=0, callbacks.best.mode=median); also torch.compile failing on the "
-             "first training step (model.compile)",
+             "loggers are built (trainer.accelerator=gpu without a GPU, callbacks.best.mode=median); also "
+             "torch.compile failing on the first training step (model.compile)",
              "change what the one-line message names (key=value: problem. Fix: ...)"),
     ExitCode(EXIT_NONFINITE, "EXIT_NONFINITE",
              "training stopped on a NaN/inf loss or gradient norm, at most system.guard.check_every_n_steps "
