@@ -421,14 +421,15 @@ def devices_per_node(devices: Any, device_type: str) -> int:
                               "is visible here to count (a preflight on a login node?)",
                               f"{fix}; or run the preflight where the GPUs are (slurm/*.slurm runs it in the job)")
         return visible
+    ids = [part.strip() for part in text.split(",") if part.strip()] if isinstance(text, str) else []
     if isinstance(text, (list, tuple)):
-        count = len(text)
+        count = len(text)  # those GPU ids
     elif isinstance(text, int):
-        count = text
-    elif isinstance(text, str) and all(part.strip().isdigit() for part in text.split(",") if part.strip()) \
-            and text.strip(", "):
-        parts = [part for part in text.split(",") if part.strip()]
-        count = int(parts[0]) if len(parts) == 1 and "," not in text else len(parts)
+        count = text  # the first N GPUs
+    elif isinstance(text, str) and text.isdigit():
+        count = int(text)  # "3": as the integer
+    elif isinstance(text, str) and "," in text and ids and all(i.isdigit() for i in ids):
+        count = len(ids)  # "0,1": those GPU ids
     else:
         raise ConfigError("trainer.devices", shown, "is not a device count", fix)
     if count < 1:
