@@ -22,6 +22,7 @@ Exit codes: 0 done; 2 the config was refused.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -174,8 +175,6 @@ def check_host_memory(cfg: DictConfig, volume: tuple[int, ...], real_subjects: i
     Raises:
         ConfigError: naming ``n``, with the largest ``n`` that fits.
     """
-    import math
-
     sets = 2 if cfg.get("control_ckpt") is not None else 1
     per_volume = 4 * math.prod(volume)
     real = 2 * real_subjects * per_volume
@@ -374,8 +373,9 @@ def _vqvae(cfg: DictConfig, device: Any) -> dict[str, Any]:
     ms_ssim = MS_SSIM_PRESETS[cfg.ms_ssim]
     check_volume_shape(tuple(dataset[0]["image"].shape[1:]), ms_ssim)
     real = load_real(dataset, int(cfg.n))
-    batch = 1 if batch_is_auto(cfg) else int(cfg.batch_size)  # no prediction of a reconstruction's memory
-    if batch_is_auto(cfg):
+    auto = batch_is_auto(cfg)
+    batch = 1 if auto else int(cfg.batch_size)  # no prediction of a reconstruction's memory
+    if auto:
         print("[voxdiff] batch_size=auto chooses a diffusion model's sampling batch; a VQ-VAE reconstructs one "
               "volume at a time", flush=True)
     t0 = time.perf_counter()

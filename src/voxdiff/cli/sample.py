@@ -25,6 +25,7 @@ voxdiff's own encoding or data classes.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -224,10 +225,14 @@ def check_memory(cfg: DictConfig, device: Any, spec: Any, system: Any, sampler: 
     # deferred: the prediction's tracer is only needed once a checkpoint is loaded
     from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN, predict_sampling
 
-    def predict(batch: int, autoguide: float = sampler.autoguide_scale) -> Any:
+    @functools.cache  # each (batch, autoguide) is traced once: the choice and the refusals ask for the same ones
+    def traced(batch: int, autoguide: float) -> Any:
         return predict_sampling(spec, batch, guidance_scale=sampler.guidance_scale, autoguide_scale=autoguide,
                                 num_inference_steps=sampler.num_inference_steps, encoding=system.encoding,
                                 device_type=torch.device(device).type)
+
+    def predict(batch: int, autoguide: float = sampler.autoguide_scale) -> Any:
+        return traced(batch, float(autoguide))
 
     auto = batch_is_auto(cfg)
     batch = min(AUTO_MAX_BATCH if auto else int(cfg.batch_size), int(cfg.n))
@@ -294,18 +299,20 @@ def _memory_budget(cfg: DictConfig, device: Any, auto: bool = False) -> tuple[in
 
 
 def available_host_bytes() -> int:
-    """``MemAvailable`` of ``/proc/meminfo`` (Linux), else the machine's memory
-    (:func:`voxdiff.preflight.resources.host_memory_bytes`)."""
+    """Host memory this process can still take: ``MemAvailable`` of ``/proc/meminfo`` (Linux), within the machine's
+    memory or its cgroup's limit (a container, a Slurm allocation: :func:`voxdiff.preflight.resources.
+    host_memory_bytes`), whichever is lower; that limit alone where ``/proc/meminfo`` does not say."""
+    # deferred: the preflight's package is imported only once a command has something to check
+    from voxdiff.preflight.resources import host_memory_bytes
+
+    limit = host_memory_bytes()
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                return min(int(line.split()[1]) * 1024, limit)
     except (OSError, ValueError, IndexError):
         pass
-    # deferred: only where /proc/meminfo does not say
-    from voxdiff.preflight.resources import host_memory_bytes
-
-    return host_memory_bytes()
+    return limit
 
 
 class Ready(NamedTuple):
