@@ -351,8 +351,9 @@ def summarise(name: str, device: str, peak: float | None, results: dict[str, dic
     row: dict[str, Any] = {"experiment": name, "device": device}
     for side, result in results.items():
         row.update({f"{side}_{k}": v for k, v in result.items()})
-    flop = results["plain"].get("tflop_per_step")  # one forward+backward at the experiment's batch
-    batch = results["plain"].get("batch")
+    # one forward+backward at the experiment's batch, counted by whichever plain loop ran (a call may time only one)
+    counted = next((results[s] for s in ("plain", "compiled") if results.get(s, {}).get("tflop_per_step")), {})
+    flop, batch = counted.get("tflop_per_step"), counted.get("batch")
     for side, result in results.items():
         ms, b = result.get("ms_per_step"), result.get("batch")
         if ms is None or b is None:

@@ -45,7 +45,7 @@ def cost(row: dict[str, str]):
     cfg = parse_row(row)
     with torch.device("meta"):
         model = MODEL_FACTORY(cfg)
-    batch, mode = unet_batch(cfg.input_shape, cfg.out_channels)
+    batch, mode = unet_batch(cfg.input_shape, cfg.spec.out_channels)
     return step_cost(model, batch, mode)
 
 

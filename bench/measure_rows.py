@@ -77,7 +77,7 @@ def measure_one(row: dict[str, str], opts: dict[str, Any]) -> dict[str, Any]:
     torch.cuda.reset_peak_memory_stats()
     with torch.device("cuda"):
         model = MODEL_FACTORY(cfg)
-    shapes, mode = unet_batch(cfg.input_shape, cfg.out_channels)
+    shapes, mode = unet_batch(cfg.input_shape, cfg.spec.out_channels)
     batch = {k: torch.randn(v, device="cuda") for k, v in shapes.items()}
     step = TrainStep(model, recipe, mode=mode, precision=decide_precision("bf16-mixed", "cuda").context(),
                      device_type="cuda")
