@@ -13,6 +13,7 @@ from voxdiff.step import (
     optimizer_impl,
     params_device_type,
 )
+from voxdiff.step.optim import clip_gradients, folds_clip, unfold_clip
 
 
 def _model():
@@ -132,3 +133,54 @@ def test_an_unbounded_run_needs_decay_steps():
     bounded = optim_settings({"decay_steps": 10})
     assert build_lr_scheduler(build_optimizer(_model().parameters(), bounded), bounded, math.inf).lr_lambdas[0](10) \
         == pytest.approx(bounded.min_lr_ratio)
+
+
+def _clip_run(fold: bool | None, steps: int = 3, value: float | None = 0.5):
+    """Three AdamW steps of one small model on the same gradients: ``fold=True`` a fused AdamW given the clipping
+    factor (``clip_gradients(..., optimizer=)``), ``False`` a fused AdamW after clipping in place, ``None`` no
+    clipping. ``eps`` is large so that the update depends on the gradients' scale (Adam's is nearly scale-free)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=0.1, fused=True)
+    g = torch.Generator().manual_seed(1)
+    seen = []
+    for _ in range(steps):
+        (model(torch.randn(5, 8, generator=g)) ** 2).sum().mul(100).backward()
+        raw = [p.grad.clone() for p in model.parameters()]
+        if fold is not None:
+            norm = clip_gradients(list(model.parameters()), value, "norm", optimizer=opt if fold else None)
+            assert float(norm) == pytest.approx(float(torch.linalg.vector_norm(torch.stack([r.norm() for r in raw]))))
+        seen.append((raw, [p.grad.clone() for p in model.parameters()], getattr(opt, "grad_scale", None)))
+        opt.step()
+        unfold_clip(opt)
+        opt.zero_grad(set_to_none=True)
+    return model, seen
+
+
+def test_a_fused_adamw_takes_the_clipping_factor_into_its_kernel():
+    """Clipping by norm for a fused AdamW: the same weights as clipping the gradients in place, with the gradients
+    left untouched (no pass of their own) and the factor, ``max(1, norm / value)``, given as the kernel's
+    ``grad_scale`` for one step only."""
+    folded, seen = _clip_run(fold=True)
+    in_place, seen_in_place = _clip_run(fold=False)
+    unclipped, _ = _clip_run(fold=None)
+    for a, b, c in zip(folded.parameters(), in_place.parameters(), unclipped.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert (a - c).abs().max() > 1e-4  # clipping changed the update: the comparison above can fail
+    for (raw, grads, scale), (raw_ip, grads_ip, _) in zip(seen, seen_in_place):
+        assert all(torch.equal(r, g) for r, g in zip(raw, grads))  # not clipped in place
+        norm = torch.linalg.vector_norm(torch.stack([r.norm() for r in raw]))
+        assert scale is not None and float(scale) == pytest.approx(max(1.0, float(norm) / 0.5), rel=1e-5)
+        assert not all(torch.equal(r, g) for r, g in zip(raw_ip, grads_ip))  # the other path did clip
+    assert not hasattr(folded, "grad_scale")
+
+
+def test_only_a_fused_adamw_folds_the_clipping():
+    model = torch.nn.Linear(4, 4)
+    model(torch.randn(2, 4)).pow(2).sum().mul(100).backward()
+    foreach = torch.optim.AdamW(model.parameters(), foreach=True)
+    assert folds_clip(torch.optim.AdamW(model.parameters(), fused=True)) and not folds_clip(foreach)
+    norm = clip_gradients(list(model.parameters()), 1e-3, "norm", optimizer=foreach)
+    assert float(norm) > 1e-3 and not hasattr(foreach, "grad_scale")
+    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert float(clipped) == pytest.approx(1e-3, rel=1e-3)  # clipped in place instead

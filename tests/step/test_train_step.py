@@ -31,12 +31,14 @@ class _SeedEachStep(L.Callback):
         torch.manual_seed(1000 + trainer.global_step)
 
 
-@pytest.fixture
-def run_cfg(tiny_cfg, tmp_path):
+@pytest.fixture(params=["single", "fused"])
+def run_cfg(request, tiny_cfg, tmp_path):
+    """``fused``: fused AdamW (the GPU default; torch runs it on the CPU too), which takes the clipping factor into
+    its own kernel (``voxdiff.step.optim.clip_gradients``) instead of a pass over the gradients."""
     return tiny_cfg(f"paths.output_dir={tmp_path}", "data.num_subjects=4", "system.ema.decay=0.5",
                     "system.ema.start_step=1", "system.optim.lr=1e-3", "system.optim.warmup_steps=2",
                     "system.optim.weight_decay=0.01", f"trainer.gradient_clip_val={CLIP}", "trainer.accelerator=cpu",
-                    config_name="train")
+                    *(["system.optim.fused=true"] if request.param == "fused" else []), config_name="train")
 
 
 @pytest.fixture
@@ -70,6 +72,7 @@ def test_lightning_and_the_bare_step_are_bit_identical(run_cfg, batches):
     step = TrainStep(model, recipe, encoding=encoding, mode=run_cfg.mode,
                      process=DiffusionProcess(diffusion_settings(dict(run_cfg.diffusion))))
     step.configure_optimizer(total_steps=STEPS)
+    assert step.optimizer_impl == ("fused" if sys_cfg.optim.fused else "single")
     for i, batch in enumerate(batches):
         torch.manual_seed(1000 + i)
         stats = step.run(batch)

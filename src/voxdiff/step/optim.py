@@ -180,7 +180,8 @@ class WarmupCosine:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def clip_gradients(params: Iterable[torch.Tensor], value: float | None, algorithm: str = "norm") -> torch.Tensor:
+def clip_gradients(params: Iterable[torch.Tensor], value: float | None, algorithm: str = "norm",
+                   optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
     """Clip the gradients of ``params`` (``trainer.gradient_clip_val`` / ``gradient_clip_algorithm``) in place,
     without a host sync, and return their total 2-norm before clipping (a device scalar).
 
@@ -188,6 +189,12 @@ def clip_gradients(params: Iterable[torch.Tensor], value: float | None, algorith
     that unscales its own gradients (fused AdamW, voxdiff's default on a GPU) whenever a clip value is set.
     ``norm``: scale every gradient by ``min(1, value / total norm)``; ``value``: clamp each element to
     ``[-value, value]`` (the norm returned is then that of the clamped gradients); ``value=None``: the norm alone.
+
+    ``optimizer``: the optimizer about to step on these gradients. Where it is a fused AdamW (:func:`folds_clip`),
+    clipping by norm is not a pass of its own over the gradients: the factor goes to the fused kernel, which reads
+    every gradient anyway, as its ``grad_scale`` (the gradients are divided by it, as a GradScaler's unscaling is),
+    and the gradients themselves are left as they are. :func:`unfold_clip` removes it after the step. On a
+    2.7B-parameter UNet this saves reading and writing 21 GB of fp32 gradients per step.
     """
     params = [p for p in params if p.grad is not None]
     if value is not None and algorithm == "value":
@@ -195,9 +202,26 @@ def clip_gradients(params: Iterable[torch.Tensor], value: float | None, algorith
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if hasattr(norm, "full_tensor"):  # a DTensor (FSDP's sharded gradients): the norm over every shard
         norm = norm.full_tensor()
+    elif value is not None and algorithm == "norm" and optimizer is not None and folds_clip(optimizer):
+        # 1 / the factor clip_grads_with_norm_ multiplies by (min(1, value / (norm + 1e-6))), on the device
+        optimizer.grad_scale = torch.clamp((norm.float() + 1e-6) / value, min=1.0)
+        return norm
     if value is not None and algorithm == "norm":
         torch.nn.utils.clip_grads_with_norm_(params, value, norm)
     return norm
+
+
+def folds_clip(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether :func:`clip_gradients` hands the clipping factor to ``optimizer``: a fused AdamW (its kernel divides
+    the gradients by a ``grad_scale`` tensor). Not to be passed where a loss scaler steps the optimizer (fp16's
+    GradScaler sets its own ``grad_scale``)."""
+    return isinstance(optimizer, torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
+
+
+def unfold_clip(optimizer: torch.optim.Optimizer | None) -> None:
+    """After the optimizer step: drop the clipping factor :func:`clip_gradients` gave ``optimizer`` (if any)."""
+    if optimizer is not None:
+        optimizer.__dict__.pop("grad_scale", None)
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, settings: OptimSettings,

@@ -24,7 +24,8 @@ One step (:meth:`TrainStep.run`), in Lightning's order::
 
 No step makes the host wait for the device otherwise: the guard records a non-finite loss or gradient norm on
 the device (:mod:`voxdiff.step.guard`), clipping and the EMA are device kernels, and the statistics returned are
-tensors.
+tensors. With a fused AdamW, clipping by norm is the norm alone: its factor goes into the optimizer's kernel
+(:func:`voxdiff.step.optim.clip_gradients`), with no pass of its own over the gradients.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from voxdiff.encodings.identity import Identity
 from voxdiff.step.compiling import CompiledForward, CompileSettings
 from voxdiff.step.ema import EMA
 from voxdiff.step.guard import FiniteGuard, NonFiniteLossError
-from voxdiff.step.optim import build_lr_scheduler, build_optimizer, clip_gradients, optimizer_impl, params_device_type
+from voxdiff.step.optim import (build_lr_scheduler, build_optimizer, clip_gradients, optimizer_impl,
+                                params_device_type, unfold_clip)
 from voxdiff.step.precision import Precision, PrecisionContext
 from voxdiff.step.recipe import Recipe
 
@@ -255,17 +257,19 @@ class TrainStep:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.clip is None:  # the guard alone: the norm, nothing clipped
             norm = clip_gradients(params, None)
-        else:
-            norm = clip_gradients(params, self.clip.value, self.clip.algorithm)
+        else:  # a fused AdamW takes the factor of clipping by norm into its own kernel (not under a loss scaler)
+            norm = clip_gradients(params, self.clip.value, self.clip.algorithm,
+                                  optimizer=None if self.loss_scaled else self.optimizer)
         if guard:
             self.guard.record("gradient norm", norm, self.steps_done if step is None else step)
         return norm
 
     def after_optimizer_step(self, step: int | None = None) -> float | None:
-        """The post-step hooks: the EMA update (once per optimizer step); then, if the recipe says so, free the
-        gradients now rather than before the next backward (they would live through the next forward: 4 bytes
-        per parameter of the peak); then the end of the compile warm-up; then the guard's check when one is due
-        after global step ``step`` (default: the steps :meth:`run` has done).
+        """The post-step hooks: the clipping factor a fused AdamW was given is dropped; the EMA update (once per
+        optimizer step); then, if the recipe says so, free the gradients now rather than before the next backward
+        (they would live through the next forward: 4 bytes per parameter of the peak); then the end of the compile
+        warm-up; then the guard's check when one is due after global step ``step`` (default: the steps :meth:`run`
+        has done).
 
         Returns:
             The seconds of the compile warm-up when this step ended it, else None.
@@ -273,6 +277,7 @@ class TrainStep:
         Raises:
             NonFiniteLossError: a check found a non-finite loss or gradient norm since the start.
         """
+        unfold_clip(None if self.loss_scaled else self.optimizer)
         if self.ema is not None:
             self.ema.update(self.model)
         if self.zero_grad_at == "after_step":
