@@ -11,6 +11,11 @@ each row, and the leave-one-out error (each row predicted by constants fitted wi
 row of the check CSV that has a ``step_s`` with the constants of that row's kind, and prints the error's median and
 spread. The rows are in the format of ``reference/h100_measured.csv`` (optional columns ``optimizer_impl``,
 ``use_flash_attention``, ``compile``). Paste the ``eager``/``compiled`` constants into ``STEP_THROUGHPUT``.
+
+Then the ``cudagraphs`` kind: voxdiff's own step with CUDA graphs, measured by ``bench/bench_gpu_step.py`` (the rows of
+:data:`CUDAGRAPH_ROWS`), each experiment's cost counted from its config, less the step's passes over its weights
+(the EMA every step and clipping by norm in place, as those steps ran: 24 bytes per parameter at the GPU's
+bandwidth, ``voxdiff.preflight.resources.H100_BANDWIDTH``), fitted the same way.
 """
 
 from __future__ import annotations
@@ -47,6 +52,42 @@ def cost(row: dict[str, str]):
         model = MODEL_FACTORY(cfg)
     batch, mode = unet_batch(cfg.input_shape, cfg.spec.out_channels)
     return step_cost(model, batch, mode)
+
+
+#: voxdiff's CUDA-graph step as measured: (CSV, its row, the experiment whose config it ran)
+CUDAGRAPH_ROWS = [
+    ("reference/h100_bench_gpu_step_v3.csv", "exp11_ro", "exp11"),
+    ("reference/h100_bench_gpu_step_v3.csv", "exp9_ldm_4x_bravo_ro", "exp9_ldm_4x_bravo"),
+    ("reference/h100_bench_gpu_step_v4.csv", "exp11_1", "exp11_1"),
+    ("reference/h100_bench_gpu_step_v4.csv", "exp9_ldm_8x_bravo", "exp9_ldm_8x_bravo"),
+]
+#: the gradient passes of those steps (bytes per parameter): the norm and the scaling in place (4 + 8); clipping went
+#: into fused AdamW's kernel only after them. Their EMA updated every step.
+MEASURED_GRAD_BYTES = 12
+
+
+def cudagraph_points() -> list[tuple[str, float, int, float, float, float]]:
+    """``(row, tflop, ops, seconds less the weight passes, seconds, the passes' seconds)`` of
+    :data:`CUDAGRAPH_ROWS`."""
+    import torch
+
+    from voxdiff.config import compose
+    from voxdiff.preflight.check import run_spec_problems, traced_unet
+    from voxdiff.preflight.resources import H100_BANDWIDTH, step_cost
+
+    points = []
+    for path, row_name, experiment in CUDAGRAPH_ROWS:
+        row = next(r for r in csv.DictReader(open(ROOT / path)) if r["experiment"] == row_name)
+        run, problems = run_spec_problems(compose("train", [f"experiment={experiment}", "trainer.accelerator=gpu",
+                                                            "trainer.devices=1"]), "cuda")
+        assert not problems, problems
+        with torch.device("meta"):
+            model = traced_unet(run)
+        c = step_cost(model, run.batch, run.mode, run.encoding, ema_every_n_steps=1,
+                      grad_bytes_per_param=MEASURED_GRAD_BYTES)
+        seconds, passes = float(row["voxdiff_ms_per_step"]) / 1e3, c.weight_bytes / H100_BANDWIDTH
+        points.append((f"{row_name} ({path.rsplit('/', 1)[1]})", c.tflop, c.ops, seconds - passes, seconds, passes))
+    return points
 
 
 def fit(points: list[tuple[float, int, float]]) -> tuple[float, float]:
@@ -94,7 +135,16 @@ def main() -> None:
             print(f"  {r['name']:20s} {r['input_shape']:14s} {f:7.2f} TFLOP {n:5d} ops  measured {t * 1e3:6.1f} ms"
                   f"  fit {predict(tflops, op_us, f, n) / t - 1:+6.1%}  leave-one-out "
                   f"{predict(*loo, f, n) / t - 1:+6.1%}")
-    for k in ("eager", "compiled"):
+    graphs = cudagraph_points()
+    tflops, op_us = fit([(f, n, t) for _, f, n, t, _, _ in graphs])
+    fitted["cudagraphs"] = (tflops, op_us)
+    print(f"\ncudagraphs: tflops={tflops:.1f} op_us={op_us:.1f}")
+    for i, (name, f, n, _, total, passes) in enumerate(graphs):
+        loo = fit([(p[1], p[2], p[3]) for j, p in enumerate(graphs) if j != i])
+        print(f"  {name:40s} {f:7.2f} TFLOP {n:5d} ops  measured {total * 1e3:6.1f} ms (weight passes "
+              f"{passes * 1e3:4.1f})  fit {(predict(tflops, op_us, f, n) + passes) / total - 1:+6.1%}  "
+              f"leave-one-out {(predict(*loo, f, n) + passes) / total - 1:+6.1%}")
+    for k in ("eager", "compiled", "cudagraphs"):
         table = STEP_THROUGHPUT.get(("H100", k))
         if table is not None and k in fitted:
             print(f"STEP_THROUGHPUT[('H100', '{k}')]: tflops={table.tflops} op_us={table.op_us} "

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from voxdiff.preflight.resources import (
+    EMA_BYTES_PER_PARAM,
+    NORM_BYTES_PER_PARAM,
+    SCALE_BYTES_PER_PARAM,
     STEP_THROUGHPUT,
     DiskNeed,
     HostNeed,
@@ -17,6 +20,7 @@ from voxdiff.preflight.resources import (
     StepCost,
     checkpoint_nbytes,
     free_bytes,
+    gradient_pass_bytes,
     kept_checkpoints,
     step_cost,
     worker_bytes,
@@ -248,3 +252,35 @@ def test_a_nifti_loader_slower_than_the_step_is_named_with_its_fix():
     assert data_too_slow(nifti, 1, 0, volume, None) is None  # no step time: nothing to compare
     # a smaller volume is read faster, in proportion to its voxels
     assert NIFTI_LOADER.per_s("none", 0, 80 * 128 * 128) == pytest.approx(8 * one_core)
+
+
+@pytest.mark.parametrize("clip, guard, device, scales_loss, expected", [
+    (None, None, "cuda", False, 0),                                     # nothing reads the gradients
+    (None, {}, "cuda", False, NORM_BYTES_PER_PARAM),                    # the guard's norm
+    (("norm", 1.0), {}, "cuda", False, NORM_BYTES_PER_PARAM),           # fused AdamW takes the factor
+    (("norm", 1.0), {}, "cpu", False, NORM_BYTES_PER_PARAM + SCALE_BYTES_PER_PARAM),  # a loop: scaled in place
+    (("norm", 1.0), {}, "cuda", True, NORM_BYTES_PER_PARAM + SCALE_BYTES_PER_PARAM),  # fp16: the scaler's own
+    (("value", 0.5), {}, "cuda", False, NORM_BYTES_PER_PARAM + SCALE_BYTES_PER_PARAM),  # clamped in place
+])
+def test_the_gradient_passes_follow_the_step(clip, guard, device, scales_loss, expected):
+    """:func:`gradient_pass_bytes` mirrors ``TrainStep.clip_and_check`` and ``clip_gradients``."""
+    from voxdiff.step import clip_settings, system_recipe
+
+    recipe = system_recipe({}, {}, {}, clip_settings(clip[1], clip[0]) if clip else None, guard)
+    if guard is None:
+        from dataclasses import replace
+
+        recipe = replace(recipe, guard=None)
+    assert gradient_pass_bytes(recipe, device, scales_loss) == expected
+
+
+def test_the_weight_passes_add_their_bytes_at_the_gpus_bandwidth():
+    throughput = STEP_THROUGHPUT[("H100", "cudagraphs")]
+    bare = StepCost(tflop=1.0, ops=100, params=10**9)
+    every, fourth = (StepCost(1.0, 100, 10**9, k, NORM_BYTES_PER_PARAM) for k in (1, 4))
+    assert bare.weight_bytes == 0
+    assert every.weight_bytes == 10**9 * (EMA_BYTES_PER_PARAM + NORM_BYTES_PER_PARAM)
+    assert throughput.seconds(every) - throughput.seconds(bare) == pytest.approx(
+        every.weight_bytes / throughput.bandwidth)
+    assert throughput.seconds(every) - throughput.seconds(fourth) == pytest.approx(
+        10**9 * EMA_BYTES_PER_PARAM * 0.75 / throughput.bandwidth)

@@ -19,8 +19,14 @@ The search:
   ``auto`` takes CUDA graphs (their own throughput) for a candidate without gradient accumulation on one GPU;
 * with ``preflight.effective_batch=N`` only batches that divide it (per GPU x GPUs), the rest made up by
   ``trainer.accumulate_grad_batches``: the optimisation sees the same batch;
-* not searched: the EMA interval (``system.ema.every_n_steps``; the time model has no EMA term) and compile modes
-  other than the run's (a mode is chosen by ``model.compile_mode``, not by the batch).
+* the EMA interval (``system.ema.every_n_steps``): each candidate of the run's compile kind also with
+  :data:`EMA_INTERVAL`, where the run updates its EMA more often and its horizon ``1 / (1 - decay)`` is at least
+  100 intervals (the average then samples the weights every few steps of a horizon of thousands, with ``decay``
+  raised to the interval: the same horizon), and where it saves at least :data:`EMA_MIN_GAIN` of the step (the
+  EMA's share is large for a large model at a small batch: 2.7B parameters). Same memory; the time model counts the EMA's pass over the weights in
+  bytes at the GPU's bandwidth (:class:`~voxdiff.preflight.resources.StepCost`), so these rows differ from their
+  twins by that arithmetic alone;
+* not searched: compile modes other than the run's (a mode is chosen by ``model.compile_mode``, not by the batch).
 
 Where the GPU type has no measured throughput (and on a CPU run, against the host's memory), the choice is by
 memory alone: the largest batch that fits, without checkpointing where possible. Every candidate is traced eagerly
@@ -30,7 +36,7 @@ memory alone: the largest batch that fits, without checkpointing where possible.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omegaconf import DictConfig
@@ -41,11 +47,19 @@ from voxdiff.errors import ConfigError
 from voxdiff.models.checkpointing import GRANULARITIES
 from voxdiff.models.unet import CUDAGRAPH_MODES
 from voxdiff.preflight.check import PreflightResult, override_args, run_preflight, with_overrides
+from voxdiff.preflight.memory import traced_recipe
 from voxdiff.preflight.resources import STEP_THROUGHPUT, data_subjects, step_kind
 from voxdiff.preflight.world import PREDICTED_DEVICE
 from voxdiff.run.spec import RunSpec, run_spec
+from voxdiff.step import EMASettings
 
-__all__ = ["AutofitReport", "Candidate", "autofit"]
+__all__ = ["EMA_INTERVAL", "AutofitReport", "Candidate", "autofit"]
+
+EMA_INTERVAL = 4
+"""The EMA interval the choice offers beside the run's (``system.ema.every_n_steps``)."""
+EMA_MIN_GAIN = 0.02
+"""The least share of a step the longer EMA interval must save to be offered (a change to the average for less is
+not worth it)."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,7 @@ class Candidate:
         fits: need <= budget, and its disk and host memory fit.
         step_ms: predicted milliseconds per step (None: no measured throughput for this GPU and step kind).
         samples_per_s: ``batch x GPUs / step`` (None without a step time).
+        ema_every_n_steps: the EMA's interval (``system.ema.every_n_steps``); None: no EMA.
     """
 
     settings: tuple[tuple[str, Any], ...]
@@ -75,6 +90,7 @@ class Candidate:
     fits: bool
     step_ms: float | None
     samples_per_s: float | None
+    ema_every_n_steps: int | None = None
 
     @property
     def overrides(self) -> tuple[str, ...]:
@@ -99,13 +115,14 @@ class AutofitReport:
         """The candidates as a text table, the chosen one marked ``*``, then the notes."""
         head = (f"batch-size choice for {self.name} on {self.gpu} ({self.budget_gib:.1f} GiB, {self.budget_source}); "
                 f"chosen by {self.by}")
-        lines = [head, f"  {'':1} {'batch':>5} {'checkpointing':>13} {'compile':>7} {'peak GiB':>9} {'need GiB':>9} "
-                       f"{'ms/step':>8} {'samples/s':>9}  overrides"]
+        lines = [head, f"  {'':1} {'batch':>5} {'checkpointing':>13} {'compile':>7} {'EMA every':>9} {'peak GiB':>9} "
+                       f"{'need GiB':>9} {'ms/step':>8} {'samples/s':>9}  overrides"]
         for c in self.candidates:
             mark = "*" if c is self.best else ("" if c.fits else "✗")
             ms = f"{c.step_ms:.0f}" if c.step_ms is not None else "-"
             sps = f"{c.samples_per_s:.2f}" if c.samples_per_s is not None else "-"
-            lines.append(f"  {mark:1} {c.batch_size:>5} {c.checkpointing:>13} {str(c.compile).lower():>7} "
+            ema = str(c.ema_every_n_steps) if c.ema_every_n_steps is not None else "-"
+            lines.append(f"  {mark:1} {c.batch_size:>5} {c.checkpointing:>13} {str(c.compile).lower():>7} {ema:>9} "
                          f"{c.peak_gib:>9.2f} {c.need_gib:>9.2f} {ms:>8} {sps:>9}  {' '.join(c.overrides)}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -143,6 +160,9 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
     on_gpu = run.device_type == "cuda"
     kinds = [compile_now] + ([not compile_now] if on_gpu and all((run.gpu.name, k) in STEP_THROUGHPUT
                                                                  for k in ("eager", "compiled")) else [])
+    ema = traced_recipe(run).ema
+    ema_now = ema.every_n_steps if ema is not None else None
+    ema_other, ema_why_not = _ema_interval(ema)
     subjects = data_subjects(run.resources.data)  # a batch larger than the training split is not a batch
     data = run.resources.data
     training = (len(split_subjects([str(i) for i in range(subjects)], float(data.get("val_fraction") or 0.25),
@@ -178,12 +198,19 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
             # the compile mode this candidate's run resolves to (auto: CUDA graphs unless it accumulates)
             graphs = model_spec(candidate, run.encoding, run.device_type).compile_mode in CUDAGRAPH_MODES
             for compiled in kinds:
-                step_s = _step_s(result, run.gpu.name, step_kind(compiled, graphs))
+                kind = step_kind(compiled, graphs)
                 shown = {**overrides, "model.compile": compiled} if compiled != compile_now else overrides
-                report.candidates.append(Candidate(
-                    tuple(shown.items()), b, policy, compiled,
-                    result.per_gpu_peak_gib, result.peak_phase, result.need_gib, fits,
-                    None if step_s is None else step_s * 1e3, None if step_s is None else b * world / step_s))
+                twins = [(ema_now, shown, _step_s(result, run.gpu.name, kind))]
+                other_s = (_step_s(result, run.gpu.name, kind, ema_other)
+                           if ema_other is not None and compiled == compile_now else None)
+                if other_s is not None and twins[0][2] is not None and other_s <= (1 - EMA_MIN_GAIN) * twins[0][2]:
+                    twins.append((ema_other, {**shown, "system.ema.every_n_steps": ema_other}, other_s))
+                for interval, settings, step_s in twins:
+                    report.candidates.append(Candidate(
+                        tuple(settings.items()), b, policy, compiled,
+                        result.per_gpu_peak_gib, result.peak_phase, result.need_gib, fits,
+                        None if step_s is None else step_s * 1e3, None if step_s is None else b * world / step_s,
+                        interval))
             if not fits:
                 if policy == "none":
                     first_misfit = b
@@ -194,23 +221,43 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
         report.best = max(fitting, key=lambda c: (c.samples_per_s or 0.0, -c.peak_gib), default=None)
     else:  # memory alone: the largest batch that fits, the least recomputation
         report.best = max(fitting, key=lambda c: (c.batch_size, -GRANULARITIES.index(c.checkpointing)), default=None)
-    _notes(report, options.effective_batch, world, first_misfit, bool(kinds[1:]))
+    _notes(report, options.effective_batch, world, first_misfit, bool(kinds[1:]),
+           (ema.decay if ema is not None else None, ema_other) if any(
+               c.ema_every_n_steps != ema_now for c in report.candidates) else ema_why_not)
     report.notes.append(f"batches tried: {', '.join(map(str, batches))} (up to preflight.max_batch_size="
                         f"{options.max_batch_size}" + (f" and the {training} training subjects of the data set)"
                                                        if training else ")"))
     return report
 
 
-def _step_s(result: PreflightResult, gpu: str, kind: str) -> float | None:
+def _ema_interval(ema: EMASettings | None) -> tuple[int | None, str]:
+    """The EMA interval to offer beside the run's, or None and why not."""
+    if ema is None:
+        return None, "the run has no EMA"
+    if ema.every_n_steps >= EMA_INTERVAL:
+        return None, f"it is {ema.every_n_steps} already"
+    horizon = 1.0 / (1.0 - ema.decay) if ema.decay < 1.0 else float("inf")
+    if horizon < 100 * EMA_INTERVAL:
+        return None, (f"the EMA's horizon of {horizon:.0f} steps (system.ema.decay={ema.decay:g}) is too short to "
+                      f"sample every {EMA_INTERVAL}th step")
+    return EMA_INTERVAL, ""
+
+
+def _step_s(result: PreflightResult, gpu: str, kind: str, ema_every_n_steps: int | None = None) -> float | None:
+    """The candidate's predicted seconds per step; with ``ema_every_n_steps``, at that EMA interval."""
     needs = result.needs
     throughput = STEP_THROUGHPUT.get((gpu, kind))
     if needs is None or needs.cost is None or throughput is None:
         return None
-    return throughput.seconds(needs.cost)
+    cost = needs.cost
+    if ema_every_n_steps is not None and cost.ema_every_n_steps is not None:
+        cost = replace(cost, ema_every_n_steps=ema_every_n_steps)
+    return throughput.seconds(cost)
 
 
 def _notes(report: AutofitReport, effective: int | None, world: int, first_misfit: int | None,
-           both_kinds: bool) -> None:
+           both_kinds: bool, ema: tuple[float | None, int] | str) -> None:
+    """``ema``: ``(decay, the interval offered)`` where EMA-interval rows were added, else why none was offered."""
     notes = report.notes
     if report.best is None:
         notes.append("no candidate fits: see python preflight.py experiment=... for the fixes of batch 1")
@@ -235,5 +282,14 @@ def _notes(report: AutofitReport, effective: int | None, world: int, first_misfi
         notes.append(f"a batch of {report.best.batch_size} changes the optimisation as well as the speed: each "
                      "optimizer step averages more samples (consider scaling system.optim.lr, or hold the effective "
                      "batch with +preflight.effective_batch=N, made up by gradient accumulation)")
-    notes.append("not searched: system.ema.every_n_steps (no EMA term in the time model), compile modes other than "
-                 "the run's model.compile_mode (auto: CUDA graphs on one GPU without gradient accumulation)")
+    if isinstance(ema, tuple):
+        decay, k = ema
+        notes.append(f"system.ema.every_n_steps={k} rows: the EMA averages every {k}th optimizer step with "
+                     f"decay**{k}, the same horizon of {1 / (1 - decay):.0f} steps (system.ema.decay={decay:g}); "
+                     "their time differs by the EMA's pass over the weights (12 bytes per parameter at the GPU's "
+                     "copy bandwidth: arithmetic, not measured)")
+    else:
+        why = ema or f"every {EMA_INTERVAL} steps would save less than {EMA_MIN_GAIN:.0%} of a step here"
+        notes.append(f"not searched: system.ema.every_n_steps ({why})")
+    notes.append("not searched: compile modes other than the run's model.compile_mode (auto: CUDA graphs on one GPU "
+                 "without gradient accumulation)")

@@ -40,6 +40,7 @@ from voxdiff.preflight.resources import (
     DataMemory,
     RunNeeds,
     data_memory,
+    gradient_pass_bytes,
     host_memory_bytes,
     run_needs,
     step_cost,
@@ -211,10 +212,15 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
         result.phases = predict_phases(run, training=report)
         peak, result.peak_phase = max(peak, result.phases.peak_allocated), result.phases.peak_phase
     one = {k: (1, *v[1:]) for k, v in batch.items()}
+    recipe = traced_recipe(run)
+    cost = step_cost(model, batch, run.mode, run.encoding,
+                     ema_every_n_steps=recipe.ema.every_n_steps if recipe.ema is not None else None,
+                     grad_bytes_per_param=gradient_pass_bytes(recipe, run.device_type, run.precision.scales_loss)
+                     ) if timing else None
     result.needs = run_needs(
-        run, model, ema=traced_recipe(run).ema is not None, data=result.data,
+        run, model, ema=recipe.ema is not None, data=result.data,
         sample_bytes=sum(4 * math.prod(v) for v in one.values()), processes_per_node=parallel.processes_per_node,
-        world_size=parallel.world_size, cost=step_cost(model, batch, run.mode, run.encoding) if timing else None,
+        world_size=parallel.world_size, cost=cost,
         gpu=run.gpu.name,
         kind=step_kind(report.model_step == "compiled" or (run.unet.compile and report.model_step != "eager"),
                        run.unet.cuda_graphs),

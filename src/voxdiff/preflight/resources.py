@@ -14,9 +14,10 @@ its disk, its nodes' memory and its time. Sizes are bytes.
   one node, plus the batches DataLoader workers hold in flight, against the node's memory, Slurm's allocation, or
   ``preflight.host_memory_gib``; this machine's is :func:`host_memory_bytes` (the cgroup's limit where lower).
 * **Time.** :func:`step_cost` counts the FLOPs (``torch.utils.flop_counter``) and the operator calls of one
-  forward+backward on the meta device; :data:`STEP_THROUGHPUT` turns them into seconds on a GPU whose efficiency
-  was measured, as ``tflop / tflops + ops * op_us``; ``bench/fit_step_time.py`` fits the two constants from
-  measured step times and prints the error.
+  forward+backward on the meta device, and the bytes of the step's passes over its weights beyond the optimizer's
+  (the EMA; the gradients' norm and clipping: :func:`gradient_pass_bytes`); :data:`STEP_THROUGHPUT` turns them into
+  seconds on a GPU whose efficiency was measured, as ``tflop / tflops + ops * op_us + weight bytes / bandwidth``;
+  ``bench/fit_step_time.py`` fits the first two constants from measured step times and prints the error.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from voxdiff.data.nifti import readable_subjects
 from voxdiff.errors import ConfigError
 from voxdiff.run.spec import Parallel
 from voxdiff.slurm import parse_slurm_memory, parse_slurm_time, read_site_env, slurm_job_memory
-from voxdiff.step import SEED, TrainStep, decide_precision
+from voxdiff.step import SEED, Recipe, TrainStep, decide_precision
+from voxdiff.step.optim import optimizer_impl
 from voxdiff.units import GiB, memory_size, size
 
 PER_TENSOR_BYTES = 280
@@ -279,12 +281,51 @@ def worker_bytes(sample_bytes: int, batch_size: int, num_workers: int, prefetch_
 
 
 # ------------------------------------------------------------------------------------------------------------ time
+EMA_BYTES_PER_PARAM = 12
+"""The EMA's update (``torch._foreach_lerp_`` in fp32): the average and the weight read, the average written."""
+NORM_BYTES_PER_PARAM = 4
+"""The gradients' total norm (clipping, or the guard alone): every fp32 gradient read."""
+SCALE_BYTES_PER_PARAM = 8
+"""Clipping in place (``clip_grads_with_norm_`` or by value): every fp32 gradient read and written. Not with a fused
+AdamW clipping by norm: its kernel takes the factor (:func:`voxdiff.step.optim.clip_gradients`)."""
+
+
 @dataclass(frozen=True)
 class StepCost:
-    """FLOPs and operator calls of one forward+backward, counted on the meta device."""
+    """What one training step costs: the FLOPs and operator calls of one forward+backward, counted on the meta
+    device, and the step's passes over its weights beyond the optimizer's, counted in bytes.
+
+    Attributes:
+        tflop: FLOPs of the forward and backward, in 10^12.
+        ops: operator calls that launch work.
+        params: the model's parameters.
+        ema_every_n_steps: the EMA's interval (``system.ema.every_n_steps``); None: no EMA.
+        grad_bytes_per_param: bytes per parameter read and written on the gradients (:func:`gradient_pass_bytes`).
+    """
 
     tflop: float
     ops: int
+    params: int = 0
+    ema_every_n_steps: int | None = None
+    grad_bytes_per_param: int = 0
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes per optimizer step of the EMA (averaged over its interval) and the gradient passes."""
+        ema = EMA_BYTES_PER_PARAM / self.ema_every_n_steps if self.ema_every_n_steps else 0.0
+        return self.params * (ema + self.grad_bytes_per_param)
+
+
+def gradient_pass_bytes(recipe: Recipe, device_type: str, scales_loss: bool) -> int:
+    """Bytes per parameter :meth:`voxdiff.step.TrainStep.clip_and_check` reads and writes on the gradients: none
+    without clipping or guard; the norm alone for the guard, or for clipping by norm folded into a fused AdamW
+    (not under a loss scaler); the norm and a pass in place otherwise."""
+    guard = recipe.guard is not None and not scales_loss
+    if recipe.clip is None:
+        return NORM_BYTES_PER_PARAM if guard else 0
+    folded = (recipe.clip.algorithm == "norm" and not scales_loss
+              and optimizer_impl(recipe.optim, device_type) == "fused")
+    return NORM_BYTES_PER_PARAM + (0 if folded else SCALE_BYTES_PER_PARAM)
 
 
 class _OpCount(torch.utils._python_dispatch.TorchDispatchMode):
@@ -305,10 +346,11 @@ class _OpCount(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def step_cost(model: torch.nn.Module, batch: Mapping[str, tuple[int, ...]], mode: str,
-              encoding: Any = None) -> StepCost:
+              encoding: Any = None, ema_every_n_steps: int | None = None, grad_bytes_per_param: int = 0) -> StepCost:
     """FLOPs and operator calls of one training forward+backward of ``model`` (built on meta) for a batch of these
     shapes (:func:`voxdiff.step.batch_shapes`), encoded by ``encoding``, as :class:`voxdiff.step.TrainStep`
-    computes the loss."""
+    computes the loss; with the parameter count, the EMA's interval (None: no EMA) and the gradient passes'
+    bytes per parameter (:func:`gradient_pass_bytes`) for the weight passes (none by default: a plain loop's step)."""
     from dataclasses import replace
 
     from torch.utils.flop_counter import FlopCounterMode
@@ -321,37 +363,49 @@ def step_cost(model: torch.nn.Module, batch: Mapping[str, tuple[int, ...]], mode
         loss, _ = step.loss(tensors)
         loss.backward()
     model.zero_grad(set_to_none=True)
-    return StepCost(flops.get_total_flops() / 1e12, counter.ops)
+    return StepCost(flops.get_total_flops() / 1e12, counter.ops, sum(p.numel() for p in model.parameters()),
+                    ema_every_n_steps, grad_bytes_per_param)
 
 
 @dataclass(frozen=True)
 class Throughput:
-    """How fast a GPU runs a UNet step: ``seconds = tflop / tflops + ops * op_us / 1e6``.
+    """How fast a GPU runs a UNet step: ``seconds = tflop / tflops + ops * op_us / 1e6 + weight_bytes / bandwidth``.
 
     Attributes:
         tflops: effective TFLOP/s on the FLOPs of the step.
         op_us: microseconds per operator call (launch and host overhead, memory-bound kernels).
         source: the measurements the two were fitted to.
+        bandwidth: bytes per second (read + written) of the step's passes over its weights
+            (:attr:`StepCost.weight_bytes`): the GPU's measured device-to-device copy rate.
     """
 
     tflops: float
     op_us: float
     source: str
+    bandwidth: float
 
     def seconds(self, cost: StepCost) -> float:
-        return cost.tflop / self.tflops + cost.ops * self.op_us / 1e6
+        return cost.tflop / self.tflops + cost.ops * self.op_us / 1e6 + cost.weight_bytes / self.bandwidth
 
 
 _GPU_SPEED = "../shared/notes/gpu-speed.md: exp11, exp11_1, exp9 4x, exp9 8x shapes, median of 10 steps"
+H100_BANDWIDTH = 3.0e12
+"""Bytes per second (read + written) of a device-to-device copy on an H100 80GB HBM3, as measured on the GPU machines
+this project is lent (``/work/.library/device/KINDS.md``): the rate of the EMA's and the gradients' passes."""
 STEP_THROUGHPUT: dict[tuple[str, str], Throughput] = {
-    # fitted by bench/fit_step_time.py (least squares on relative error); the README states the errors
-    ("H100", "eager"): Throughput(383.0, 76.8, f"H100, fused AdamW + flash SDPA, eager; {_GPU_SPEED}"),
-    ("H100", "compiled"): Throughput(448.0, 56.5, f"H100, fused AdamW + flash SDPA + torch.compile; {_GPU_SPEED}"),
-    # the two constants solved from two rows of voxdiff's own step with CUDA graphs (reference/
-    # h100_bench_gpu_step_v3.csv): exp11 30.7 ms (3.26 TFLOP, 1207 operator calls), exp9_ldm_4x_bravo 201.1 ms
-    # (59.18 TFLOP, 1068 calls); exact on both, its error elsewhere not measured
-    ("H100", "cudagraphs"): Throughput(323.8, 17.1, "H100, voxdiff's step compiled with CUDA graphs "
-                                                    "(reduce-overhead); two rows, h100_bench_gpu_step_v3.csv"),
+    # fitted by bench/fit_step_time.py (least squares on relative error) to plain loops, which have no EMA nor
+    # clipping; the README states the errors
+    ("H100", "eager"): Throughput(383.0, 76.8, f"H100, fused AdamW + flash SDPA, eager; {_GPU_SPEED}",
+                                  H100_BANDWIDTH),
+    ("H100", "compiled"): Throughput(448.0, 56.5, f"H100, fused AdamW + flash SDPA + torch.compile; {_GPU_SPEED}",
+                                     H100_BANDWIDTH),
+    # voxdiff's own step with CUDA graphs, fitted by bench/fit_step_time.py to its four measured rows
+    # (reference/h100_bench_gpu_step_v3.csv, _v4.csv) less their weight passes (EMA every step, clipping by norm in
+    # place: 24 bytes per parameter at H100_BANDWIDTH): exp11 +5.9%, exp11_1 -15.8%, exp9_ldm_4x_bravo +13.5%,
+    # exp9_ldm_8x_bravo -10.2% (leave-one-out up to +72%, exp11); the README states them
+    ("H100", "cudagraphs"): Throughput(312.6, 16.5, "H100, voxdiff's step compiled with CUDA graphs "
+                                                    "(reduce-overhead); four rows, h100_bench_gpu_step_v3/v4.csv",
+                                       H100_BANDWIDTH),
 }
 """Per (GPU type, step kind: :func:`step_kind`) throughput. A GPU type without an entry gets no time prediction (never
 a guess)."""
