@@ -118,6 +118,29 @@ def test_rule_channels_last_is_refused_under_fsdp():
     assert run_spec(compose("train", ["experiment=exp11", "model.channels_last=true"]), "cuda").unet.channels_last
 
 
+@pytest.mark.parametrize("experiment, key, value, message, fix", [
+    ("demo", "callbacks.steps_per_second.window", "0", "must be a positive integer",
+     "callbacks.steps_per_second.window=10"),
+    ("demo", "callbacks.steps_per_second.window", "abc", "must be a positive integer",
+     "callbacks.steps_per_second.window=10"),
+    ("demo", "callbacks.last.every_n_train_steps", "0", "must be a positive integer",
+     "callbacks.last.every_n_train_steps=1000"),
+    ("demo", "callbacks.last.every_n_train_steps", "2.5", "must be a positive integer",
+     "callbacks.last.every_n_train_steps=1000"),
+    ("vqvae_demo", "system.montage_every_n_epochs", "-1", "must be an integer",
+     "system.montage_every_n_epochs=1"),
+    ("vqvae_demo", "system.montage_every_n_epochs", "often", "must be an integer",
+     "system.montage_every_n_epochs=1"),
+])
+def test_rule_callback_settings_are_refused_before_launch(experiment, key, value, message, fix):
+    """What a callback (or the stage-1 system's montage) would refuse only while train.py builds it, the preflight
+    refuses first, naming the key, the value and the fix; the shipped value passes."""
+    problems = _problems(f"experiment={experiment}", f"{key}={value}")
+    assert len(problems) == 1 and problems[0].startswith(f"{key}={value}: {message}"), problems
+    assert f"Fix: e.g. {fix}" in problems[0]
+    assert _problems(f"experiment={experiment}", f"{key}={fix.split('=')[1]}") == []
+
+
 @pytest.mark.parametrize("step", ["abc", "0", "2.5"])
 def test_rule_a_guide_snapshot_step_that_is_not_a_positive_integer_is_refused_before_launch(step):
     """The preflight (and train.py's validation, before the run directory is claimed) refuse what the callback would

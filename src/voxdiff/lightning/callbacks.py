@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from voxdiff.checkpoint import CONFIG_KEY, guide_checkpoint_name  # CONFIG_KEY: the run's resolved config
 from voxdiff.diffusion.guidance import check_guide_step
 from voxdiff.errors import integer
+from voxdiff.run.spec import check_last_every, check_steps_window
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class StepsPerSecond(L.Callback):
     """
 
     def __init__(self, window: int = 10) -> None:
-        integer("callbacks.steps_per_second.window", window, minimum=1, example=10)
+        check_steps_window(window)
         self.window = window
         self._t0: float | None = None
         self._step0 = 0
@@ -107,6 +108,7 @@ class LastCheckpoint(ModelCheckpoint):
     """
 
     def __init__(self, dirpath: str | Path, every_n_train_steps: int = 1000) -> None:
+        check_last_every(every_n_train_steps)
         super().__init__(dirpath=dirpath, save_top_k=0, save_last=True, every_n_train_steps=every_n_train_steps,
                          enable_version_counter=False)
 

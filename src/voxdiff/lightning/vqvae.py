@@ -45,7 +45,7 @@ from voxdiff.encodings.vqvae import SCALE_KEY, build_vqvae
 from voxdiff.lightning.optim import configure_adamw
 from voxdiff.lightning.resume import check_weights_fit
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
-from voxdiff.run.spec import MODALITIES, SystemSpec, system_spec
+from voxdiff.run.spec import MODALITIES, SystemSpec, check_montage_every, system_spec
 from voxdiff.step import PhaseProbe
 from voxdiff.step.optim import clip_gradients
 from voxdiff.step.recipe import clip_settings
@@ -129,7 +129,7 @@ class VQVAESystem(L.LightningModule):
                 "loss": dict(settings.loss),
                 "modalities": list(settings.modalities),
                 "volume_shape": None if settings.volume_shape is None else list(settings.volume_shape),
-                "montage_every_n_epochs": int(montage_every_n_epochs),
+                "montage_every_n_epochs": check_montage_every(montage_every_n_epochs),
                 "codebook": dict(settings.codebook),
                 "kind": self.kind,
             }

@@ -525,6 +525,32 @@ def preflight_options(cfg: DictConfig) -> PreflightOptions:
     return options
 
 
+def check_steps_window(value: Any) -> int:
+    """``callbacks.steps_per_second.window``: steps per measurement of the steps/s on the bar (a positive integer)."""
+    return integer("callbacks.steps_per_second.window", value, minimum=1, example=10)
+
+
+def check_last_every(value: Any) -> int:
+    """``callbacks.last.every_n_train_steps``: how often ``last.ckpt`` is written (a positive integer)."""
+    return integer("callbacks.last.every_n_train_steps", value, minimum=1, example=1000)
+
+
+def check_montage_every(value: Any) -> int:
+    """``system.montage_every_n_epochs`` of a VQ-VAE stage 1: a reconstruction montage every this many validation
+    epochs (0: never)."""
+    return integer("system.montage_every_n_epochs", value, minimum=0, example=1)
+
+
+def _check_callbacks(cfg: DictConfig, collect: Problems) -> None:
+    """What the callbacks (and the stage-1 system's montage) check as they are built, checked before launch."""
+    if OmegaConf.select(cfg, "callbacks.steps_per_second") is not None:
+        collect(lambda: check_steps_window(select(cfg, "callbacks.steps_per_second.window", 10)))
+    if OmegaConf.select(cfg, "callbacks.last") is not None:
+        collect(lambda: check_last_every(select(cfg, "callbacks.last.every_n_train_steps", 1000)))
+    if OmegaConf.select(cfg, "system.montage_every_n_epochs") is not None:
+        collect(lambda: check_montage_every(select(cfg, "system.montage_every_n_epochs")))
+
+
 def run_resources(cfg: DictConfig) -> RunResources:
     """The :class:`RunResources` of ``cfg``, validated.
 
@@ -540,6 +566,7 @@ def run_resources(cfg: DictConfig) -> RunResources:
     guide = None  # the step after which the run keeps its guide snapshot, another checkpoint on disk
     if OmegaConf.select(cfg, "callbacks.guide") is not None:
         guide = collect(lambda: check_guide_step(select(cfg, "callbacks.guide.step")))
+    _check_callbacks(cfg, collect)
     workers = select(cfg, "data.num_workers", 0)
     prefetch = select(cfg, "data.prefetch_factor")
     if select(cfg, "data.cache") is not None:  # a data module without the key (latents) caches nothing
