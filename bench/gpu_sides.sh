@@ -13,9 +13,11 @@
 # Where the machine lacks a package voxdiff needs (its image has torch and Lightning, not MONAI or Hydra), wheels in
 # .whl/ are installed to /tmp/site first (see the device tool's README); voxdiff runs from src/.
 set -u
-PLAN=$1
+PLAN=$(realpath "$1")
 OUTDIR=${2:-${OUT:-gpu_sides_out}}
 mkdir -p "$OUTDIR" /tmp/gpu_sides
+OUTDIR=$(realpath "$OUTDIR")
+cd "$(dirname "$0")/.." || exit 3  # the repository: bench/, src/, .whl/
 T0=$(date +%s)
 if [[ -d .whl ]] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -1,0 +1,58 @@
+"""``bench/bench_gpu_step.py``'s rows from printed sides, and ``bench/gpu_sides.sh`` running a plan (one tiny side on
+the CPU: what the script does on a GPU machine, end to end)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_gpu_step", ROOT / "bench" / "bench_gpu_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rows_from_printed_sides_count_flops_from_whichever_plain_loop_ran(tmp_path):
+    """A call that timed only the compiled plain loop beside voxdiff's step (as h100_bench_gpu_step_v4.csv) still
+    gets TFLOP/s, the share of the dense peak and the ratio to the compiled loop; a side never printed is recorded."""
+    log = tmp_path / "sides.log"
+    compiled = {"ms_per_step": 100.0, "batch": 1, "tflop_per_step": 10.0}
+    voxdiff = {"ms_per_step": 125.0, "batch": 1, "peak_gib": 4.0}
+    log.write_text("bench_gpu_step: NVIDIA H100 80GB HBM3 (dense bf16 peak 989.4 TFLOP/s), torch x\n"
+                   f"exp compiled: {json.dumps(compiled)}\nexp voxdiff: {json.dumps(voxdiff)}\n")
+    out = tmp_path / "rows.csv"
+    _bench().rows_from_log(str(log), str(out), append=False)
+    (row,) = _bench().read_csv(str(out))
+    assert float(row["compiled_tflops"]) == pytest.approx(100.0)  # 10 TFLOP in 0.1 s
+    assert float(row["voxdiff_tflops"]) == pytest.approx(80.0)
+    assert float(row["voxdiff_peak_share"]) == pytest.approx(80.0 / 989.4)
+    assert float(row["vs_compiled"]) == pytest.approx(0.8)
+    assert "not in" in row["plain_error"] and "speedup" not in row
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash runs the plan")
+def test_gpu_sides_runs_a_plan_and_keeps_each_result(tmp_path):
+    plan = tmp_path / "plan.txt"
+    plan.write_text("# one side, alone\nt1 plain exp11 1 1   # tiny on a CPU\n")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("OUT", None)
+    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_sides.sh"), str(plan), str(tmp_path / "out")],
+                          cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT / "src")}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = (tmp_path / "out" / "results.txt").read_text().splitlines()
+    (side,) = [ln for ln in lines if ln.startswith("t1 rc=0 ")]
+    result = json.loads(side.split(" :: ", 1)[1])
+    assert result["ms_per_step"] > 0 and result["batch"] == 1
+    assert lines[-1].endswith("done") and not (tmp_path / "out" / "errors.txt").exists()
