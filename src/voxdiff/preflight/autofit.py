@@ -20,12 +20,12 @@ The search:
 * with ``preflight.effective_batch=N`` only batches that divide it (per GPU x GPUs), the rest made up by
   ``trainer.accumulate_grad_batches``: the optimisation sees the same batch;
 * the EMA interval (``system.ema.every_n_steps``): each candidate of the run's compile kind also with
-  :data:`EMA_INTERVAL`, where the run updates its EMA more often and its horizon ``1 / (1 - decay)`` is at least
-  100 intervals (the average then samples the weights every few steps of a horizon of thousands, with ``decay``
-  raised to the interval: the same horizon), and where it saves at least :data:`EMA_MIN_GAIN` of the step (the
-  EMA's share is large for a large model at a small batch: 2.7B parameters). Same memory; the time model counts the EMA's pass over the weights in
-  bytes at the GPU's bandwidth (:class:`~voxdiff.preflight.resources.StepCost`), so these rows differ from their
-  twins by that arithmetic alone;
+  :data:`EMA_INTERVAL`, where the run updates its EMA more often, its horizon ``1 / (1 - decay)`` is at least 100
+  intervals (the average then samples the weights every few steps of a horizon of thousands, with ``decay`` raised
+  to the interval: the same horizon), and it saves at least :data:`EMA_MIN_GAIN` of the step (the EMA's share is
+  large for a large model at a small batch: 2.7B parameters). Same memory; the time model counts the EMA's pass
+  over the weights in bytes at the GPU's bandwidth (:class:`~voxdiff.preflight.resources.StepCost`), so these rows
+  differ from their twins by that arithmetic alone;
 * not searched: compile modes other than the run's (a mode is chosen by ``model.compile_mode``, not by the batch).
 
 Where the GPU type has no measured throughput (and on a CPU run, against the host's memory), the choice is by
