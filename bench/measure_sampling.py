@@ -1,0 +1,119 @@
+"""Peak GPU memory of ``sample.py``'s sampling against the preflight's prediction, without a trained checkpoint.
+
+    python bench/measure_sampling.py [--experiments exp11,exp11_1] [--batches 1,4] [--autoguide 1,1.25]
+                                     [--steps 50] [--device auto|cpu|cuda] [override ...]
+
+For each experiment the system is built as ``train.py`` builds it, untrained (the memory of sampling does not depend
+on the weights), and made ready as ``sample.py`` makes a loaded checkpoint ready: the EMA written into the weights and
+dropped, the weights frozen (``TrainStep.fold_ema``), then moved to the device; where autoguided, a frozen copy of the
+UNet stands for the guide snapshot. Each (batch, autoguide scale) then runs ``DiffusionSystem.generate`` on that
+many random masks at once under the run's precision, with the run's sampler (DDIM or Euler, its steps unless
+``--steps``, its guidance), as ``sample.py`` does, and prints the peak ``torch.cuda.max_memory_allocated`` since just
+before it beside ``voxdiff.preflight.memory.predict_sampling`` of the same settings (the weights and the guide are
+on the device before the reset, and counted by both).
+
+A latent experiment needs its VQ-VAE to decode: give ``encoding.checkpoint=STAGE1.ckpt`` (the stage 1's weights;
+untrained ones from ``train.py experiment=vqvae_8x trainer.max_steps=1`` do). Without CUDA it runs the same on the
+CPU and prints the predictions (the CPU has no peak statistics): it checks the script, not a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+GiB = 1024**3
+
+
+def measure(experiment: str, batches: list[int], autoguide: list[float], steps: int | None, device: str,
+            overrides: list[str]) -> list[dict]:
+    import torch
+    from hydra.utils import instantiate
+
+    from voxdiff.config import compose
+    from voxdiff.preflight.memory import predict_sampling
+    from voxdiff.run.spec import run_spec
+    from voxdiff.step import decide_precision
+
+    cfg = compose("train", [f"experiment={experiment}", f"trainer.accelerator={'gpu' if device == 'cuda' else 'cpu'}",
+                            "trainer.devices=1", *overrides])
+    spec = run_spec(cfg, device)
+    torch.manual_seed(0)
+    system = instantiate(cfg.system)
+    system.step.fold_ema(True)  # as sample.py: before the model goes to the device
+    precision = decide_precision(cfg.trainer.precision, device)
+    shape = tuple(spec.shapes.volume)
+    rows = []
+    for scale in autoguide:
+        sampler = system.sampler(steps, None, None, scale)
+        guide = copy.deepcopy(system.step.model) if sampler.autoguide_scale != 1.0 else None
+        system.to(device)
+        guide = guide.to(device) if guide is not None else None
+        for batch in batches:
+            predicted = predict_sampling(spec, batch, guidance_scale=sampler.guidance_scale,
+                                         autoguide_scale=sampler.autoguide_scale,
+                                         num_inference_steps=sampler.num_inference_steps, encoding=system.encoding,
+                                         device_type=device)
+            masks = (torch.rand(batch, 1, *shape, generator=torch.Generator().manual_seed(batch)) > 0.9).float()
+            masks = masks.to(device)
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            with torch.no_grad(), precision.autocast():
+                system.generate(masks, num_inference_steps=sampler.num_inference_steps,
+                                generator=torch.Generator(device=device).manual_seed(0), eta=sampler.eta,
+                                guidance_scale=sampler.guidance_scale, batch_size=batch, guide=guide,
+                                autoguide_scale=sampler.autoguide_scale)
+            measured = None
+            if device == "cuda":
+                torch.cuda.synchronize()
+                measured = torch.cuda.max_memory_allocated() / GiB
+            row = {"experiment": experiment, "batch": batch, "autoguide_scale": sampler.autoguide_scale,
+                   "guidance_scale": sampler.guidance_scale, "steps": sampler.num_inference_steps,
+                   "predicted_gib": predicted.peak / GiB, "measured_gib": measured,
+                   "error": None if measured is None else predicted.peak / GiB / measured - 1}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del masks
+        system.to("cpu")
+        del guide
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--experiments", default="exp11,exp11_1")
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--autoguide", default="1,1.25", help="autoguidance scales (1: none)")
+    parser.add_argument("--steps", type=int, default=None, help="sampling steps (default: each run's)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("overrides", nargs="*", help="train.py overrides for every experiment")
+    args = parser.parse_args()
+    import torch
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU: predictions only"
+    print(f"measure_sampling on {name}, torch {torch.__version__}", flush=True)
+    rows = []
+    for experiment in [e for e in args.experiments.split(",") if e]:
+        rows += measure(experiment, [int(b) for b in args.batches.split(",")],
+                        [float(a) for a in args.autoguide.split(",")], args.steps, device, args.overrides)
+    print(f"\n{'experiment':20s} {'batch':>5} {'autoguide':>9} {'steps':>5} {'predicted GiB':>13} {'measured GiB':>12}"
+          f" {'error':>7}")
+    for r in rows:
+        measured = "-" if r["measured_gib"] is None else f"{r['measured_gib']:.3f}"
+        error = "-" if r["error"] is None else f"{r['error']:+.1%}"
+        print(f"{r['experiment']:20s} {r['batch']:>5} {r['autoguide_scale']:>9g} {r['steps']:>5} "
+              f"{r['predicted_gib']:>13.3f} {measured:>12} {error:>7}")
+
+
+if __name__ == "__main__":
+    main()
