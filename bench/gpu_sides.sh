@@ -5,8 +5,9 @@
 #
 # PLAN has one line per side: `TAG SIDE EXPERIMENT WARMUP STEPS [override ...]` (SIDE: plain, compiled, voxdiff,
 # auto; see bench/bench_gpu_step.py). A line starting with `&` runs in the background (compile warm-ups in parallel,
-# sharing one inductor cache: their times are not comparable); a line `wait` waits for them; other lines run one
-# after the other, alone on the GPU (their times are). `#` starts a comment. Each side's JSON result is appended to
+# sharing one inductor cache: their times are not comparable); a line `wait` waits for them; a line starting with `!`
+# is a shell command, its output appended to OUT/results.txt (e.g. `!python3 bench/measure_sampling.py ...`; `&!` in
+# the background); other lines run one after the other, alone on the GPU (their times are). `#` starts a comment. Each side's JSON result is appended to
 # OUT/results.txt as `TAG rc=.. wall=..s EXPERIMENT SIDE overrides :: {...}`, a failed side's stderr tail to
 # OUT/errors.txt. `python bench/bench_gpu_step.py --rows-from` turns such lines (renamed `NAME SIDE: {...}`) into rows.
 #
@@ -44,12 +45,24 @@ side() {  # TAG SIDE EXPERIMENT WARMUP STEPS [override ...]
   if [[ $rc != 0 ]]; then { echo "== $tag"; tail -40 "/tmp/gpu_sides/$tag.err"; } >> "$OUTDIR/errors.txt"; fi
 }
 
+shell() {  # a plan's `!` line: its output to results.txt, its stderr to errors.txt where it failed
+  local log
+  log=$(mktemp)
+  if ! bash -c "$1" > "$log.out" 2> "$log"; then { echo "== !$1"; tail -40 "$log"; } >> "$OUTDIR/errors.txt"; fi
+  cat "$log.out" >> "$OUTDIR/results.txt"
+  rm -f "$log" "$log.out"
+}
+
 while read -r line; do
   line=${line%%#*}
   [[ -z "${line// }" ]] && continue
   echo "[t=$(( $(date +%s) - T0 ))s] $line" | tee -a "$OUTDIR/results.txt"
   if [[ $line == wait ]]; then
     wait
+  elif [[ $line == \!* ]]; then
+    shell "${line#!}"
+  elif [[ $line == \&\!* ]]; then
+    shell "${line#&!}" &
   elif [[ $line == \&* ]]; then
     # shellcheck disable=SC2086
     side ${line#&} &
