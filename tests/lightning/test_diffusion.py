@@ -200,3 +200,40 @@ def test_the_system_decides_the_auto_switches_for_its_device(tiny_cfg):
         assert "device_type" not in system.hparams  # the same checkpoint samples on another device
     assert instantiate(cfg.system).device_type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert system.step.optimizer_impl == "single"  # its weights are on the CPU
+
+
+def test_fp16_with_fused_adamw_clips_the_true_gradients(tiny_cfg, tmp_path):
+    """Under fp16's loss scaler with fused AdamW (a GPU without bf16: both the defaults there), the gradients reach
+    the clipping hook still multiplied by the loss scale (Lightning unscales first only for optimizers that do not
+    unscale themselves): the system unscales them, so the norm clipped, guarded and logged is the gradients' own, as
+    under fp32. Lightning's fp16 plugin runs on the CPU too; the step is told it is loss-scaled, as its own 16-mixed
+    precision tells it on a GPU."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    cfg = tiny_cfg(f"paths.output_dir={tmp_path}", "data.num_subjects=4", "system.optim.fused=true",
+                   "trainer.accelerator=cpu", config_name="train")
+
+    def norms(fp16: bool) -> list[float]:
+        L.seed_everything(0)
+        system = instantiate(cfg.system)
+        system.step.loss_scaled = fp16
+        seen: list[float] = []
+        clip_and_check = system.step.clip_and_check
+
+        def spy(*args, **kwargs):
+            norm = clip_and_check(*args, **kwargs)
+            seen.append(float(norm))
+            return norm
+
+        system.step.clip_and_check = spy
+        precision = ({"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]} if fp16
+                     else {"precision": "32-true"})
+        L.Trainer(max_steps=2, accelerator="cpu", gradient_clip_val=0.05, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                  default_root_dir=tmp_path, **precision).fit(system, datamodule=instantiate(cfg.data, _convert_="all"))
+        return seen
+
+    fp32, fp16 = norms(False), norms(True)
+    assert len(fp32) == len(fp16) == 2
+    for true, seen in zip(fp32, fp16):
+        assert seen == pytest.approx(true, rel=0.05)  # fp16's rounding, not its loss scale

@@ -197,3 +197,40 @@ def test_the_vqvae_latent_is_the_learned_encoding_protocol(tmp_path):
     with pytest.raises(ConfigError, match="encoding.checkpoint=.*nothing.ckpt: no such file"):
         VQVAELatent(4, 4, checkpoint=str(tmp_path / "nothing.ckpt")).check_ready()
     VQVAELatent(4, 4).check_ready()  # no weights named yet: shapes only (preflight), nothing to read
+
+
+def test_fp16_loss_scaling_with_fused_adamw_clips_the_true_gradients(tmp_path):
+    """Under fp16 (a GradScaler: the default on a GPU without bf16) Lightning unscales the gradients before the
+    clipping hook only for an optimizer that does not unscale them itself; fused AdamW (the GPU default) does, so the
+    system unscales them first: the norm it clips and logs is the gradients' own, as under fp32, not the loss
+    scale's 65536 times it. (Lightning's fp16 plugin runs on the CPU too, which shows it here.)"""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    import voxdiff.lightning.vqvae as vqvae_module
+
+    def norms(**precision):
+        L.seed_everything(0)
+        data = VolumeDataModule([16, 32, 32], num_subjects=4, val_fraction=0.25, batch_size=2)
+        system = VQVAESystem(vqvae=TINY, optim={"lr": 1e-3, "fused": True}, volume_shape=[16, 32, 32])
+        seen: list[float] = []
+        clip = vqvae_module.clip_gradients
+
+        def spy(params, value, algorithm="norm", **kwargs):
+            norm = clip(params, value, algorithm, **kwargs)
+            seen.append(float(norm))
+            return norm
+
+        vqvae_module.clip_gradients = spy
+        try:
+            L.Trainer(max_steps=2, accelerator="cpu", gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      limit_val_batches=0, default_root_dir=tmp_path, **precision).fit(system, datamodule=data)
+        finally:
+            vqvae_module.clip_gradients = clip
+        return seen
+
+    fp32 = norms(precision="32-true")
+    fp16 = norms(plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
+    assert len(fp32) == len(fp16) == 2
+    for true, seen in zip(fp32, fp16):
+        assert seen == pytest.approx(true, rel=0.05)  # fp16's rounding, not its loss scale

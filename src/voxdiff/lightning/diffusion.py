@@ -46,7 +46,7 @@ from voxdiff.data.covariates import CovariateEncoding
 from voxdiff.diffusion import build_process, encoded_range
 from voxdiff.lightning.callbacks import ProgressBar
 from voxdiff.lightning.distributed import ema_checkpoint_state, shard_system
-from voxdiff.lightning.optim import lightning_optimizers
+from voxdiff.lightning.optim import lightning_optimizers, unscale_before_clipping
 from voxdiff.lightning.resume import check_weights_fit
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
 from voxdiff.lightning.samples import save_samples
@@ -215,7 +215,10 @@ class DiffusionSystem(L.LightningModule):
 
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
-        """Clip as the Trainer says (``step.clip``, set at fit start); the guard records a non-finite norm."""
+        """Clip as the Trainer says (``step.clip``, set at fit start); the guard records a non-finite norm. Under fp16
+        the gradients are unscaled first (:func:`~voxdiff.lightning.optim.unscale_before_clipping`)."""
+        if self.step.clip is not None:
+            unscale_before_clipping(self.trainer, optimizer)
         norm = self.step.clip_and_check(self.global_step)
         if norm is not None:
             self.log("train/grad_norm", norm.detach(), on_step=True, on_epoch=False, batch_size=1)

@@ -29,3 +29,17 @@ def configure_adamw(params: Iterable[torch.nn.Parameter], settings: OptimSetting
     """
     optimizer = build_optimizer(params, settings)
     return lightning_optimizers(optimizer, build_lr_scheduler(optimizer, settings, estimated_stepping_batches))
+
+
+def unscale_before_clipping(trainer: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Under a loss scaler (fp16), bring the gradients back to their own scale before a system clips them.
+
+    Lightning unscales them before the clipping hook only for an optimizer that does not unscale them itself in its
+    step; a fused AdamW (the default on a GPU) does, so they reach ``configure_gradient_clipping`` multiplied by the
+    loss scale, and a clip value would be measured against the scaled norm. Unscaled here, the scaler's step then
+    hands the optimizer no scale of its own. A no-op without a scaler or for an optimizer Lightning unscaled.
+    """
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+        scaler.unscale_(optimizer)
+

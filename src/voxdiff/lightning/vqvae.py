@@ -42,7 +42,7 @@ from einops import rearrange
 
 from voxdiff.config import check_kind, plain
 from voxdiff.encodings.vqvae import SCALE_KEY, build_vqvae
-from voxdiff.lightning.optim import configure_adamw
+from voxdiff.lightning.optim import configure_adamw, unscale_before_clipping
 from voxdiff.lightning.resume import check_weights_fit
 from voxdiff.lightning.rng import gather_rng_states, restore_rng_states
 from voxdiff.run.spec import MODALITIES, SystemSpec, check_montage_every, system_spec
@@ -245,6 +245,7 @@ class VQVAESystem(L.LightningModule):
         clip = clip_settings(gradient_clip_val, gradient_clip_algorithm)
         if clip is None:
             return
+        unscale_before_clipping(self.trainer, optimizer)
         norm = clip_gradients([p for group in optimizer.param_groups for p in group["params"]], clip.value,
                               clip.algorithm)
         self.log("train/grad_norm", norm.detach(), on_step=True, on_epoch=False, batch_size=1)
