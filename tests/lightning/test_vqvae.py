@@ -199,11 +199,13 @@ def test_the_vqvae_latent_is_the_learned_encoding_protocol(tmp_path):
     VQVAELatent(4, 4).check_ready()  # no weights named yet: shapes only (preflight), nothing to read
 
 
-def test_fp16_loss_scaling_with_fused_adamw_clips_the_true_gradients(tmp_path):
+@pytest.mark.parametrize("fused", [True, False])
+def test_fp16_loss_scaling_clips_the_true_gradients(tmp_path, fused):
     """Under fp16 (a GradScaler: the default on a GPU without bf16) Lightning unscales the gradients before the
     clipping hook only for an optimizer that does not unscale them itself; fused AdamW (the GPU default) does, so the
     system unscales them first: the norm it clips and logs is the gradients' own, as under fp32, not the loss
-    scale's 65536 times it. (Lightning's fp16 plugin runs on the CPU too, which shows it here.)"""
+    scale's 65536 times it. A foreach AdamW, which Lightning unscales for, is not unscaled twice (GradScaler would
+    refuse it). (Lightning's fp16 plugin runs on the CPU too, which shows it here.)"""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     import voxdiff.lightning.vqvae as vqvae_module
@@ -211,7 +213,8 @@ def test_fp16_loss_scaling_with_fused_adamw_clips_the_true_gradients(tmp_path):
     def norms(**precision):
         L.seed_everything(0)
         data = VolumeDataModule([16, 32, 32], num_subjects=4, val_fraction=0.25, batch_size=2)
-        system = VQVAESystem(vqvae=TINY, optim={"lr": 1e-3, "fused": True}, volume_shape=[16, 32, 32])
+        system = VQVAESystem(vqvae=TINY, optim={"lr": 1e-3, "fused": fused, "foreach": None if fused else True},
+                             volume_shape=[16, 32, 32])
         seen: list[float] = []
         clip = vqvae_module.clip_gradients
 
