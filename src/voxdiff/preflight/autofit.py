@@ -200,12 +200,13 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
             for compiled in kinds:
                 kind = step_kind(compiled, graphs)
                 shown = {**overrides, "model.compile": compiled} if compiled != compile_now else overrides
-                twins = [(ema_now, shown, _step_s(result, run.gpu.name, kind))]
-                other_s = (_step_s(result, run.gpu.name, kind, ema_other)
-                           if ema_other is not None and compiled == compile_now else None)
-                if other_s is not None and twins[0][2] is not None and other_s <= (1 - EMA_MIN_GAIN) * twins[0][2]:
-                    twins.append((ema_other, {**shown, "system.ema.every_n_steps": ema_other}, other_s))
-                for interval, settings, step_s in twins:
+                step_s = _step_s(result, run.gpu.name, kind)
+                rows = [(ema_now, shown, step_s)]
+                if ema_other is not None and compiled == compile_now and step_s is not None:
+                    other_s = _step_s(result, run.gpu.name, kind, ema_other)
+                    if other_s <= (1 - EMA_MIN_GAIN) * step_s:
+                        rows.append((ema_other, {**shown, "system.ema.every_n_steps": ema_other}, other_s))
+                for interval, settings, step_s in rows:
                     report.candidates.append(Candidate(
                         tuple(settings.items()), b, policy, compiled,
                         result.per_gpu_peak_gib, result.peak_phase, result.need_gib, fits,
@@ -221,9 +222,10 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
         report.best = max(fitting, key=lambda c: (c.samples_per_s or 0.0, -c.peak_gib), default=None)
     else:  # memory alone: the largest batch that fits, the least recomputation
         report.best = max(fitting, key=lambda c: (c.batch_size, -GRANULARITIES.index(c.checkpointing)), default=None)
+    offered = any(c.ema_every_n_steps != ema_now for c in report.candidates)
+    why_not = ema_why_not or f"every {EMA_INTERVAL} steps would save less than {EMA_MIN_GAIN:.0%} of a step here"
     _notes(report, options.effective_batch, world, first_misfit, bool(kinds[1:]),
-           (ema.decay if ema is not None else None, ema_other) if any(
-               c.ema_every_n_steps != ema_now for c in report.candidates) else ema_why_not)
+           _ema_note(ema, ema_other) if offered else f"not searched: system.ema.every_n_steps ({why_not})")
     report.notes.append(f"batches tried: {', '.join(map(str, batches))} (up to preflight.max_batch_size="
                         f"{options.max_batch_size}" + (f" and the {training} training subjects of the data set)"
                                                        if training else ")"))
@@ -243,6 +245,14 @@ def _ema_interval(ema: EMASettings | None) -> tuple[int | None, str]:
     return EMA_INTERVAL, ""
 
 
+def _ema_note(ema: EMASettings, interval: int) -> str:
+    """The report's note on the EMA-interval rows it offers."""
+    return (f"system.ema.every_n_steps={interval} rows: the EMA averages every {interval}th optimizer step with "
+            f"decay**{interval}, the same horizon of {1 / (1 - ema.decay):.0f} steps (system.ema.decay={ema.decay:g}); "
+            "their time differs by the EMA's pass over the weights (12 bytes per parameter at the GPU's copy "
+            "bandwidth: arithmetic, not measured)")
+
+
 def _step_s(result: PreflightResult, gpu: str, kind: str, ema_every_n_steps: int | None = None) -> float | None:
     """The candidate's predicted seconds per step; with ``ema_every_n_steps``, at that EMA interval."""
     needs = result.needs
@@ -256,8 +266,8 @@ def _step_s(result: PreflightResult, gpu: str, kind: str, ema_every_n_steps: int
 
 
 def _notes(report: AutofitReport, effective: int | None, world: int, first_misfit: int | None,
-           both_kinds: bool, ema: tuple[float | None, int] | str) -> None:
-    """``ema``: ``(decay, the interval offered)`` where EMA-interval rows were added, else why none was offered."""
+           both_kinds: bool, ema_note: str) -> None:
+    """``ema_note``: the EMA interval's note (rows offered, or why none was)."""
     notes = report.notes
     if report.best is None:
         notes.append("no candidate fits: see python preflight.py experiment=... for the fixes of batch 1")
@@ -282,14 +292,6 @@ def _notes(report: AutofitReport, effective: int | None, world: int, first_misfi
         notes.append(f"a batch of {report.best.batch_size} changes the optimisation as well as the speed: each "
                      "optimizer step averages more samples (consider scaling system.optim.lr, or hold the effective "
                      "batch with +preflight.effective_batch=N, made up by gradient accumulation)")
-    if isinstance(ema, tuple):
-        decay, k = ema
-        notes.append(f"system.ema.every_n_steps={k} rows: the EMA averages every {k}th optimizer step with "
-                     f"decay**{k}, the same horizon of {1 / (1 - decay):.0f} steps (system.ema.decay={decay:g}); "
-                     "their time differs by the EMA's pass over the weights (12 bytes per parameter at the GPU's "
-                     "copy bandwidth: arithmetic, not measured)")
-    else:
-        why = ema or f"every {EMA_INTERVAL} steps would save less than {EMA_MIN_GAIN:.0%} of a step here"
-        notes.append(f"not searched: system.ema.every_n_steps ({why})")
+    notes.append(ema_note)
     notes.append("not searched: compile modes other than the run's model.compile_mode (auto: CUDA graphs on one GPU "
                  "without gradient accumulation)")
