@@ -47,14 +47,13 @@ def measure(experiment: str, batches: list[int], autoguide: list[float], steps: 
     torch.manual_seed(0)
     system = instantiate(cfg.system)
     system.step.fold_ema(True)  # as sample.py: before the model goes to the device
+    system.to(device)
     precision = decide_precision(cfg.trainer.precision, device)
     shape = tuple(spec.shapes.volume)
     rows = []
     for scale in autoguide:
         sampler = system.sampler(steps, None, None, scale)
-        guide = copy.deepcopy(system.step.model) if sampler.autoguide_scale != 1.0 else None
-        system.to(device)
-        guide = guide.to(device) if guide is not None else None
+        guide = copy.deepcopy(system.step.model) if sampler.autoguide_scale != 1.0 else None  # on the device too
         for batch in batches:
             predicted = predict_sampling(spec, batch, guidance_scale=sampler.guidance_scale,
                                          autoguide_scale=sampler.autoguide_scale,
@@ -81,10 +80,10 @@ def measure(experiment: str, batches: list[int], autoguide: list[float], steps: 
             print(json.dumps(row), flush=True)
             rows.append(row)
             del masks
-        system.to("cpu")
         del guide
         if device == "cuda":
             torch.cuda.empty_cache()
+    system.to("cpu")
     return rows
 
 
