@@ -3,7 +3,6 @@ the CPU: what the script does on a GPU machine, end to end)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -13,14 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from script_modules import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu_step", ROOT / "bench" / "bench_gpu_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_rows_from_printed_sides_count_flops_from_whichever_plain_loop_ran(tmp_path):
@@ -32,8 +26,9 @@ def test_rows_from_printed_sides_count_flops_from_whichever_plain_loop_ran(tmp_p
     log.write_text("bench_gpu_step: NVIDIA H100 80GB HBM3 (dense bf16 peak 989.4 TFLOP/s), torch x\n"
                    f"exp compiled: {json.dumps(compiled)}\nexp voxdiff: {json.dumps(voxdiff)}\n")
     out = tmp_path / "rows.csv"
-    _bench().rows_from_log(str(log), str(out), append=False)
-    (row,) = _bench().read_csv(str(out))
+    bench = load_script("bench/bench_gpu_step.py")
+    bench.rows_from_log(str(log), str(out), append=False)
+    (row,) = bench.read_csv(str(out))
     assert float(row["compiled_tflops"]) == pytest.approx(100.0)  # 10 TFLOP in 0.1 s
     assert float(row["voxdiff_tflops"]) == pytest.approx(80.0)
     assert float(row["voxdiff_peak_share"]) == pytest.approx(80.0 / 989.4)

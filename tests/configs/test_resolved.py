@@ -4,18 +4,13 @@ A refactor of ``configs/`` must keep them; a deliberate change rewrites the snap
 (``python scripts/snapshot_configs.py --write``) and its diff shows which runs change.
 """
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from script_modules import load_script
 
 
 def _snapshot_module():
-    spec = importlib.util.spec_from_file_location("snapshot_configs", ROOT / "scripts" / "snapshot_configs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/snapshot_configs.py")
 
 
 def test_every_experiment_resolves_as_recorded():

@@ -1,9 +1,10 @@
 """scripts/render_slurm.py takes each job's resources from its experiment config (no Slurm daemon needed)."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from script_modules import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -13,9 +14,7 @@ def render(tmp_path, monkeypatch):
     """The render script, pointed at a copy of the repository's configs/ and slurm/ in ``tmp_path``."""
     import shutil
 
-    spec = importlib.util.spec_from_file_location("render_slurm", REPO / "scripts" / "render_slurm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("scripts/render_slurm.py")
     shutil.copytree(REPO / "configs", tmp_path / "configs")
     shutil.copytree(REPO / "slurm", tmp_path / "slurm")
     monkeypatch.setattr(module, "ROOT", tmp_path)
