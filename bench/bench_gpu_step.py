@@ -16,7 +16,12 @@ other (``--experiments exp11 --out F.csv --append`` runs one experiment per call
   UNet (``--no-compiled`` leaves it out).
 * **voxdiff**: ``trainer.fit`` of the experiment's Lightning system, built as ``train.py`` builds it (the config's
   defaults on this device: optimizer, attention, ``model.compile``, EMA, clipping, the non-finite guard, callbacks
-  and CSV logging), validation off.
+  and CSV logging), validation off. Its EMA averages from the first step (``system.ema.start_step=0``, before the
+  trailing overrides, which may set it back): a run's first 1000 steps on a GPU copy the weights instead (8 bytes
+  per parameter, not the average's 12), and a benchmark of a few steps would time that, not the step of the rest of
+  the run (the rows measured before session 16 did: ``reference/README.md``). The EMA averages every
+  ``system.ema.every_n_steps`` (``auto``: every 10th for decay 0.9999): time a multiple of it (``--steps 10``, 20)
+  for the average step.
 * **auto**: the same at the batch and checkpointing the preflight chooses for this GPU (``data.batch_size=auto``,
   :mod:`voxdiff.preflight.autofit`; ``--no-auto`` leaves it out). On the phantom and a GPU it is chosen as for 160
   subjects, so that the demo data's few subjects do not cap the batch (the sides train on one random batch anyway).
@@ -63,6 +68,9 @@ GiB = 1024**3
 EXPERIMENTS = "exp11,exp11_1,exp9_ldm_4x_bravo,exp9_ldm_8x_bravo"
 #: overrides that shrink an experiment to a CPU-sized run (same encoding and mode, tiny UNet and volume)
 TINY = ["model=demo_3lvl", "data.volume_shape=[32,32,32]", "data.batch_size=1"]
+#: what the voxdiff and auto sides set before the trailing overrides: the EMA averaging from the first step, as it
+#: does after system.ema.start_step in a run (timing the copy phase would leave 4 bytes per parameter out)
+STEADY = ["system.ema.start_step=0"]
 #: dense bf16 tensor-core peak, TFLOP/s (vendor data sheets, SXM parts)
 DENSE_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 
@@ -274,6 +282,9 @@ def describe_step(system: Any) -> str:
     parts.append("sdpa" if flash == {True} else "materialised" if flash == {False} else "attention mixed/none")
     compiled = getattr(system, "compiled", None) or getattr(step, "compiled", None)
     parts.append(f"compile={'on' if compiled else 'off'}")
+    ema = getattr(step, "ema", None)
+    if ema is not None:
+        parts.append(f"EMA every {ema.every_n_steps} from step {ema.start_step}")
     return ", ".join(parts)
 
 
@@ -295,7 +306,8 @@ def worker(side: str, name: str, overrides: list[str], warmup: int, steps: int,
     device = "cuda" if torch.cuda.is_available() else "cpu"
     configure_cpu_threads()
     with tempfile.TemporaryDirectory() as out:
-        cfg = config(name, [*overrides, *(["data.batch_size=auto"] if side == "auto" else [])], out, device)
+        ours = STEADY if side in ("voxdiff", "auto") else []
+        cfg = config(name, [*ours, *overrides, *(["data.batch_size=auto"] if side == "auto" else [])], out, device)
         if side == "auto" and device == "cuda" and cfg.data.get("root") is None and "num_subjects" in cfg.data:
             # the sides train on one random batch, so the phantom's subject count must not cap the batch the
             # preflight may choose (it tries no batch larger than the training split): 160 subjects, 120 training

@@ -14,8 +14,10 @@ spread. The rows are in the format of ``reference/h100_measured.csv`` (optional 
 
 Then the ``cudagraphs`` kind: voxdiff's own step with CUDA graphs, measured by ``bench/bench_gpu_step.py`` (the rows of
 :data:`CUDAGRAPH_ROWS`), each experiment's cost counted from its config, less the step's passes over its weights
-(the EMA every step and clipping by norm in place, as those steps ran: 24 bytes per parameter at the GPU's
-bandwidth, ``voxdiff.preflight.resources.H100_BANDWIDTH``), fitted the same way.
+as those steps ran (each row says its EMA's bytes per parameter: the rows measured before session 16 ran inside
+``system.ema.start_step``, where the EMA copies the weights, 8 bytes, instead of averaging them, 12; and clipping by
+norm in place, 12 bytes) at the GPU's bandwidth (``voxdiff.preflight.resources.H100_BANDWIDTH``), fitted the same
+way.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+from voxdiff.preflight.resources import EMA_COPY_BYTES_PER_PARAM  # noqa: E402
 
 
 def kind(row: dict[str, str]) -> str:
@@ -54,15 +58,17 @@ def cost(row: dict[str, str]):
     return step_cost(model, batch, mode)
 
 
-#: voxdiff's CUDA-graph step as measured: (CSV, its row, the experiment whose config it ran)
+#: voxdiff's CUDA-graph step as measured: (CSV, its row, the experiment whose config it ran, the EMA's bytes per
+#: parameter per step as it ran). These steps were the first 13 to 25 of a run, inside the GPU's
+#: system.ema.start_step=1000: the EMA copied the weights every step (EMA_COPY_BYTES_PER_PARAM), not averaged them.
 CUDAGRAPH_ROWS = [
-    ("reference/h100_bench_gpu_step_v3.csv", "exp11_ro", "exp11"),
-    ("reference/h100_bench_gpu_step_v3.csv", "exp9_ldm_4x_bravo_ro", "exp9_ldm_4x_bravo"),
-    ("reference/h100_bench_gpu_step_v4.csv", "exp11_1", "exp11_1"),
-    ("reference/h100_bench_gpu_step_v4.csv", "exp9_ldm_8x_bravo", "exp9_ldm_8x_bravo"),
+    ("reference/h100_bench_gpu_step_v3.csv", "exp11_ro", "exp11", EMA_COPY_BYTES_PER_PARAM),
+    ("reference/h100_bench_gpu_step_v3.csv", "exp9_ldm_4x_bravo_ro", "exp9_ldm_4x_bravo", EMA_COPY_BYTES_PER_PARAM),
+    ("reference/h100_bench_gpu_step_v4.csv", "exp11_1", "exp11_1", EMA_COPY_BYTES_PER_PARAM),
+    ("reference/h100_bench_gpu_step_v4.csv", "exp9_ldm_8x_bravo", "exp9_ldm_8x_bravo", EMA_COPY_BYTES_PER_PARAM),
 ]
 #: the gradient passes of those steps (bytes per parameter): the norm and the scaling in place (4 + 8); clipping went
-#: into fused AdamW's kernel only after them. Their EMA updated every step.
+#: into fused AdamW's kernel only after them.
 MEASURED_GRAD_BYTES = 12
 
 
@@ -76,16 +82,16 @@ def cudagraph_points() -> list[tuple[str, float, int, float, float, float]]:
     from voxdiff.preflight.resources import H100_BANDWIDTH, step_cost
 
     points = []
-    for path, row_name, experiment in CUDAGRAPH_ROWS:
+    for path, row_name, experiment, ema_bytes in CUDAGRAPH_ROWS:
         row = next(r for r in csv.DictReader(open(ROOT / path)) if r["experiment"] == row_name)
         run, problems = run_spec_problems(compose("train", [f"experiment={experiment}", "trainer.accelerator=gpu",
                                                             "trainer.devices=1"]), "cuda")
         assert not problems, problems
         with torch.device("meta"):
             model = traced_unet(run)
-        c = step_cost(model, run.batch, run.mode, run.encoding, ema_every_n_steps=1,
-                      grad_bytes_per_param=MEASURED_GRAD_BYTES)
-        seconds, passes = float(row["voxdiff_ms_per_step"]) / 1e3, c.weight_bytes / H100_BANDWIDTH
+        c = step_cost(model, run.batch, run.mode, run.encoding, grad_bytes_per_param=MEASURED_GRAD_BYTES)
+        seconds = float(row["voxdiff_ms_per_step"]) / 1e3
+        passes = (c.weight_bytes + c.params * ema_bytes) / H100_BANDWIDTH
         points.append((f"{row_name} ({path.rsplit('/', 1)[1]})", c.tflop, c.ops, seconds - passes, seconds, passes))
     return points
 

@@ -53,3 +53,20 @@ def test_gpu_sides_runs_a_plan_and_keeps_each_result(tmp_path):
     assert result["ms_per_step"] > 0 and result["batch"] == 1
     assert "from-the-plan" in lines and lines[-1].endswith("done")
     assert not (tmp_path / "out" / "errors.txt").exists()
+
+
+@pytest.mark.parametrize("overrides, start", [([], 0), (["system.ema.start_step=7"], 7)])
+def test_the_voxdiff_side_times_the_ema_averaging_not_its_copy_phase(tmp_path, overrides, start):
+    """With a GPU's defaults (``system.ema.start_step=1000``, forced here by ``VOXDIFF_TARGET=gpu``) a benchmark of a
+    few steps would time the EMA copying the weights (8 bytes per parameter) instead of averaging them (12), as the
+    rows before session 16 did: the voxdiff side sets ``start_step=0`` unless its overrides say otherwise, and says
+    what it ran."""
+    env = {**os.environ, "VOXDIFF_TARGET": "gpu", "PYTHONPATH": str(ROOT / "src")}
+    job = {"side": "voxdiff", "name": "exp11", "overrides": overrides, "warmup": 1, "steps": 2}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gpu_step.py"), "--worker", json.dumps(job)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads([ln for ln in done.stdout.splitlines() if ln.startswith("{")][-1])
+    assert result["step"].endswith(f"EMA every 10 from step {start}"), result["step"]  # decay 0.9999: auto is 10
+    bench = load_script("bench/bench_gpu_step.py")
+    assert bench.STEADY == ["system.ema.start_step=0"]

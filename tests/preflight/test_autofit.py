@@ -7,7 +7,7 @@ import pytest
 
 from voxdiff.errors import ConfigError
 from voxdiff.preflight import autofit as autofit_module
-from voxdiff.preflight.autofit import EMA_INTERVAL, autofit
+from voxdiff.preflight.autofit import autofit
 from voxdiff.preflight.check import run_preflight
 from voxdiff.preflight.resources import EMA_BYTES_PER_PARAM, STEP_THROUGHPUT
 
@@ -84,33 +84,37 @@ def test_compiled_candidates_are_timed_with_cuda_graphs_where_the_run_takes_them
 
 
 def test_a_longer_ema_interval_is_a_candidate_with_the_same_memory_and_the_emas_pass_saved(tiny_cfg, monkeypatch):
-    """Each candidate of the run's compile kind is also predicted with ``system.ema.every_n_steps=4``: the same
-    memory (the EMA's copy is there either way), a step shorter by 3/4 of the EMA's pass over the weights (12 bytes
-    per parameter at the GPU's bandwidth), and so the faster choice. (The tiny UNet's EMA is too small a share of its
-    step to be offered by default: the threshold is lifted here, and its default checked below.)"""
+    """A run that averages every step where ``auto`` would take every 10th (decay 0.9999): each candidate of the
+    run's compile kind is also predicted with ``system.ema.every_n_steps=10``: the same memory (the EMA's copy is
+    there either way), a step shorter by 9/10 of the EMA's pass over the weights (12 bytes per parameter at the GPU's
+    bandwidth), and so the faster choice. (The tiny UNet's EMA is too small a share of its step to be offered by
+    default: the threshold is lifted here, and its default checked below.)"""
     monkeypatch.setattr(autofit_module, "EMA_MIN_GAIN", 0.0)
     report = autofit(tiny_cfg(SUBJECTS, "data.batch_size=auto", "preflight.max_batch_size=2",
-                              "system.ema.decay=0.9999"), verdict=fast)
+                              "system.ema.decay=0.9999", "system.ema.every_n_steps=1"), verdict=fast)
     params = fast(tiny_cfg(SUBJECTS, "data.batch_size=1")).params
     bandwidth = STEP_THROUGHPUT[("H100", "cudagraphs")].bandwidth
-    saved_ms = params * EMA_BYTES_PER_PARAM * (1 - 1 / EMA_INTERVAL) / bandwidth * 1e3
+    interval = 10
+    saved_ms = params * EMA_BYTES_PER_PARAM * (1 - 1 / interval) / bandwidth * 1e3
     base = {(c.batch_size, c.compile): c for c in report.candidates if c.ema_every_n_steps == 1}
-    twins = [c for c in report.candidates if c.ema_every_n_steps == EMA_INTERVAL]
+    twins = [c for c in report.candidates if c.ema_every_n_steps == interval]
     assert twins and {(c.batch_size, c.compile) for c in twins} == {(1, True), (2, True)}  # the run's kind only
     for twin in twins:
         b = base[(twin.batch_size, twin.compile)]
-        assert dict(twin.settings) == {**dict(b.settings), "system.ema.every_n_steps": EMA_INTERVAL}
+        assert dict(twin.settings) == {**dict(b.settings), "system.ema.every_n_steps": interval}
         assert (twin.peak_gib, twin.need_gib, twin.fits) == (b.peak_gib, b.need_gib, b.fits)
         assert b.step_ms - twin.step_ms == pytest.approx(saved_ms, rel=1e-6)
-    assert report.best in twins and "system.ema.every_n_steps=4" in report.best.overrides
-    assert any("decay**4" in n for n in report.notes)
+    assert report.best in twins and "system.ema.every_n_steps=10" in report.best.overrides
+    assert any("decay**10" in n for n in report.notes)
 
 
 @pytest.mark.parametrize("overrides, why", [
-    (["system.ema.decay=0.9999"], "would save less than 2% of a step"),  # the tiny UNet's EMA: a sliver of a step
+    # the tiny UNet's EMA: a sliver of a step
+    (["system.ema.decay=0.9999", "system.ema.every_n_steps=1"], "every 10 steps would save less than 2% of a step"),
     (["system.ema=false"], "the run has no EMA"),
     (["system.ema.decay=0.99"], "horizon of 100 steps"),
-    (["system.ema.every_n_steps=4"], "it is 4 already"),
+    (["system.ema.decay=0.9999"], "it is 10 already; auto gives 10"),  # the default: auto takes it
+    (["system.ema.decay=0.999", "system.ema.every_n_steps=20"], "it is 20 already"),
 ])
 def test_the_ema_interval_is_not_offered_where_it_does_not_apply(tiny_cfg, overrides, why):
     report = autofit(tiny_cfg(SUBJECTS, "data.batch_size=auto", "preflight.max_batch_size=2", *overrides),

@@ -4,6 +4,7 @@ import pytest
 import torch
 from voxdiff.errors import ConfigError
 from voxdiff.step import EMA, EMASettings, ema_settings
+from voxdiff.step.ema import SAMPLES_PER_HORIZON, auto_interval
 
 
 def _model(seed=0):
@@ -105,7 +106,21 @@ def test_state_dict_round_trip():
 def test_system_ema_false_means_none_and_null_means_the_defaults():
     assert ema_settings(False) is None
     assert ema_settings(None) == ema_settings(True) == ema_settings({}) == EMASettings()
-    assert ema_settings({"decay": 0.9, "start_step": 5}) == EMASettings(0.9, 5)
+    assert ema_settings({"decay": 0.9, "start_step": 5}) == EMASettings(0.9, 5, 1)  # auto: a horizon of 10 steps
+
+
+@pytest.mark.parametrize("decay, k", [(0.9999, 10), (0.999, 10), (0.9995, 10), (0.998, 5), (0.995, 2), (0.99, 1),
+                                      (0.95, 1), (0.0, 1)])
+def test_auto_interval_keeps_a_hundred_updates_per_horizon(decay, k):
+    """``every_n_steps: auto`` (the default) resolves to a number: the longest interval, at most 10, that still
+    averages 100 times per horizon ``1 / (1 - decay)``."""
+    assert auto_interval(decay) == k
+    assert ema_settings({"decay": decay}).every_n_steps == k
+    assert ema_settings({"decay": decay, "every_n_steps": "auto"}).every_n_steps == k
+    assert ema_settings({"decay": decay, "every_n_steps": 3}).every_n_steps == 3  # a number is kept
+    assert EMA(_model(), decay=decay, every_n_steps="auto").every_n_steps == k
+    if k > 1:  # the horizon the average spans is at least 100 of its updates
+        assert (1 / (1 - decay)) / k >= SAMPLES_PER_HORIZON - 1e-6
 
 
 @pytest.mark.parametrize("cfg, key", [({"decay": 1.0}, "system.ema.decay"), ({"start_step": -1}, "system.ema.start_step"),
@@ -140,7 +155,7 @@ def test_every_n_steps_keeps_the_horizon(k):
             torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
     assert a.num_updates == b.num_updates == 6 * k
     assert not torch.allclose(a.shadow[0], target[0])  # still an average, not a copy
-    for bad in (0, "abc"):  # one message for both (it said ">= 0" for "abc", then refused 0 apart)
-        with pytest.raises(ConfigError, match=r"system.ema.every_n_steps=.*: must be a positive integer. Fix: e.g. "
-                                              r"system.ema.every_n_steps=4"):
+    for bad in (0, "abc", True, 2.5):  # one message for all (it said ">= 0" for "abc", then refused 0 apart)
+        with pytest.raises(ConfigError, match=r"system.ema.every_n_steps=.*: must be a positive integer or auto. "
+                                              r"Fix: e.g. system.ema.every_n_steps=4, or auto"):
             ema_settings({"every_n_steps": bad})

@@ -19,13 +19,13 @@ The search:
   ``auto`` takes CUDA graphs (their own throughput) for a candidate without gradient accumulation on one GPU;
 * with ``preflight.effective_batch=N`` only batches that divide it (per GPU x GPUs), the rest made up by
   ``trainer.accumulate_grad_batches``: the optimisation sees the same batch;
-* the EMA interval (``system.ema.every_n_steps``): each candidate of the run's compile kind also with
-  :data:`EMA_INTERVAL`, where the run updates its EMA more often, its horizon ``1 / (1 - decay)`` is at least 100
-  intervals (the average then samples the weights every few steps of a horizon of thousands, with ``decay`` raised
-  to the interval: the same horizon), and it saves at least :data:`EMA_MIN_GAIN` of the step (the EMA's share is
-  large for a large model at a small batch: 2.7B parameters). Same memory; the time model counts the EMA's pass
-  over the weights in bytes at the GPU's bandwidth (:class:`~voxdiff.preflight.resources.StepCost`), so these rows
-  differ from their twins by that arithmetic alone;
+* the EMA interval (``system.ema.every_n_steps``): where the run sets a shorter one than ``auto`` would take for
+  its decay (:func:`voxdiff.step.ema.auto_interval`: at least 100 updates per horizon ``1 / (1 - decay)``, at most
+  every 10th step; ``decay`` raised to the interval keeps the horizon), each candidate of the run's compile kind also
+  with that interval, if it saves at least :data:`EMA_MIN_GAIN` of the step (the EMA's share is large for a large
+  model at a small batch: 2.7B parameters). ``auto``, the default, takes it already. Same memory; the time model
+  counts the EMA's pass over the weights in bytes at the GPU's bandwidth
+  (:class:`~voxdiff.preflight.resources.StepCost`), so these rows differ from their twins by that arithmetic alone;
 * not searched: compile modes other than the run's (a mode is chosen by ``model.compile_mode``, not by the batch).
 
 Where the GPU type has no measured throughput (and on a CPU run, against the host's memory), the choice is by
@@ -52,11 +52,10 @@ from voxdiff.preflight.resources import STEP_THROUGHPUT, data_subjects, step_kin
 from voxdiff.preflight.world import PREDICTED_DEVICE
 from voxdiff.run.spec import RunSpec, run_spec
 from voxdiff.step import EMASettings
+from voxdiff.step.ema import SAMPLES_PER_HORIZON, auto_interval
 
-__all__ = ["EMA_INTERVAL", "AutofitReport", "Candidate", "autofit"]
+__all__ = ["AutofitReport", "Candidate", "autofit"]
 
-EMA_INTERVAL = 4
-"""The EMA interval the choice offers beside the run's (``system.ema.every_n_steps``)."""
 EMA_MIN_GAIN = 0.02
 """The least share of a step the longer EMA interval must save to be offered (a change to the average for less is
 not worth it)."""
@@ -223,7 +222,7 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
     else:  # memory alone: the largest batch that fits, the least recomputation
         report.best = max(fitting, key=lambda c: (c.batch_size, -GRANULARITIES.index(c.checkpointing)), default=None)
     offered = any(c.ema_every_n_steps != ema_now for c in report.candidates)
-    why_not = ema_why_not or f"every {EMA_INTERVAL} steps would save less than {EMA_MIN_GAIN:.0%} of a step here"
+    why_not = ema_why_not or f"every {ema_other} steps would save less than {EMA_MIN_GAIN:.0%} of a step here"
     _notes(report, options.effective_batch, world, first_misfit, bool(kinds[1:]),
            _ema_note(ema, ema_other) if offered else f"not searched: system.ema.every_n_steps ({why_not})")
     report.notes.append(f"batches tried: {', '.join(map(str, batches))} (up to preflight.max_batch_size="
@@ -233,16 +232,16 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
 
 
 def _ema_interval(ema: EMASettings | None) -> tuple[int | None, str]:
-    """The EMA interval to offer beside the run's, or None and why not."""
+    """The EMA interval to offer beside the run's (``auto``'s for its decay), or None and why not."""
     if ema is None:
         return None, "the run has no EMA"
-    if ema.every_n_steps >= EMA_INTERVAL:
-        return None, f"it is {ema.every_n_steps} already"
-    horizon = 1.0 / (1.0 - ema.decay) if ema.decay < 1.0 else float("inf")
-    if horizon < 100 * EMA_INTERVAL:
-        return None, (f"the EMA's horizon of {horizon:.0f} steps (system.ema.decay={ema.decay:g}) is too short to "
-                      f"sample every {EMA_INTERVAL}th step")
-    return EMA_INTERVAL, ""
+    interval = auto_interval(ema.decay)
+    if interval == 1:
+        return None, (f"the EMA's horizon of {1 / (1 - ema.decay):.0f} steps (system.ema.decay={ema.decay:g}) is "
+                      f"too short to average less often than every step: fewer than {2 * SAMPLES_PER_HORIZON}")
+    if ema.every_n_steps >= interval:
+        return None, f"it is {ema.every_n_steps} already; auto gives {interval} for system.ema.decay={ema.decay:g}"
+    return interval, ""
 
 
 def _ema_note(ema: EMASettings, interval: int) -> str:

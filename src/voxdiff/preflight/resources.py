@@ -283,6 +283,10 @@ def worker_bytes(sample_bytes: int, batch_size: int, num_workers: int, prefetch_
 # ------------------------------------------------------------------------------------------------------------ time
 EMA_BYTES_PER_PARAM = 12
 """The EMA's update (``torch._foreach_lerp_`` in fp32): the average and the weight read, the average written."""
+EMA_COPY_BYTES_PER_PARAM = 8
+"""The EMA's update during ``system.ema.start_step`` (``torch._foreach_copy_``): the weight read, the average written.
+A step time is predicted after it (the EMA then averages); a benchmark of a few steps runs inside it unless it sets
+``system.ema.start_step=0``."""
 NORM_BYTES_PER_PARAM = 4
 """The gradients' total norm (clipping, or the guard alone): every fp32 gradient read."""
 SCALE_BYTES_PER_PARAM = 8
@@ -400,10 +404,11 @@ STEP_THROUGHPUT: dict[tuple[str, str], Throughput] = {
     ("H100", "compiled"): Throughput(448.0, 56.5, f"H100, fused AdamW + flash SDPA + torch.compile; {_GPU_SPEED}",
                                      H100_BANDWIDTH),
     # voxdiff's own step with CUDA graphs, fitted by bench/fit_step_time.py to its four measured rows
-    # (reference/h100_bench_gpu_step_v3.csv, _v4.csv) less their weight passes (EMA every step, clipping by norm in
-    # place: 24 bytes per parameter at H100_BANDWIDTH): exp11 +5.9%, exp11_1 -15.8%, exp9_ldm_4x_bravo +13.5%,
-    # exp9_ldm_8x_bravo -10.2% (leave-one-out up to +72%, exp11); the README states them
-    ("H100", "cudagraphs"): Throughput(312.6, 16.5, "H100, voxdiff's step compiled with CUDA graphs "
+    # (reference/h100_bench_gpu_step_v3.csv, _v4.csv) less their weight passes (the EMA copying the weights inside
+    # system.ema.start_step, clipping by norm in place: 20 bytes per parameter at H100_BANDWIDTH): exp11 +5.8%,
+    # exp11_1 -14.9%, exp9_ldm_4x_bravo +13.9%, exp9_ldm_8x_bravo -11.2% (leave-one-out up to +70%, exp11); the
+    # README states them
+    ("H100", "cudagraphs"): Throughput(305.6, 16.6, "H100, voxdiff's step compiled with CUDA graphs "
                                                     "(reduce-overhead); four rows, h100_bench_gpu_step_v3/v4.csv",
                                        H100_BANDWIDTH),
 }
