@@ -14,9 +14,14 @@ The search:
 * gradient checkpointing ``none``, then ``block`` and ``layer`` only from the batch ``none`` no longer fits: at a
   batch that fits without it, checkpointing only recomputes (more FLOPs and calls, the same samples), so it is never
   faster there;
-* compile on and off, where the GPU's throughput was measured for both (memory: the eager trace, an upper bound of
-  the compiled step's; time: each kind's own throughput); compiled in the run's ``model.compile_mode``, whose
-  ``auto`` takes CUDA graphs (their own throughput) for a candidate without gradient accumulation on one GPU;
+* compile on for a run that does not compile, where the GPU's throughput was measured for both kinds (memory: the
+  eager trace, an upper bound of the compiled step's; time: each kind's own throughput); compiled in the run's
+  ``model.compile_mode``, whose ``auto`` takes CUDA graphs (their own throughput) for a candidate without gradient
+  accumulation on one GPU. Compile off is never offered to a run that compiles: on every experiment measured (one
+  H100, batch 1, ``reference/h100_step_times.csv``) the compiled step was 1.18-1.55x faster than the eager one,
+  and inductor's fusions save more at a larger batch, not less; the two kinds' constants are fitted to different
+  steps (plain loops; voxdiff's CUDA-graph step) at batch 1, and extrapolated to batches of 2 to 32 they put the
+  eager step of exp9 ahead by 2-18%, an artefact of the fits that chose ``model.compile=false`` for it;
 * with ``preflight.effective_batch=N`` only batches that divide it (per GPU x GPUs), the rest made up by
   ``trainer.accumulate_grad_batches``: the optimisation sees the same batch;
 * the EMA interval (``system.ema.every_n_steps``): where the run sets a shorter one than ``auto`` would take for
@@ -27,6 +32,9 @@ The search:
   counts the EMA's pass over the weights in bytes at the GPU's bandwidth
   (:class:`~voxdiff.preflight.resources.StepCost`), so these rows differ from their twins by that arithmetic alone;
 * not searched: compile modes other than the run's (a mode is chosen by ``model.compile_mode``, not by the batch).
+
+A candidate fits when its GPU and host memory do; a misfit no batch changes (the checkpoints' disk under
+``paths.run_dir``) is a note of the report, and the check of the chosen configuration refuses the run for it.
 
 Where the GPU type has no measured throughput (and on a CPU run, against the host's memory), the choice is by
 memory alone: the largest batch that fits, without checkpointing where possible. Every candidate is traced eagerly
@@ -157,8 +165,9 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
     options, world = run.preflight, run.parallel.world_size
     compile_now = bool(run.unet.compile) if run.unet is not None else False
     on_gpu = run.device_type == "cuda"
-    kinds = [compile_now] + ([not compile_now] if on_gpu and all((run.gpu.name, k) in STEP_THROUGHPUT
-                                                                 for k in ("eager", "compiled")) else [])
+    # the other kind only to turn compile on (see the module docstring: off is never faster where measured)
+    kinds = [compile_now] + ([True] if not compile_now and on_gpu and all((run.gpu.name, k) in STEP_THROUGHPUT
+                                                                          for k in ("eager", "compiled")) else [])
     ema = traced_recipe(run).ema
     ema_now = ema.every_n_steps if ema is not None else None
     ema_other, ema_why_not = _ema_interval(ema)
@@ -176,6 +185,7 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
                               f"give a multiple of {world}, e.g. preflight.effective_batch={8 * world}")
     report: AutofitReport | None = None
     first_misfit: int | None = None
+    batch_free: dict[str, str] = {}  # what does not fit at any batch, per key (refused after the choice)
     for policy in GRANULARITIES:
         start = 1 if policy == "none" else first_misfit
         if start is None:  # every batch fits without checkpointing: checkpointing would only be slower
@@ -193,7 +203,9 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
                                        result.budget_source,
                                        "samples per second" if result.needs is not None and result.needs.step_s
                                        is not None else "memory alone")
-            fits = result.ok
+            fits, unchosen = _fits(result)
+            for m in unchosen:  # once per key (a dated run directory may differ by a second between candidates)
+                batch_free.setdefault(m.key, str(m))
             # the compile mode this candidate's run resolves to (auto: CUDA graphs unless it accumulates)
             graphs = model_spec(candidate, run.encoding, run.device_type).compile_mode in CUDAGRAPH_MODES
             for compiled in kinds:
@@ -225,10 +237,24 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
     why_not = ema_why_not or f"every {ema_other} steps would save less than {EMA_MIN_GAIN:.0%} of a step here"
     _notes(report, options.effective_batch, world, first_misfit, bool(kinds[1:]),
            _ema_note(ema, ema_other) if offered else f"not searched: system.ema.every_n_steps ({why_not})")
+    report.notes += [f"does not fit at any batch, so it does not decide the choice (the check of the chosen one "
+                     f"refuses the run for it): {m}" for m in batch_free.values()]
     report.notes.append(f"batches tried: {', '.join(map(str, batches))} (up to preflight.max_batch_size="
                         f"{options.max_batch_size}" + (f" and the {training} training subjects of the data set)"
                                                        if training else ")"))
     return report
+
+
+BATCH_FREE_KEYS = ("paths.run_dir",)
+"""Keys of misfits no batch changes: the checkpoints' disk (its size is the weights', the EMA's and AdamW's)."""
+
+
+def _fits(result: PreflightResult) -> tuple[bool, list[ConfigError]]:
+    """Whether a candidate fits as far as its batch and checkpointing decide (the GPU's memory, the host's), and the
+    misfits that are the same for every candidate (:data:`BATCH_FREE_KEYS`), which the choice leaves to the check
+    of the chosen one: were they counted, no candidate would fit and the report would choose none."""
+    return (result.ok_apart_from(BATCH_FREE_KEYS),
+            [m for m in result.misfits if m.key in BATCH_FREE_KEYS])
 
 
 def _ema_interval(ema: EMASettings | None) -> tuple[int | None, str]:

@@ -109,7 +109,12 @@ class PreflightResult:
 
     @property
     def ok(self) -> bool:
-        return not self.problems and (self.fits or not self.modelled) and not self.misfits
+        return self.ok_apart_from(())
+
+    def ok_apart_from(self, keys: tuple[str, ...]) -> bool:
+        """:attr:`ok`, leaving out the misfits of these config keys (``("paths.run_dir",)``: the disk)."""
+        return (not self.problems and (self.fits or not self.modelled)
+                and all(m.key in keys for m in self.misfits))
 
 
 def _need(peak_bytes: float, report: MemoryReport, margin: float) -> float:
