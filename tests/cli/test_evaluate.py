@@ -12,7 +12,9 @@ from voxdiff.cli.evaluate import evaluate, validate
 from voxdiff.cli.train import train
 from voxdiff.config import compose
 from voxdiff.errors import ConfigError
+from voxdiff.encodings.vqvae import read_stage1_checkpoint
 from voxdiff.evaluation.features import file_sha256
+from voxdiff.preflight.stage1 import predict_reconstruction
 
 from chromium import render  # noqa: E402  (tests/cli is on sys.path, as tests/slurm is)
 
@@ -173,13 +175,37 @@ def test_a_stage1_checkpoint_without_a_recorded_kind_is_evaluated_as_before(stag
     assert old["figures"] == record["figures"] and old["n_real"] == record["n_real"]
 
 
-def test_batch_size_auto_reconstructs_a_vqvae_one_volume_at_a_time(stage1, tmp_path, capsys):
-    """``batch_size=auto`` chooses a diffusion model's sampling batch; a VQ-VAE evaluation says so and reconstructs
-    one volume at a time: the same figures as its batch-2 evaluation."""
+def test_a_vqvae_evaluation_predicts_its_memory_chooses_auto_and_refuses_what_does_not_fit(stage1, tmp_path,
+                                                                                          capsys):
+    """The reconstructions' device memory is predicted before the weights move
+    (voxdiff.preflight.stage1.predict_reconstruction), as sampling's is: ``batch_size=auto`` takes the largest
+    batch predicted to fit, a batch above the budget is refused naming ``batch_size`` with the one that fits, a
+    budget not even one volume fits is refused naming ``device``, before any montage; the figures do not depend on
+    the batch."""
     ckpt, record, _ = stage1
-    auto = _evaluate(ckpt, tmp_path, "n=2", "batch_size=auto")
-    assert "a VQ-VAE reconstructs one volume at a time" in capsys.readouterr().out
-    assert auto["figures"]["codebook_perplexity"] == record["figures"]["codebook_perplexity"]
+    assert record["reconstruction"]["batch_size"] == 2  # the configured batch: n=2 of the one validation subject
+    spec, volume = read_stage1_checkpoint(ckpt).spec, (24, 32, 32)
+    one, two = (predict_reconstruction(spec, b, volume, "cpu").required_bytes() for b in (1, 2))
+    assert one < two
+    # split=all: 3 subjects; auto on the CPU takes the largest of n=3 that the host's available memory holds
+    auto = _evaluate(ckpt, tmp_path / "auto", "n=3", "split=all", "batch_size=auto")
+    assert "[voxdiff] batch_size=auto: 3, the largest of at most 3 predicted to fit" in capsys.readouterr().out
+    assert auto["reconstruction"]["batch_size"] == 3
+    assert auto["reconstruction"]["memory_gib"]["predicted"] == pytest.approx(
+        predict_reconstruction(spec, 3, volume, "cpu").peak / 2**30, abs=1e-4)
+    # a budget between one volume's need and two's: auto takes 1, an explicit 2 is refused naming batch_size
+    budget = f"memory_budget_gib={(one + two) / 2 / 2**30}"
+    small = _evaluate(ckpt, tmp_path / "small", "n=2", "split=all", "batch_size=auto", budget)
+    assert small["reconstruction"]["batch_size"] == 1
+    assert small["figures"]["codebook_perplexity"] == _evaluate(
+        ckpt, tmp_path / "two", "n=2", "split=all", "batch_size=2")["figures"]["codebook_perplexity"]
+    with pytest.raises(ConfigError, match=r"batch_size=2: reconstruction is predicted to need .* Fix: use "
+                                          r"batch_size=1 \(predicted"):
+        _evaluate(ckpt, tmp_path / "refused", "n=2", "split=all", "batch_size=2", budget)
+    with pytest.raises(ConfigError) as e:
+        _evaluate(ckpt, tmp_path / "none", "n=2", "batch_size=1", "memory_budget_gib=1e-9")
+    assert e.value.key == "device" and "reconstructing one volume of 24x32x32" in str(e.value)
+    assert not (tmp_path / "none" / "samples").exists() and not (tmp_path / "none" / "metrics.json").exists()
 
 
 def test_the_report_follows_the_recorded_kind(stage1, tmp_path):

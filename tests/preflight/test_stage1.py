@@ -15,7 +15,14 @@ from voxdiff.config import compose
 from voxdiff.encodings.vqvae import Stage1Checkpoint, VQVAELatent, build_vqvae, vqvae_spec
 from voxdiff.errors import ConfigError
 from voxdiff.lightning.vqvae import VQVAESystem
-from voxdiff.preflight.stage1 import STAGE1_PHASES, predict_stage1, trace_cache_pass, trace_stage1_step
+from voxdiff.preflight.stage1 import (
+    STAGE1_PHASES,
+    predict_reconstruction,
+    predict_stage1,
+    trace_cache_pass,
+    trace_reconstruction,
+    trace_stage1_step,
+)
 from voxdiff.preflight.world import CudaAutocastEmulator, EmulatedPrecision
 from voxdiff.step import clip_settings
 from voxdiff.step.optim import build_optimizer
@@ -77,6 +84,35 @@ def test_cache_pass_matches_cpu_allocator(one_thread) -> None:
         trace = trace_cache_pass(encoding, (2, 1, *VOLUME), device_type="cpu")
     _, op_peak = profiler_peaks(prof)
     assert trace.peak - trace.start_bytes == pytest.approx(op_peak, rel=0.05)
+
+
+def test_reconstruction_pass_matches_cpu_allocator(one_thread) -> None:
+    """evaluate.py's reconstruction of two chunks (encode, quantise, decode, the clamped copy, the images' and the
+    masks' codes) without gradients, on real CPU tensors: the tracker's peak is the allocator's within 5 %; a chunk
+    of two volumes needs about twice a chunk of one above the weights."""
+    torch.manual_seed(0)
+    ae = build_vqvae(vqvae_spec(**TINY)).eval().requires_grad_(False)
+    above = {}
+    for batch in (1, 2):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            trace = trace_reconstruction(ae, (batch, 1, *VOLUME), device_type="cpu")
+        _, op_peak = profiler_peaks(prof)
+        above[batch] = trace.peak - trace.start_bytes
+        assert above[batch] == pytest.approx(op_peak, rel=0.05)
+        assert set(trace.peaks) == {"reconstruct", "codes"}
+    assert above[2] == pytest.approx(2 * above[1], rel=0.05)
+
+
+def test_reconstruction_of_the_real_experiments_needs_more_than_the_cache_pass() -> None:
+    """At 160x256x256 a reconstruction encodes and decodes a volume: more than the cache pass's encoding alone, less
+    than a training step; on a GPU the cuBLAS workspace is counted, on the CPU not."""
+    cfg = compose("preflight", ["experiment=vqvae_4x"])
+    rep = predict_stage1(cfg)
+    spec = vqvae_spec(**cfg.system.vqvae)
+    gpu, cpu = (predict_reconstruction(spec, 1, (160, 256, 256), device) for device in ("cuda", "cpu"))
+    assert rep.cache_pass < gpu.peak < rep.peak_allocated
+    assert gpu.peak > cpu.peak and gpu.batch == 1 and "GiB" in gpu.describe()
+    assert gpu.required_bytes() > gpu.peak
 
 
 @pytest.mark.parametrize("experiment", ["vqvae_4x", "vqvae_8x"])

@@ -22,6 +22,7 @@ Exit codes: 0 done; 2 the config was refused.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import math
 import time
 from pathlib import Path
@@ -38,10 +39,11 @@ from voxdiff.cli.sample import (
     _CKPT_FIX,
     _datamodule,
     available_host_bytes,
-    batch_is_auto,
+    chunk_memory,
     measured_memory,
     ready,
     release,
+    start_measuring,
 )
 from voxdiff.cli.sample import validate as validate_sampling
 from voxdiff.config import is_phantom_data, plain
@@ -361,25 +363,56 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     }
 
 
+def check_reconstruction_memory(cfg: DictConfig, device: Any, spec: Any, volume: tuple[int, ...], n: int) -> Any:
+    """Predict the peak device memory of reconstructing ``batch_size`` volumes at once with a VQ-VAE of ``spec``
+    (:func:`voxdiff.preflight.stage1.predict_reconstruction`), print it, and refuse it before the weights go to the
+    device when it exceeds the budget, as ``sample.py`` does for sampling (:func:`voxdiff.cli.sample.chunk_memory`:
+    ``batch_size=auto`` the largest up to ``n`` predicted to fit). Returns the prediction.
+
+    Raises:
+        ConfigError: naming ``batch_size`` (with the largest batch predicted to fit), else ``device``.
+    """
+    import torch
+
+    # deferred: the prediction's tracer is only needed once a checkpoint is loaded
+    from voxdiff.preflight.stage1 import predict_reconstruction
+    from voxdiff.run.gpus import local_gpu
+
+    device_type = torch.device(device).type
+    gpu = local_gpu() if device_type == "cuda" else None
+
+    @functools.cache  # the choice and the refusals ask for the same batches
+    def predict(batch: int) -> Any:
+        return predict_reconstruction(spec, batch, volume, device_type, gpu)
+
+    report, budget, where = chunk_memory(cfg, device, predict, n, "reconstruction")
+    if budget is None or report.required_bytes() <= budget:
+        return report
+    raise ConfigError("device", plain(cfg.device), f"reconstructing one volume of {'x'.join(map(str, volume))} is "
+                      f"predicted to need {report.required_bytes() / GiB:.3g} GiB ({report.describe()}), more than "
+                      f"the {where} {budget / GiB:.3g} GiB", f"use a device with "
+                      f"{report.required_bytes() / GiB:.3g} GiB free")
+
+
 def _vqvae(cfg: DictConfig, device: Any) -> dict[str, Any]:
 
     # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
     from voxdiff.lightning.systems import rebuild_system
 
     system, checkpoint, _ = rebuild_system(str(cfg.ckpt_path), "stage1", _CKPT_FIX)
-    system, saved = system.to(device), checkpoint.get(CONFIG_KEY, {})
+    saved = checkpoint.get(CONFIG_KEY, {})
     dm, data = _datamodule(saved, cfg)
     dataset = _split(dm, str(cfg.split))
     ms_ssim = MS_SSIM_PRESETS[cfg.ms_ssim]
-    check_volume_shape(tuple(dataset[0]["image"].shape[1:]), ms_ssim)
+    volume = tuple(dataset[0]["image"].shape[1:])
+    check_volume_shape(volume, ms_ssim)
+    memory = check_reconstruction_memory(cfg, device, system.spec, volume, min(int(cfg.n), len(dataset)))
     real = load_real(dataset, int(cfg.n))
-    auto = batch_is_auto(cfg)
-    batch = 1 if auto else int(cfg.batch_size)  # no prediction of a reconstruction's memory
-    if auto:
-        print("[voxdiff] batch_size=auto chooses a diffusion model's sampling batch; a VQ-VAE reconstructs one "
-              "volume at a time", flush=True)
+    system = system.to(device)
+    start_measuring(device)
     t0 = time.perf_counter()
-    recon, codes = vqvae_reconstructions(system, real, batch, device)
+    recon, codes = vqvae_reconstructions(system, real, int(cfg.batch_size), device)
+    measured = measured_memory(device, memory, "reconstruction")
     figures = vqvae_figures(real, recon, codes, system.spec.num_embeddings, ms_ssim)
     out = Path(cfg.paths.output_dir) / "samples"
     pngs = [save_montage(out / f"recon_{s}.png", {"image": real.images[i, 0], "reconstruction": recon[i, 0],
@@ -390,6 +423,12 @@ def _vqvae(cfg: DictConfig, device: Any) -> dict[str, Any]:
                 histogram_section(real, recon, list(range(len(real))), int(cfg.histogram_bins), "reconstruction")]
     return {"kind": "vqvae", "mode": "reconstruction", "figures": figures, "absent": {}, "sections": sections,
             "n_generated": len(recon), "real": real, "sampling": None, "feature_extractors": {},
+            # GiB of device memory: predicted before loading (voxdiff.preflight.stage1.predict_reconstruction);
+            # measured (max_memory_allocated) on a GPU only
+            "reconstruction": {"batch_size": int(cfg.batch_size),
+                               "memory_gib": {"predicted": round(memory.peak / GiB, 4),
+                                              **({"measured": round(measured / GiB, 4)} if measured is not None
+                                                 else {})}},
             "seconds": {"figures": round(time.perf_counter() - t0, 2)}, "data": data, "stage1_weights": None}
 
 
@@ -438,7 +477,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "data": result["data"], "stage1_weights": result["stage1_weights"],
         "split": str(cfg.split), "n_generated": result["n_generated"], "n_real": len(real),
         "real_subjects": real.subjects, "volume_shape": list(real.images.shape[2:]),
-        "sampling": result["sampling"], "metric_settings": describe(MS_SSIM_PRESETS[cfg.ms_ssim]),
+        "sampling": result["sampling"],
+        **({"reconstruction": result["reconstruction"]} if "reconstruction" in result else {}),
+        "metric_settings": describe(MS_SSIM_PRESETS[cfg.ms_ssim]),
         "feature_extractors": result["feature_extractors"], "figures": result["figures"], "absent": result["absent"],
         "seconds": result["seconds"],
     }

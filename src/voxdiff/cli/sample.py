@@ -234,27 +234,11 @@ def check_memory(cfg: DictConfig, device: Any, spec: Any, system: Any, sampler: 
     def predict(batch: int, autoguide: float = sampler.autoguide_scale) -> Any:
         return traced(batch, float(autoguide))
 
-    auto = batch_is_auto(cfg)
-    batch = min(AUTO_MAX_BATCH if auto else int(cfg.batch_size), int(cfg.n))
-    budget, where = _memory_budget(cfg, device, auto)
-    if auto:
-        batch = (batch if predict(batch).required_bytes() <= budget else _largest_batch(predict, batch, budget)) or 1
-        with open_dict(cfg):
-            cfg.batch_size = batch
-        print(f"[voxdiff] batch_size=auto: {batch}, the largest of at most {min(AUTO_MAX_BATCH, int(cfg.n))} "
-              f"predicted to fit the {where} {budget / GiB:.3g} GiB", flush=True)
-    report = predict(batch)
-    print(f"[voxdiff] sampling memory on {device} (predicted): {report.describe()}"
-          + (f"; {where} {budget / GiB:.3g} GiB" if budget is not None else ""), flush=True)
+    report, budget, where = chunk_memory(cfg, device, predict, int(cfg.n), "sampling")
     if budget is None or report.required_bytes() <= budget:
         return report
     need = (f"{report.required_bytes() / GiB:.3g} GiB with a {DEFAULT_SAFETY_MARGIN:.0%} margin "
             f"({report.describe()})")
-    fits = _largest_batch(predict, batch, budget)
-    if fits is not None:
-        raise ConfigError("batch_size", batch, f"sampling is predicted to need {need}, more than the {where} "
-                          f"{budget / GiB:.3g} GiB", f"use batch_size={fits} (predicted "
-                          f"{predict(fits).required_bytes() / GiB:.3g} GiB)")
     if sampler.autoguide_scale != 1.0 and predict(1, 1.0).required_bytes() <= budget:
         raise ConfigError("autoguide_scale", sampler.autoguide_scale, f"holds the guide's UNet beside the model "
                           f"({report.guide_bytes / GiB:.3g} GiB), and sampling is predicted to need {need} even at "
@@ -266,6 +250,47 @@ def check_memory(cfg: DictConfig, device: Any, spec: Any, system: Any, sampler: 
     raise ConfigError("device", plain(cfg.device), f"sampling is predicted to need {need} even at batch_size=1, "
                       f"more than the {where} {budget / GiB:.3g} GiB",
                       f"use a device with {predict(1).required_bytes() / GiB:.3g} GiB free{window}")
+
+
+def chunk_memory(cfg: DictConfig, device: Any, predict: Any, n: int, what: str) -> tuple[Any, int | None, str]:
+    """The memory of a command that runs ``batch_size`` of its ``n`` items at once on the device (sampling masks,
+    reconstructing volumes): ``batch_size=auto`` resolved and written into ``cfg`` (the largest up to ``n`` and
+    :data:`AUTO_MAX_BATCH` predicted to fit the budget, else 1), the prediction printed.
+
+    Args:
+        predict: ``batch -> report`` with ``required_bytes()`` and ``describe()`` (the safety margin included).
+        what: for the messages (``"sampling"``, ``"reconstruction"``).
+
+    Returns:
+        ``(the report at the batch, the budget in bytes or None, what the budget is)``; the caller refuses a
+        report above the budget, which then does not fit even at batch 1.
+
+    Raises:
+        ConfigError: naming ``batch_size`` with the largest batch predicted to fit, when one smaller fits.
+    """
+    from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN
+
+    auto = batch_is_auto(cfg)
+    batch = min(AUTO_MAX_BATCH if auto else int(cfg.batch_size), n)
+    budget, where = _memory_budget(cfg, device, auto)
+    if auto:
+        batch = (batch if predict(batch).required_bytes() <= budget else _largest_batch(predict, batch, budget)) or 1
+        with open_dict(cfg):
+            cfg.batch_size = batch
+        print(f"[voxdiff] batch_size=auto: {batch}, the largest of at most {min(AUTO_MAX_BATCH, n)} "
+              f"predicted to fit the {where} {budget / GiB:.3g} GiB", flush=True)
+    report = predict(batch)
+    print(f"[voxdiff] {what} memory on {device} (predicted): {report.describe()}"
+          + (f"; {where} {budget / GiB:.3g} GiB" if budget is not None else ""), flush=True)
+    if budget is None or report.required_bytes() <= budget:
+        return report, budget, where
+    fits = _largest_batch(predict, batch, budget)
+    if fits is not None:
+        raise ConfigError("batch_size", batch, f"{what} is predicted to need {report.required_bytes() / GiB:.3g} "
+                          f"GiB with a {DEFAULT_SAFETY_MARGIN:.0%} margin ({report.describe()}), more than the "
+                          f"{where} {budget / GiB:.3g} GiB", f"use batch_size={fits} (predicted "
+                          f"{predict(fits).required_bytes() / GiB:.3g} GiB)")
+    return report, budget, where
 
 
 def _largest_batch(predict: Any, batch: int, budget: int) -> int | None:
@@ -346,21 +371,29 @@ def ready(cfg: DictConfig, device: Any, requested: bool = True, sampler: Any = N
                                  cfg.get("autoguide_scale"))
     guide, sampler, path = _guide(cfg, device, system, sampler)
     memory = check_memory(cfg, device, loaded.spec, system, sampler)
-    if torch.device(device).type == "cuda":  # what measured_memory compares with the prediction
-        torch.cuda.reset_peak_memory_stats(device)
+    start_measuring(device)
     return Ready(system.to(device), sampler, None if guide is None else guide.to(device), path, loaded.saved,
                  loaded.precision, loaded.weights, memory)
 
 
-def measured_memory(device: Any, predicted: Any) -> int | None:
-    """On a CUDA device, the peak ``torch.cuda.max_memory_allocated`` since :func:`ready`, printed beside the
-    predicted peak (``predicted``, a :class:`voxdiff.preflight.memory.SamplingReport`); None elsewhere."""
+def start_measuring(device: Any) -> None:
+    """On a CUDA device, reset the peak that :func:`measured_memory` reads (before the weights go there)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def measured_memory(device: Any, predicted: Any, what: str = "sampling") -> int | None:
+    """On a CUDA device, the peak ``torch.cuda.max_memory_allocated`` since :func:`start_measuring`, printed beside
+    the predicted peak (``predicted``: a :class:`voxdiff.preflight.memory.SamplingReport` or a
+    :class:`voxdiff.preflight.stage1.ReconstructionReport`); None elsewhere."""
     import torch
 
     if torch.device(device).type != "cuda":
         return None
     measured = torch.cuda.max_memory_allocated(device)
-    print(f"[voxdiff] sampling memory on {device}: measured peak {measured / GiB:.3g} GiB, predicted "
+    print(f"[voxdiff] {what} memory on {device}: measured peak {measured / GiB:.3g} GiB, predicted "
           f"{predicted.peak / GiB:.3g} GiB ({measured / predicted.peak - 1:+.1%})", flush=True)
     return measured
 

@@ -274,11 +274,11 @@ def vqvae_reconstructions(system: Any, real: VolumeSet, batch_size: int, device:
     """
     recons, codes = [], []
     ae = system.vqvae
-    for idx in batches(len(real), batch_size):
-        x = real.images[idx].to(device)
-        recon, *_ = system(x)
-        recons.append(recon.float().clamp(0, 1).cpu())
+    for idx in batches(len(real), batch_size):  # on the device one chunk at a time (its memory:
+        x = real.images[idx].to(device)         # voxdiff.preflight.stage1.trace_reconstruction)
+        recons.append(system(x)[0].float().clamp(0, 1).cpu())  # the latents are let go with the forward's tuple
         codes += [ae.index_quantize(x).cpu(), ae.index_quantize(real.masks[idx].to(device)).cpu()]
+        del x
     return torch.cat(recons), torch.cat(codes)
 
 

@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -81,7 +80,14 @@ from voxdiff.errors import ConfigError
 from voxdiff.models.unet import UNetSpec, build_unet_from_spec
 from voxdiff.preflight.compiled import CompiledModule, CompiledTraceError, compiled_profile
 from voxdiff.preflight.stage1 import attach_meta_autoencoder, latent_stage1_spec
-from voxdiff.preflight.tracker import CUDA_CONTEXT_BYTES, StorageTracker, round_block, simulate_reserved
+from voxdiff.preflight.tracker import (
+    CUDA_CONTEXT_BYTES,
+    DEFAULT_SAFETY_MARGIN,
+    StorageTracker,
+    round_block,
+    simulate_reserved,
+    with_margin,
+)
 from voxdiff.preflight.world import (
     PREDICTED_DEVICE,
     CudaAutocastEmulator,
@@ -108,10 +114,6 @@ __all__ = ["DEFAULT_SAFETY_MARGIN", "MemoryReport", "PhasesReport", "SamplingRep
 
 AttentionMode = Literal["materialised", "flash"]
 
-DEFAULT_SAFETY_MARGIN = 0.10
-"""Head-room asked on top of the predicted peak before a configuration is said to fit. PyTorch's own
-``MemTracker`` tests accept +-10 % of ``max_memory_allocated``, and the reference measurements of one
-configuration vary by up to 15 % between runs; 10 % covers the former and most of the latter."""
 
 _COMPILE_MODES_MODELLED = (None, "default", "max-autotune-no-cudagraphs")
 _ATTENTION = ("materialised", "flash")
@@ -220,7 +222,7 @@ class MemoryReport:
         The verdict uses allocated rather than reserved memory: when ``cudaMalloc`` fails, the caching
         allocator frees its unused cached segments and retries before raising out-of-memory.
         """
-        return math.ceil(self.peak_allocated * (1.0 + safety_margin)) + self.cuda_context_bytes
+        return with_margin(self.peak_allocated, safety_margin) + self.cuda_context_bytes
 
     def fits(self, budget_bytes: int, safety_margin: float = DEFAULT_SAFETY_MARGIN) -> bool:
         """Whether :meth:`required_bytes` stays within ``budget_bytes``."""
@@ -848,7 +850,7 @@ class SamplingReport:
 
     def required_bytes(self, safety_margin: float = DEFAULT_SAFETY_MARGIN) -> int:
         """Device memory the command's tensors need: ``peak * (1 + safety_margin)`` (the CUDA context aside)."""
-        return math.ceil(self.peak * (1.0 + safety_margin))
+        return with_margin(self.peak, safety_margin)
 
     def describe(self) -> str:
         """One line: the peak, the phase that sets it, and what is resident (GiB to three significant digits)."""

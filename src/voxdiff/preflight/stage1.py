@@ -20,6 +20,11 @@ The latent-cache pass (``cache_latents.py``, :func:`voxdiff.data.latents.write_l
 a time without gradients, in fp32, through :meth:`voxdiff.encodings.VQVAELatent.encode` of the frozen autoencoder:
 :func:`trace_cache_pass` runs exactly that.
 
+``evaluate.py`` on a stage-1 checkpoint reconstructs the real images a chunk at a time
+(:func:`voxdiff.evaluation.pipeline.vqvae_reconstructions`): :func:`predict_reconstruction` traces two chunks of it
+as that loop holds them (:func:`trace_reconstruction`), so that the command chooses ``batch_size=auto`` and refuses a
+chunk that does not fit before the weights go to the device.
+
 Units: bytes; GiB = 2**30 bytes.
 """
 
@@ -44,7 +49,7 @@ from voxdiff.encodings.vqvae import (
     vqvae_spec,
 )
 from voxdiff.errors import ConfigError
-from voxdiff.preflight.tracker import CUDA_CONTEXT_BYTES, simulate_reserved
+from voxdiff.preflight.tracker import CUDA_CONTEXT_BYTES, DEFAULT_SAFETY_MARGIN, simulate_reserved, with_margin
 from voxdiff.preflight.world import (
     PREDICTED_DEVICE,
     CudaAutocastEmulator,
@@ -55,13 +60,14 @@ from voxdiff.preflight.world import (
     meta_optimizer,
     tracker_for,
 )
+from voxdiff.run.gpus import DEFAULT_GPU, GPUS
 from voxdiff.run.spec import RunSpec, run_spec
 from voxdiff.step import ClipSettings
 from voxdiff.step.optim import clip_gradients, optimizer_impl
 from voxdiff.units import GiB
 
-__all__ = ["Stage1Report", "attach_meta_autoencoder", "latent_stage1_spec", "predict_stage1", "trace_cache_pass",
-           "trace_stage1_step"]
+__all__ = ["ReconstructionReport", "Stage1Report", "attach_meta_autoencoder", "latent_stage1_spec",
+           "predict_reconstruction", "predict_stage1", "trace_cache_pass", "trace_reconstruction", "trace_stage1_step"]
 
 #: the phases of a traced stage-1 step, in order
 STAGE1_PHASES = ("encoder", "quantizer", "decoder", "loss", "decoder_backward", "encoder_backward", "optimizer")
@@ -168,6 +174,102 @@ def trace_cache_pass(
         del z
         rec.end("encode")
     return PhaseTrace(rec.finish_step(), start, tracker.events)
+
+
+def trace_reconstruction(
+    ae: torch.nn.Module,
+    volume: Sequence[int],
+    *,
+    device_type: str = "meta",
+    granularity: int | None = None,
+    cuda_kernels: bool | None = None,
+) -> PhaseTrace:
+    """Trace two chunks of ``evaluate.py``'s VQ-VAE loop (:func:`voxdiff.evaluation.pipeline.vqvae_reconstructions`)
+    as it runs them, without gradients, in fp32: the images to the device, the system's forward (encode, quantise,
+    decode; the latents let go with its tuple), the reconstruction clamped (the copy sent to the host), then the code
+    indices of the images and of the masks; nothing of a chunk stays on the device into the next. Phases
+    ``reconstruct`` and ``codes``, the larger peak of the two chunks each.
+
+    Args:
+        ae: the frozen autoencoder (MONAI's ``VQVAE``, the system's ``vqvae``) on ``device_type``.
+        volume: ``(B, 1, D, H, W)``: B = ``evaluate.py``'s ``batch_size``.
+        device_type, granularity, cuda_kernels: as :func:`voxdiff.preflight.world.tracker_for`.
+    """
+    tracker = tracker_for(device_type, granularity, cuda_kernels)
+    rec = PhaseRecorder(tracker)
+
+    def forward(x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # VQVAESystem.forward
+        z = ae.encode(x)
+        q, vq_loss = ae.quantize(z)
+        return ae.decode(q), z, q, vq_loss
+
+    with tracker, CudaAutocastEmulator(device_type=device_type, enabled=False), torch.no_grad():
+        tracker.track_all([*ae.parameters(), *ae.buffers()])
+        start = tracker.live
+        for _ in range(2):
+            rec.begin("reconstruct")
+            x = torch.rand(tuple(volume), device=device_type)
+            recon = forward(x)[0]
+            clamped = recon.float().clamp(0, 1)
+            del recon, clamped
+            rec.end("reconstruct")
+            rec.begin("codes")
+            codes = ae.index_quantize(x)
+            mask = torch.rand(tuple(volume), device=device_type)
+            mask_codes = ae.index_quantize(mask)
+            del codes, mask, mask_codes, x
+            rec.end("codes")
+    return PhaseTrace(rec.finish_step(), start, tracker.events)
+
+
+@dataclass(frozen=True)
+class ReconstructionReport:
+    """Predicted peak device memory (``max_memory_allocated``, the cuBLAS workspace included on a GPU) of
+    ``evaluate.py`` reconstructing ``batch`` volumes at once with a VQ-VAE (:func:`predict_reconstruction`).
+
+    Attributes:
+        peak: the larger of ``parts`` (``reconstruct``, ``codes``: each phase's peak, the weights included).
+        parts: phase name -> peak bytes.
+        resident: the weights and buffers on the device.
+        batch: volumes per chunk; volume: ``(D, H, W)``.
+        gpu: the GPU type predicted for ("the CPU" on the host).
+    """
+
+    peak: int
+    parts: dict[str, int]
+    resident: int
+    batch: int
+    volume: tuple[int, ...]
+    gpu: str
+
+    def required_bytes(self, safety_margin: float = DEFAULT_SAFETY_MARGIN) -> int:
+        """Device memory the command's tensors need: ``peak * (1 + safety_margin)`` (the CUDA context aside)."""
+        return with_margin(self.peak, safety_margin)
+
+    def describe(self) -> str:
+        phase = max(self.parts, key=self.parts.get)
+        return (f"peak {self.peak / GiB:.3g} GiB in {phase} (batch {self.batch} of {'x'.join(map(str, self.volume))}; "
+                f"weights {self.resident / GiB:.3g} GiB)")
+
+
+def predict_reconstruction(spec: VQVAESpec, batch_size: int, volume: Sequence[int],
+                           device_type: str = PREDICTED_DEVICE, gpu: Any = None) -> ReconstructionReport:
+    """Predict the peak device memory of ``evaluate.py`` reconstructing ``batch_size`` volumes of ``volume``
+    ``(D, H, W)`` at once with a VQ-VAE of ``spec``, without a GPU (:func:`trace_reconstruction` on meta).
+
+    Args:
+        device_type: where the command runs: ``cuda`` counts ``gpu``'s cuBLAS workspace, ``cpu`` none.
+        gpu: the :class:`~voxdiff.run.gpus.GpuSpec` of the device (None: the default GPU type).
+    """
+    gpu = gpu if gpu is not None else GPUS[DEFAULT_GPU]
+    with torch.device("meta"):
+        ae = build_vqvae(VQVAESpec(**{**asdict(spec), "use_checkpoint": False})).eval().requires_grad_(False)
+    trace = trace_reconstruction(ae, (batch_size, 1, *volume))
+    ws = gpu.cublas_workspace_bytes if device_type == "cuda" else 0
+    parts = {k: v + ws for k, v in trace.peaks.items()}
+    return ReconstructionReport(peak=max(parts.values()), parts=parts, resident=trace.start_bytes,
+                                batch=batch_size, volume=tuple(volume),
+                                gpu=gpu.name if device_type == "cuda" else "the CPU")
 
 
 def latent_stage1_spec(encoding: VQVAELatent) -> tuple[VQVAESpec, str]:

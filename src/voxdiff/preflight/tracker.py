@@ -35,6 +35,8 @@ allocated memory (see :func:`voxdiff.preflight.memory.predict_step_memory`).
 
 from __future__ import annotations
 
+import math
+
 import bisect
 import weakref
 from collections.abc import Callable, Iterable
@@ -321,6 +323,15 @@ CUDA_CONTEXT_BYTES = GiB // 2
 """CUDA context + kernel images, not counted by the caching allocator. PyTorch's CUDA notes ("Memory
 management") and NVIDIA's lazy-loading docs put it at roughly 300-600 MB on current drivers with
 ``CUDA_MODULE_LOADING=LAZY`` (the default since CUDA 11.7 / torch 2.0); 0.5 GiB is the middle of that range."""
+DEFAULT_SAFETY_MARGIN = 0.10
+"""Head-room asked on top of the predicted peak before a configuration is said to fit. PyTorch's own
+``MemTracker`` tests accept +-10 % of ``max_memory_allocated``, and the reference measurements of one
+configuration vary by up to 15 % between runs; 10 % covers the former and most of the latter."""
+
+
+def with_margin(peak_bytes: float, safety_margin: float = DEFAULT_SAFETY_MARGIN) -> int:
+    """The bytes a predicted peak needs with the safety margin: ``ceil(peak * (1 + safety_margin))``."""
+    return math.ceil(peak_bytes * (1.0 + safety_margin))
 
 
 def segment_size(nbytes: int) -> int:
