@@ -268,7 +268,8 @@ def chunk_memory(cfg: DictConfig, device: Any, predict: Any, n: int, what: str) 
     Raises:
         ConfigError: naming ``batch_size`` with the largest batch predicted to fit, when one smaller fits.
     """
-    from voxdiff.preflight.memory import DEFAULT_SAFETY_MARGIN
+    # deferred: the preflight's package is imported only once a command has something to check
+    from voxdiff.preflight.tracker import DEFAULT_SAFETY_MARGIN
 
     auto = batch_is_auto(cfg)
     batch = min(AUTO_MAX_BATCH if auto else int(cfg.batch_size), n)
