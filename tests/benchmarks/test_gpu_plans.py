@@ -1,0 +1,46 @@
+"""Every plan in ``bench/plans/`` is one ``bench/gpu_sides.sh`` can run: a device call is 10 minutes of a lent GPU
+(a session gets 15), so a plan line that names an unknown side, an experiment that does not exist or an override the
+config refuses must fail here, on the CPU, not there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from voxdiff.config import compose
+from voxdiff.preflight.check import run_spec_problems
+
+ROOT = Path(__file__).resolve().parents[2]
+PLANS = sorted((ROOT / "bench" / "plans").glob("*.txt"))
+SIDES = {"plain", "compiled", "voxdiff", "auto"}
+
+
+def side_lines(plan: Path) -> list[list[str]]:
+    """The side lines of ``plan`` as gpu_sides.sh reads them: a comment from ``#``, blank lines, ``wait`` and shell
+    lines (``!``, ``&!``) left out, a leading ``&`` (in the background) dropped."""
+    sides = []
+    for raw in plan.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line or line == "wait" or line.startswith(("!", "&!")):
+            continue
+        sides.append(line.lstrip("&").split())
+    return sides
+
+
+def test_there_are_plans():
+    assert PLANS and all(side_lines(p) for p in PLANS)
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.name)
+def test_every_side_of_a_plan_composes(plan):
+    tags = []
+    for tag, side, experiment, warmup, steps, *overrides in side_lines(plan):
+        assert side in SIDES, f"{plan.name}: {tag}: side {side!r} is not one of {sorted(SIDES)}"
+        assert int(warmup) >= 1 and int(steps) >= 1, f"{plan.name}: {tag}: warm-up and steps must be >= 1"
+        # an unknown experiment or key raises here; a value the run refuses is a problem of its spec on a GPU
+        cfg = compose("train", [f"experiment={experiment}", *overrides, "trainer.accelerator=gpu", "trainer.devices=1"])
+        _, problems = run_spec_problems(cfg, "cuda")
+        assert not problems, f"{plan.name}: {tag}: {problems[0]}"
+        tags.append(tag)
+    assert len(tags) == len(set(tags)), f"{plan.name}: a tag is used twice (its output file would be overwritten)"
