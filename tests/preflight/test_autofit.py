@@ -157,3 +157,36 @@ def test_a_disk_too_small_for_a_checkpoint_does_not_decide_the_batch(tiny_cfg):
     chosen = tiny_cfg(SUBJECTS, "+preflight.disk_free_gib=0.0000001", *full.best.overrides)
     verdict = fast(chosen)
     assert not verdict.ok and [m.key for m in verdict.misfits] == ["paths.run_dir"]
+
+
+def test_a_loader_slower_than_the_step_caps_samples_per_second_and_the_choice_takes_the_least_memory(
+        tiny_cfg, tmp_path):
+    """A NIfTI run reading its volumes without a cache and with no workers delivers a few volumes per second
+    (voxdiff.preflight.resources.NIFTI_LOADER); a batch the GPU would run faster than that waits for data. Its
+    samples/s is the loader's, marked so, and among candidates the loader caps the choice is the least memory, with
+    the fix in the notes; with a memory cache nothing caps them and the choice is the GPU's."""
+    from voxdiff.preflight.resources import loader_rate
+
+    free = autofit(tiny_cfg(SUBJECTS, "data.batch_size=auto", "preflight.max_batch_size=4"), verdict=fast)
+    assert not any(c.data_bound for c in free.candidates)
+    root = tmp_path / "nifti"
+    root.mkdir()
+    # no cache: every volume decompressed and transformed each step, 0.43 volumes/s at 160x256x256 on one core,
+    # about 90 at 48x48x48, where the tiny UNet's step at batch 4 consumes more
+    volume = (48, 48, 48)
+    slow = autofit(tiny_cfg(SUBJECTS, "data.batch_size=auto", "preflight.max_batch_size=4", f"data.root={root}",
+                            "data.cache=none", "data.num_workers=0", f"data.volume_shape={list(volume)}"),
+                   verdict=fast)
+    rate = loader_rate({"root": str(root), "cache": "none"}, 0, volume)
+    assert rate is not None
+    bound = [c for c in slow.candidates if c.data_bound]
+    assert bound, [c.samples_per_s for c in slow.candidates]
+    for c in slow.candidates:
+        gpu = c.batch_size / (c.step_ms / 1e3)
+        assert c.samples_per_s == pytest.approx(min(gpu, rate)) and c.data_bound == (rate < gpu)
+    best = slow.best
+    assert best is not None and best.samples_per_s == max(c.samples_per_s for c in slow.candidates if c.fits)
+    if best.data_bound:  # among the candidates the loader caps, the least memory
+        assert best.peak_gib == min(c.peak_gib for c in bound if c.fits)
+    assert any("samples/s marked 'data' are the data loader's" in n and "data.cache=memory" in n for n in slow.notes)
+    assert " data" in slow.table()

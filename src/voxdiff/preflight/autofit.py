@@ -56,7 +56,7 @@ from voxdiff.models.checkpointing import GRANULARITIES
 from voxdiff.models.unet import CUDAGRAPH_MODES
 from voxdiff.preflight.check import PreflightResult, override_args, run_preflight, with_overrides
 from voxdiff.preflight.memory import traced_recipe
-from voxdiff.preflight.resources import STEP_THROUGHPUT, data_subjects, step_kind
+from voxdiff.preflight.resources import NIFTI_LOADER, STEP_THROUGHPUT, data_subjects, step_kind
 from voxdiff.preflight.world import PREDICTED_DEVICE
 from voxdiff.run.spec import RunSpec, run_spec
 from voxdiff.step import EMASettings
@@ -83,7 +83,8 @@ class Candidate:
         need_gib: the peak with the safety margin and the CUDA context, against the budget.
         fits: need <= budget, and its disk and host memory fit.
         step_ms: predicted milliseconds per step (None: no measured throughput for this GPU and step kind).
-        samples_per_s: ``batch x GPUs / step`` (None without a step time).
+        samples_per_s: ``batch x GPUs / step`` (None without a step time), at most what the data loader delivers
+            (``data_bound``: the loader caps it; :func:`voxdiff.preflight.resources.loader_rate`).
         ema_every_n_steps: the EMA's interval (``system.ema.every_n_steps``); None: no EMA.
     """
 
@@ -98,6 +99,7 @@ class Candidate:
     step_ms: float | None
     samples_per_s: float | None
     ema_every_n_steps: int | None = None
+    data_bound: bool = False
 
     @property
     def overrides(self) -> tuple[str, ...]:
@@ -123,14 +125,15 @@ class AutofitReport:
         head = (f"batch-size choice for {self.name} on {self.gpu} ({self.budget_gib:.1f} GiB, {self.budget_source}); "
                 f"chosen by {self.by}")
         lines = [head, f"  {'':1} {'batch':>5} {'checkpointing':>13} {'compile':>7} {'EMA every':>9} {'peak GiB':>9} "
-                       f"{'need GiB':>9} {'ms/step':>8} {'samples/s':>9}  overrides"]
+                       f"{'need GiB':>9} {'ms/step':>8} {'samples/s':>14}  overrides"]
         for c in self.candidates:
             mark = "*" if c is self.best else ("" if c.fits else "✗")
             ms = f"{c.step_ms:.0f}" if c.step_ms is not None else "-"
             sps = f"{c.samples_per_s:.2f}" if c.samples_per_s is not None else "-"
+            sps += " data" if c.data_bound else ""
             ema = str(c.ema_every_n_steps) if c.ema_every_n_steps is not None else "-"
             lines.append(f"  {mark:1} {c.batch_size:>5} {c.checkpointing:>13} {str(c.compile).lower():>7} {ema:>9} "
-                         f"{c.peak_gib:>9.2f} {c.need_gib:>9.2f} {ms:>8} {sps:>9}  {' '.join(c.overrides)}")
+                         f"{c.peak_gib:>9.2f} {c.need_gib:>9.2f} {ms:>8} {sps:>14}  {' '.join(c.overrides)}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -186,6 +189,7 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
     report: AutofitReport | None = None
     first_misfit: int | None = None
     batch_free: dict[str, str] = {}  # what does not fit at any batch, per key (refused after the choice)
+    data_cap: float | None = None  # the loader's volumes/s per GPU where it caps a candidate
     for policy in GRANULARITIES:
         start = 1 if policy == "none" else first_misfit
         if start is None:  # every batch fits without checkpointing: checkpointing would only be slower
@@ -217,12 +221,17 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
                     other_s = _step_s(result, run.gpu.name, kind, ema_other)
                     if other_s <= (1 - EMA_MIN_GAIN) * step_s:
                         rows.append((ema_other, {**shown, "system.ema.every_n_steps": ema_other}, other_s))
+                loader = result.needs.loader_per_s if result.needs is not None else None
                 for interval, settings, step_s in rows:
+                    gpu_rate = None if step_s is None else b * world / step_s
+                    bound = gpu_rate is not None and loader is not None and loader * world < gpu_rate
                     report.candidates.append(Candidate(
                         tuple(settings.items()), b, policy, compiled,
                         result.per_gpu_peak_gib, result.peak_phase, result.need_gib, fits,
-                        None if step_s is None else step_s * 1e3, None if step_s is None else b * world / step_s,
-                        interval))
+                        None if step_s is None else step_s * 1e3, loader * world if bound else gpu_rate,
+                        interval, bound))
+                    if bound:
+                        data_cap = loader
             if not fits:
                 if policy == "none":
                     first_misfit = b
@@ -237,6 +246,12 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
     why_not = ema_why_not or f"every {ema_other} steps would save less than {EMA_MIN_GAIN:.0%} of a step here"
     _notes(report, options.effective_batch, world, first_misfit, bool(kinds[1:]),
            _ema_note(ema, ema_other) if offered else f"not searched: system.ema.every_n_steps ({why_not})")
+    if data_cap is not None:
+        report.notes.append(
+            f"samples/s marked 'data' are the data loader's: about {data_cap:.1f} volumes/s per GPU with data.cache="
+            f"{data.get('cache', 'memory')} and data.num_workers={run.resources.num_workers} "
+            f"({NIFTI_LOADER.source}); a larger batch would wait for data, so the choice among them is the least "
+            "memory. Fix: data.cache=memory (checked against host memory), or more data.num_workers")
     report.notes += [f"does not fit at any batch, so it does not decide the choice (the check of the chosen one "
                      f"refuses the run for it): {m}" for m in batch_free.values()]
     report.notes.append(f"batches tried: {', '.join(map(str, batches))} (up to preflight.max_batch_size="

@@ -496,17 +496,24 @@ NIFTI_LOADER = LoaderRate(
     "average 6.5): a lower bound of one core's rate")
 
 
+def loader_rate(data: Mapping[str, Any], workers: int, volume: tuple[int, ...]) -> float | None:
+    """Volumes per second a NIfTI run's loader delivers to one rank (``data.root``, ``data.cache`` none or disk:
+    :data:`NIFTI_LOADER`), or None where nothing is read per step (the phantom, a memory cache, a latent cache)."""
+    if data.get("root") is None or str(data.get("_target_", "")).endswith("LatentDataModule"):
+        return None
+    return NIFTI_LOADER.per_s(str(data.get("cache", "memory")), workers, math.prod(volume))
+
+
 def data_too_slow(data: Mapping[str, Any], batch: int, workers: int, volume: tuple[int, ...],
                   step_s: float | None) -> str | None:
-    """A warning when a NIfTI run's loader (``data.root``, ``data.cache`` none or disk) delivers fewer volumes per
-    second than the step consumes (``batch / step_s`` per rank, by the time model), with the fix; else None. The
-    phantom, a memory cache and a latent cache in memory read nothing per step."""
-    if step_s is None or data.get("root") is None or str(data.get("_target_", "")).endswith("LatentDataModule"):
+    """A warning when a NIfTI run's loader (:func:`loader_rate`) delivers fewer volumes per second than the step
+    consumes (``batch / step_s`` per rank, by the time model), with the fix; else None."""
+    rate = loader_rate(data, workers, volume)
+    if step_s is None or rate is None:
         return None
     cache = str(data.get("cache", "memory"))
-    rate = NIFTI_LOADER.per_s(cache, workers, math.prod(volume))
     need = batch / step_s
-    if rate is None or rate >= need:
+    if rate >= need:
         return None
     enough = math.ceil(need / (rate / max(1, workers)))
     return (f"data: the loader with data.cache={cache} and data.num_workers={workers} delivers about {rate:.1f} "
@@ -538,6 +545,7 @@ class RunNeeds:
     warnings: tuple[str, ...] = ()
     cost: StepCost | None = None  # the step's FLOPs and operator calls, when counted
     step_s: float | None = None  # predicted seconds per step, where the GPU's throughput was measured
+    loader_per_s: float | None = None  # volumes/s the data loader delivers per rank (loader_rate); None: not limited
 
     def lines(self) -> list[str]:
         out = []
@@ -668,4 +676,5 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
     slow = data_too_slow(needs.data, run.batch_size, needs.num_workers, tuple(run.shapes.volume), step_s)
     if slow:
         warnings.append(slow)
-    return RunNeeds(disk, host, run_time, unknown, tuple(misfits), tuple(warnings), cost, step_s)
+    return RunNeeds(disk, host, run_time, unknown, tuple(misfits), tuple(warnings), cost, step_s,
+                    loader_rate(needs.data, needs.num_workers, tuple(run.shapes.volume)))
