@@ -34,7 +34,10 @@ The search:
 * not searched: compile modes other than the run's (a mode is chosen by ``model.compile_mode``, not by the batch).
 
 A candidate fits when its GPU and host memory do; a misfit no batch changes (the checkpoints' disk under
-``paths.run_dir``) is a note of the report, and the check of the chosen configuration refuses the run for it.
+``paths.run_dir``) is a note of the report, and the check of the chosen configuration refuses the run for it. A
+NIfTI run's loader that delivers fewer volumes per second than a candidate's step would consume
+(:func:`~voxdiff.preflight.resources.loader_rate`) caps that candidate's samples per second (marked ``data``); among
+candidates it caps, the least memory wins the tie.
 
 Where the GPU type has no measured throughput (and on a CPU run, against the host's memory), the choice is by
 memory alone: the largest batch that fits, without checkpointing where possible. Every candidate is traced eagerly
@@ -81,7 +84,8 @@ class Candidate:
         peak_gib: the run's predicted per-GPU peak (the largest of its phases; eager: an upper bound when compiled).
         peak_phase: which phase sets it (training, validation, sampling).
         need_gib: the peak with the safety margin and the CUDA context, against the budget.
-        fits: need <= budget, and its disk and host memory fit.
+        fits: need <= budget, and its host memory fits (the disk, the same at every batch, is left to the check
+            of the chosen one).
         step_ms: predicted milliseconds per step (None: no measured throughput for this GPU and step kind).
         samples_per_s: ``batch x GPUs / step`` (None without a step time), at most what the data loader delivers
             (``data_bound``: the loader caps it; :func:`voxdiff.preflight.resources.loader_rate`).
