@@ -1,0 +1,97 @@
+"""Peak GPU memory of ``evaluate.py``'s VQ-VAE reconstructions against the preflight's prediction, untrained.
+
+    python bench/measure_reconstruction.py [--experiments vqvae_4x,vqvae_8x] [--batches 1,2]
+                                           [--device auto|cpu|cuda] [override ...]
+
+For each experiment the VQ-VAE system is built as ``train.py`` builds it, untrained (a reconstruction's memory does
+not depend on the weights), put in eval mode and frozen as ``evaluate.py`` rebuilds a checkpoint
+(:func:`voxdiff.lightning.systems.rebuild_system`), and moved to the device. For each batch it reconstructs two
+chunks of that many random volumes (with their masks) through ``evaluate.py``'s own loop
+(:func:`voxdiff.evaluation.pipeline.vqvae_reconstructions`) and prints the peak ``torch.cuda.max_memory_allocated``
+since just before it beside :func:`voxdiff.preflight.stage1.predict_reconstruction` of the same batch and volume (the
+weights are on the device before the reset, and counted by both). Without CUDA it runs the same on the CPU and prints
+the predictions (the CPU has no peak statistics): it checks the script, not a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+GiB = 1024**3
+
+
+def measure(experiment: str, batches: list[int], device: str, overrides: list[str]) -> list[dict]:
+    import torch
+    from hydra.utils import instantiate
+
+    from voxdiff.config import compose
+    from voxdiff.evaluation.pipeline import VolumeSet, vqvae_reconstructions
+    from voxdiff.preflight.stage1 import predict_reconstruction
+    from voxdiff.run.gpus import local_gpu
+    from voxdiff.run.spec import run_spec
+
+    cfg = compose("train", [f"experiment={experiment}", f"trainer.accelerator={'gpu' if device == 'cuda' else 'cpu'}",
+                            "trainer.devices=1", *overrides])
+    spec = run_spec(cfg, device)
+    if spec.kind != "stage1":
+        raise SystemExit(f"measure_reconstruction: experiment={experiment} is not a VQ-VAE stage 1")
+    torch.manual_seed(0)
+    system = instantiate(cfg.system).eval().requires_grad_(False).to(device)
+    volume = tuple(spec.shapes.volume)
+    gpu = local_gpu() if device == "cuda" else None
+    rows = []
+    for batch in batches:
+        g = torch.Generator().manual_seed(batch)
+        real = VolumeSet(torch.rand(2 * batch, 1, *volume, generator=g),
+                         (torch.rand(2 * batch, 1, *volume, generator=g) > 0.9).float(),
+                         torch.eye(4).repeat(2 * batch, 1, 1), [f"s{i}" for i in range(2 * batch)])
+        predicted = predict_reconstruction(system.spec, batch, volume, device, gpu)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        vqvae_reconstructions(system, real, batch, torch.device(device))
+        measured = None
+        if device == "cuda":
+            torch.cuda.synchronize()
+            measured = torch.cuda.max_memory_allocated() / GiB
+        row = {"experiment": experiment, "batch": batch, "volume": list(volume), "predicted_gib": predicted.peak / GiB,
+               "measured_gib": measured, "error": None if measured is None else predicted.peak / GiB / measured - 1}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del real
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    system.to("cpu")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--experiments", default="vqvae_4x,vqvae_8x")
+    parser.add_argument("--batches", default="1,2")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("overrides", nargs="*", help="train.py overrides for every experiment")
+    args = parser.parse_args()
+    import torch
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU: predictions only"
+    print(f"measure_reconstruction on {name}, torch {torch.__version__}", flush=True)
+    rows = []
+    for experiment in [e for e in args.experiments.split(",") if e]:
+        rows += measure(experiment, [int(b) for b in args.batches.split(",")], device, args.overrides)
+    print(f"\n{'experiment':12s} {'batch':>5} {'predicted GiB':>13} {'measured GiB':>12} {'error':>7}")
+    for r in rows:
+        measured = "-" if r["measured_gib"] is None else f"{r['measured_gib']:.3f}"
+        error = "-" if r["error"] is None else f"{r['error']:+.1%}"
+        print(f"{r['experiment']:12s} {r['batch']:>5} {r['predicted_gib']:>13.3f} {measured:>12} {error:>7}")
+
+
+if __name__ == "__main__":
+    main()
