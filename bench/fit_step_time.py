@@ -14,10 +14,10 @@ spread. The rows are in the format of ``reference/h100_measured.csv`` (optional 
 
 Then the ``cudagraphs`` kind: voxdiff's own step with CUDA graphs, measured by ``bench/bench_gpu_step.py`` (the rows of
 :data:`CUDAGRAPH_ROWS`), each experiment's cost counted from its config, less the step's passes over its weights
-as those steps ran (each row says its EMA's bytes per parameter: the rows measured before session 16 ran inside
-``system.ema.start_step``, where the EMA copies the weights, 8 bytes, instead of averaging them, 12; and clipping by
-norm in place, 12 bytes) at the GPU's bandwidth (``voxdiff.preflight.resources.H100_BANDWIDTH``), fitted the same
-way.
+as those steps ran (each row says its EMA's and its gradients' bytes per parameter: the rows measured before
+session 16 ran inside ``system.ema.start_step``, where the EMA copies the weights, 8 bytes, instead of averaging them,
+12, and clipped by norm in place, 12 bytes) at the GPU's bandwidth (``voxdiff.preflight.resources.H100_BANDWIDTH``),
+fitted the same way.
 """
 
 from __future__ import annotations
@@ -58,18 +58,22 @@ def cost(row: dict[str, str]):
     return step_cost(model, batch, mode)
 
 
+#: the gradient passes of the rows measured before session 16 (bytes per parameter): the norm and the scaling in
+#: place (4 + 8); clipping went into fused AdamW's kernel (4: the norm alone) only after them
+IN_PLACE_CLIP_BYTES = 12
 #: voxdiff's CUDA-graph step as measured: (CSV, its row, the experiment whose config it ran, the EMA's bytes per
-#: parameter per step as it ran). These steps were the first 13 to 25 of a run, inside the GPU's
-#: system.ema.start_step=1000: the EMA copied the weights every step (EMA_COPY_BYTES_PER_PARAM), not averaged them.
+#: parameter per step as it ran, the gradient passes' bytes per parameter as it ran). The rows before session 16 were
+#: the first 13 to 25 steps of a run, inside the GPU's system.ema.start_step=1000: the EMA copied the weights every
+#: step (EMA_COPY_BYTES_PER_PARAM), not averaged them. A row of today's step (bench_gpu_step.py sets start_step=0):
+#: EMA_BYTES_PER_PARAM / the EMA's interval (12 / 10 by default), and 4 for the gradients' norm.
 CUDAGRAPH_ROWS = [
-    ("reference/h100_bench_gpu_step_v3.csv", "exp11_ro", "exp11", EMA_COPY_BYTES_PER_PARAM),
-    ("reference/h100_bench_gpu_step_v3.csv", "exp9_ldm_4x_bravo_ro", "exp9_ldm_4x_bravo", EMA_COPY_BYTES_PER_PARAM),
-    ("reference/h100_bench_gpu_step_v4.csv", "exp11_1", "exp11_1", EMA_COPY_BYTES_PER_PARAM),
-    ("reference/h100_bench_gpu_step_v4.csv", "exp9_ldm_8x_bravo", "exp9_ldm_8x_bravo", EMA_COPY_BYTES_PER_PARAM),
+    ("reference/h100_bench_gpu_step_v3.csv", "exp11_ro", "exp11", EMA_COPY_BYTES_PER_PARAM, IN_PLACE_CLIP_BYTES),
+    ("reference/h100_bench_gpu_step_v3.csv", "exp9_ldm_4x_bravo_ro", "exp9_ldm_4x_bravo", EMA_COPY_BYTES_PER_PARAM,
+     IN_PLACE_CLIP_BYTES),
+    ("reference/h100_bench_gpu_step_v4.csv", "exp11_1", "exp11_1", EMA_COPY_BYTES_PER_PARAM, IN_PLACE_CLIP_BYTES),
+    ("reference/h100_bench_gpu_step_v4.csv", "exp9_ldm_8x_bravo", "exp9_ldm_8x_bravo", EMA_COPY_BYTES_PER_PARAM,
+     IN_PLACE_CLIP_BYTES),
 ]
-#: the gradient passes of those steps (bytes per parameter): the norm and the scaling in place (4 + 8); clipping went
-#: into fused AdamW's kernel only after them.
-MEASURED_GRAD_BYTES = 12
 
 
 def cudagraph_points() -> list[tuple[str, float, int, float, float, float]]:
@@ -82,14 +86,14 @@ def cudagraph_points() -> list[tuple[str, float, int, float, float, float]]:
     from voxdiff.preflight.resources import H100_BANDWIDTH, step_cost
 
     points = []
-    for path, row_name, experiment, ema_bytes in CUDAGRAPH_ROWS:
+    for path, row_name, experiment, ema_bytes, grad_bytes in CUDAGRAPH_ROWS:
         row = next(r for r in csv.DictReader(open(ROOT / path)) if r["experiment"] == row_name)
         run, problems = run_spec_problems(compose("train", [f"experiment={experiment}", "trainer.accelerator=gpu",
                                                             "trainer.devices=1"]), "cuda")
         assert not problems, problems
         with torch.device("meta"):
             model = traced_unet(run)
-        c = step_cost(model, run.batch, run.mode, run.encoding, grad_bytes_per_param=MEASURED_GRAD_BYTES)
+        c = step_cost(model, run.batch, run.mode, run.encoding, grad_bytes_per_param=grad_bytes)
         seconds = float(row["voxdiff_ms_per_step"]) / 1e3
         passes = (c.weight_bytes + c.params * ema_bytes) / H100_BANDWIDTH
         points.append((f"{row_name} ({path.rsplit('/', 1)[1]})", c.tflop, c.ops, seconds - passes, seconds, passes))
