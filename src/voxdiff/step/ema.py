@@ -1,6 +1,6 @@
 """Exponential moving average of a model's weights, swapped in for validation and sampling.
 
-Updated once per optimizer step (diffusers' ``EMAModel`` habit) by the training step's post-step hook, kept in
+Called once per optimizer step by the training step's post-step hook (it averages every k-th call, below), kept in
 fp32 on the model's device (one more parameter-sized copy on the GPU, which the preflight traces), saved in
 checkpoints by the system's ``on_save_checkpoint``. For validation and sampling the averaged weights and the raw
 ones trade places, one tensor at a time, and trade back afterwards, bit for bit: no second copy of the model.
