@@ -23,13 +23,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-GiB = 1024**3
-
 
 def measure(experiment: str, batches: list[int], device: str, overrides: list[str]) -> list[dict]:
     import torch
     from hydra.utils import instantiate
 
+    from voxdiff.benchmarks.measure import DevicePeak, against_prediction
     from voxdiff.config import compose
     from voxdiff.evaluation.pipeline import VolumeSet, vqvae_reconstructions
     from voxdiff.preflight.stage1 import predict_reconstruction
@@ -52,16 +51,10 @@ def measure(experiment: str, batches: list[int], device: str, overrides: list[st
                          (torch.rand(2 * batch, 1, *volume, generator=g) > 0.9).float(),
                          torch.eye(4).repeat(2 * batch, 1, 1), [f"s{i}" for i in range(2 * batch)])
         predicted = predict_reconstruction(system.spec, batch, volume, device, gpu)
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        vqvae_reconstructions(system, real, batch, torch.device(device))
-        measured = None
-        if device == "cuda":
-            torch.cuda.synchronize()
-            measured = torch.cuda.max_memory_allocated() / GiB
-        row = {"experiment": experiment, "batch": batch, "volume": list(volume), "predicted_gib": predicted.peak / GiB,
-               "measured_gib": measured, "error": None if measured is None else predicted.peak / GiB / measured - 1}
+        with DevicePeak(device) as peak:
+            vqvae_reconstructions(system, real, batch, torch.device(device))
+        row = {"experiment": experiment, "batch": batch, "volume": list(volume),
+               **against_prediction(predicted.peak, peak.bytes)}
         print(json.dumps(row), flush=True)
         rows.append(row)
         del real
@@ -80,7 +73,10 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    from voxdiff.benchmarks.measure import peak_cells
+    from voxdiff.cli.devices import pick_device
+
+    device = pick_device(args.device, "--device").type
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU: predictions only"
     print(f"measure_reconstruction on {name}, torch {torch.__version__}", flush=True)
     rows = []
@@ -88,9 +84,7 @@ def main() -> None:
         rows += measure(experiment, [int(b) for b in args.batches.split(",")], device, args.overrides)
     print(f"\n{'experiment':12s} {'batch':>5} {'predicted GiB':>13} {'measured GiB':>12} {'error':>7}")
     for r in rows:
-        measured = "-" if r["measured_gib"] is None else f"{r['measured_gib']:.3f}"
-        error = "-" if r["error"] is None else f"{r['error']:+.1%}"
-        print(f"{r['experiment']:12s} {r['batch']:>5} {r['predicted_gib']:>13.3f} {measured:>12} {error:>7}")
+        print(f"{r['experiment']:12s} {r['batch']:>5} {peak_cells(r)}")
 
 
 if __name__ == "__main__":

@@ -28,14 +28,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-GiB = 1024**3
-
 
 def measure(experiment: str, batches: list[int], autoguide: list[float], steps: int | None, device: str,
             overrides: list[str]) -> list[dict]:
     import torch
     from hydra.utils import instantiate
 
+    from voxdiff.benchmarks.measure import DevicePeak, against_prediction
     from voxdiff.config import compose
     from voxdiff.preflight.memory import predict_sampling
     from voxdiff.run.spec import run_spec
@@ -61,22 +60,14 @@ def measure(experiment: str, batches: list[int], autoguide: list[float], steps: 
                                          device_type=device)
             masks = (torch.rand(batch, 1, *shape, generator=torch.Generator().manual_seed(batch)) > 0.9).float()
             masks = masks.to(device)
-            if device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            with torch.no_grad(), precision.autocast():
+            with DevicePeak(device) as peak, torch.no_grad(), precision.autocast():
                 system.generate(masks, num_inference_steps=sampler.num_inference_steps,
                                 generator=torch.Generator(device=device).manual_seed(0), eta=sampler.eta,
                                 guidance_scale=sampler.guidance_scale, batch_size=batch, guide=guide,
                                 autoguide_scale=sampler.autoguide_scale)
-            measured = None
-            if device == "cuda":
-                torch.cuda.synchronize()
-                measured = torch.cuda.max_memory_allocated() / GiB
             row = {"experiment": experiment, "batch": batch, "autoguide_scale": sampler.autoguide_scale,
                    "guidance_scale": sampler.guidance_scale, "steps": sampler.num_inference_steps,
-                   "predicted_gib": predicted.peak / GiB, "measured_gib": measured,
-                   "error": None if measured is None else predicted.peak / GiB / measured - 1}
+                   **against_prediction(predicted.peak, peak.bytes)}
             print(json.dumps(row), flush=True)
             rows.append(row)
             del masks
@@ -98,7 +89,10 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    from voxdiff.benchmarks.measure import peak_cells
+    from voxdiff.cli.devices import pick_device
+
+    device = pick_device(args.device, "--device").type
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU: predictions only"
     print(f"measure_sampling on {name}, torch {torch.__version__}", flush=True)
     rows = []
@@ -108,10 +102,7 @@ def main() -> None:
     print(f"\n{'experiment':20s} {'batch':>5} {'autoguide':>9} {'steps':>5} {'predicted GiB':>13} {'measured GiB':>12}"
           f" {'error':>7}")
     for r in rows:
-        measured = "-" if r["measured_gib"] is None else f"{r['measured_gib']:.3f}"
-        error = "-" if r["error"] is None else f"{r['error']:+.1%}"
-        print(f"{r['experiment']:20s} {r['batch']:>5} {r['autoguide_scale']:>9g} {r['steps']:>5} "
-              f"{r['predicted_gib']:>13.3f} {measured:>12} {error:>7}")
+        print(f"{r['experiment']:20s} {r['batch']:>5} {r['autoguide_scale']:>9g} {r['steps']:>5} {peak_cells(r)}")
 
 
 if __name__ == "__main__":

@@ -51,3 +51,21 @@ def test_a_measured_row_is_written_in_the_sweep_format(tiny_cfg):
     measured = model_spec(cfg, device_type="cuda")
     assert UNetSpec.from_row(row).monai_kwargs() == measured.monai_kwargs()
     assert parse_row(row).input_shape == (1, 16, 8, 16, 16)
+
+
+def test_a_peak_beside_its_prediction():
+    """The measure scripts' rows (bench/measure_sampling.py, measure_reconstruction.py): the error is predicted over
+    measured less one; without a measurement (the CPU) both are None and the table shows dashes; on the CPU a
+    DevicePeak measures nothing."""
+    from voxdiff.benchmarks.measure import DevicePeak, against_prediction, peak_cells
+
+    gib = 2**30
+    row = against_prediction(3 * gib, 2 * gib)
+    assert row == {"predicted_gib": 3.0, "measured_gib": 2.0, "error": 0.5}
+    assert peak_cells(row).split() == ["3.000", "2.000", "+50.0%"]
+    none = against_prediction(gib, None)
+    assert none == {"predicted_gib": 1.0, "measured_gib": None, "error": None}
+    assert peak_cells(none).split() == ["1.000", "-", "-"]
+    with DevicePeak("cpu") as peak:
+        pass
+    assert peak.bytes is None

@@ -40,6 +40,42 @@ class CudaPhasePeaks:
         self.peaks[phase] = torch.cuda.max_memory_allocated()
 
 
+class DevicePeak:
+    """``with DevicePeak(device) as peak: ...``: on a CUDA device, the peak ``torch.cuda.max_memory_allocated`` of
+    the block (synchronised, reset at its start; what is on the device before it counts), in :attr:`bytes`; None
+    elsewhere (the CPU has no peak statistics)."""
+
+    def __init__(self, device: Any) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.bytes: int | None = None
+
+    def __enter__(self) -> DevicePeak:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.bytes = torch.cuda.max_memory_allocated()
+
+
+def against_prediction(predicted_bytes: int, measured_bytes: int | None) -> dict[str, float | None]:
+    """A measured peak beside its prediction, in GiB: ``predicted_gib``, ``measured_gib`` and ``error``
+    (predicted / measured − 1), the last two None where nothing was measured."""
+    measured = None if measured_bytes is None else measured_bytes / GiB
+    return {"predicted_gib": predicted_bytes / GiB, "measured_gib": measured,
+            "error": None if measured is None else predicted_bytes / GiB / measured - 1}
+
+
+def peak_cells(row: dict[str, Any]) -> str:
+    """:func:`against_prediction`'s fields as the cells of a printed table (``-`` where nothing was measured)."""
+    measured = "-" if row["measured_gib"] is None else f"{row['measured_gib']:.3f}"
+    error = "-" if row["error"] is None else f"{row['error']:+.1%}"
+    return f"{row['predicted_gib']:>13.3f} {measured:>12} {error:>7}"
+
+
 def measured_step(run: RunSpec) -> tuple[Any, dict[str, tuple[int, ...]]]:
     """The training step the preflight traces (:func:`~voxdiff.preflight.memory.traced_recipe`) on a real device,
     the run spec's (:func:`voxdiff.run.spec.run_spec` resolved for it: the UNet's ``auto`` switches and the

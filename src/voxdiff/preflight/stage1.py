@@ -22,8 +22,9 @@ a time without gradients, in fp32, through :meth:`voxdiff.encodings.VQVAELatent.
 
 ``evaluate.py`` on a stage-1 checkpoint reconstructs the real images a chunk at a time
 (:func:`voxdiff.evaluation.pipeline.vqvae_reconstructions`): :func:`predict_reconstruction` traces two chunks of it
-as that loop holds them (:func:`trace_reconstruction`), so that the command chooses ``batch_size=auto`` and refuses a
-chunk that does not fit before the weights go to the device.
+as that loop runs them (:func:`trace_reconstruction`, whose ``forward`` mirrors
+:meth:`voxdiff.lightning.vqvae.VQVAESystem.forward`: the preflight does not import the Lightning system), so that the
+command chooses ``batch_size=auto`` and refuses a chunk that does not fit before the weights go to the device.
 
 Units: bytes; GiB = 2**30 bytes.
 """
