@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from voxdiff.preflight.resources import EMA_COPY_BYTES_PER_PARAM  # noqa: E402
+from voxdiff.preflight.resources import EMA_BYTES_PER_PARAM, EMA_COPY_BYTES_PER_PARAM  # noqa: E402
 
 
 def kind(row: dict[str, str]) -> str:
@@ -61,6 +61,8 @@ def cost(row: dict[str, str]):
 #: the gradient passes of the rows measured before session 16 (bytes per parameter): the norm and the scaling in
 #: place (4 + 8); clipping went into fused AdamW's kernel (4: the norm alone) only after them
 IN_PLACE_CLIP_BYTES = 12
+#: the gradient pass of today's step: the clipping norm reads the gradients once (the factor is applied in AdamW's kernel)
+NORM_BYTES = 4
 #: voxdiff's CUDA-graph step as measured: (CSV, its row, the experiment whose config it ran, the EMA's bytes per
 #: parameter per step as it ran, the gradient passes' bytes per parameter as it ran). The rows before session 16 were
 #: the first 13 to 25 steps of a run, inside the GPU's system.ema.start_step=1000: the EMA copied the weights every
@@ -73,6 +75,13 @@ CUDAGRAPH_ROWS = [
     ("reference/h100_bench_gpu_step_v4.csv", "exp11_1", "exp11_1", EMA_COPY_BYTES_PER_PARAM, IN_PLACE_CLIP_BYTES),
     ("reference/h100_bench_gpu_step_v4.csv", "exp9_ldm_8x_bravo", "exp9_ldm_8x_bravo", EMA_COPY_BYTES_PER_PARAM,
      IN_PLACE_CLIP_BYTES),
+    # session 17: today's step, the EMA averaging from step 0 (every 10th step by default; one pass in the 10 timed)
+    ("reference/h100_bench_gpu_step_v5.csv", "exp9_ldm_4x_bravo", "exp9_ldm_4x_bravo", EMA_BYTES_PER_PARAM / 10,
+     NORM_BYTES),
+    ("reference/h100_bench_gpu_step_v5.csv", "exp9_ldm_8x_bravo", "exp9_ldm_8x_bravo", EMA_BYTES_PER_PARAM / 10,
+     NORM_BYTES),
+    ("reference/h100_bench_gpu_step_v5.csv", "exp9_ldm_8x_bravo_ema_every_step", "exp9_ldm_8x_bravo",
+     EMA_BYTES_PER_PARAM, NORM_BYTES),
 ]
 
 

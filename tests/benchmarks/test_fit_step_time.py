@@ -1,6 +1,6 @@
 """``bench/fit_step_time.py``: the documented command that fits the preflight's time model runs, and the constants in
 ``STEP_THROUGHPUT`` are the ones it fits to ``reference/h100_step_times.csv`` (the plain loops) and to voxdiff's
-own CUDA-graph step measured by ``bench/bench_gpu_step.py`` (``reference/h100_bench_gpu_step_v3.csv``, ``_v4.csv``)."""
+own CUDA-graph step measured by ``bench/bench_gpu_step.py`` (``reference/h100_bench_gpu_step_v3.csv``, ``_v4.csv``, ``_v5.csv``)."""
 
 from __future__ import annotations
 

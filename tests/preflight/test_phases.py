@@ -217,3 +217,32 @@ def test_no_shipped_experiment_validates_or_samples_above_its_training_step(gpu_
 def test_predict_phases_refuses_a_stage1_config() -> None:
     with pytest.raises(ConfigError, match="system.kind=stage1"):
         predict_phases(compose("preflight", ["experiment=vqvae_4x"]))
+
+
+@pytest.mark.parametrize("experiment", ["exp11", "exp11_1"])
+def test_standalone_sampling_predictions_hold_where_measured_on_an_h100(gpu_run, experiment) -> None:
+    """``reference/h100_sampling.csv`` (``bench/measure_sampling.py`` on an H100, session 17): ``sample.py``'s sampling
+    at batch 1 and 4, with and without autoguidance, predicted 3.2–7.2% under the measured peak. The part missing
+    grows by 16 bytes per voxel of each mask (40 MiB a mask at exp11's 160x128x128, 160 MiB at exp11_1's
+    160x256x256: one fp32 copy of the UNet's first level, or two bf16 ones) and by about 22 MiB per UNet on the
+    device; not identified (cuDNN's convolution workspaces, which the trace does not model, are a candidate). The
+    test holds each error where it was measured, so a change that moves one shows, and every measured peak inside
+    the 10% margin the commands refuse with."""
+    import csv
+    from pathlib import Path
+
+    from voxdiff.preflight.memory import predict_sampling
+    from voxdiff.preflight.tracker import with_margin
+
+    GiB = 2**30
+    rows = [r for r in csv.DictReader(open(Path(__file__).parents[2] / "reference" / "h100_sampling.csv"))
+            if r["experiment"] == experiment]
+    assert len(rows) == 4 and all("H100" in r["gpu"] for r in rows)
+    cfg = compose("preflight", [f"experiment={experiment}"])
+    for r in rows:
+        rep = predict_sampling(cfg, int(r["batch"]), guidance_scale=float(r["guidance_scale"]),
+                               autoguide_scale=float(r["autoguide_scale"]), num_inference_steps=int(r["steps"]),
+                               device_type="cuda")
+        measured = float(r["measured_gib"]) * GiB
+        assert rep.peak / measured - 1 == pytest.approx(float(r["error"].rstrip("%")) / 100, abs=0.01), r
+        assert with_margin(rep.peak) > measured, r

@@ -403,13 +403,14 @@ STEP_THROUGHPUT: dict[tuple[str, str], Throughput] = {
                                   H100_BANDWIDTH),
     ("H100", "compiled"): Throughput(448.0, 56.5, f"H100, fused AdamW + flash SDPA + torch.compile; {_GPU_SPEED}",
                                      H100_BANDWIDTH),
-    # voxdiff's own step with CUDA graphs, fitted by bench/fit_step_time.py to its four measured rows
-    # (reference/h100_bench_gpu_step_v3.csv, _v4.csv) less their weight passes (the EMA copying the weights inside
-    # system.ema.start_step, clipping by norm in place: 20 bytes per parameter at H100_BANDWIDTH): exp11 +5.8%,
-    # exp11_1 -14.9%, exp9_ldm_4x_bravo +13.9%, exp9_ldm_8x_bravo -11.2% (leave-one-out up to +70%, exp11); the
-    # README states them
-    ("H100", "cudagraphs"): Throughput(305.6, 16.6, "H100, voxdiff's step compiled with CUDA graphs "
-                                                    "(reduce-overhead); four rows, h100_bench_gpu_step_v3/v4.csv",
+    # voxdiff's own step with CUDA graphs, fitted by bench/fit_step_time.py to its seven measured rows
+    # (reference/h100_bench_gpu_step_v3.csv, _v4.csv, _v5.csv) less the weight passes each made at H100_BANDWIDTH (the
+    # rows before session 16: the EMA copying the weights inside system.ema.start_step and clipping by norm in place,
+    # 20 bytes per parameter; session 17's: the EMA's 12 bytes per its interval and the clipping norm's 4): exp11
+    # +7.5%, exp11_1 -13.7%, exp9_ldm_4x_bravo +15.3% and +15.1%, exp9_ldm_8x_bravo -10.2%, -12.8% and -12.9%
+    # (leave-one-out up to +82%, exp11); the README states them
+    ("H100", "cudagraphs"): Throughput(301.8, 16.9, "H100, voxdiff's step compiled with CUDA graphs "
+                                                    "(reduce-overhead); seven rows, h100_bench_gpu_step_v3/v4/v5.csv",
                                        H100_BANDWIDTH),
 }
 """Per (GPU type, step kind: :func:`step_kind`) throughput. A GPU type without an entry gets no time prediction (never
