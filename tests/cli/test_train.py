@@ -167,3 +167,20 @@ def test_the_training_step_settings_are_checked_before_anything_is_built(overrid
     with pytest.raises(ConfigError) as e:
         validate(compose("train", ["experiment=demo", override]))
     assert e.value.key == key
+
+
+def test_train_leaves_the_process_group_it_ran_in(tmp_path):
+    """A distributed run's process leaves its process group when train() ends, however it ends (here: refused), so
+    that no gloo/NCCL thread is left to the interpreter's exit (voxdiff.cli.train.leave_process_group)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        cfg = compose("train", ["experiment=exp11", "data.volume_shape=[161,128,128]", f"paths.output_dir={tmp_path}"])
+        with pytest.raises(SystemExit) as e:
+            train(cfg)
+        assert e.value.code == EXIT_CONFIG
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
