@@ -1,7 +1,7 @@
 """Peak GPU memory of ``sample.py``'s sampling against the preflight's prediction, without a trained checkpoint.
 
     python bench/measure_sampling.py [--experiments exp11,exp11_1] [--batches 1,4] [--autoguide 1,1.25]
-                                     [--steps 50] [--device auto|cpu|cuda] [override ...]
+                                     [--steps 50] [--device auto|cpu|cuda] [--history K] [override ...]
 
 For each experiment the system is built as ``train.py`` builds it, untrained (the memory of sampling does not depend
 on the weights), and made ready as ``sample.py`` makes a loaded checkpoint ready: the EMA written into the weights and
@@ -15,6 +15,12 @@ on the device before the reset, and counted by both).
 A latent experiment needs its VQ-VAE to decode: give ``encoding.checkpoint=STAGE1.ckpt`` (the stage 1's weights;
 untrained ones from ``train.py experiment=vqvae_8x trainer.max_steps=1`` do). Without CUDA it runs the same on the
 CPU and prints the predictions (the CPU has no peak statistics): it checks the script, not a GPU.
+
+``--history K`` (CUDA) records the allocator's history while each row samples
+(:class:`voxdiff.benchmarks.measure.AllocationHistory`: every allocation with its Python and C++ frames) and prints
+what was allocated within it and alive at its peak, by the operator and the line that allocated it, the K largest
+(:func:`~voxdiff.benchmarks.measure.live_at_peak`), beside what the trace holds above the resident weights: what a
+prediction misses shows as a site the trace has no tensor for. Time nothing with it on.
 """
 
 from __future__ import annotations
@@ -30,11 +36,11 @@ sys.path.insert(0, str(ROOT / "src"))
 
 
 def measure(experiment: str, batches: list[int], autoguide: list[float], steps: int | None, device: str,
-            overrides: list[str]) -> list[dict]:
+            overrides: list[str], history: int = 0) -> list[dict]:
     import torch
     from hydra.utils import instantiate
 
-    from voxdiff.benchmarks.measure import DevicePeak, against_prediction
+    from voxdiff.benchmarks.measure import AllocationHistory, DevicePeak, against_prediction, live_at_peak
     from voxdiff.config import compose
     from voxdiff.preflight.memory import predict_sampling
     from voxdiff.run.spec import run_spec
@@ -60,7 +66,8 @@ def measure(experiment: str, batches: list[int], autoguide: list[float], steps: 
                                          device_type=device)
             masks = (torch.rand(batch, 1, *shape, generator=torch.Generator().manual_seed(batch)) > 0.9).float()
             masks = masks.to(device)
-            with DevicePeak(device) as peak, torch.no_grad(), precision.autocast():
+            record = AllocationHistory(device if history else "cpu")  # records on CUDA with --history only
+            with DevicePeak(device) as peak, record, torch.no_grad(), precision.autocast():
                 system.generate(masks, num_inference_steps=sampler.num_inference_steps,
                                 generator=torch.Generator(device=device).manual_seed(0), eta=sampler.eta,
                                 guidance_scale=sampler.guidance_scale, batch_size=batch, guide=guide,
@@ -69,6 +76,11 @@ def measure(experiment: str, batches: list[int], autoguide: list[float], steps: 
                    "guidance_scale": sampler.guidance_scale, "steps": sampler.num_inference_steps,
                    **against_prediction(predicted.peak, peak.bytes)}
             print(json.dumps(row), flush=True)
+            if record.entries:
+                traced = (predicted.peak - predicted.resident) / 2**20
+                print(f"{experiment} batch {batch} autoguide {sampler.autoguide_scale:g}: the trace holds "
+                      f"{traced:.1f} MiB above the resident weights at its peak (its masks and the cuBLAS workspace "
+                      f"included); the GPU's {live_at_peak(record.entries).describe(history)}", flush=True)
             rows.append(row)
             del masks
         del guide
@@ -85,6 +97,8 @@ def main() -> None:
     parser.add_argument("--autoguide", default="1,1.25", help="autoguidance scales (1: none)")
     parser.add_argument("--steps", type=int, default=None, help="sampling steps (default: each run's)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--history", type=int, default=0, metavar="K",
+                        help="on CUDA, print the K largest sites of what was alive at each row's peak (0: none)")
     parser.add_argument("overrides", nargs="*", help="train.py overrides for every experiment")
     args = parser.parse_args()
     import torch
@@ -98,7 +112,8 @@ def main() -> None:
     rows = []
     for experiment in [e for e in args.experiments.split(",") if e]:
         rows += measure(experiment, [int(b) for b in args.batches.split(",")],
-                        [float(a) for a in args.autoguide.split(",")], args.steps, device, args.overrides)
+                        [float(a) for a in args.autoguide.split(",")], args.steps, device, args.overrides,
+                        args.history)
     print(f"\n{'experiment':20s} {'batch':>5} {'autoguide':>9} {'steps':>5} {'predicted GiB':>13} {'measured GiB':>12}"
           f" {'error':>7}")
     for r in rows:

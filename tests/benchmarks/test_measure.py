@@ -69,3 +69,63 @@ def test_a_peak_beside_its_prediction():
     with DevicePeak("cpu") as peak:
         pass
     assert peak.bytes is None
+
+
+def _frames(*names):
+    """A trace entry's frames, innermost first: C++ names as they are, ``file.py:line name`` for Python ones."""
+    out = []
+    for n in names:
+        if ".py:" in n:
+            where, name = n.split(" ", 1)
+            filename, line = where.split(":")
+            out.append({"filename": filename, "line": int(line), "name": name})
+        else:
+            out.append({"filename": "??", "line": 0, "name": n})
+    return out
+
+
+CONV = _frames("c10::cuda::CUDACachingAllocator::Native::NativeCachingAllocator::malloc(...)",
+               "at::native::cudnn_convolution_forward(at::Tensor const&)", "at::_ops::convolution::call(...)",
+               "/venv/lib/torch/nn/modules/conv.py:720 forward",
+               "/venv/lib/monai/networks/blocks/convolutions.py:88 forward")
+NORM = _frames("c10::cuda::CUDACachingAllocator::Native::NativeCachingAllocator::malloc(...)",
+               "at::native::empty_cuda(...)", "at::(anonymous namespace)::wrapper_CUDA_empty(...)",
+               "at::native::native_group_norm(at::Tensor const&)",
+               "/venv/lib/monai/networks/nets/diffusion_model_unet.py:301 forward")
+
+
+def test_live_at_peak_finds_the_blocks_alive_together_at_their_peak_and_where_they_were_made():
+    """bench/measure_sampling.py --history: from an allocator history (the format of
+    torch.cuda.memory._snapshot()'s device_traces), the largest sum of the recorded blocks alive together, and the
+    blocks alive at that moment grouped by the operator and the line that made them; a free of a block allocated
+    before the record is ignored."""
+    from voxdiff.benchmarks.measure import allocation_site, live_at_peak
+
+    mib = 2**20
+    entries = [
+        {"action": "free_completed", "addr": 999, "size": 500 * mib},  # allocated before the record began
+        {"action": "alloc", "addr": 1, "size": 40 * mib, "frames": NORM},
+        {"action": "alloc", "addr": 2, "size": 20 * mib, "frames": CONV},
+        {"action": "alloc", "addr": 3, "size": 20 * mib, "frames": CONV},  # peak: 80 MiB
+        {"action": "free_requested", "addr": 2, "size": 20 * mib},
+        {"action": "free_completed", "addr": 2, "size": 20 * mib},
+        {"action": "free_completed", "addr": 3, "size": 20 * mib},
+        {"action": "alloc", "addr": 4, "size": 30 * mib, "frames": CONV},  # 70 MiB: below the peak
+    ]
+    peak = live_at_peak(entries)
+    assert peak.bytes == 80 * mib
+    conv = "at::native::cudnn_convolution_forward <- blocks/convolutions.py:88 forward"
+    norm = "at::native::native_group_norm <- nets/diffusion_model_unet.py:301 forward"
+    assert allocation_site(CONV) == conv and allocation_site(NORM) == norm
+    assert peak.sites == ((norm, 40 * mib, 1), (conv, 40 * mib, 2))
+    text = peak.describe()
+    assert "80.0 MiB" in text and conv in text and len(text.splitlines()) == 3
+    assert live_at_peak([]).bytes == 0 and allocation_site([]) == "? <- ?"
+
+
+def test_the_allocation_history_records_nothing_on_the_cpu():
+    from voxdiff.benchmarks.measure import AllocationHistory
+
+    with AllocationHistory("cpu") as record:
+        torch.ones(4)
+    assert record.entries == []
