@@ -39,8 +39,8 @@ def test_rows_from_printed_sides_count_flops_from_whichever_plain_loop_ran(tmp_p
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bash runs the plan")
 def test_gpu_sides_runs_a_plan_and_keeps_each_result(tmp_path):
     plan = tmp_path / "plan.txt"
-    plan.write_text("# a shell line in the background, then one side alone\n&!echo from-the-plan\nwait\n"
-                    "t1 plain exp11 1 1   # tiny on a CPU\n")
+    plan.write_text("# a shell line in the background, then one side alone, then one profiled\n"
+                    "&!echo from-the-plan\nwait\nt1 plain exp11 1 1   # tiny on a CPU\nt2 voxdiff+profile exp11 1 1\n")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     env.pop("OUT", None)
     done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_sides.sh"), str(plan), str(tmp_path / "out")],
@@ -52,6 +52,9 @@ def test_gpu_sides_runs_a_plan_and_keeps_each_result(tmp_path):
     result = json.loads(side.split(" :: ", 1)[1])
     assert result["ms_per_step"] > 0 and result["batch"] == 1
     assert "from-the-plan" in lines and lines[-1].endswith("done")
+    (profiled,) = [ln for ln in lines if ln.startswith("t2 rc=0 ")]
+    assert " exp11 voxdiff " in profiled and "profiled_device_ms_per_step" in json.loads(profiled.split(" :: ", 1)[1])
+    assert any(ln.startswith("t2 | ") and "Self CPU" in ln for ln in lines)  # its profiler's table
     assert not (tmp_path / "out" / "errors.txt").exists()
 
 
