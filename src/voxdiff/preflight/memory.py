@@ -370,7 +370,9 @@ def predict_step_memory(
             if compile_mode not in _COMPILE_MODES_MODELLED:
                 notes.append(f"compile mode {compile_mode!r} is predicted as the default mode (its CUDA graphs' "
                              "private memory pool is not modelled: on an H100 the reserved peak measured 3-10% "
-                             "above this estimate, reference/h100_bench_gpu_step_v4.csv; keep the safety margin)")
+                             "above this estimate, and in 3 of 4 runs above the need with the safety margin, by up "
+                             "to 13%: reference/h100_bench_gpu_step_v4.csv, _v5.csv; a run needing within 13% of "
+                             "its budget may not fit: lower the batch, or model.compile_mode=null)")
         if traced_step is None:
             traced_step = traced(model)
         stepped, step, trace = traced_step
