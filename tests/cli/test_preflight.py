@@ -33,7 +33,8 @@ def test_no_arguments_checks_every_experiment(repo):
     assert "not modelled" not in result.stdout and "peak set by" in result.stdout
     assert re.search(r"vqvae_4x +VQ-VAE 1×160×256×256 .* stage-1 step .* fits", result.stdout), result.stdout
     # validation and sampling no longer peak above training (the EMA swapped in place, one mask at a time)
-    assert re.search(r"exp9_ldm_4x_bravo .* training .* fits", result.stdout), result.stdout
+    # with CUDA graphs (on a GPU, the default) the graphs' pool stays reserved while the VQ-VAE decodes the samples
+    assert re.search(r"exp9_ldm_4x_bravo .* sampling .* fits", result.stdout), result.stdout
     assert re.search(r"exp9_demo .* sampling .* fits", result.stdout), result.stdout  # the tiny decode still does
 
 

@@ -115,3 +115,24 @@ def test_the_gpu_run_is_predicted_compiled_unless_told(tiny_cfg):
     assert compiled.steady_step.forward < eager.steady_step.forward
     assert run_preflight(cfg, suggest=False, compile=False).report.model_step == "upper bound (eager)"
     assert run_preflight(tiny_cfg("model.compile=false"), suggest=False).report.model_step == "eager"
+
+
+def test_with_cuda_graphs_validation_and_sampling_need_the_graphs_pool_beside_them(monkeypatch) -> None:
+    """On a GPU exp11 replays CUDA graphs (``model.compile_mode=auto``): their pool keeps its segments while
+    validation and sampling run the model eagerly, so the verdict counts each of those peaks with the pool beside
+    it, and the training step by its reserved estimate (two pools); in torch's default compile mode, by the
+    allocated peaks alone."""
+    from voxdiff.config import compose
+
+    monkeypatch.setenv("VOXDIFF_TARGET", "gpu")
+    graphs = run_preflight(compose("preflight", ["experiment=exp11"]), suggest=False, compile=False, timing=False)
+    rep = graphs.report
+    assert rep.cuda_graphs and 0 < rep.graph_pool_bytes < rep.estimated_reserved
+    eager = max(graphs.phases.validation, graphs.phases.sampling)
+    assert graphs.per_gpu_peak_gib * 2**30 == max(rep.peak_needed, eager + rep.graph_pool_bytes)
+    assert graphs.peak_phase in ("validation", "sampling") and eager + rep.graph_pool_bytes > rep.peak_needed
+    default = run_preflight(compose("preflight", ["experiment=exp11", "model.compile_mode=null"]), suggest=False,
+                            compile=False, timing=False)
+    assert not default.report.cuda_graphs and default.report.graph_pool_bytes == 0
+    assert default.per_gpu_peak_gib * 2**30 == default.phases.peak_allocated
+    assert graphs.need_gib > default.need_gib

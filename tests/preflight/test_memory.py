@@ -16,7 +16,7 @@ from cpu_allocator import profiler_peaks
 from voxdiff.models import apply_gradient_checkpointing
 from voxdiff.preflight import predict_step_memory
 from voxdiff.preflight.memory import trace_training_step, unet_batch
-from voxdiff.preflight.tracker import K_LARGE_BUFFER, K_SMALL_BUFFER, StorageTracker, simulate_reserved
+from voxdiff.preflight.tracker import K_LARGE_BUFFER, K_SMALL_BUFFER, StorageTracker, simulate_reserved, split_pools
 from voxdiff.preflight.world import (
     CUDA_FP32_OPS,
     CUDA_FP32_SET_OPT_DTYPE_OPS,
@@ -303,6 +303,36 @@ def test_allocator_segments() -> None:
     # fragmentation: two 30 MiB blocks freed apart cannot host a 40 MiB request
     ev = [(1, 0, 30 * MiB), (1, 1, 30 * MiB), (-1, 0, 30 * MiB), (1, 2, 40 * MiB)]
     assert simulate_reserved(ev)[0] == 100 * MiB
+
+
+def test_cuda_graphs_allocate_their_forward_and_backward_from_a_pool_of_their_own() -> None:
+    """split_pools: what the forward and backward phases allocate goes to the graphs' pool, with its frees; the rest
+    (before the first phase, the optimizer's) to the other. The graphs' activations, freed, cannot host the
+    optimizer's tensors: two pools reserve more than one."""
+    ev = [(1, 0, 8 * MiB),  # before any phase: the batch (a 20 MiB segment)
+          (1, 1, 64 * MiB),  # forward1: activations (a 64 MiB segment)
+          (-1, 1, 64 * MiB), (1, 2, 16 * MiB),  # backward1: a gradient (the activations freed)
+          (1, 3, 40 * MiB), (-1, 2, 16 * MiB)]  # optimizer1: AdamW's state; the gradient freed
+    starts = [("forward1", 1), ("backward1", 2), ("optimizer1", 4)]
+    graph, rest = split_pools(ev, starts, ("forward", "backward"))
+    assert graph == [(1, 1, 64 * MiB), (-1, 1, 64 * MiB), (1, 2, 16 * MiB), (-1, 2, 16 * MiB)]
+    assert rest == [(1, 0, 8 * MiB), (1, 3, 40 * MiB)]
+    one, two = simulate_reserved(ev)[0], simulate_reserved(graph)[0] + simulate_reserved(rest)[0]
+    assert one == (20 + 64) * MiB  # AdamW's state in the activations' freed segment
+    assert two == (20 + 64 + 40) * MiB  # not there: a segment of its own
+    assert split_pools(ev, [], ("forward",)) == ([], ev)  # no phase: all outside the graphs
+
+
+def test_a_trace_records_where_each_phase_began() -> None:
+    tr = StorageTracker(device_type="cpu", record_events=True, granularity=1)
+    with tr:
+        a = torch.empty(4)
+        tr.begin_phase("forward1")
+        b = torch.empty(8)
+        tr.end_phase()
+        tr.begin_phase("backward1")
+        del a, b
+    assert tr.phase_starts == [("forward1", 1), ("backward1", 2)]
 
 
 def test_invalid_arguments_are_named() -> None:

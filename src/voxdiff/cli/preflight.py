@@ -108,7 +108,12 @@ def details(r: PreflightResult) -> str:
         if r.phases is not None:
             out.append("  phases: " + r.phases.describe())
         where = r.parallel.describe() if r.parallel is not None else "one GPU"
-        out.append(f"  per GPU: peak {r.per_gpu_peak_gib:.2f} GiB ({where}, set by {r.peak_phase}); needs {r.need_gib:.1f} GiB with the "
+        if r.peak_phase == "training":
+            pools = ", reserved: its CUDA graphs keep their pool" if r.report.peak_needed > r.report.peak_allocated else ""
+        else:
+            pools = " beside the CUDA graphs' pool" if r.report.graph_pool_bytes else ""
+        by = f"{r.peak_phase}{pools}"
+        out.append(f"  per GPU: peak {r.per_gpu_peak_gib:.2f} GiB ({where}, set by {by}); needs {r.need_gib:.1f} GiB with the "
                    f"safety margin and CUDA context; budget {r.budget_gib:.1f} GiB ({r.budget_source}): "
                    + ("fits" if r.fits else "DOES NOT FIT"))
         if r.data is not None and r.parallel is not None:

@@ -212,10 +212,15 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     result.data = data_memory(run.resources.data, tuple(latents[1:]) if latents else None)
     report = predict_memory(run, compile=None if compile else False)
     result.report = report
-    peak = report.peak_allocated  # one rank's: the trace is of what one GPU of the strategy holds
+    peak = report.peak_needed  # one rank's: the trace is of what one GPU of the strategy holds (with CUDA graphs,
+    # their pool's reserved segments where larger)
     if phases and parallel.strategy != "fsdp":  # validation and sampling: the whole model, as on one GPU or DDP
         result.phases = predict_phases(run, training=report)
-        peak, result.peak_phase = max(peak, result.phases.peak_allocated), result.phases.peak_phase
+        # validation and sampling run eagerly; with CUDA graphs the graphs' pool keeps its segments meanwhile
+        eager = {"validation": result.phases.validation, "sampling": result.phases.sampling}
+        phase = max(eager, key=eager.__getitem__)
+        if eager[phase] + report.graph_pool_bytes > peak:
+            peak, result.peak_phase = eager[phase] + report.graph_pool_bytes, phase
     one = {k: (1, *v[1:]) for k, v in batch.items()}
     recipe = traced_recipe(run)
     cost = step_cost(model, batch, run.mode, run.encoding,
@@ -242,7 +247,7 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
             if fixed_problems:
                 continue
             r = predict_memory(fixed_run, compile=False)
-            p = r.peak_allocated
+            p = r.peak_needed
             need = _need(p, r, margin)
             result.suggestions.append(Suggestion(
                 change, override_args(overrides.items()), p / GiB, need, need <= result.budget_gib))

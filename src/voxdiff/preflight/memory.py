@@ -86,6 +86,7 @@ from voxdiff.preflight.tracker import (
     StorageTracker,
     round_block,
     simulate_reserved,
+    split_pools,
     with_margin,
 )
 from voxdiff.preflight.world import (
@@ -116,6 +117,9 @@ AttentionMode = Literal["materialised", "flash"]
 
 
 _COMPILE_MODES_MODELLED = (None, "default", "max-autotune-no-cudagraphs")
+#: the phases of a training step whose allocations a CUDA-graph step makes in the graphs' private pool: the compiled
+#: model's forward and backward (the forward phase's few eager tensors around the model are counted there too)
+CUDA_GRAPH_PHASES = ("forward", "backward")
 _ATTENTION = ("materialised", "flash")
 
 
@@ -170,7 +174,9 @@ class MemoryReport:
             the cuBLAS workspaces.
         workspace_bytes: cuBLAS workspaces added to the traced peaks (allocated through the caching allocator).
         estimated_reserved: predicted ``torch.cuda.max_memory_reserved()`` (segments of the caching allocator,
-            replayed from the trace, plus the workspaces).
+            replayed from the trace, plus the workspaces); for a step with CUDA graphs (``cuda_graphs``) the
+            segments of two pools, the graphs' private one (the forward's and the backward's allocations) and the
+            rest (:func:`~voxdiff.preflight.tracker.split_pools`).
         cuda_context_bytes: CUDA context, outside the caching allocator.
         estimated_total_gpu: ``estimated_reserved + cuda_context_bytes``: what ``nvidia-smi`` would show.
         gpu: the GPU model assumed for workspaces and capacity.
@@ -181,6 +187,10 @@ class MemoryReport:
         parallel: what the trace is of: ``one GPU``, or one rank of ``ddp×N`` / ``fsdp×N``
             (:meth:`voxdiff.run.spec.Parallel.describe`); ``param_bytes`` and ``ema_bytes`` are then
             this rank's (shards under FSDP).
+        cuda_graphs: whether the run replays its compiled forward and backward as CUDA graphs (a compile mode
+            with them); :attr:`peak_needed` is then the reserved estimate where that is larger.
+        graph_pool_bytes: the segments of the CUDA graphs' private pool (0 without them): held through the
+            validation and the sampling, which run the model eagerly, outside the pool.
     """
 
     params: int
@@ -205,6 +215,16 @@ class MemoryReport:
     notes: tuple[str, ...] = field(default_factory=tuple)
     model_step: str = "eager"
     parallel: str = "one GPU"
+    cuda_graphs: bool = False
+    graph_pool_bytes: int = 0
+
+    @property
+    def peak_needed(self) -> int:
+        """The bytes the verdict counts for the training step: the allocated peak (on an out-of-memory the caching
+        allocator frees its unused cached segments and retries), or, for a step with CUDA graphs, the reserved
+        estimate where it is larger: the graphs' private pool keeps its segments, which nothing outside the graphs
+        can use (README, "Compile modes")."""
+        return max(self.peak_allocated, self.estimated_reserved) if self.cuda_graphs else self.peak_allocated
 
     @property
     def peak_allocated_gib(self) -> float:
@@ -217,12 +237,13 @@ class MemoryReport:
         return _gib(self.estimated_total_gpu)
 
     def required_bytes(self, safety_margin: float = DEFAULT_SAFETY_MARGIN) -> int:
-        """Device memory a run needs: ``peak_allocated * (1 + safety_margin) + cuda_context_bytes``.
+        """Device memory a run needs: ``peak_needed * (1 + safety_margin) + cuda_context_bytes``.
 
-        The verdict uses allocated rather than reserved memory: when ``cudaMalloc`` fails, the caching
-        allocator frees its unused cached segments and retries before raising out-of-memory.
+        The verdict uses allocated rather than reserved memory (:attr:`peak_needed`): when ``cudaMalloc`` fails,
+        the caching allocator frees its unused cached segments and retries before raising out-of-memory; not
+        those of CUDA graphs' private pool.
         """
-        return with_margin(self.peak_allocated, safety_margin) + self.cuda_context_bytes
+        return with_margin(self.peak_needed, safety_margin) + self.cuda_context_bytes
 
     def fits(self, budget_bytes: int, safety_margin: float = DEFAULT_SAFETY_MARGIN) -> bool:
         """Whether :meth:`required_bytes` stays within ``budget_bytes``."""
@@ -279,6 +300,7 @@ def predict_step_memory(
     compile: bool = False,
     compile_mode: str | None = None,
     parallel: Parallel | None = None,
+    cuda_graphs: bool | None = None,
 ) -> MemoryReport:
     """Predict ``torch.cuda.max_memory_allocated()`` of a training step without a GPU (on one rank of a DDP or
     FSDP run, given ``parallel``).
@@ -306,8 +328,10 @@ def predict_step_memory(
             compiled model cannot be traced, the eager step is predicted instead, an upper bound, and the report
             says so (``model_step``); so is FSDP's compiled step (its
             per-unit graphs between FSDP's hooks are not traced).
-        compile_mode: ``torch.compile``'s ``mode`` (None: the default); modes with CUDA graphs are predicted as
-            the default mode, with a note.
+        compile_mode: ``torch.compile``'s ``mode`` (None: the default); modes with CUDA graphs are traced as the
+            default mode, with a note, and their reserved memory as two allocator pools (``cuda_graphs``).
+        cuda_graphs: whether the run replays CUDA graphs (None: ``compile`` in a ``compile_mode`` with them); a
+            run traced eagerly (``compile=False``) that compiles with them on the GPU passes True.
         parallel: the strategy and world size (:mod:`voxdiff.preflight.world`): the step is traced as rank 0
             of a DDP or FSDP run holds it; default one GPU.
 
@@ -368,11 +392,11 @@ def predict_step_memory(
                              "prediction, an upper bound of the compiled one")
                 model = built()  # a fresh model: the failed trace may have wrapped or stepped this one
             if compile_mode not in _COMPILE_MODES_MODELLED:
-                notes.append(f"compile mode {compile_mode!r} is predicted as the default mode (its CUDA graphs' "
-                             "private memory pool is not modelled: on an H100 the reserved peak measured 3-10% "
-                             "above this estimate, and in 3 of 4 runs above the need with the safety margin, by up "
-                             "to 13%: reference/h100_bench_gpu_step_v4.csv, _v5.csv; a run needing within 13% of "
-                             "its budget may not fit: lower the batch, or model.compile_mode=null)")
+                notes.append(f"compile mode {compile_mode!r} is traced as the default mode; its CUDA graphs' "
+                             "private pool as a second allocator pool, whose reserved segments the verdict counts "
+                             "(on an H100 the reserved peak of four such steps came within -9.0..+0.5% of this "
+                             "estimate, reference/h100_bench_gpu_step_v4.csv, _v5.csv); max_memory_allocated does "
+                             "not see the pool")
         if traced_step is None:
             traced_step = traced(model)
         stepped, step, trace = traced_step
@@ -392,6 +416,12 @@ def predict_step_memory(
     steady = StepPeaks(peaks[1].forward + 2 * ws, peaks[1].backward + 2 * ws, peaks[1].optimizer + 2 * ws)
     peak_allocated = max(first.peak, steady.peak)
     seg_peak, _ = simulate_reserved(trace.events)
+    graphs = cuda_graphs if cuda_graphs is not None else compile and compile_mode not in _COMPILE_MODES_MODELLED
+    graph_pool = 0
+    if graphs:  # the graphs' warm-up, recording and replays allocate from their own pool (split_pools)
+        pool, rest = split_pools(trace.events, trace.phase_starts, CUDA_GRAPH_PHASES)
+        graph_pool = simulate_reserved(pool)[0]
+        seg_peak = graph_pool + simulate_reserved(rest)[0]
     reserved = seg_peak + 2 * ws
     notes.append("cuDNN convolution workspaces are not modelled (they depend on the algorithm cuDNN picks)")
     return MemoryReport(
@@ -417,6 +447,8 @@ def predict_step_memory(
         notes=tuple(notes),
         model_step=model_step,
         parallel=parallel.describe(),
+        cuda_graphs=bool(graphs),
+        graph_pool_bytes=graph_pool,
     )
 
 
@@ -467,6 +499,7 @@ def predict_memory(run: RunSpec | DictConfig, compile: bool | None = None) -> Me
         traced_recipe(run), batch=batch, encoding=run.encoding, mode=run.mode, precision=run.precision.name,
         attention="flash" if spec.use_flash_attention else "materialised", gpu=run.gpu,
         parallel=run.parallel, compile=compiles and compile is not False, compile_mode=spec.compile_mode,
+        cuda_graphs=compiles and spec.compile_mode not in _COMPILE_MODES_MODELLED,
     )
     if compiles and compile is False:
         return replace(report, model_step="upper bound (eager)", notes=(*report.notes, (
@@ -491,6 +524,8 @@ class TraceResult:
         events: the allocation/free sequence (``(+1|-1, key, bytes)``) for the allocator model.
         autocast: the autocast emulator (its ``calls`` count the ops seen in autocast regions).
         flash: the flash-attention emulator, if one was used.
+        phase_starts: ``(phase, index of its first event)`` of each step's phases (``forward1``, ``backward1``,
+            ``optimizer1``, ``forward2``, ...), for :func:`~voxdiff.preflight.tracker.split_pools`.
     """
 
     steps: list[StepPeaks]
@@ -498,6 +533,7 @@ class TraceResult:
     events: list[tuple[int, int, int]]
     autocast: CudaAutocastEmulator
     flash: FlashAttentionEmulator | None
+    phase_starts: list[tuple[str, int]] = field(default_factory=list)
 
 
 def trace_training_step(
@@ -548,7 +584,8 @@ def trace_training_step(
                 step.run(data, probe)
                 probe.finish_step()
         del data
-    return TraceResult(steps=probe.steps, start_bytes=start, events=tracker.events, autocast=autocast, flash=flash)
+    return TraceResult(steps=probe.steps, start_bytes=start, events=tracker.events, autocast=autocast, flash=flash,
+                       phase_starts=list(tracker.phase_starts))
 
 
 class _PhasePeaks:

@@ -51,7 +51,7 @@ from voxdiff.units import GiB, MiB
 
 __all__ = ["BLOCK_BYTES", "CUDA_CONTEXT_BYTES", "KERNEL_TEMPORARIES", "K_LARGE_BUFFER", "K_MIN_LARGE_ALLOC",
            "K_ROUND_LARGE", "K_SMALL_BUFFER", "K_SMALL_SIZE", "MEMOIZED_META_OPS", "PhaseStats", "StorageTracker",
-           "round_block", "segment_size", "simulate_reserved"]
+           "round_block", "segment_size", "simulate_reserved", "split_pools"]
 
 
 BLOCK_BYTES = 512
@@ -143,6 +143,8 @@ class StorageTracker(TorchDispatchMode):
         self._next_key = 0
         # allocation/free sequence for the allocator model: (+1 alloc | -1 free, key, bytes)
         self._log: list[tuple[int, int, int]] | None = [] if record_events else None
+        #: where each phase began in the event sequence: (phase name, index of its first event)
+        self.phase_starts: list[tuple[str, int]] = []
         self._rules = KERNEL_TEMPORARIES if kernel_temporaries is None else kernel_temporaries
         self._memo: dict[Any, tuple[Any, ...]] = {}
 
@@ -248,6 +250,8 @@ class StorageTracker(TorchDispatchMode):
     # ----------------------------------------------------------------------------------------- phases
     def begin_phase(self, name: str) -> None:
         """Start a phase: its peak starts at the current live bytes."""
+        if self._log is not None:
+            self.phase_starts.append((name, len(self._log)))
         self._phase = PhaseStats(start=self.live, peak=self.live)
         self.phases[name] = self._phase
 
@@ -362,6 +366,36 @@ class _Pool:
     def remove(self, block: tuple[int, int, int]) -> None:
         i = bisect.bisect_left(self.free, block)
         del self.free[i]
+
+
+def split_pools(events: list[tuple[int, int, int]], phase_starts: list[tuple[str, int]],
+                graph_phases: tuple[str, ...]) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """Split an allocation/free sequence into two allocator pools: what was allocated during a phase named in
+    ``graph_phases`` (a phase ``forward2`` is ``forward`` of step 2) and the rest. With CUDA graphs
+    (``torch.compile(mode="reduce-overhead")``) the graphs' warm-up, recording and replays allocate from a private
+    pool of the caching allocator whose segments the rest of the process never uses, nor the graphs the rest's
+    (PyTorch's ``cudagraph_trees``); each pool's segments are then :func:`simulate_reserved` of its own events.
+
+    Args:
+        events: ``(+1 | -1, key, bytes)`` as :attr:`StorageTracker.events`; a free goes with its allocation.
+        phase_starts: ``(phase name, index of its first event)`` in order (:attr:`StorageTracker.phase_starts`);
+            events before the first phase are outside every phase.
+        graph_phases: the phase names, without their step number, whose allocations go to the first pool.
+
+    Returns:
+        ``(graph_events, other_events)``.
+    """
+    starts = [i for _, i in phase_starts]
+    names = [n.rstrip("0123456789") for n, _ in phase_starts]
+    graph: list[tuple[int, int, int]] = []
+    other: list[tuple[int, int, int]] = []
+    in_graph: dict[int, bool] = {}
+    for i, (sign, key, size) in enumerate(events):
+        if sign > 0:
+            at = bisect.bisect_right(starts, i) - 1
+            in_graph[key] = at >= 0 and names[at] in graph_phases
+        (graph if in_graph.get(key, False) else other).append((sign, key, size))
+    return graph, other
 
 
 def simulate_reserved(events: list[tuple[int, int, int]]) -> tuple[int, int]:
