@@ -223,7 +223,7 @@ class MemoryReport:
         """The bytes the verdict counts for the training step: the allocated peak (on an out-of-memory the caching
         allocator frees its unused cached segments and retries), or, for a step with CUDA graphs, the reserved
         estimate where it is larger: the graphs' private pool keeps its segments, which nothing outside the graphs
-        can use (README, "Compile modes")."""
+        can use (README, "CUDA graphs")."""
         return max(self.peak_allocated, self.estimated_reserved) if self.cuda_graphs else self.peak_allocated
 
     @property
