@@ -7,7 +7,8 @@ Each experiment runs in its own process: ``trainer.fit`` of the system as ``trai
 defaults on this device, the overrides given), on a random batch in pinned host memory, for ``--steps`` training
 steps and then one validation epoch of one batch; a diffusion system's validation epoch ends by sampling its
 ``system.sampling.num_masks`` masks (``every_n_epochs=1``, as every tenth epoch of a real run does). A callback
-resets ``torch.cuda`` peak statistics at each phase's start and reads ``max_memory_allocated()`` at its end:
+resets ``torch.cuda`` peak statistics at each phase's start and reads ``max_memory_allocated()`` and
+``max_memory_reserved()`` at its end (``measured_<phase>``, ``measured_reserved_<phase>``):
 
 * ``training``: the largest peak of steps 2..``--steps`` (the optimizer state exists; the steady step);
 * ``validation``: from the validation epoch's start (the EMA swap included) to its last batch's end;
@@ -15,6 +16,10 @@ resets ``torch.cuda`` peak statistics at each phase's start and reads ``max_memo
 
 The prediction is :func:`voxdiff.preflight.memory.predict_phases` (diffusion) or
 :func:`voxdiff.preflight.stage1.predict_stage1` (stage 1; its validation is not predicted apart) of the same config.
+With CUDA graphs (``model.compile_mode=auto`` on one GPU) ``max_memory_allocated`` does not see the graphs' pool;
+the reserved peaks do, and a diffusion row then also has what the verdict counts: ``pred_reserved_training`` (the
+two-pool estimate), ``pred_graph_pool`` and validation and sampling beside it (``pred_validation_beside_pool``,
+``pred_sampling_beside_pool``), to hold against the measured reserved peaks.
 A latent diffusion experiment needs a trained stage 1 to sample from and is refused here; measure its stage 1
 (``vqvae_4x``, ``vqvae_8x``) instead. Without a CUDA GPU it refuses to run: these are GPU figures.
 """
@@ -89,6 +94,7 @@ def measure(cfg: Any, steps: int) -> dict[str, Any]:
     def read(phase: str) -> None:
         torch.cuda.synchronize()
         peaks[phase] = max(peaks.get(phase, 0.0), torch.cuda.max_memory_allocated() / GiB)
+        peaks[f"reserved_{phase}"] = max(peaks.get(f"reserved_{phase}", 0.0), torch.cuda.max_memory_reserved() / GiB)
         torch.cuda.reset_peak_memory_stats()
 
     class Peaks(L.Callback):
@@ -132,8 +138,12 @@ def predicted(cfg: Any) -> dict[str, Any]:
     from voxdiff.preflight.memory import predict_phases
 
     report = predict_phases(run)
+    pool = report.training_report.graph_pool_bytes
     return {"pred_training": report.training / GiB, "pred_validation": report.validation / GiB,
-            "pred_sampling": report.sampling / GiB}
+            "pred_sampling": report.sampling / GiB,
+            "pred_reserved_training": report.training_report.estimated_reserved / GiB, "pred_graph_pool": pool / GiB,
+            "pred_validation_beside_pool": (report.validation + pool) / GiB,
+            "pred_sampling_beside_pool": (report.sampling + pool) / GiB}
 
 
 def worker(name: str, overrides: list[str], steps: int) -> dict[str, Any]:
@@ -150,6 +160,7 @@ def worker(name: str, overrides: list[str], steps: int) -> dict[str, Any]:
         peaks = measure(cfg, steps)
         if cfg.system.get("kind") != "diffusion":  # a stage 1 draws no samples: its validation's end is not a phase
             peaks.pop("sampling", None)
+            peaks.pop("reserved_sampling", None)
         row.update({f"measured_{k}": round(v, 3) for k, v in peaks.items()})
         row.update({k: round(v, 3) for k, v in predicted(cfg).items()})
         return row
