@@ -54,6 +54,9 @@ def test_one_config_in_detail(capsys):
     # compiled (model.compile=auto): one configuration is predicted compiled
     assert "AdamW(fused)" in out and "attention flash" in out
     assert "step system (compiled)" in out and "upper bound" not in out
+    # with CUDA graphs (model.compile_mode=auto on one GPU) the verdict counts validation beside the graphs' pool,
+    # and the phases line says its peaks are the allocated ones
+    assert "set by validation beside the CUDA graphs' pool" in out and "the per-GPU line is the verdict's" in out
 
 
 def test_invalid_config_exits_nonzero_with_fix(capsys):
