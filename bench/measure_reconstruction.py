@@ -28,16 +28,12 @@ def measure(experiment: str, batches: list[int], device: str, overrides: list[st
     import torch
     from hydra.utils import instantiate
 
-    from voxdiff.benchmarks.measure import DevicePeak, against_prediction
-    from voxdiff.config import compose
+    from voxdiff.benchmarks.measure import DevicePeak, against_prediction, experiment_on
     from voxdiff.evaluation.pipeline import VolumeSet, vqvae_reconstructions
     from voxdiff.preflight.stage1 import predict_reconstruction
     from voxdiff.run.gpus import local_gpu
-    from voxdiff.run.spec import run_spec
 
-    cfg = compose("train", [f"experiment={experiment}", f"trainer.accelerator={'gpu' if device == 'cuda' else 'cpu'}",
-                            "trainer.devices=1", *overrides])
-    spec = run_spec(cfg, device)
+    cfg, spec = experiment_on(experiment, device, overrides)
     if spec.kind != "stage1":
         raise SystemExit(f"measure_reconstruction: experiment={experiment} is not a VQ-VAE stage 1")
     torch.manual_seed(0)
@@ -71,14 +67,11 @@ def main() -> None:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("overrides", nargs="*", help="train.py overrides for every experiment")
     args = parser.parse_args()
-    import torch
-
-    from voxdiff.benchmarks.measure import peak_cells
+    from voxdiff.benchmarks.measure import device_banner, peak_cells
     from voxdiff.cli.devices import pick_device
 
     device = pick_device(args.device, "--device").type
-    name = torch.cuda.get_device_name() if device == "cuda" else "CPU: predictions only"
-    print(f"measure_reconstruction on {name}, torch {torch.__version__}", flush=True)
+    print(device_banner("measure_reconstruction", device), flush=True)
     rows = []
     for experiment in [e for e in args.experiments.split(",") if e]:
         rows += measure(experiment, [int(b) for b in args.batches.split(",")], device, args.overrides)

@@ -40,15 +40,12 @@ def measure(experiment: str, batches: list[int], autoguide: list[float], steps: 
     import torch
     from hydra.utils import instantiate
 
-    from voxdiff.benchmarks.measure import AllocationHistory, DevicePeak, against_prediction, live_at_peak
-    from voxdiff.config import compose
+    from voxdiff.benchmarks.measure import (AllocationHistory, DevicePeak, against_prediction, experiment_on,
+                                            live_at_peak)
     from voxdiff.preflight.memory import predict_sampling
-    from voxdiff.run.spec import run_spec
     from voxdiff.step import decide_precision
 
-    cfg = compose("train", [f"experiment={experiment}", f"trainer.accelerator={'gpu' if device == 'cuda' else 'cpu'}",
-                            "trainer.devices=1", *overrides])
-    spec = run_spec(cfg, device)
+    cfg, spec = experiment_on(experiment, device, overrides)
     torch.manual_seed(0)
     system = instantiate(cfg.system)
     system.step.fold_ema(True)  # as sample.py: before the model goes to the device
@@ -101,14 +98,11 @@ def main() -> None:
                         help="on CUDA, print the K largest sites of what was alive at each row's peak (0: none)")
     parser.add_argument("overrides", nargs="*", help="train.py overrides for every experiment")
     args = parser.parse_args()
-    import torch
-
-    from voxdiff.benchmarks.measure import peak_cells
+    from voxdiff.benchmarks.measure import device_banner, peak_cells
     from voxdiff.cli.devices import pick_device
 
     device = pick_device(args.device, "--device").type
-    name = torch.cuda.get_device_name() if device == "cuda" else "CPU: predictions only"
-    print(f"measure_sampling on {name}, torch {torch.__version__}", flush=True)
+    print(device_banner("measure_sampling", device), flush=True)
     rows = []
     for experiment in [e for e in args.experiments.split(",") if e]:
         rows += measure(experiment, [int(b) for b in args.batches.split(",")],

@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from voxdiff.config import compose
 from voxdiff.errors import ConfigError
 from voxdiff.models.unet import build_unet_from_spec
 from voxdiff.preflight.memory import MemoryReport, traced_recipe
-from voxdiff.run.spec import RunSpec
+from voxdiff.run.spec import RunSpec, run_spec
 from voxdiff.step import TrainStep
 from voxdiff.units import GiB
 
@@ -62,6 +63,21 @@ class DevicePeak:
         if self.cuda:
             torch.cuda.synchronize()
             self.bytes = torch.cuda.max_memory_allocated()
+
+
+def experiment_on(experiment: str, device: str, overrides: list[str]) -> tuple[Any, RunSpec]:
+    """The train config of ``experiment`` on one device of type ``device`` (``cuda`` or ``cpu``), ``overrides``
+    applied, and its run spec resolved for that device: what the bench scripts that measure a command's memory
+    build their system from."""
+    cfg = compose("train", [f"experiment={experiment}", f"trainer.accelerator={'gpu' if device == 'cuda' else 'cpu'}",
+                            "trainer.devices=1", *overrides])
+    return cfg, run_spec(cfg, device)
+
+
+def device_banner(script: str, device: str) -> str:
+    """``SCRIPT on <GPU name>, torch X`` (``CPU: predictions only`` without CUDA): a measuring script's first line."""
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU: predictions only"
+    return f"{script} on {name}, torch {torch.__version__}"
 
 
 class AllocationHistory:

@@ -415,13 +415,13 @@ def predict_step_memory(
     first = StepPeaks(peaks[0].forward + ws, peaks[0].backward + 2 * ws, peaks[0].optimizer + 2 * ws)
     steady = StepPeaks(peaks[1].forward + 2 * ws, peaks[1].backward + 2 * ws, peaks[1].optimizer + 2 * ws)
     peak_allocated = max(first.peak, steady.peak)
-    seg_peak, _ = simulate_reserved(trace.events)
     graphs = cuda_graphs if cuda_graphs is not None else compile and compile_mode not in _COMPILE_MODES_MODELLED
-    graph_pool = 0
     if graphs:  # the graphs' warm-up, recording and replays allocate from their own pool (split_pools)
         pool, rest = split_pools(trace.events, trace.phase_starts, CUDA_GRAPH_PHASES)
         graph_pool = simulate_reserved(pool)[0]
         seg_peak = graph_pool + simulate_reserved(rest)[0]
+    else:
+        graph_pool, seg_peak = 0, simulate_reserved(trace.events)[0]
     reserved = seg_peak + 2 * ws
     notes.append("cuDNN convolution workspaces are not modelled (they depend on the algorithm cuDNN picks)")
     return MemoryReport(
