@@ -46,6 +46,27 @@ def test_the_choice_is_the_fastest_candidate_that_fits_and_nothing_faster_fits(t
     assert "data.batch_size=" in " ".join(best.overrides) and "*" in report.table()
 
 
+def test_a_compiled_run_s_candidates_are_predicted_as_it_will_step_as_train_py_predicts_them(tiny_cfg):
+    """Found by reading: preflight.py's choice traced every candidate eagerly, while train.py's (its verdict on a GPU,
+    ``training_verdict``) traced a compiled run's candidates compiled. With CUDA graphs the eager trace's forward and
+    backward went into the graphs' pool beside validation: an upper bound far above the step that runs (exp11 at
+    batch 32 on an H100: 120.0 GiB needed eagerly, 67.2 compiled), so the two commands chose differently for one
+    config (preflight.py batch 16, train.py batch 32; exp9_ldm_4x_bravo batch 2 against 4). Both now predict each
+    candidate without checkpointing as the check of the chosen config does: compiled (checkpointed candidates, which
+    the compiled trace does not model, stay eager upper bounds)."""
+    cfg = [SUBJECTS, "data.batch_size=2"]
+    compiled = run_preflight(tiny_cfg(*cfg), suggest=False)  # train.py's verdict on a GPU; the chosen one's check
+    eager = run_preflight(tiny_cfg(*cfg), suggest=False, compile=False)
+    assert compiled.report.model_step == "compiled" and eager.report.model_step == "upper bound (eager)"
+    assert compiled.need_gib < eager.need_gib
+    budget = (compiled.need_gib + eager.need_gib) / 2  # batch 2 fits as it will run, not as its eager upper bound
+    report = autofit(tiny_cfg(SUBJECTS, "data.batch_size=auto", f"+preflight.gpu_memory_gib={budget}",
+                              "preflight.max_batch_size=2"))
+    plain = {c.batch_size: c for c in report.candidates if c.checkpointing == "none"}
+    assert plain[2].need_gib == pytest.approx(compiled.need_gib) and plain[2].fits
+    assert report.best is not None and report.best.batch_size == 2
+
+
 def test_an_effective_batch_is_held_with_gradient_accumulation(tiny_cfg):
     report = autofit(tiny_cfg(SUBJECTS, "data.batch_size=auto", "+preflight.effective_batch=8",
                               "preflight.max_batch_size=4"), verdict=fast)

@@ -15,7 +15,7 @@ The search:
   batch that fits without it, checkpointing only recomputes (more FLOPs and calls, the same samples), so it is never
   faster there;
 * compile on for a run that does not compile, where the GPU's throughput was measured for both kinds (memory: the
-  eager trace, an upper bound of the compiled step's; time: each kind's own throughput); compiled in the run's
+  run's eager trace, an upper bound of the compiled step's; time: each kind's own throughput); compiled in the run's
   ``model.compile_mode``, whose ``auto`` takes CUDA graphs (their own throughput) for a candidate without gradient
   accumulation on one GPU. Compile off is never offered to a run that compiles: on every experiment measured (one
   H100, batch 1, ``reference/h100_step_times.csv``) the compiled step was 1.18-1.55x faster than the eager one,
@@ -40,8 +40,14 @@ NIfTI run's loader that delivers fewer volumes per second than a candidate's ste
 candidates it caps, the least memory wins the tie.
 
 Where the GPU type has no measured throughput (and on a CPU run, against the host's memory), the choice is by
-memory alone: the largest batch that fits, without checkpointing where possible. Every candidate is traced eagerly
-(seconds each); ``train.py`` and ``preflight.py`` then check the chosen one as it will run.
+memory alone: the largest batch that fits, without checkpointing where possible. Each candidate is predicted as the
+run will step, by the same verdict ``train.py`` uses on a GPU and the check of the chosen one: a compiled run's
+candidates without checkpointing are traced compiled (the compiled profile, cached per UNet and input shape under
+:func:`~voxdiff.preflight.compiled.cache_dir`: about 15-20 s a shape the first time on a CPU, then seconds), with CUDA
+graphs as two allocator pools; checkpointed ones, which the compiled trace does not model, eagerly (an upper bound).
+The eager trace of a CUDA-graph run puts its whole eager forward and backward in the graphs' pool beside validation,
+far above the step that runs (exp11 at batch 32 on an H100: 120.0 GiB needed against 67.2 compiled), so an eager
+choice took smaller batches than ``train.py``'s.
 """
 
 from __future__ import annotations
@@ -81,7 +87,8 @@ class Candidate:
         batch_size: volumes per batch and GPU.
         checkpointing: ``model.gradient_checkpointing``.
         compile: ``model.compile``.
-        peak_gib: the run's predicted per-GPU peak (the largest of its phases; eager: an upper bound when compiled).
+        peak_gib: the run's predicted per-GPU peak (the largest of its phases; a compiled run's checkpointed
+            candidate: its eager trace's, an upper bound).
         peak_phase: which phase sets it (training, validation, sampling).
         need_gib: the peak with the safety margin and the CUDA context, against the budget.
         fits: need <= budget, and its host memory fits (the disk, the same at every batch, is left to the check
@@ -152,8 +159,9 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
 
     Args:
         cfg: the composed config (``data.batch_size`` may be ``auto`` or a number: it is replaced per candidate).
-        verdict: predicts one candidate's config; by default the GPU preflight's eager trace
-            (``run_preflight(..., suggest=False, compile=False)``).
+        verdict: predicts one candidate's config; by default the GPU preflight's prediction of the step the
+            run takes (``run_preflight(..., suggest=False)``: compiled where the run compiles; ``train.py`` passes
+            its own, against the machine it runs on).
         run: the run spec of ``cfg`` at batch 1, for its GPU and GPU count (default: resolved for a GPU).
 
     Returns:
@@ -162,7 +170,7 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
     Raises:
         ConfigError: a problem of the config that no batch size changes (the first candidate's).
     """
-    verdict = verdict or (lambda c: run_preflight(c, suggest=False, compile=False))
+    verdict = verdict or (lambda c: run_preflight(c, suggest=False))
     one = with_overrides(cfg, {"data.batch_size": 1})
     run = run or run_spec(one, PREDICTED_DEVICE)
     if run.kind != "diffusion":
