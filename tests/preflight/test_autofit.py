@@ -8,8 +8,10 @@ import pytest
 from voxdiff.errors import ConfigError
 from voxdiff.preflight import autofit as autofit_module
 from voxdiff.preflight.autofit import autofit
-from voxdiff.preflight.check import run_preflight
+from voxdiff.preflight.check import run_preflight, training_verdict
 from voxdiff.preflight.resources import EMA_BYTES_PER_PARAM, STEP_THROUGHPUT
+from voxdiff.preflight.world import PREDICTED_DEVICE
+from voxdiff.run.spec import run_spec
 
 # 64 phantom subjects, so that the data set does not cap the batches tried
 SUBJECTS = "data.num_subjects=64"
@@ -65,6 +67,13 @@ def test_a_compiled_run_s_candidates_are_predicted_as_it_will_step_as_train_py_p
     plain = {c.batch_size: c for c in report.candidates if c.checkpointing == "none"}
     assert plain[2].need_gib == pytest.approx(compiled.need_gib) and plain[2].fits
     assert report.best is not None and report.best.batch_size == 2
+    # train.py's choice on a GPU (choose_batch_size: training_verdict with the run spec resolved for the GPU)
+    trains = autofit(tiny_cfg(SUBJECTS, "data.batch_size=auto", f"+preflight.gpu_memory_gib={budget}",
+                              "preflight.max_batch_size=2"),
+                     verdict=lambda c: training_verdict(c, run=run_spec(c, PREDICTED_DEVICE), suggest=False))
+    assert [(c.settings, c.need_gib, c.fits) for c in trains.candidates] == \
+        [(c.settings, c.need_gib, c.fits) for c in report.candidates]
+    assert trains.best.settings == report.best.settings
 
 
 def test_an_effective_batch_is_held_with_gradient_accumulation(tiny_cfg):
