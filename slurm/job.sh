@@ -23,7 +23,8 @@ else
     exit 2  # EXIT_CONFIG (no Python yet to read the table below)
 fi
 # The exit codes of every voxdiff command, from their one table (voxdiff/cli/exit_codes.py; README "Errors and
-# exit codes"): EXIT_OK, EXIT_CONFIG, EXIT_NONFINITE, EXIT_NO_FIT, EXIT_DATA, EXIT_TERMINATED.
+# exit codes"): EXIT_OK, EXIT_CONFIG, EXIT_NONFINITE, EXIT_NO_FIT, EXIT_DATA, EXIT_WRITE, EXIT_MEMORY,
+# EXIT_TERMINATED.
 eval "$(python -m voxdiff.cli.exit_codes)"
 
 RUN_DIR="$VOXDIFF_RUN_ROOT/$VOXDIFF_EXPERIMENT/job-$SLURM_JOB_ID"

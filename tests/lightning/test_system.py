@@ -214,3 +214,49 @@ def test_resume_from_a_checkpoint_of_the_original_code(repo, tmp_path):
     assert set(new["ema"]["shadow"]) == set(old["ema"]["shadow"])
     steps = [s["step"] for s in new["optimizer_states"][0]["state"].values()]
     assert all(float(s) == 5 for s in steps)
+
+
+@pytest.mark.parametrize("phase, at_step, epoch, saved_step", [
+    ("training", 5, 1, 4),  # the batch of step 5; last.ckpt every 2 steps
+    ("validation", 3, 0, 2),  # the validation after epoch 0 (3 steps an epoch at batch 1)
+    ("sampling", 3, 0, 2),  # the samples written after that validation
+])
+def test_running_out_of_memory_stops_with_the_last_good_checkpoint_and_the_measurements(
+        tmp_path, capsys, phase, at_step, epoch, saved_step):
+    """The allocator's failure as PyTorch raises it (voxdiff.lightning.ExhaustMemory), at a step and in a phase,
+    with PyTorch needing 1.32x the preflight's prediction for this run: exit EXIT_MEMORY with one report naming
+    the phase, the step, the need measured against the prediction, the margin that covers the miss and the last
+    good checkpoint, which loads; the figures in memory_error.json. Resuming with the fix it gives trains on."""
+    import json
+
+    from voxdiff.cli.exit_codes import EXIT_MEMORY
+    from voxdiff.preflight.check import training_verdict
+
+    base = ["data.batch_size=1", "trainer.max_steps=7", "callbacks.last.every_n_train_steps=2",
+            "system.sampling.every_n_epochs=1"]
+    peak = training_verdict(_cfg(tmp_path, *base)).per_gpu_peak_gib
+    oom = ["+callbacks.oom._target_=voxdiff.lightning.ExhaustMemory", f"+callbacks.oom.at_step={at_step}",
+           f"+callbacks.oom.phase={phase}", f"+callbacks.oom.allocated_gib={1.3 * peak}",
+           f"+callbacks.oom.requested_gib={0.02 * peak}"]
+    with pytest.raises(SystemExit) as e:
+        train(_cfg(tmp_path, *base, *oom))
+    assert e.value.code == EXIT_MEMORY
+    err = capsys.readouterr().err
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert f"[voxdiff] out of memory: CUDA out of memory in {phase} at global step {at_step} (epoch {epoch}, " \
+           "batch 1): PyTorch needed at least" in err
+    assert f"the preflight predicted a peak of {peak:.2f} GiB for the run" in err
+    assert "the need measured is +32% of the prediction, beyond its margin" in err
+    # 1.32 x 1.10 - 1 = 0.452, rounded up to a multiple of 0.05
+    assert "Fix: resume with ckpt_path=auto +preflight.safety_margin=0.50:" in err
+    assert f"the last good checkpoint: {last} (nothing was written after it)" in err
+    assert f"The measurements: {tmp_path / 'memory_error.json'}" in err
+    record = json.loads((tmp_path / "memory_error.json").read_text())
+    assert (record["phase"], record["global_step"], record["epoch"]) == (phase, at_step, epoch)
+    assert record["miss"] == pytest.approx(1.32, abs=2e-3) and record["predicted"]["peak_gib"] == peak
+    assert _load(last)["global_step"] == saved_step
+    # no checkpoint of the failing step or after it (Lightning writes none on an exception)
+    assert all(_load(p)["global_step"] < at_step for p in (tmp_path / "checkpoints").glob("*.ckpt"))
+    if phase == "training":  # the fix as given: the run resumes from last.ckpt and trains to its end
+        done = train(_cfg(tmp_path, *base, "ckpt_path=auto", "+preflight.safety_margin=0.50"))
+        assert _load(done["last_checkpoint"])["global_step"] == 7

@@ -24,6 +24,7 @@ EXIT_NONFINITE = 3
 EXIT_NO_FIT = 4
 EXIT_DATA = 5
 EXIT_WRITE = 6
+EXIT_MEMORY = 7
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process ended by SIGTERM
 
 
@@ -65,6 +66,14 @@ TABLE: tuple[ExitCode, ...] = (
              "left",
              "free space there, or point paths.run_dir (evaluate.py: out_dir; cache_latents.py: out; preflight.py: "
              "preflight.out) at a file system with room, then run the same command again (train.py: ckpt_path=auto resumes)"),
+    ExitCode(EXIT_MEMORY, "EXIT_MEMORY",
+             "ran out of memory after the preflight's check passed (its prediction missed by more than its margin, "
+             "another process held part of the GPU, or the allocator fragmented): train.py names the phase and step, "
+             "what PyTorch measured beside the prediction and the last good checkpoint (nothing is written after "
+             "it), and writes <run dir>/memory_error.json",
+             "train.py: resume with ckpt_path=auto and the change the message works out from what was measured "
+             "(+preflight.safety_margin=M, under which the preflight refuses the run and lists the changes it "
+             "predicts to fit; or what else held the memory); sample.py, evaluate.py: a smaller batch_size"),
     ExitCode(EXIT_TERMINATED, "EXIT_TERMINATED",
              "stopped by SIGTERM (scancel, preemption, kill): a resume checkpoint was saved at the last finished "
              "step (the message says where); in a Slurm job that was not cancelled the job requeued itself",
@@ -214,10 +223,11 @@ def _check_run_dir(cfg: Any, overrides: list[str]) -> None:
 def refusals(cfg: Any = None) -> Iterator[None]:
     """Around a command's work: bad input, and a write that fails, become one line on stderr and their exit code,
     never a traceback (``ConfigError`` → :data:`EXIT_CONFIG`, ``DataError`` → :data:`EXIT_DATA`, a full disk or
-    another failed write → :data:`EXIT_WRITE`). With ``cfg``, also what Hydra or Lightning refuse while the
+    another failed write → :data:`EXIT_WRITE`, an allocator's failure → :data:`EXIT_MEMORY`). With ``cfg``, also what Hydra or Lightning refuse while the
     command builds its objects from it (:func:`building_refusal`) → :data:`EXIT_CONFIG`. Anything else is a bug:
     its traceback stays."""
     # deferred: python -m voxdiff.cli.exit_codes (slurm/job.sh) prints the table without importing torch
+    from voxdiff.cli.out_of_memory import MemoryStop, is_out_of_memory, one_line
     from voxdiff.data.nifti import DataError
     from voxdiff.errors import ConfigError
     from voxdiff.files import CheckpointWriteError, out_of_space
@@ -234,7 +244,11 @@ def refusals(cfg: Any = None) -> Iterator[None]:
         refuse(EXIT_DATA, "data error", e)
     except CheckpointWriteError as e:
         refuse(EXIT_WRITE, "write failed", e.strerror or e)
+    except MemoryStop as e:
+        refuse(EXIT_MEMORY, "out of memory", e)
     except Exception as e:
+        if is_out_of_memory(e):  # a command's allocator failure (train.py's own report is a MemoryStop)
+            refuse(EXIT_MEMORY, "out of memory", one_line(e))
         if out_of_space(e):  # a full disk met outside voxdiff's own writes (a logger, a cache)
             refuse(EXIT_WRITE, "write failed", f"no space left on the device ({' '.join(str(e).split())})")
         refusal = building_refusal(e, cfg) if cfg is not None else None

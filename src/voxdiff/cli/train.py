@@ -7,8 +7,9 @@ all outputs go to the run directory (``paths.output_dir``): ``checkpoints/``, ``
 
 Exit codes (:mod:`voxdiff.cli.exit_codes`, the README's "Errors and exit codes"): 0 done; 2 refused before
 anything ran (a config value, a checkpoint, the run directory); 3 a NaN/inf loss stopped training; 4 the step does
-not fit the GPU (or the host's memory for a CPU run); 5 the data was refused; 143 SIGTERM (a resume checkpoint was
-saved).
+not fit the GPU (or the host's memory for a CPU run); 5 the data was refused; 6 a write failed; 7 ran out of memory
+after the preflight's check passed (:mod:`voxdiff.cli.out_of_memory`: the phase, the memory measured beside the
+prediction, the last good checkpoint, ``memory_error.json``); 143 SIGTERM (a resume checkpoint was saved).
 """
 
 from __future__ import annotations
@@ -110,13 +111,13 @@ def choose_batch_size(cfg: DictConfig) -> None:
               flush=True)
 
 
-def prepare(cfg: DictConfig, run_dir: Path, spec: RunSpec) -> tuple[str | None, Any]:
+def prepare(cfg: DictConfig, run_dir: Path, spec: RunSpec) -> tuple[str | None, Any, Any]:
     """Everything between a valid config and building the run, in this order: claim the run directory (rank 0:
     lock, no fresh run over checkpoints, stale temp files removed); check the checkpoint to resume from (kind,
     architecture, what changed); the preflight's memory verdict for this machine.
 
     Returns:
-        ``(ckpt_path for trainer.fit, ResumePlan or None)``.
+        ``(ckpt_path for trainer.fit, ResumePlan or None, the preflight's verdict or None)``.
 
     Raises:
         ConfigError: the run directory, or the checkpoint, is refused.
@@ -160,10 +161,11 @@ def prepare(cfg: DictConfig, run_dir: Path, spec: RunSpec) -> tuple[str | None, 
     elif spec.kind == "diffusion":
         print("[voxdiff] memory: not checked (the preflight models trainer.precision bf16-mixed and 32-true)",
               flush=True)
-    return ckpt_path, plan
+    return ckpt_path, plan, verdict
 
 
-def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any = None) -> dict[str, Any]:
+def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any = None,
+        verdict: Any = None) -> dict[str, Any]:
     """Build the data, the system, the logger and the Trainer from a validated config, fit, and report.
 
     Args:
@@ -171,6 +173,12 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
         spec: its run spec (:func:`validate`).
         ckpt_path: the checkpoint to resume from (:func:`prepare`), or None.
         plan: what :func:`voxdiff.lightning.resume.check_resume` found, printed before the fit.
+        verdict: the preflight's verdict on the run (:func:`prepare`), which a memory stop compares with.
+
+    Raises:
+        NonFiniteLossError: a NaN/inf loss or gradient norm; the message names the last good checkpoint.
+        MemoryStop: the run ran out of memory (:mod:`voxdiff.cli.out_of_memory`; its record written to the run
+            directory first).
 
     Returns:
         ``{"run_dir", "metrics", "last_checkpoint", "best_checkpoint"}`` (metrics as floats).
@@ -180,7 +188,8 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     import torch
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from voxdiff.lightning.callbacks import CheckpointPathsInside, ConfigInCheckpoint
+    from voxdiff.cli.out_of_memory import Predicted, is_out_of_memory, memory_stop, write_record
+    from voxdiff.lightning.callbacks import CheckpointPathsInside, ConfigInCheckpoint, FailurePoint
     from voxdiff.lightning.diffusion import NonFiniteLossError
     from voxdiff.lightning.preemption import SaveOnSigterm
     from voxdiff.lightning.resume import FollowCurrentOptimizer
@@ -203,8 +212,9 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     logger = instantiate_loggers(cfg.get("logger"))
     record = {k: plain(cfg[k]) for k in cfg if k != "hydra"}  # the resolved config, for sample.py and resumes
     on_sigterm = SaveOnSigterm()
+    failure = FailurePoint()
     callbacks = [*instantiate_callbacks(cfg.get("callbacks")), ConfigInCheckpoint(record), CheckpointPathsInside(),
-                 on_sigterm]
+                 on_sigterm, failure]
     if ckpt_path is not None:
         callbacks.append(FollowCurrentOptimizer())
     trainer = build_trainer(cfg.trainer, callbacks=callbacks, logger=logger)
@@ -224,10 +234,23 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     try:
         trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     except NonFiniteLossError as e:
-        last = [p for c in trainer.checkpoint_callbacks
-                if (p := getattr(c, "last_model_path", "")) and Path(p).is_file()]  # a failed write leaves the path
-        e.args = (f"{e}. The last good checkpoint: {last[0] if last else 'none was written yet'}",)
+        last = last_checkpoint(trainer)
+        e.args = (f"{e}. The last good checkpoint: {last or 'none was written yet'}",)
         raise
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        device = trainer.strategy.root_device
+        measured = ({k: int(getattr(torch.cuda, k)(device)) for k in ("max_memory_allocated", "max_memory_reserved")}
+                    if device.type == "cuda" else None)
+        stop = memory_stop(e, phase=failure.phase or "training", step=int(failure.step or 0),
+                           epoch=int(failure.epoch or 0), batch_size=int(cfg.data.batch_size),
+                           checkpointing=spec.unet.gradient_checkpointing if spec.unet is not None else None,
+                           predicted=Predicted.of(verdict), last_checkpoint=last_checkpoint(trainer),
+                           measured=measured)
+        path = write_record(stop, run_dir, process_rank())
+        stop.args = (f"{stop}. The measurements: {path}",)
+        raise stop from e
     except SIGTERMException as e:
         e.report = on_sigterm.report(run_dir.resolve())  # type: ignore[attr-defined]
         raise
@@ -251,6 +274,14 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     return report
 
 
+def last_checkpoint(trainer: Any) -> str | None:
+    """The newest checkpoint a checkpoint callback of ``trainer`` wrote and that is on disk (a failed write
+    leaves the path behind), or None."""
+    last = [p for c in trainer.checkpoint_callbacks
+            if (p := getattr(c, "last_model_path", "")) and Path(p).is_file()]
+    return last[0] if last else None
+
+
 def _exit(code: int, message: str, prefix: str = "config error") -> NoReturn:
     print(f"[voxdiff] {prefix}: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
@@ -271,11 +302,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 if batch_size_is_auto(cfg):
                     choose_batch_size(cfg)
                 spec = validate(cfg)
-                ckpt_path, plan = prepare(cfg, run_dir, spec)
+                ckpt_path, plan, verdict = prepare(cfg, run_dir, spec)
             except DoesNotFit as e:
                 _exit(EXIT_NO_FIT, str(e), prefix="memory")
             try:
-                return run(cfg, spec, ckpt_path, plan)
+                return run(cfg, spec, ckpt_path, plan, verdict)
             except NonFiniteLossError as e:
                 _exit(EXIT_NONFINITE, str(e), prefix="training stopped")
             except SIGTERMException as e:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from voxdiff.files import atomic_torch_save
 from voxdiff.lightning.callbacks import (
     ConfigInCheckpoint,
+    ExhaustMemory,
+    FailurePoint,
     HoldAtStep,
     LastCheckpoint,
     PoisonBatch,
@@ -23,6 +25,8 @@ __all__ = [
     "AtomicCheckpointIO",
     "ConfigInCheckpoint",
     "DiffusionSystem",
+    "ExhaustMemory",
+    "FailurePoint",
     "HoldAtStep",
     "LastCheckpoint",
     "NonFiniteLossError",

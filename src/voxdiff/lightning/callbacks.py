@@ -274,3 +274,96 @@ class HoldAtStep(L.Callback):
                 raise TimeoutError(f"held at step {self.at_step} for {self.timeout_s} s: nothing created "
                                    f"{self.release_file}")
             time.sleep(0.05)
+
+
+#: Lightning's stages (``trainer.state.stage``) as a run's phases are named (the preflight's, and train.py's)
+PHASES = {"train": "training", "validate": "validation", "sanity_check": "sanity check"}
+
+
+class FailurePoint(L.Callback):
+    """Where a fit failed, read by ``train.py`` after ``trainer.fit`` raised: Lightning resets its stage before the
+    exception reaches the caller, so the phase is taken in ``on_exception``, which it calls first.
+
+    Attributes (None until a failure): ``phase`` (``training``, ``validation``, ``sanity check``, or ``sampling``
+    while the system writes samples: its ``sampling_now``), ``step`` (``trainer.global_step``), ``epoch``.
+    """
+
+    def __init__(self) -> None:
+        self.phase: str | None = None
+        self.step: int | None = None
+        self.epoch: int | None = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        stage = getattr(trainer.state.stage, "value", None)
+        self.phase = ("sampling" if getattr(pl_module, "sampling_now", False)
+                      else PHASES.get(stage, str(stage or "setup")))
+        self.step, self.epoch = trainer.global_step, trainer.current_epoch
+
+
+def _allocator_size(gib: float) -> str:
+    """A size as PyTorch's allocator messages write it (``c10::CachingAllocator::format_size``): bytes below a
+    KiB, else KiB, MiB or GiB with two decimals."""
+    n = gib * 2**30
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} bytes"
+
+
+class ExhaustMemory(L.Callback):
+    """Fault injection: the allocator's failure at one step of one phase, as PyTorch raises it
+    (``torch.OutOfMemoryError`` with the CUDA caching allocator's message), so that a test sees what ``train.py``
+    does when a run runs out of memory after the preflight said it fits.
+
+    ``+callbacks.oom._target_=voxdiff.lightning.callbacks.ExhaustMemory +callbacks.oom.at_step=5
+    +callbacks.oom.phase=validation +callbacks.oom.allocated_gib=80``
+
+    Args:
+        at_step: the ``trainer.global_step`` at (or, for ``sampling``, from) which it fails.
+        phase: ``training`` (the start of that step's batch), ``validation`` (a validation batch) or ``sampling``
+            (the system's ``generate`` while it writes samples).
+        allocated_gib, requested_gib, capacity_gib, free_gib, unallocated_gib: the figures of the message.
+        others_gib: memory of another process on the device (0: none named).
+    """
+
+    def __init__(self, at_step: int, phase: str = "training", allocated_gib: float = 76.0,
+                 requested_gib: float = 2.0, capacity_gib: float = 79.19, free_gib: float = 0.5,
+                 unallocated_gib: float = 0.3, others_gib: float = 0.0) -> None:
+        integer("at_step", at_step, minimum=0, example=1)
+        if phase not in ("training", "validation", "sampling"):
+            raise ValueError(f"phase={phase!r}: one of training, validation, sampling")
+        self.at_step, self.phase = at_step, phase
+        size = _allocator_size
+        others = f"Process 4242 has {size(others_gib)} memory in use. " if others_gib else ""
+        self.message = (
+            f"CUDA out of memory. Tried to allocate {size(requested_gib)}. GPU 0 has a total capacity of "
+            f"{size(capacity_gib)} of which {size(free_gib)} is free. {others}Including non-PyTorch memory, "
+            f"this process has {size(allocated_gib + unallocated_gib + 0.5)} memory in use. Of the allocated "
+            f"memory {size(allocated_gib)} is allocated by PyTorch, and {size(unallocated_gib)} is reserved by "
+            "PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+    def _fail(self) -> None:
+        raise torch.OutOfMemoryError(self.message)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.phase == "training" and trainer.global_step == self.at_step:
+            self._fail()
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self.phase == "validation" and trainer.global_step == self.at_step and not trainer.sanity_checking:
+            self._fail()
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.phase != "sampling":
+            return
+        generate = pl_module.generate
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            if trainer.global_step >= self.at_step and getattr(pl_module, "sampling_now", False):
+                self._fail()
+            return generate(*args, **kwargs)
+
+        pl_module.generate = failing  # type: ignore[method-assign]

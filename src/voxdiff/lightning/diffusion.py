@@ -159,6 +159,7 @@ class DiffusionSystem(L.LightningModule):
                               compile=compiled)
         self._val_cache: list[dict[str, Any]] = []
         self._last_sampled_step: int | None = None
+        self.sampling_now = False  # True while write_samples samples, and after it raised (FailurePoint)
         self._pending_rng_states: list[dict[str, Any]] | None = None
 
     @property
@@ -372,8 +373,12 @@ class DiffusionSystem(L.LightningModule):
         images = None if self._val_cache[0]["image"] is None else torch.cat([c["image"] for c in self._val_cache])
         covariates = (torch.cat([c["covariates"] for c in self._val_cache])
                       if self._val_cache[0]["covariates"] is not None else None)  # (B, K): the subjects' own
+        # the phase a failure is reported in (voxdiff.lightning.callbacks.FailurePoint, called after the exception
+        # has left this frame): left True when sampling raises
+        self.sampling_now = True
         with self.trainer.precision_plugin.forward_context():
             generated = self.generate(masks, generator=self._generator(1_000_000), covariates=covariates).cpu()
+        self.sampling_now = False
         if not self.trainer.is_global_zero:
             return []
         values = None if covariates is None else [self.covariate_encoding.values(v) for v in covariates]

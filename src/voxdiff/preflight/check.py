@@ -87,6 +87,7 @@ class PreflightResult:
     world_size: int = 1
     per_gpu_peak_gib: float = 0.0  # predicted max_memory_allocated of one GPU (one rank of DDP/FSDP)
     need_gib: float = 0.0  # per_gpu_peak * (1 + margin) + CUDA context
+    margin: float = DEFAULT_SAFETY_MARGIN  # the safety margin need_gib was computed with
     budget_gib: float = GPUS[DEFAULT_GPU].total_gib
     budget_source: str = "default"
     gpu: GpuSpec | None = None  # the GPU predicted for (voxdiff.run.gpus.resolve_gpu)
@@ -198,6 +199,7 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     result.budget_gib, result.budget_source = gpu_budget_gib(run)
     if run.preflight.safety_margin is not None:
         margin = run.preflight.safety_margin
+    result.margin = margin
     if run.kind == "stage1":
         return _stage1_preflight(cfg, run, result, margin)
     batch = run.batch
