@@ -6,12 +6,14 @@ training and validation (a VQ-VAE stage 1) — beside the preflight's prediction
 Each experiment runs in its own process: ``trainer.fit`` of the system as ``train.py`` builds it (the config's
 defaults on this device, the overrides given), on a random batch in pinned host memory, for ``--steps`` training
 steps and then one validation epoch of one batch; a diffusion system's validation epoch ends by sampling its
-``system.sampling.num_masks`` masks (``every_n_epochs=1``, as every tenth epoch of a real run does). A callback
-resets ``torch.cuda`` peak statistics at each phase's start and reads ``max_memory_allocated()`` and
-``max_memory_reserved()`` at its end (``measured_<phase>``, ``measured_reserved_<phase>``):
+``system.sampling.num_masks`` masks (``every_n_epochs=1``, as every tenth epoch of a real run does). The peaks are
+those every ``train.py`` run on a GPU measures (:class:`voxdiff.lightning.callbacks.PhasePeaks`: the caching
+allocator's ``max_memory_allocated()`` and ``max_memory_reserved()`` between the hooks that bound each phase;
+``measured_<phase>``, ``measured_reserved_<phase>``):
 
-* ``training``: the largest peak of steps 2..``--steps`` (the optimizer state exists; the steady step);
-* ``validation``: from the validation epoch's start (the EMA swap included) to its last batch's end;
+* ``training_step1``: the first step; ``training``: the largest peak of steps 2..``--steps`` (the optimizer state
+  exists; the steady step);
+* ``validation``: from the validation epoch's start (the EMA swap included) to its end;
 * ``sampling``: from there to the validation's end (the masks encoded, the sampler's loop, decoding, the files).
 
 The prediction is :func:`voxdiff.preflight.memory.predict_phases` (diffusion) or
@@ -69,10 +71,10 @@ def random_batch(cfg: Any, system: Any) -> dict[str, Any]:
 def measure(cfg: Any, steps: int) -> dict[str, Any]:
     """Run ``steps`` training steps and one validation epoch; the peak of each phase, GiB."""
     import lightning as L
-    import torch
     from hydra.utils import instantiate
     from torch.utils.data import DataLoader, Dataset
 
+    from voxdiff.lightning.callbacks import PhasePeaks
     from voxdiff.lightning.trainer import build_trainer, instantiate_callbacks, instantiate_loggers
 
     L.seed_everything(int(cfg.seed))
@@ -89,39 +91,15 @@ def measure(cfg: Any, steps: int) -> dict[str, Any]:
         def __getitem__(self, i: int) -> dict[str, Any]:
             return host
 
-    peaks: dict[str, float] = {}
-
-    def read(phase: str) -> None:
-        torch.cuda.synchronize()
-        peaks[phase] = max(peaks.get(phase, 0.0), torch.cuda.max_memory_allocated() / GiB)
-        peaks[f"reserved_{phase}"] = max(peaks.get(f"reserved_{phase}", 0.0), torch.cuda.max_memory_reserved() / GiB)
-        torch.cuda.reset_peak_memory_stats()
-
-    class Peaks(L.Callback):
-        def on_train_batch_start(self, trainer, module, batch, i) -> None:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, i) -> None:
-            read("training" if i > 0 else "training_step1")
-
-        def on_validation_epoch_start(self, trainer, module) -> None:  # before the system's own (the EMA swap)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-
-        def on_validation_batch_end(self, trainer, module, outputs, batch, i, dataloader_idx=0) -> None:
-            read("validation")
-
-        def on_validation_end(self, trainer, module) -> None:  # after the system's epoch end (the samples)
-            read("sampling")
-
-    callbacks = [*instantiate_callbacks(cfg.callbacks), Peaks()]
+    peaks = PhasePeaks()  # train.py's own measurement of each phase (voxdiff.lightning.callbacks)
+    callbacks = [*instantiate_callbacks(cfg.callbacks), peaks]
     trainer = build_trainer(cfg.trainer, callbacks=callbacks, logger=instantiate_loggers(cfg.logger),
                             max_epochs=1, max_steps=-1, limit_val_batches=1, num_sanity_val_steps=0,
                             check_val_every_n_epoch=1, enable_model_summary=False)
     trainer.fit(system, train_dataloaders=DataLoader(Same(steps), batch_size=None),
                 val_dataloaders=DataLoader(Same(1), batch_size=None))
-    return peaks
+    return {(f"reserved_{k.removesuffix('_reserved')}" if k.endswith("_reserved") else k): v
+            for k, v in peaks.record()["measured_gib"].items()}
 
 
 def predicted(cfg: Any) -> dict[str, Any]:

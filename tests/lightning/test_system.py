@@ -260,3 +260,60 @@ def test_running_out_of_memory_stops_with_the_last_good_checkpoint_and_the_measu
     if phase == "training":  # the fix as given: the run resumes from last.ckpt and trains to its end
         done = train(_cfg(tmp_path, *base, "ckpt_path=auto", "+preflight.safety_margin=0.50"))
         assert _load(done["last_checkpoint"])["global_step"] == 7
+
+
+def test_every_run_measures_each_phase_against_the_prediction(tmp_path, monkeypatch, capsys):
+    """voxdiff.lightning.callbacks.PhasePeaks in train.py: each phase's peak is what the allocator reached between
+    the hooks that bound it, with Lightning's real hook order. A stand-in allocator (this CPU has no peak statistics;
+    on a GPU they are torch.cuda's) records a level per training step (100 + step), per validation batch (50) and
+    per sampling call (70, 71, ...): the first step, the steady steps, validation and sampling (each epoch's and the
+    final one) come out apart, the sanity check nowhere, and the figures are printed and written beside the
+    preflight's prediction."""
+    import json
+
+    from voxdiff.lightning.callbacks import PhasePeaks
+
+    class Allocator:
+        peak, calls = 0, 0
+
+        def touch(self, n: int) -> None:
+            self.peak = max(self.peak, n)
+
+        def read(self):
+            return self.peak, self.peak + 1  # (allocated, reserved)
+
+        def reset(self) -> None:
+            self.peak = 0
+
+    fake = Allocator()
+    monkeypatch.setattr(PhasePeaks, "setup", lambda self, *a, **k: setattr(self, "stats", (fake.read, fake.reset)))
+    training_step, validation_step, generate = (DiffusionSystem.training_step, DiffusionSystem.validation_step,
+                                                DiffusionSystem.generate)
+
+    def sample(self, *a, **k):
+        fake.touch(70 + fake.calls)
+        fake.calls += 1
+        return generate(self, *a, **k)
+
+    monkeypatch.setattr(DiffusionSystem, "training_step",
+                        lambda self, b, i: fake.touch(100 + self.global_step) or training_step(self, b, i))
+    monkeypatch.setattr(DiffusionSystem, "validation_step",
+                        lambda self, b, i: fake.touch(50) or validation_step(self, b, i))
+    monkeypatch.setattr(DiffusionSystem, "generate", sample)
+    # batch 1: 3 steps an epoch; validation and samples after steps 3 and 6, the final samples after step 7
+    train(_cfg(tmp_path, "data.batch_size=1", "trainer.max_steps=7", "system.sampling.every_n_epochs=1",
+               "system.sampling.final=true", "trainer.num_sanity_val_steps=1"))
+    record = json.loads((tmp_path / "memory_measured.json").read_text())
+    measured = record["measured_gib"]
+    assert {k: round(v * 2**30) for k, v in measured.items() if not k.endswith("_reserved")} == {
+        "training_step1": 100, "training": 106, "validation": 50, "sampling": 72}
+    assert round(measured["sampling_reserved"] * 2**30) == 73
+    assert fake.calls == 3  # two validations' samples and the final ones
+    # the prediction beside it: this CPU run's verdict predicts the training step (validation and sampling are
+    # predicted for a GPU run), and the error is (predicted - measured) / measured
+    predicted = record["predicted_gib"]["training"]
+    assert predicted > 0 and record["error"]["training"] == pytest.approx((predicted - measured["training"])
+                                                                          / measured["training"])
+    assert "validation" not in record["error"]
+    out = capsys.readouterr().out
+    assert "[voxdiff] memory measured on cpu: training_step1 " in out and f"(predicted {predicted:.2f}, " in out

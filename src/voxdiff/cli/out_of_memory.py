@@ -156,12 +156,11 @@ class Predicted:
         """From a :class:`~voxdiff.preflight.check.PreflightResult` (None: the run was not predicted)."""
         if verdict is None or verdict.report is None:
             return None
-        phases = verdict.phases
+        figures = verdict.predicted_phases_gib()
         return cls(float(verdict.per_gpu_peak_gib), str(verdict.peak_phase), float(verdict.need_gib),
                    float(verdict.budget_gib), float(verdict.margin),
-                   {} if phases is None else {p: getattr(phases, p) / GiB
-                                              for p in ("training", "validation", "sampling")},
-                   verdict.report.graph_pool_bytes / GiB)
+                   {p: figures[p] for p in ("training", "validation", "sampling") if p in figures},
+                   figures.get("graph_pool", 0.0))
 
 
 class MemoryStop(Exception):

@@ -189,7 +189,7 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from voxdiff.cli.out_of_memory import Predicted, is_out_of_memory, memory_stop, write_record
-    from voxdiff.lightning.callbacks import CheckpointPathsInside, ConfigInCheckpoint, FailurePoint
+    from voxdiff.lightning.callbacks import CheckpointPathsInside, ConfigInCheckpoint, FailurePoint, PhasePeaks
     from voxdiff.lightning.diffusion import NonFiniteLossError
     from voxdiff.lightning.preemption import SaveOnSigterm
     from voxdiff.lightning.resume import FollowCurrentOptimizer
@@ -213,8 +213,9 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     record = {k: plain(cfg[k]) for k in cfg if k != "hydra"}  # the resolved config, for sample.py and resumes
     on_sigterm = SaveOnSigterm()
     failure = FailurePoint()
+    peaks = PhasePeaks(verdict.predicted_phases_gib() if verdict is not None else None, run_dir)  # on a GPU
     callbacks = [*instantiate_callbacks(cfg.get("callbacks")), ConfigInCheckpoint(record), CheckpointPathsInside(),
-                 on_sigterm, failure]
+                 on_sigterm, failure, peaks]
     if ckpt_path is not None:
         callbacks.append(FollowCurrentOptimizer())
     trainer = build_trainer(cfg.trainer, callbacks=callbacks, logger=logger)
@@ -248,6 +249,8 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
                            checkpointing=spec.unet.gradient_checkpointing if spec.unet is not None else None,
                            predicted=Predicted.of(verdict), last_checkpoint=last_checkpoint(trainer),
                            measured=measured)
+        if peaks.peaks:  # the phases measured before the failure (on a GPU)
+            stop.record["phases_measured"] = peaks.record()
         path = write_record(stop, run_dir, process_rank())
         stop.args = (f"{stop}. The measurements: {path}",)
         raise stop from e

@@ -5,6 +5,7 @@ and fault injectors for tests (a NaN batch, a hold at a step).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -21,6 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from voxdiff.checkpoint import CONFIG_KEY, guide_checkpoint_name  # CONFIG_KEY: the run's resolved config
 from voxdiff.diffusion.guidance import check_guide_step
 from voxdiff.errors import integer
+from voxdiff.files import atomic_write
 from voxdiff.run.spec import check_last_every, check_steps_window
 
 log = logging.getLogger(__name__)
@@ -367,3 +369,145 @@ class ExhaustMemory(L.Callback):
             return generate(*args, **kwargs)
 
         pl_module.generate = failing  # type: ignore[method-assign]
+
+
+#: what :class:`PhasePeaks` measures, in the order it reports them
+MEASURED_PHASES = ("training_step1", "training", "validation", "sampling")
+
+
+class PhasePeaks(L.Callback):
+    """The peak device memory of each phase of a fit, beside the preflight's prediction: every GPU run of
+    ``train.py`` measures what the preflight predicted for it, prints the two side by side at the end and writes
+    them to ``memory_measured.json`` in the run directory (and ``bench/measure_phases.py`` reads its figures here).
+
+    The caching allocator's peak statistics (``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``) are
+    host-side bookkeeping, updated as the host issues allocations: reading and resetting them never waits for the
+    GPU, so the steady step keeps no host synchronisation. Each phase is the span between two of Lightning's hooks
+    (callbacks run before the system's own hook of the same name):
+
+    * ``training_step1``: the fit's first training step (AdamW's state is created in it);
+    * ``training``: every later training step (the steady step), up to the next validation or the end;
+    * ``validation``: from the validation epoch's start (before the system's EMA swap) to its end, before the
+      system's epoch end;
+    * ``sampling``: from there to the validation's end, when the system wrote samples in between (``write_samples``
+      sets ``_last_sampled_step``), and the final samples after training.
+
+    Lightning's sanity check is not a phase (its peak is discarded). Each phase keeps the largest peak of its
+    spans: ``{phase: (allocated bytes, reserved bytes)}`` in :attr:`peaks`. With CUDA graphs the allocated peak does
+    not see their private pool (the replays allocate nothing); the reserved peak does.
+
+    Args:
+        predicted: the preflight's prediction for this run, GiB: ``training``, ``validation``, ``sampling``
+            (allocated peaks), ``training_reserved`` and ``graph_pool``; what is absent is not compared.
+        out_dir: where ``memory_measured.json`` goes (rank 0's; ``memory_measured.rank<r>.json`` for rank r > 0);
+            None: not written.
+        stats: ``(read, reset)``: ``read()`` returns the peaks ``(allocated, reserved)`` since the last
+            ``reset()``. Default: ``torch.cuda``'s of the strategy's device; on a device without them (the CPU)
+            nothing is measured.
+    """
+
+    def __init__(self, predicted: Mapping[str, float] | None = None, out_dir: str | Path | None = None,
+                 stats: tuple[Any, Any] | None = None) -> None:
+        self.predicted = dict(predicted or {})
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.stats = stats
+        self.peaks: dict[str, tuple[int, int]] = {}
+        self._first_step_done = False
+        self._sampled_at: int | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        device = trainer.strategy.root_device
+        if self.stats is None and device.type == "cuda":
+            self.stats = (lambda: (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)),
+                          lambda: torch.cuda.reset_peak_memory_stats(device))
+
+    def _close(self, phase: str | None) -> None:
+        """The span that ends here belongs to ``phase`` (None: to none); the next one starts."""
+        if self.stats is None:
+            return
+        read, reset = self.stats
+        if phase is not None:
+            allocated, reserved = (int(v) for v in read())
+            old = self.peaks.get(phase, (0, 0))
+            self.peaks[phase] = (max(old[0], allocated), max(old[1], reserved))
+        reset()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._close(None)  # what came before (the sanity check, loading) is no phase
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self._first_step_done:
+            self._first_step_done = True
+            self._close("training_step1")
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._close(None if trainer.sanity_checking else "training")
+        self._sampled_at = getattr(pl_module, "_last_sampled_step", None)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._close(None if trainer.sanity_checking else "validation")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        sampled = getattr(pl_module, "_last_sampled_step", None) != self._sampled_at
+        self._close("sampling" if sampled and not trainer.sanity_checking else None)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # before the system's own on_train_end, which may write the final samples
+        self._close("training" if self._first_step_done else None)
+        self._sampled_at = getattr(pl_module, "_last_sampled_step", None)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if getattr(pl_module, "_last_sampled_step", None) != self._sampled_at:
+            self._close("sampling")
+        if not self.peaks:
+            return
+        record = self.record()
+        if trainer.is_global_zero:
+            print(f"[voxdiff] memory measured on {trainer.strategy.root_device}: {self.summary()}", flush=True)
+            for logger in trainer.loggers:
+                logger.log_metrics({f"memory/{k}_gib": v for k, v in record["measured_gib"].items()},
+                                   step=trainer.global_step)
+        if self.out_dir is not None:
+            rank = trainer.global_rank
+            name = "memory_measured.json" if rank == 0 else f"memory_measured.rank{rank}.json"
+            text = json.dumps(record, indent=1) + "\n"
+            atomic_write(self.out_dir / name, lambda f: f.write(text.encode()))
+
+    def record(self) -> dict[str, Any]:
+        """The measured peaks (GiB: ``<phase>`` allocated, ``<phase>_reserved``), the prediction, and the error of
+        each predicted phase (``(predicted - measured) / measured``): the allocated peak's, and with CUDA graphs
+        (a ``graph_pool`` predicted) the training step's reserved one against ``training_reserved``."""
+        measured: dict[str, float] = {}
+        for phase in MEASURED_PHASES:
+            if phase in self.peaks:
+                allocated, reserved = self.peaks[phase]
+                measured[phase], measured[f"{phase}_reserved"] = allocated / 2**30, reserved / 2**30
+        errors = {}
+        graphs = bool(self.predicted.get("graph_pool"))
+        for phase in ("training", "validation", "sampling"):
+            if phase in measured and phase in self.predicted and measured[phase] > 0 and not (
+                    graphs and phase == "training"):
+                errors[phase] = (self.predicted[phase] - measured[phase]) / measured[phase]
+        if graphs and "training_reserved" in measured and self.predicted.get("training_reserved"):
+            errors["training_reserved"] = ((self.predicted["training_reserved"] - measured["training_reserved"])
+                                           / measured["training_reserved"])
+        return {"measured_gib": measured, "predicted_gib": self.predicted, "error": errors}
+
+    def summary(self) -> str:
+        """One line: each phase's measured peaks, and the prediction and its error where there is one."""
+        record = self.record()
+        measured, errors = record["measured_gib"], record["error"]
+        parts = []
+        for phase in MEASURED_PHASES:
+            if phase not in measured:
+                continue
+            text = f"{phase} {measured[phase]:.2f} GiB allocated"
+            if phase in errors:
+                text += f" (predicted {self.predicted[phase]:.2f}, {errors[phase]:+.1%})"
+            text += f", {measured[f'{phase}_reserved']:.2f} reserved"
+            if phase == "training" and "training_reserved" in errors:
+                text += (f" (predicted {self.predicted['training_reserved']:.2f} with the CUDA graphs' pool, "
+                         f"{errors['training_reserved']:+.1%})")
+            parts.append(text)
+        return "; ".join(parts)

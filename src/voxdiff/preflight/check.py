@@ -103,6 +103,19 @@ class PreflightResult:
     peak_phase: str = "training"  # the phase whose peak is the run's (the verdict is on it)
     needs: RunNeeds | None = None  # disk, host memory, time (voxdiff.preflight.resources)
 
+    def predicted_phases_gib(self) -> dict[str, float]:
+        """The predicted peaks a run's measurement is held against (GiB; :class:`voxdiff.lightning.callbacks.
+        PhasePeaks`): ``training`` (allocated) and ``training_reserved``, ``graph_pool`` with CUDA graphs, and
+        ``validation`` and ``sampling`` (allocated) where predicted. Empty for a run not predicted."""
+        if self.report is None:
+            return {}
+        out = {"training": self.report.peak_allocated / GiB, "training_reserved": self.report.estimated_reserved / GiB}
+        if self.report.graph_pool_bytes:
+            out["graph_pool"] = self.report.graph_pool_bytes / GiB
+        if self.phases is not None:
+            out["validation"], out["sampling"] = self.phases.validation / GiB, self.phases.sampling / GiB
+        return out
+
     @property
     def misfits(self) -> tuple[ConfigError, ...]:
         """What besides GPU memory does not fit (disk, host memory), each naming the key, the value and a fix."""
