@@ -76,6 +76,17 @@ def test_a_compiled_run_s_candidates_are_predicted_as_it_will_step_as_train_py_p
     assert trains.best.settings == report.best.settings
 
 
+def test_each_candidate_is_reported_as_it_is_predicted(tiny_cfg):
+    lines = []
+    report = autofit(tiny_cfg(SUBJECTS, "data.batch_size=auto", "preflight.max_batch_size=4"), verdict=fast,
+                     progress=lines.append)
+    tried = sorted({(c.batch_size, c.checkpointing) for c in report.candidates})
+    assert len(lines) == len(tried)  # one line per verdict (the EMA twins and compile offers share it)
+    for (batch, policy), line in zip(tried, sorted(lines), strict=True):
+        assert line.startswith(f"batch {batch}, gradient checkpointing {policy}: needs ")
+        assert "fits" in line and "upper bound (eager) step, predicted in " in line
+
+
 def test_an_effective_batch_is_held_with_gradient_accumulation(tiny_cfg):
     report = autofit(tiny_cfg(SUBJECTS, "data.batch_size=auto", "+preflight.effective_batch=8",
                               "preflight.max_batch_size=4"), verdict=fast)

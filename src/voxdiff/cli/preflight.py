@@ -45,7 +45,7 @@ def _check(cfg: DictConfig, name: str, single: bool) -> PreflightResult:
     configuration checked."""
     auto = batch_size_is_auto(cfg)
     if auto or (single and bool(cfg.preflight.get("autofit", False))):
-        report = autofit(cfg)
+        report = autofit(cfg, progress=lambda line: print(f"data.batch_size=auto: {line}", flush=True))
         print(report.table() + "\n")
         if auto and report.best is None:  # the verdict on batch 1, with its fixes
             print("data.batch_size=auto: no candidate fits; checking batch 1")

@@ -100,7 +100,9 @@ def choose_batch_size(cfg: DictConfig) -> None:
     from voxdiff.preflight.check import training_verdict, with_overrides
 
     spec = validate(with_overrides(cfg, {"data.batch_size": 1}))
-    report = autofit(cfg, verdict=lambda c: training_verdict(c, suggest=False), run=spec)
+    report = autofit(cfg, verdict=lambda c: training_verdict(c, suggest=False), run=spec,
+                     progress=(lambda line: print(f"[voxdiff] data.batch_size=auto: {line}", flush=True))
+                     if process_rank() == 0 else None)
     chosen = dict(report.best.settings) if report.best is not None else {"data.batch_size": 1}
     for key, value in chosen.items():
         OmegaConf.update(cfg, key, value, merge=False, force_add=True)

@@ -52,6 +52,7 @@ choice took smaller batches than ``train.py``'s.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -154,7 +155,8 @@ class AutofitReport:
 Verdict = Callable[[DictConfig], PreflightResult]
 
 
-def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None = None) -> AutofitReport:
+def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None = None,
+            progress: Callable[[str], None] | None = None) -> AutofitReport:
     """Predict the candidates of ``cfg`` and choose the fastest that fits (see the module docstring).
 
     Args:
@@ -163,6 +165,9 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
             run takes (``run_preflight(..., suggest=False)``: compiled where the run compiles; ``train.py`` passes
             its own, against the machine it runs on).
         run: the run spec of ``cfg`` at batch 1, for its GPU and GPU count (default: resolved for a GPU).
+        progress: called with one line per candidate predicted (its batch, checkpointing, need against the budget,
+            the step it was predicted as and the seconds it took): a compiled trace takes 15-20 s the first time,
+            and ``train.py`` and ``preflight.py`` print each line as it comes, so a long choice is not a silent one.
 
     Returns:
         The report; ``best`` is None when no candidate fits (the notes say what was tried).
@@ -211,9 +216,15 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
             if options.effective_batch is not None:
                 overrides["trainer.accumulate_grad_batches"] = options.effective_batch // (b * world)
             candidate = with_overrides(cfg, overrides)
+            started = time.monotonic()
             result = verdict(candidate)
             if result.problems:
                 raise result.problems[0]
+            if progress is not None:
+                step = result.report.model_step if result.report is not None else "not traced"
+                progress(f"batch {b}, gradient checkpointing {policy}: needs {result.need_gib:.1f} GiB of "
+                         f"{result.budget_gib:.1f} ({'fits' if result.fits else 'does not fit'}; {step} step, "
+                         f"predicted in {time.monotonic() - started:.0f} s)")
             if report is None:
                 report = AutofitReport(result.name, run.gpu.name if on_gpu else "the CPU", result.budget_gib,
                                        result.budget_source,
