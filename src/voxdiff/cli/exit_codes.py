@@ -223,9 +223,9 @@ def _check_run_dir(cfg: Any, overrides: list[str]) -> None:
 def refusals(cfg: Any = None) -> Iterator[None]:
     """Around a command's work: bad input, and a write that fails, become one line on stderr and their exit code,
     never a traceback (``ConfigError`` → :data:`EXIT_CONFIG`, ``DataError`` → :data:`EXIT_DATA`, a full disk or
-    another failed write → :data:`EXIT_WRITE`, an allocator's failure → :data:`EXIT_MEMORY`). With ``cfg``, also what Hydra or Lightning refuse while the
-    command builds its objects from it (:func:`building_refusal`) → :data:`EXIT_CONFIG`. Anything else is a bug:
-    its traceback stays."""
+    another failed write → :data:`EXIT_WRITE`, an allocator's failure → :data:`EXIT_MEMORY`). With ``cfg``, also
+    what Hydra or Lightning refuse while the command builds its objects from it (:func:`building_refusal`) →
+    :data:`EXIT_CONFIG`. Anything else is a bug: its traceback stays."""
     # deferred: python -m voxdiff.cli.exit_codes (slurm/job.sh) prints the table without importing torch
     from voxdiff.cli.out_of_memory import MemoryStop, is_out_of_memory, one_line
     from voxdiff.data.nifti import DataError

@@ -284,7 +284,7 @@ def last_checkpoint(trainer: Any) -> str | None:
     leaves the path behind), or None."""
     last = [p for c in trainer.checkpoint_callbacks
             if (p := getattr(c, "last_model_path", "")) and Path(p).is_file()]
-    return last[0] if last else None
+    return max(last, key=lambda p: Path(p).stat().st_mtime_ns) if last else None
 
 
 def _exit(code: int, message: str, prefix: str = "config error") -> NoReturn:

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
 from voxdiff.checkpoint import CONFIG_KEY, guide_checkpoint_name  # CONFIG_KEY: the run's resolved config
 from voxdiff.diffusion.guidance import check_guide_step
-from voxdiff.errors import integer
+from voxdiff.errors import integer, one_of
 from voxdiff.files import atomic_write
 from voxdiff.run.spec import check_last_every, check_steps_window
 
@@ -332,8 +332,7 @@ class ExhaustMemory(L.Callback):
                  requested_gib: float = 2.0, capacity_gib: float = 79.19, free_gib: float = 0.5,
                  unallocated_gib: float = 0.3, others_gib: float = 0.0) -> None:
         integer("at_step", at_step, minimum=0, example=1)
-        if phase not in ("training", "validation", "sampling"):
-            raise ValueError(f"phase={phase!r}: one of training, validation, sampling")
+        one_of("phase", phase, ("training", "validation", "sampling"))
         self.at_step, self.phase = at_step, phase
         size = _allocator_size
         others = f"Process 4242 has {size(others_gib)} memory in use. " if others_gib else ""
