@@ -7,7 +7,7 @@ Each experiment runs in its own process: ``trainer.fit`` of the system as ``trai
 defaults on this device, the overrides given), on a random batch in pinned host memory, for ``--steps`` training
 steps and then one validation epoch of one batch; a diffusion system's validation epoch ends by sampling its
 ``system.sampling.num_masks`` masks (``every_n_epochs=1``, as every tenth epoch of a real run does). The peaks are
-those every ``train.py`` run on a GPU measures (:class:`voxdiff.lightning.callbacks.PhasePeaks`: the caching
+those every ``train.py`` run on a GPU measures (:class:`voxdiff.lightning.callbacks.MeasuredRun`: the caching
 allocator's ``max_memory_allocated()`` and ``max_memory_reserved()`` between the hooks that bound each phase;
 ``measured_<phase>``, ``measured_reserved_<phase>``):
 
@@ -74,7 +74,7 @@ def measure(cfg: Any, steps: int) -> dict[str, Any]:
     from hydra.utils import instantiate
     from torch.utils.data import DataLoader, Dataset
 
-    from voxdiff.lightning.callbacks import PhasePeaks
+    from voxdiff.lightning.callbacks import MeasuredRun
     from voxdiff.lightning.trainer import build_trainer, instantiate_callbacks, instantiate_loggers
 
     L.seed_everything(int(cfg.seed))
@@ -91,7 +91,7 @@ def measure(cfg: Any, steps: int) -> dict[str, Any]:
         def __getitem__(self, i: int) -> dict[str, Any]:
             return host
 
-    peaks = PhasePeaks()  # train.py's own measurement of each phase (voxdiff.lightning.callbacks)
+    peaks = MeasuredRun()  # train.py's own measurement of each phase (voxdiff.lightning.callbacks)
     callbacks = [*instantiate_callbacks(cfg.callbacks), peaks]
     trainer = build_trainer(cfg.trainer, callbacks=callbacks, logger=instantiate_loggers(cfg.logger),
                             max_epochs=1, max_steps=-1, limit_val_batches=1, num_sanity_val_steps=0,
@@ -99,7 +99,7 @@ def measure(cfg: Any, steps: int) -> dict[str, Any]:
     trainer.fit(system, train_dataloaders=DataLoader(Same(steps), batch_size=None),
                 val_dataloaders=DataLoader(Same(1), batch_size=None))
     return {(f"reserved_{k.removesuffix('_reserved')}" if k.endswith("_reserved") else k): v
-            for k, v in peaks.record()["measured_gib"].items()}
+            for k, v in peaks.record()["memory"]["measured_gib"].items()}
 
 
 def predicted(cfg: Any) -> dict[str, Any]:

@@ -262,16 +262,19 @@ def test_running_out_of_memory_stops_with_the_last_good_checkpoint_and_the_measu
         assert _load(done["last_checkpoint"])["global_step"] == 7
 
 
-def test_every_run_measures_each_phase_against_the_prediction(tmp_path, monkeypatch, capsys):
-    """voxdiff.lightning.callbacks.PhasePeaks in train.py: each phase's peak is what the allocator reached between
-    the hooks that bound it, with Lightning's real hook order. A stand-in allocator (this CPU has no peak statistics;
-    on a GPU they are torch.cuda's) records a level per training step (100 + step), per validation batch (50) and
-    per sampling call (70, 71, ...): the first step, the steady steps, validation and sampling (each epoch's and the
-    final one) come out apart, the sanity check nowhere, and the figures are printed and written beside the
-    preflight's prediction."""
-    import json
+def test_every_run_measures_each_phase_and_the_step_against_the_prediction(tmp_path, monkeypatch, capsys):
+    """voxdiff.lightning.callbacks.MeasuredRun in train.py, with Lightning's real hook order.
 
-    from voxdiff.lightning.callbacks import PhasePeaks
+    Memory: each phase's peak is what the allocator reached between the hooks that bound it. A stand-in allocator
+    (this CPU has no peak statistics; on a GPU they are torch.cuda's) records a level per training step (100 +
+    step), per validation batch (50) and per sampling call (70, 71, ...): the first step, the steady steps,
+    validation and sampling (each epoch's and the final one) come out apart, the sanity check nowhere.
+    Time: every training step sleeps 40 ms and every validation batch 1.5 s; the steps after the first three are
+    timed without the validations between them."""
+    import json
+    import time
+
+    from voxdiff.lightning.callbacks import TIMED_AFTER_STEPS, MeasuredRun
 
     class Allocator:
         peak, calls = 0, 0
@@ -286,34 +289,59 @@ def test_every_run_measures_each_phase_against_the_prediction(tmp_path, monkeypa
             self.peak = 0
 
     fake = Allocator()
-    monkeypatch.setattr(PhasePeaks, "setup", lambda self, *a, **k: setattr(self, "stats", (fake.read, fake.reset)))
+    monkeypatch.setattr(MeasuredRun, "setup", lambda self, *a, **k: setattr(self, "stats", (fake.read, fake.reset)))
     training_step, validation_step, generate = (DiffusionSystem.training_step, DiffusionSystem.validation_step,
                                                 DiffusionSystem.generate)
+
+    def step(self, b, i):
+        fake.touch(100 + self.global_step)
+        time.sleep(0.04)
+        return training_step(self, b, i)
+
+    def validate(self, b, i):
+        fake.touch(50)
+        time.sleep(1.5)
+        return validation_step(self, b, i)
 
     def sample(self, *a, **k):
         fake.touch(70 + fake.calls)
         fake.calls += 1
         return generate(self, *a, **k)
 
-    monkeypatch.setattr(DiffusionSystem, "training_step",
-                        lambda self, b, i: fake.touch(100 + self.global_step) or training_step(self, b, i))
-    monkeypatch.setattr(DiffusionSystem, "validation_step",
-                        lambda self, b, i: fake.touch(50) or validation_step(self, b, i))
+    monkeypatch.setattr(DiffusionSystem, "training_step", step)
+    monkeypatch.setattr(DiffusionSystem, "validation_step", validate)
     monkeypatch.setattr(DiffusionSystem, "generate", sample)
     # batch 1: 3 steps an epoch; validation and samples after steps 3 and 6, the final samples after step 7
     train(_cfg(tmp_path, "data.batch_size=1", "trainer.max_steps=7", "system.sampling.every_n_epochs=1",
                "system.sampling.final=true", "trainer.num_sanity_val_steps=1"))
-    record = json.loads((tmp_path / "memory_measured.json").read_text())
-    measured = record["measured_gib"]
+    record = json.loads((tmp_path / "measured.json").read_text())
+    memory = record["memory"]
+    measured = memory["measured_gib"]
     assert {k: round(v * 2**30) for k, v in measured.items() if not k.endswith("_reserved")} == {
         "training_step1": 100, "training": 106, "validation": 50, "sampling": 72}
     assert round(measured["sampling_reserved"] * 2**30) == 73
     assert fake.calls == 3  # two validations' samples and the final ones
     # the prediction beside it: this CPU run's verdict predicts the training step (validation and sampling are
     # predicted for a GPU run), and the error is (predicted - measured) / measured
-    predicted = record["predicted_gib"]["training"]
-    assert predicted > 0 and record["error"]["training"] == pytest.approx((predicted - measured["training"])
+    predicted = memory["predicted_gib"]["training"]
+    assert predicted > 0 and memory["error"]["training"] == pytest.approx((predicted - measured["training"])
                                                                           / measured["training"])
-    assert "validation" not in record["error"]
+    assert "validation" not in memory["error"]
+    # the step: 7 steps, the first 3 not timed; the validation after step 6, counted in, would add 1.5 s / 4
+    timed = record["step_time"]
+    assert timed["steps"] == 7 - TIMED_AFTER_STEPS
+    assert 40 <= timed["measured_ms"] < 40 + 1500 / (7 - TIMED_AFTER_STEPS)
+    assert timed["predicted_ms"] is None and timed["error"] is None  # a CPU run's time is not predicted
     out = capsys.readouterr().out
-    assert "[voxdiff] memory measured on cpu: training_step1 " in out and f"(predicted {predicted:.2f}, " in out
+    assert "[voxdiff] measured on cpu: training_step1 " in out and f"(predicted {predicted:.2f}, " in out
+    assert f"step {timed['measured_ms']:.1f} ms over 4 steps" in out
+
+
+def test_the_measured_step_is_held_against_the_predicted_one():
+    from voxdiff.lightning.callbacks import MeasuredRun
+
+    run = MeasuredRun(predicted_step_ms=30.0)
+    run.timed_s, run.timed_steps = 0.5, 20  # 25 ms a step
+    step = run.record()["step_time"]
+    assert step == {"measured_ms": 25.0, "steps": 20, "predicted_ms": 30.0, "error": pytest.approx(0.2)}
+    assert "step 25.0 ms over 20 steps (predicted 30.0, +20.0%)" in run.summary()

@@ -191,7 +191,7 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from voxdiff.cli.out_of_memory import Predicted, is_out_of_memory, memory_stop, write_record
-    from voxdiff.lightning.callbacks import CheckpointPathsInside, ConfigInCheckpoint, FailurePoint, PhasePeaks
+    from voxdiff.lightning.callbacks import CheckpointPathsInside, ConfigInCheckpoint, FailurePoint, MeasuredRun
     from voxdiff.lightning.diffusion import NonFiniteLossError
     from voxdiff.lightning.preemption import SaveOnSigterm
     from voxdiff.lightning.resume import FollowCurrentOptimizer
@@ -215,9 +215,11 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     record = {k: plain(cfg[k]) for k in cfg if k != "hydra"}  # the resolved config, for sample.py and resumes
     on_sigterm = SaveOnSigterm()
     failure = FailurePoint()
-    peaks = PhasePeaks(verdict.predicted_phases_gib() if verdict is not None else None, run_dir)  # on a GPU
+    step_s = verdict.needs.step_s if verdict is not None and verdict.needs is not None else None
+    measured = MeasuredRun(verdict.predicted_phases_gib() if verdict is not None else None,
+                           step_s * 1e3 if step_s is not None else None, run_dir)
     callbacks = [*instantiate_callbacks(cfg.get("callbacks")), ConfigInCheckpoint(record), CheckpointPathsInside(),
-                 on_sigterm, failure, peaks]
+                 on_sigterm, failure, measured]
     if ckpt_path is not None:
         callbacks.append(FollowCurrentOptimizer())
     trainer = build_trainer(cfg.trainer, callbacks=callbacks, logger=logger)
@@ -244,15 +246,15 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
         if not is_out_of_memory(e):
             raise
         device = trainer.strategy.root_device
-        measured = ({k: int(getattr(torch.cuda, k)(device)) for k in ("max_memory_allocated", "max_memory_reserved")}
-                    if device.type == "cuda" else None)
+        after = ({k: int(getattr(torch.cuda, k)(device)) for k in ("max_memory_allocated", "max_memory_reserved")}
+                 if device.type == "cuda" else None)
         stop = memory_stop(e, phase=failure.phase or "training", step=int(failure.step or 0),
                            epoch=int(failure.epoch or 0), batch_size=int(cfg.data.batch_size),
                            checkpointing=spec.unet.gradient_checkpointing if spec.unet is not None else None,
                            predicted=Predicted.of(verdict), last_checkpoint=last_checkpoint(trainer),
-                           measured=measured)
-        if peaks.peaks:  # the phases measured before the failure (on a GPU)
-            stop.record["phases_measured"] = peaks.record()
+                           measured=after)
+        if measured.peaks:  # the phases measured before the failure (on a GPU)
+            stop.record["phases_measured"] = measured.record()["memory"]
         path = write_record(stop, run_dir, process_rank())
         stop.args = (f"{stop}. The measurements: {path}",)
         raise stop from e

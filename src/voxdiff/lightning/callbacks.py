@@ -370,19 +370,24 @@ class ExhaustMemory(L.Callback):
         pl_module.generate = failing  # type: ignore[method-assign]
 
 
-#: what :class:`PhasePeaks` measures, in the order it reports them
+#: what :class:`MeasuredRun` measures of memory, in the order it reports them
 MEASURED_PHASES = ("training_step1", "training", "validation", "sampling")
 
+#: training steps of a fit before :class:`MeasuredRun` times the step: the compile, and CUDA graphs' warm-up and
+#: recording (torch's cudagraph trees record on the step after the first) are not the steady step
+TIMED_AFTER_STEPS = 3
 
-class PhasePeaks(L.Callback):
-    """The peak device memory of each phase of a fit, beside the preflight's prediction: every GPU run of
-    ``train.py`` measures what the preflight predicted for it, prints the two side by side at the end and writes
-    them to ``memory_measured.json`` in the run directory (and ``bench/measure_phases.py`` reads its figures here).
 
-    The caching allocator's peak statistics (``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``) are
-    host-side bookkeeping, updated as the host issues allocations: reading and resetting them never waits for the
-    GPU, so the steady step keeps no host synchronisation. Each phase is the span between two of Lightning's hooks
-    (callbacks run before the system's own hook of the same name):
+class MeasuredRun(L.Callback):
+    """What a fit measured against what the preflight predicted for it: the peak device memory of each phase and
+    the steady training step's time. ``train.py`` prints them side by side at the end, logs them and writes them to
+    ``measured.json`` in the run directory, so that every GPU run is a row of the preflight's error table (and
+    ``bench/measure_phases.py`` reads its peaks here).
+
+    **Memory** (on a CUDA device). The caching allocator's peak statistics (``torch.cuda.max_memory_allocated``
+    and ``max_memory_reserved``) are host-side bookkeeping, updated as the host issues allocations: reading and
+    resetting them never waits for the GPU. Each phase is the span between two of Lightning's hooks (callbacks run
+    before the system's own hook of the same name):
 
     * ``training_step1``: the fit's first training step (AdamW's state is created in it);
     * ``training``: every later training step (the steady step), up to the next validation or the end;
@@ -395,33 +400,49 @@ class PhasePeaks(L.Callback):
     spans: ``{phase: (allocated bytes, reserved bytes)}`` in :attr:`peaks`. With CUDA graphs the allocated peak does
     not see their private pool (the replays allocate nothing); the reserved peak does.
 
+    **Step time** (on any device). The wall time of the training steps after the first
+    :data:`TIMED_AFTER_STEPS` of the fit, validation and sampling left out, over their number: the device is
+    synchronised where a timed span starts and ends (after the warm-up steps, around each validation, at the end
+    of training), never inside the steady steps, so the host running ahead of the GPU is neither counted nor
+    caused. Held against the preflight's predicted step time where the GPU's throughput was measured.
+
     Args:
         predicted: the preflight's prediction for this run, GiB: ``training``, ``validation``, ``sampling``
             (allocated peaks), ``training_reserved`` and ``graph_pool``; what is absent is not compared.
-        out_dir: where ``memory_measured.json`` goes (rank 0's; ``memory_measured.rank<r>.json`` for rank r > 0);
-            None: not written.
+        predicted_step_ms: the preflight's step time for this run (None: not predicted).
+        out_dir: where ``measured.json`` goes (rank 0's; ``measured.rank<r>.json`` for rank r > 0); None: not
+            written.
         stats: ``(read, reset)``: ``read()`` returns the peaks ``(allocated, reserved)`` since the last
             ``reset()``. Default: ``torch.cuda``'s of the strategy's device; on a device without them (the CPU)
-            nothing is measured.
+            no memory is measured.
     """
 
-    def __init__(self, predicted: Mapping[str, float] | None = None, out_dir: str | Path | None = None,
-                 stats: tuple[Any, Any] | None = None) -> None:
+    def __init__(self, predicted: Mapping[str, float] | None = None, predicted_step_ms: float | None = None,
+                 out_dir: str | Path | None = None, stats: tuple[Any, Any] | None = None) -> None:
         self.predicted = dict(predicted or {})
+        self.predicted_step_ms = predicted_step_ms
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.stats = stats
         self.peaks: dict[str, tuple[int, int]] = {}
-        self._first_step_done = False
+        self._steps_done = 0  # training steps of this fit
         self._sampled_at: int | None = None
+        self._sync: Any = lambda: None
+        self._span: tuple[float, int] | None = None  # (start time, global step) of the timed span under way
+        self.timed_s = 0.0
+        self.timed_steps = 0
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         device = trainer.strategy.root_device
-        if self.stats is None and device.type == "cuda":
-            self.stats = (lambda: (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)),
-                          lambda: torch.cuda.reset_peak_memory_stats(device))
+        if device.type == "cuda":
+            self._sync = lambda: torch.cuda.synchronize(device)
+            if self.stats is None:
+                self.stats = (lambda: (torch.cuda.max_memory_allocated(device),
+                                       torch.cuda.max_memory_reserved(device)),
+                              lambda: torch.cuda.reset_peak_memory_stats(device))
 
+    # -------------------------------------------------------------------------------------------- memory
     def _close(self, phase: str | None) -> None:
-        """The span that ends here belongs to ``phase`` (None: to none); the next one starts."""
+        """The memory span that ends here belongs to ``phase`` (None: to none); the next one starts."""
         if self.stats is None:
             return
         read, reset = self.stats
@@ -431,16 +452,35 @@ class PhasePeaks(L.Callback):
             self.peaks[phase] = (max(old[0], allocated), max(old[1], reserved))
         reset()
 
+    # -------------------------------------------------------------------------------------------- time
+    def _start_timing(self, trainer: L.Trainer) -> None:
+        if self._steps_done >= TIMED_AFTER_STEPS and self._span is None:
+            self._sync()
+            self._span = (time.perf_counter(), trainer.global_step)
+
+    def _stop_timing(self, trainer: L.Trainer) -> None:
+        if self._span is not None:
+            self._sync()
+            started, step = self._span
+            self.timed_s += time.perf_counter() - started
+            self.timed_steps += trainer.global_step - step
+            self._span = None
+
+    # -------------------------------------------------------------------------------------------- hooks
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._close(None)  # what came before (the sanity check, loading) is no phase
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not self._first_step_done:
-            self._first_step_done = True
+        self._steps_done += 1
+        if self._steps_done == 1:
             self._close("training_step1")
+        if self._steps_done == TIMED_AFTER_STEPS:
+            self._start_timing(trainer)
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._stop_timing(trainer)
         self._close(None if trainer.sanity_checking else "training")
         self._sampled_at = getattr(pl_module, "_last_sampled_step", None)
 
@@ -450,33 +490,40 @@ class PhasePeaks(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         sampled = getattr(pl_module, "_last_sampled_step", None) != self._sampled_at
         self._close("sampling" if sampled and not trainer.sanity_checking else None)
+        if not trainer.sanity_checking:
+            self._start_timing(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # before the system's own on_train_end, which may write the final samples
-        self._close("training" if self._first_step_done else None)
+        self._stop_timing(trainer)
+        self._close("training" if self._steps_done else None)
         self._sampled_at = getattr(pl_module, "_last_sampled_step", None)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if getattr(pl_module, "_last_sampled_step", None) != self._sampled_at:
             self._close("sampling")
-        if not self.peaks:
+        if not self.peaks and not self.timed_steps:
             return
         record = self.record()
         if trainer.is_global_zero:
-            print(f"[voxdiff] memory measured on {trainer.strategy.root_device}: {self.summary()}", flush=True)
+            print(f"[voxdiff] measured on {trainer.strategy.root_device}: {self.summary()}", flush=True)
+            metrics = {f"memory/{k}_gib": v for k, v in record["memory"]["measured_gib"].items()}
+            if record["step_time"] is not None:
+                metrics["time/step_ms"] = record["step_time"]["measured_ms"]
             for logger in trainer.loggers:
-                logger.log_metrics({f"memory/{k}_gib": v for k, v in record["measured_gib"].items()},
-                                   step=trainer.global_step)
+                logger.log_metrics(metrics, step=trainer.global_step)
         if self.out_dir is not None:
             rank = trainer.global_rank
-            name = "memory_measured.json" if rank == 0 else f"memory_measured.rank{rank}.json"
+            name = "measured.json" if rank == 0 else f"measured.rank{rank}.json"
             text = json.dumps(record, indent=1) + "\n"
             atomic_write(self.out_dir / name, lambda f: f.write(text.encode()))
 
+    # -------------------------------------------------------------------------------------------- report
     def record(self) -> dict[str, Any]:
-        """The measured peaks (GiB: ``<phase>`` allocated, ``<phase>_reserved``), the prediction, and the error of
-        each predicted phase (``(predicted - measured) / measured``): the allocated peak's, and with CUDA graphs
-        (a ``graph_pool`` predicted) the training step's reserved one against ``training_reserved``."""
+        """``memory``: the measured peaks (GiB: ``<phase>`` allocated, ``<phase>_reserved``), the prediction, and
+        the error of each predicted phase (``(predicted - measured) / measured``): the allocated peak's, and with
+        CUDA graphs (a ``graph_pool`` predicted) the training step's reserved one against ``training_reserved``.
+        ``step_time``: ``measured_ms`` over ``steps``, ``predicted_ms`` and its ``error`` (None: no step timed)."""
         measured: dict[str, float] = {}
         for phase in MEASURED_PHASES:
             if phase in self.peaks:
@@ -491,12 +538,19 @@ class PhasePeaks(L.Callback):
         if graphs and "training_reserved" in measured and self.predicted.get("training_reserved"):
             errors["training_reserved"] = ((self.predicted["training_reserved"] - measured["training_reserved"])
                                            / measured["training_reserved"])
-        return {"measured_gib": measured, "predicted_gib": self.predicted, "error": errors}
+        step = None
+        if self.timed_steps:
+            ms = self.timed_s / self.timed_steps * 1e3
+            step = {"measured_ms": ms, "steps": self.timed_steps, "predicted_ms": self.predicted_step_ms,
+                    "error": None if self.predicted_step_ms is None else (self.predicted_step_ms - ms) / ms}
+        return {"memory": {"measured_gib": measured, "predicted_gib": self.predicted, "error": errors},
+                "step_time": step}
 
     def summary(self) -> str:
-        """One line: each phase's measured peaks, and the prediction and its error where there is one."""
+        """One line: each phase's measured peaks and the step time, with the prediction and its error where there
+        is one."""
         record = self.record()
-        measured, errors = record["measured_gib"], record["error"]
+        measured, errors = record["memory"]["measured_gib"], record["memory"]["error"]
         parts = []
         for phase in MEASURED_PHASES:
             if phase not in measured:
@@ -508,5 +562,11 @@ class PhasePeaks(L.Callback):
             if phase == "training" and "training_reserved" in errors:
                 text += (f" (predicted {self.predicted['training_reserved']:.2f} with the CUDA graphs' pool, "
                          f"{errors['training_reserved']:+.1%})")
+            parts.append(text)
+        step = record["step_time"]
+        if step is not None:
+            text = f"step {step['measured_ms']:.1f} ms over {step['steps']} steps"
+            if step["predicted_ms"] is not None:
+                text += f" (predicted {step['predicted_ms']:.1f}, {step['error']:+.1%})"
             parts.append(text)
         return "; ".join(parts)

@@ -105,7 +105,7 @@ class PreflightResult:
 
     def predicted_phases_gib(self) -> dict[str, float]:
         """The predicted peaks a run's measurement is held against (GiB; :class:`voxdiff.lightning.callbacks.
-        PhasePeaks`): ``training`` (allocated) and ``training_reserved``, ``graph_pool`` with CUDA graphs, and
+        MeasuredRun`): ``training`` (allocated) and ``training_reserved``, ``graph_pool`` with CUDA graphs, and
         ``validation`` and ``sampling`` (allocated) where predicted. Empty for a run not predicted."""
         if self.report is None:
             return {}
