@@ -18,6 +18,15 @@ as those steps ran (each row says its EMA's and its gradients' bytes per paramet
 session 16 ran inside ``system.ema.start_step``, where the EMA copies the weights, 8 bytes, instead of averaging them,
 12, and clipped by norm in place, 12 bytes) at the GPU's bandwidth (``voxdiff.preflight.resources.H100_BANDWIDTH``),
 fitted the same way.
+
+    python bench/fit_step_time.py --runs logs/exp11/2026-11-27_10-00-00 [more run directories or measured.json]
+
+``--runs``: the steady step every ``train.py`` run on a GPU timed and wrote to ``<run dir>/measured.json``
+(:class:`voxdiff.lightning.callbacks.MeasuredRun`), at whatever batch it ran, with the resolved config it ran and
+the GPU type it was predicted for. Each run's cost is recounted from its config as the preflight counts it
+(:func:`voxdiff.preflight.check.run_step_cost`), its error under today's ``STEP_THROUGHPUT`` printed, and its step
+kind fitted again with the runs added (the ``cudagraphs`` rows above, or the plain loops of its kind): the time
+model's error at the batches users run, and constants that include them.
 """
 
 from __future__ import annotations
@@ -31,7 +40,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from voxdiff.preflight.resources import EMA_BYTES_PER_PARAM, EMA_COPY_BYTES_PER_PARAM  # noqa: E402
+from voxdiff.preflight.resources import (  # noqa: E402
+    EMA_BYTES_PER_PARAM,
+    EMA_COPY_BYTES_PER_PARAM,
+    H100_BANDWIDTH,
+)
 
 
 def kind(row: dict[str, str]) -> str:
@@ -109,6 +122,45 @@ def cudagraph_points() -> list[tuple[str, float, int, float, float, float]]:
     return points
 
 
+def run_points(paths: list[str]) -> list[tuple[str, str, str, float, int, float, float, float, float | None]]:
+    """``(name, gpu, kind, tflop, ops, seconds less the weight passes, seconds, the passes' seconds, predicted
+    seconds)`` of each run's ``measured.json`` (a run directory or the file) that timed its step on a CUDA GPU;
+    the others are named on stderr and left out."""
+    import json
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from voxdiff.preflight.check import run_spec_problems, run_step_cost, traced_unet
+    from voxdiff.preflight.resources import STEP_THROUGHPUT, step_kind
+
+    points = []
+    for given in paths:
+        path = Path(given) / "measured.json" if Path(given).is_dir() else Path(given)
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            sys.exit(f"fit_step_time: --runs {given}: cannot read {path} ({e})")
+        step = record.get("step_time")
+        if not step or not str(record.get("device", "")).startswith("cuda") or not record.get("config"):
+            print(f"fit_step_time: {path}: no step timed on a CUDA GPU with its config; left out", file=sys.stderr)
+            continue
+        run, problems = run_spec_problems(OmegaConf.create(record["config"]), "cuda")
+        if problems:
+            sys.exit(f"fit_step_time: {path}: its config does not resolve here: {problems[0]}")
+        with torch.device("meta"):
+            cost = run_step_cost(run, traced_unet(run))
+        kind = step_kind(run.unet.compile, run.unet.cuda_graphs)
+        gpu = record.get("gpu") or "?"
+        table = STEP_THROUGHPUT.get((gpu, kind))
+        seconds = float(step["measured_ms"]) / 1e3
+        passes = cost.weight_bytes / (table.bandwidth if table is not None else H100_BANDWIDTH)
+        name = f"{path.parent.name} (batch {run.batch_size}, {step['steps']} steps)"
+        points.append((name, gpu, kind, cost.tflop, cost.ops, seconds - passes, seconds, passes,
+                       table.seconds(cost) if table is not None else None))
+    return points
+
+
 def fit(points: list[tuple[float, int, float]]) -> tuple[float, float]:
     """``(tflops, op_us)`` minimising the squared relative error over ``(tflop, ops, seconds)``."""
     import numpy as np
@@ -132,6 +184,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fit", default=str(ROOT / "reference" / "h100_step_times.csv"))
     parser.add_argument("--check", default=str(ROOT.parent / "shared" / "reference" / "h100_measured.csv"))
+    parser.add_argument("--runs", nargs="*", default=[],
+                        help="run directories (or their measured.json) of train.py runs on a GPU")
     args = parser.parse_args()
 
     from voxdiff.preflight.resources import STEP_THROUGHPUT
@@ -163,6 +217,25 @@ def main() -> None:
         print(f"  {name:40s} {f:7.2f} TFLOP {n:5d} ops  measured {total * 1e3:6.1f} ms (weight passes "
               f"{passes * 1e3:4.1f})  fit {(predict(tflops, op_us, f, n) + passes) / total - 1:+6.1%}  "
               f"leave-one-out {(predict(*loo, f, n) + passes) / total - 1:+6.1%}")
+    runs = run_points(args.runs)
+    if args.runs:
+        print(f"\nruns: {len(runs)} of {len(args.runs)} timed on a CUDA GPU")
+    for name, gpu, k, f, n, _, total, passes, predicted in runs:
+        now = f"{predicted / total - 1:+6.1%}" if predicted is not None else "no throughput for this GPU and kind"
+        print(f"  {name:40s} {gpu} {k}: {f:7.2f} TFLOP {n:5d} ops  measured {total * 1e3:7.1f} ms (weight passes "
+              f"{passes * 1e3:4.1f})  STEP_THROUGHPUT {now}")
+    for gpu, k in sorted({(p[1], p[2]) for p in runs}):
+        mine = [(f, n, t, total, passes) for _, g, kk, f, n, t, total, passes, _ in runs if (g, kk) == (gpu, k)]
+        base = ([(f, n, t) for _, f, n, t, _, _ in graphs] if k == "cudagraphs"
+                else [p[1:] for p in by_kind.get(k, [])]) if gpu == "H100" else []
+        if len(base) + len(mine) < 2:
+            print(f"  ({gpu}, {k}): {len(base) + len(mine)} point(s), too few to fit")
+            continue
+        tflops, op_us = fit(base + [m[:3] for m in mine])
+        print(f"({gpu}, {k}) with the runs: tflops={tflops:.1f} op_us={op_us:.1f} ({len(base)} rows + {len(mine)} "
+              "runs); the runs' error under it: "
+              + ", ".join(f"{(predict(tflops, op_us, f, n) + passes) / total - 1:+.1%}"
+                          for f, n, _, total, passes in mine))
     for k in ("eager", "compiled", "cudagraphs"):
         table = STEP_THROUGHPUT.get(("H100", k))
         if table is not None and k in fitted:

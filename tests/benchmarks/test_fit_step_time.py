@@ -16,11 +16,45 @@ from voxdiff.preflight.resources import STEP_THROUGHPUT
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_fit_runs_and_reproduces_the_constants_in_the_code(tmp_path):
+def _timed_runs(tmp_path: Path, tiny_demo) -> tuple[Path, Path, float]:
+    """Two train.py runs' measured.json: one as this CPU wrote it (no GPU: left out), one as a GPU run writes it
+    (the same run, its device and GPU type those of an H100 run, its config a GPU run's), whose measured step is the
+    preflight's prediction for that config: the time model's error on it must come out as zero, which it does only
+    if the config recorded resolves to the step the preflight predicted."""
+    import json
+
+    from voxdiff.cli.train import train
+    from voxdiff.config import compose
+    from voxdiff.preflight.check import run_preflight
+
+    cpu = tmp_path / "cpu_run"
+    train(compose("train", [*tiny_demo, f"paths.output_dir={cpu}", "trainer.max_steps=5"]))
+    record = json.loads((cpu / "measured.json").read_text())
+    assert record["device"] == "cpu" and record["step_time"]["steps"] == 2 and record["gpu"] is None
+    gpu_cfg = dict(record["config"], trainer={**record["config"]["trainer"], "accelerator": "gpu", "devices": 1})
+    from omegaconf import OmegaConf
+
+    predicted_ms = run_preflight(OmegaConf.create(gpu_cfg), suggest=False).needs.step_s * 1e3
+    gpu = tmp_path / "gpu_run"
+    gpu.mkdir()
+    record.update(device="cuda:0", device_name="NVIDIA H100 80GB HBM3", gpu="H100", config=gpu_cfg)
+    record["step_time"].update(measured_ms=predicted_ms)
+    (gpu / "measured.json").write_text(json.dumps(record))
+    return cpu, gpu, predicted_ms
+
+
+def test_the_fit_runs_and_reproduces_the_constants_in_the_code(tmp_path, tiny_demo):
+    cpu, gpu, predicted_ms = _timed_runs(tmp_path, tiny_demo)
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "fit_step_time.py"),
-                          "--check", str(tmp_path / "none.csv")],
+                          "--check", str(tmp_path / "none.csv"), "--runs", str(cpu), str(gpu)],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
+    # --runs: the GPU run recounted as the preflight counts it, the CPU one left out
+    assert "runs: 1 of 2 timed on a CUDA GPU" in out.stdout and f"{cpu / 'measured.json'}: no step timed" in out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if ln.strip().startswith("gpu_run (batch "))
+    assert f"measured {predicted_ms:7.1f} ms" in line and line.endswith("STEP_THROUGHPUT  +0.0%"), line
+    assert re.search(r"^\(H100, cudagraphs\) with the runs: tflops=[\d.]+ op_us=[\d.]+ \(7 rows \+ 1 runs\)",
+                     out.stdout, re.M), out.stdout
     for kind in ("eager", "compiled", "cudagraphs"):
         m = re.search(rf"^{kind}: tflops=([\d.]+) op_us=([\d.]+)$", out.stdout, re.M)
         assert m is not None, out.stdout

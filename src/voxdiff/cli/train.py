@@ -217,7 +217,9 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     failure = FailurePoint()
     step_s = verdict.needs.step_s if verdict is not None and verdict.needs is not None else None
     measured = MeasuredRun(verdict.predicted_phases_gib() if verdict is not None else None,
-                           step_s * 1e3 if step_s is not None else None, run_dir)
+                           step_s * 1e3 if step_s is not None else None, run_dir,
+                           context={"gpu": verdict.gpu.name if verdict is not None and verdict.gpu is not None
+                                    and spec.device_type == "cuda" else None, "config": record})
     callbacks = [*instantiate_callbacks(cfg.get("callbacks")), ConfigInCheckpoint(record), CheckpointPathsInside(),
                  on_sigterm, failure, measured]
     if ckpt_path is not None:

@@ -415,10 +415,14 @@ class MeasuredRun(L.Callback):
         stats: ``(read, reset)``: ``read()`` returns the peaks ``(allocated, reserved)`` since the last
             ``reset()``. Default: ``torch.cuda``'s of the strategy's device; on a device without them (the CPU)
             no memory is measured.
+        context: written into ``measured.json`` as given (``train.py``: the run's resolved config and the GPU type
+            predicted for, from which ``bench/fit_step_time.py --runs`` recounts the step's cost).
     """
 
     def __init__(self, predicted: Mapping[str, float] | None = None, predicted_step_ms: float | None = None,
-                 out_dir: str | Path | None = None, stats: tuple[Any, Any] | None = None) -> None:
+                 out_dir: str | Path | None = None, stats: tuple[Any, Any] | None = None,
+                 context: Mapping[str, Any] | None = None) -> None:
+        self.context = dict(context or {})
         self.predicted = dict(predicted or {})
         self.predicted_step_ms = predicted_step_ms
         self.out_dir = Path(out_dir) if out_dir is not None else None
@@ -515,7 +519,10 @@ class MeasuredRun(L.Callback):
         if self.out_dir is not None:
             rank = trainer.global_rank
             name = "measured.json" if rank == 0 else f"measured.rank{rank}.json"
-            text = json.dumps(record, indent=1) + "\n"
+            device = trainer.strategy.root_device
+            where = {"device": str(device),
+                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+            text = json.dumps({**record, **where, **self.context}, indent=1, default=str) + "\n"
             atomic_write(self.out_dir / name, lambda f: f.write(text.encode()))
 
     # -------------------------------------------------------------------------------------------- report

@@ -39,6 +39,7 @@ from voxdiff.preflight.memory import (
 from voxdiff.preflight.resources import (
     DataMemory,
     RunNeeds,
+    StepCost,
     data_memory,
     gradient_pass_bytes,
     host_memory_bytes,
@@ -238,10 +239,7 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
             peak, result.peak_phase = eager[phase] + report.graph_pool_bytes, phase
     one = {k: (1, *v[1:]) for k, v in batch.items()}
     recipe = traced_recipe(run)
-    cost = step_cost(model, batch, run.mode, run.encoding,
-                     ema_every_n_steps=recipe.ema.every_n_steps if recipe.ema is not None else None,
-                     grad_bytes_per_param=gradient_pass_bytes(recipe, run.device_type, run.precision.scales_loss)
-                     ) if timing else None
+    cost = run_step_cost(run, model) if timing else None
     result.needs = run_needs(
         run, model, ema=recipe.ema is not None, data=result.data,
         sample_bytes=sum(4 * math.prod(v) for v in one.values()), processes_per_node=parallel.processes_per_node,
@@ -296,6 +294,16 @@ def static_problems(cfg: DictConfig) -> list[ConfigError]:
     """Every problem of ``cfg`` as the preflight sees it: those of its run spec for the GPU it predicts
     (:func:`voxdiff.run.spec.run_spec_problems`); empty when it is valid. Never raises for a config problem."""
     return run_spec_problems(cfg, PREDICTED_DEVICE)[1]
+
+
+def run_step_cost(run: RunSpec, model: torch.nn.Module) -> StepCost:
+    """What the time model counts for one training step of ``run`` (:func:`~voxdiff.preflight.resources.step_cost`):
+    the FLOPs and operator calls of its UNet ``model`` (built on meta: :func:`traced_unet`) at its batch, and its
+    passes over the weights (the EMA at its interval, the gradients' passes of its clipping and guard)."""
+    recipe = traced_recipe(run)
+    return step_cost(model, run.batch, run.mode, run.encoding,
+                     ema_every_n_steps=recipe.ema.every_n_steps if recipe.ema is not None else None,
+                     grad_bytes_per_param=gradient_pass_bytes(recipe, run.device_type, run.precision.scales_loss))
 
 
 def training_verdict(cfg: DictConfig, run: RunSpec | None = None, suggest: bool = True) -> PreflightResult | None:
