@@ -431,3 +431,13 @@ def test_sample_py_encodes_and_decodes_in_the_windows_it_is_given(latent, diffus
     with pytest.raises(ConfigError) as err:  # a number, not a list: the same refusal (it was a TypeError)
         _sample(tmp_path / "s2d_scalar", f"ckpt_path={diffusion_ckpt}", "encoding.window=-3")
     assert err.value.key == "encoding.window" and "no encoder or decoder" in str(err.value)
+
+
+def test_a_gpu_runs_whole_batches_do_not_refuse_a_commands_smaller_data(phantom_ckpt, folders, tmp_path):
+    """A GPU run stores data.drop_last=true (its default there) with its batch; sample.py never trains, so a folder
+    of 3 subjects (2 in the training split, fewer than the stored batch of 8) is no reason to refuse it."""
+    ckpt = _tampered(phantom_ckpt, tmp_path / "gpu.ckpt",
+                     _nifti_node(phantom_ckpt, folders["theirs"], drop_last=True, batch_size=8))
+    out = tmp_path / "mine"
+    _sample(out, f"ckpt_path={ckpt}", f"data.root={folders['mine']}")
+    assert _subjects(out) <= {f"mine-{i:03d}" for i in range(3)} and _subjects(out)

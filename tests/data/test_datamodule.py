@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from voxdiff.data import VolumeDataModule
-from voxdiff.data.split import split_subjects
+from voxdiff.data.split import check_drop_last, split_subjects
 from voxdiff.data.nifti import DataError
 from voxdiff.errors import ConfigError
 
@@ -52,6 +52,43 @@ def test_demo_split_by_subject_and_batches():
         assert set(batch["subject"]) <= set(dm.train_subjects)
     val = list(dm.val_dataloader())
     assert [s for b in val for s in b["subject"]] == dm.val_subjects
+
+
+def test_drop_last_leaves_out_the_smaller_training_batch_only():
+    """data.drop_last (the configs' default on a GPU): one batch shape for a compiled step. 5 training subjects at
+    batch 2: two whole batches, not a third of 1; validation keeps every subject."""
+    dm = VolumeDataModule(SHAPE, num_subjects=7, val_fraction=0.25, batch_size=2, cache="none", drop_last=True)
+    assert len(dm.train_subjects) == 5 and len(dm.val_subjects) == 2
+    assert [len(b["subject"]) for b in dm.train_dataloader()] == [2, 2]
+    assert [s for b in dm.val_dataloader() for s in b["subject"]] == dm.val_subjects
+    kept = VolumeDataModule(SHAPE, num_subjects=7, val_fraction=0.25, batch_size=2, cache="none")
+    assert sorted(len(b["subject"]) for b in kept.train_dataloader()) == [1, 2, 2]  # the default here: the CPU's
+
+
+def test_drop_last_is_refused_where_it_cannot_work():
+    with pytest.raises(ConfigError) as e:
+        VolumeDataModule(SHAPE, num_subjects=8, batch_size=2, drop_last="yes")
+    assert e.value.key == "data.drop_last" and "Fix:" in str(e.value)
+    # 6 training subjects, batch 8: not one whole batch
+    with pytest.raises(ConfigError) as e:
+        VolumeDataModule(SHAPE, num_subjects=8, batch_size=8, drop_last=True)
+    assert e.value.key == "data.batch_size" and "6 training subjects" in str(e.value)
+    assert "data.batch_size=6 or less, or data.drop_last=false" in str(e.value)
+    assert VolumeDataModule(SHAPE, num_subjects=8, batch_size=8).train_subjects  # without it, one batch of 6
+    # shared between processes: 6 training subjects over 4 GPUs leave each 1, less than a batch of 2
+    with pytest.raises(ConfigError, match=r"6 training subjects \(1 for each of 4 processes\).*data.batch_size=1 or"):
+        check_drop_last(True, 2, 6, world=4)
+
+
+def test_the_configs_drop_the_last_batch_on_a_gpu_and_not_on_the_cpu(monkeypatch):
+    from voxdiff.config import compose
+
+    for target, expected in (("gpu", True), ("cpu", False)):
+        monkeypatch.setenv("VOXDIFF_TARGET", target)
+        for overrides in (["experiment=exp11"], ["experiment=demo", "data=mni_template"],
+                          ["experiment=exp9_ldm_4x_bravo"]):
+            cfg = compose("train", overrides)
+            assert OmegaConf.select(cfg, "data.drop_last") is expected, (target, overrides)
 
 
 def test_split_is_deterministic_and_follows_the_seed():

@@ -330,3 +330,12 @@ def test_the_cache_writer_names_its_files_inside_the_cache(stage1, phantoms, tmp
         assert (out / rel).resolve().parent == (out / "latents").resolve()
     assert sorted(p.name for p in Path(tmp_path).iterdir()) == ["cache"]
     assert len(_module(out, stage1).train_subjects) == 2
+
+
+def test_drop_last_leaves_out_the_smaller_training_batch(cache, stage1):
+    """4 cached subjects: 3 train, 1 validates. At batch 2 the training loader gives one whole batch with
+    drop_last (one shape for a compiled step), two without; batch 4 with it is refused."""
+    assert [len(b["subject"]) for b in _module(cache, stage1, drop_last=True).train_dataloader()] == [2]
+    assert sorted(len(b["subject"]) for b in _module(cache, stage1).train_dataloader()) == [1, 2]
+    with pytest.raises(ConfigError, match=r"data.batch_size=4: is more than the 3 training subjects"):
+        _module(cache, stage1, batch_size=4, drop_last=True)

@@ -202,6 +202,7 @@ def command_data(saved: Mapping[str, Any], choice: PathChoice, run_dir: str | Pa
                           "arguments are paths (path_args), so none of its settings are used", fix)
     run_dir = Path(run_dir)
     named = {k: stored.pop(k) for k in path_args if k in stored}  # the training machine's: never used as they are
+    stored.pop("drop_last", None)  # a command never trains: its data's training split may be smaller than a batch
     stored.update(choice.settings)
     cache = choice.cache if choice.cache is not None else _NO_DISK.get(stored.get("cache"), stored.get("cache"))
 

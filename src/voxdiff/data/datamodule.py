@@ -30,7 +30,7 @@ from voxdiff.data.covariates import (
 from voxdiff.data.nifti import IMAGE_NAME, MASK_NAME, DataError, NiftiDataset, _stamp, check_cache, find_subjects
 from voxdiff.data.phantom import PHANTOM_COVARIATES, PhantomDataset, check_volume_shape, subject_name
 from voxdiff.data.shared import launch_rank, one_writes
-from voxdiff.data.split import check_num_subjects, split_settings, split_subjects
+from voxdiff.data.split import check_drop_last, check_num_subjects, split_settings, split_subjects
 from voxdiff.errors import ConfigError, integer, plain
 from voxdiff.files import atomic_write
 
@@ -63,6 +63,8 @@ class VolumeDataModule(L.LightningDataModule):
         shuffle_covariates: a negative control: each subject trains with another subject's covariate vector (a
             random permutation without fixed points, seeded by ``split_seed``), so nothing ties them to the
             anatomy; the stored encoding, and the values sampling asks for, are unchanged.
+        drop_last: leave out each epoch's last, smaller training batch (:func:`~voxdiff.data.split.check_drop_last`:
+            one batch shape for a compiled step; the configs' default on a GPU).
 
     Attributes:
         covariate_encoding: the :class:`~voxdiff.data.covariates.CovariateEncoding` fitted on the training split
@@ -95,6 +97,7 @@ class VolumeDataModule(L.LightningDataModule):
         covariates: Sequence[str] | None = None,
         covariates_table: str | os.PathLike[str] | None = None,
         shuffle_covariates: bool = False,
+        drop_last: bool = False,
     ) -> None:
         super().__init__()
         self.volume_shape = check_volume_shape(plain(volume_shape), key="data.volume_shape")
@@ -137,6 +140,7 @@ class VolumeDataModule(L.LightningDataModule):
         self._train_idx, self._val_idx = split_subjects(names, self.val_fraction, self.split_seed)
         self.train_subjects: list[str] = [names[i] for i in self._train_idx]
         self.val_subjects: list[str] = [names[i] for i in self._val_idx]
+        self.drop_last = check_drop_last(plain(drop_last), self.batch_size, len(self.train_subjects))
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self.covariate_encoding: CovariateEncoding | None = None
@@ -229,6 +233,7 @@ class VolumeDataModule(L.LightningDataModule):
         log.info("checked the intensities of %d subjects in %.1f s", len(jobs), time.perf_counter() - t0)
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
+        """The training loader (``shuffle``) drops the last, smaller batch with ``drop_last``; validation never."""
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
@@ -236,13 +241,15 @@ class VolumeDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
-            drop_last=False,
+            drop_last=self.drop_last and shuffle,
         )
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled batches of the training subjects."""
         self.setup("fit")
         assert self.train_dataset is not None
+        world = self.trainer.world_size if self.trainer is not None else 1  # each process gets its share
+        check_drop_last(self.drop_last, self.batch_size, len(self.train_subjects), world)
         return self._loader(self.train_dataset, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:

@@ -53,7 +53,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from voxdiff.config import voxdiff_class
 from voxdiff.data.covariates import TABLE_NAME, WithCovariates, parse_covariates, read_table, subject_covariates
-from voxdiff.data.split import split_settings, split_subjects
+from voxdiff.data.split import check_drop_last, split_settings, split_subjects
 from voxdiff.data.phantom import check_volume_shape
 from voxdiff.encodings.base import LearnedEncoding
 from voxdiff.errors import ConfigError, integer, plain
@@ -400,6 +400,8 @@ class LatentDataModule(L.LightningDataModule):
         masks: batches carry the full-resolution ``mask`` (samples during training and from ``sample.py`` need
             it; the diffusion loss uses ``mask_z``).
         pin_memory: DataLoader ``pin_memory``.
+        covariates, covariates_table: as :class:`voxdiff.data.VolumeDataModule`'s (the table in the cache).
+        drop_last: leave out each epoch's last, smaller training batch (:func:`voxdiff.data.split.check_drop_last`).
     """
 
     #: the arguments that name a folder or a file (read): a command that rebuilds this module from a checkpoint's
@@ -422,6 +424,7 @@ class LatentDataModule(L.LightningDataModule):
         pin_memory: bool = False,
         covariates: Sequence[str] | None = None,
         covariates_table: str | os.PathLike[str] | None = None,
+        drop_last: bool = False,
     ) -> None:
         super().__init__()
 
@@ -446,6 +449,7 @@ class LatentDataModule(L.LightningDataModule):
         self.train_subjects = [names[i] for i in train_idx]
         self.val_subjects = [names[i] for i in val_idx]
         self.batch_size = batch_size
+        self.drop_last = check_drop_last(plain(drop_last), batch_size, len(self.train_subjects))
         self.num_workers = num_workers
         self.in_memory = bool(in_memory)
         self.masks = bool(masks)
@@ -483,10 +487,13 @@ class LatentDataModule(L.LightningDataModule):
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
         return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
-                          pin_memory=self.pin_memory, persistent_workers=self.num_workers > 0)
+                          pin_memory=self.pin_memory, persistent_workers=self.num_workers > 0,
+                          drop_last=self.drop_last and shuffle)  # the training loader only
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
+        world = self.trainer.world_size if self.trainer is not None else 1  # each process gets its share
+        check_drop_last(self.drop_last, self.batch_size, len(self.train_subjects), world)
         return self._loader(self.train_dataset, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:

@@ -7,7 +7,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from voxdiff.errors import integer, number
+from voxdiff.errors import ConfigError, integer, number
 
 
 def split_subjects(names: Sequence[str], val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -52,3 +52,32 @@ def check_num_subjects(num_subjects: Any) -> int:
         ConfigError: naming the key, the value and a fix.
     """
     return integer("data.num_subjects", num_subjects, minimum=0, fix="set data.num_subjects to 2 or more")
+
+
+def check_drop_last(drop_last: Any, batch_size: int, train_subjects: int, world: int = 1) -> bool:
+    """``data.drop_last``: whether the training loader leaves out an epoch's last, smaller batch.
+
+    A compiled training step is compiled for one batch shape: a smaller last batch compiles a second graph
+    (minutes on a GPU) and, with CUDA graphs, records a second one, neither of which the preflight predicts. The
+    configs take it on a GPU (``${voxdiff.cpu_or:false,true}``) and not on the CPU, where nothing is compiled by
+    default and a small data set would lose a large share of its subjects each epoch (each is still seen: the
+    loader reshuffles every epoch).
+
+    ``world``: the processes the training subjects are shared between (each gets ``train_subjects // world``;
+    the data modules check again with it once the Trainer is attached).
+
+    Raises:
+        ConfigError: not a boolean; or set with ``batch_size`` above one process's training subjects (not one
+            whole batch left).
+    """
+    if not isinstance(drop_last, bool):
+        raise ConfigError("data.drop_last", drop_last, "must be true or false",
+                          "set data.drop_last=true (whole batches only) or false")
+    share = train_subjects // max(world, 1)
+    if drop_last and batch_size > share:
+        where = f" ({share} for each of {world} processes)" if world > 1 else ""
+        raise ConfigError("data.batch_size", batch_size,
+                          f"is more than the {train_subjects} training subjects{where}: with data.drop_last=true "
+                          "(the default on a GPU) not one whole batch is left",
+                          f"set data.batch_size={share} or less, or data.drop_last=false")
+    return drop_last

@@ -7,8 +7,9 @@ separate object that shares the model's parameters, while the model itself stays
   sub-module of anything that is saved;
 * validation, sampling and the EMA swap call the eager module and never trigger a recompilation (the EMA copies
   weights in place: the compiled graph reads the same parameters);
-* the batch shape is fixed (``dynamic=False``): nothing is marked dynamic; a smaller last batch compiles a second
-  graph once.
+* the batch shape is fixed (``dynamic=False``): nothing is marked dynamic. The training loader leaves out each
+  epoch's last, smaller batch on a GPU (``data.drop_last``, :func:`voxdiff.data.split.check_drop_last`); where it
+  does not, that batch compiles a second graph once (and, with CUDA graphs, records a second one).
 
 The first training step compiles (minutes on a GPU): it is a phase of its own, logged before
 ("compiling the training step ...") and after ("... compiled in X s"). A failure of dynamo, AOTAutograd or the
