@@ -74,16 +74,16 @@ def measure(root: Path, shape: tuple[int, int, int], cache: str, workers: int, e
 
 def consumed(experiment: str, gpu: str) -> tuple[float | None, str]:
     """Samples per second the experiment's step takes on ``gpu`` by the preflight's time model, and how."""
-    from voxdiff.config import compose
+    from voxdiff.config import compose, resolved_for
     from voxdiff.preflight.check import run_preflight
 
-    os.environ.setdefault("VOXDIFF_TARGET", "gpu")
-    cfg = compose("preflight", [f"experiment={experiment}", f"preflight.gpu={gpu}"])
-    result = run_preflight(cfg, suggest=False, compile=False, phases=False)
+    with resolved_for("gpu"):  # the config read as the GPU run reads it (OmegaConf resolves on access)
+        cfg = compose("preflight", [f"experiment={experiment}", f"preflight.gpu={gpu}"])
+        result = run_preflight(cfg, suggest=False, compile=False, phases=False)
+        batch = int(cfg.data.batch_size)
     needs = result.needs
     if needs is None or not needs.step_s:
         return None, f"{experiment} on {gpu}: no step time (throughput not measured)"
-    batch = int(cfg.data.batch_size)
     return batch / needs.step_s, (f"{experiment} on {gpu}: batch {batch} per {needs.step_s * 1e3:.0f} ms "
                                   f"(preflight's time model)")
 

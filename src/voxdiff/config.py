@@ -7,7 +7,8 @@ interpreted one way only. OmegaConf containers are converted to plain Python her
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,22 @@ def cpu_or(cpu_value: Any, gpu_value: Any) -> Any:
     import torch
 
     return gpu_value if torch.cuda.is_available() else cpu_value
+
+
+@contextmanager
+def resolved_for(target: str) -> Iterator[None]:
+    """Inside the block, ``${voxdiff.cpu_or:...}`` resolves as on ``target`` (``gpu`` or ``cpu``), unless
+    ``VOXDIFF_TARGET`` is set already (the caller's choice stands); after it, the environment is as it was. The
+    preflight resolves a GPU run's config on a machine without one this way: set for good, the variable would make
+    every later config of the process (a test's training run) resolve as a GPU run's."""
+    before = os.environ.get("VOXDIFF_TARGET")
+    if before is None:
+        os.environ["VOXDIFF_TARGET"] = target
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VOXDIFF_TARGET", None)
 
 
 def job_run_id(prefix: str, default: str | None = None) -> str | None:

@@ -1,6 +1,7 @@
 """``python preflight.py``: the table over every experiment, one config, fixes, sweep mode, measure mode."""
 
 import csv
+import os
 import re
 import subprocess
 import sys
@@ -164,3 +165,20 @@ def test_measure_needs_a_gpu(capsys):
         captured = capsys.readouterr()
         assert "preflight.measure=true: needs a CUDA GPU" in captured.err
         assert "configurations valid" not in captured.out  # refused before anything was predicted
+
+
+def test_the_preflight_resolves_as_a_gpu_run_and_leaves_the_process_as_it_was(monkeypatch):
+    """Found by a test run: preflight.py set VOXDIFF_TARGET=gpu for good, so in the same process every later config
+    resolved ${voxdiff.cpu_or:...} as a GPU run's (a CPU training run after it took the GPU's data.drop_last).
+    Inside the command the GPU's values; after it, the environment as it was."""
+    from voxdiff.config import compose, resolved_for
+
+    monkeypatch.delenv("VOXDIFF_TARGET", raising=False)
+    seen = []
+    monkeypatch.setattr("voxdiff.cli.preflight._run", lambda overrides: seen.append(
+        compose("preflight", ["experiment=demo"]).data.drop_last) or 0)
+    assert run(["experiment=demo"]) == 0 and seen == [True]
+    assert "VOXDIFF_TARGET" not in os.environ
+    assert compose("train", ["experiment=demo"]).data.drop_last is False  # this CPU's value again
+    with resolved_for("cpu"):  # a target set by the caller stands
+        assert run(["experiment=demo"]) == 0 and seen == [True, False]

@@ -11,7 +11,6 @@ one is invalid or the command line / sweep CSV is refused; 4 (EXIT_NO_FIT) when 
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from omegaconf import DictConfig
 from voxdiff.benchmarks.measure import measure_steps, reference_row, require_cuda, write_rows
 from voxdiff.benchmarks.sweep import sweep
 from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_NO_FIT, EXIT_OK, command_line_refusal
-from voxdiff.config import batch_size_is_auto, compose, config_dir
+from voxdiff.config import batch_size_is_auto, compose, config_dir, resolved_for
 from voxdiff.files import check_output
 from voxdiff.errors import ConfigError, Problems, boolean, integer
 from voxdiff.preflight.autofit import autofit
@@ -173,7 +172,8 @@ def run(overrides: list[str]) -> int:
     from hydra.errors import HydraException
 
     try:
-        return _run(overrides)
+        with resolved_for("gpu"):  # resolve ${voxdiff.cpu_or:...} as the GPU run will
+            return _run(overrides)
     except HydraException as err:  # a command line Hydra cannot compose: refused as train.py refuses it
         print(f"[voxdiff] config error: {command_line_refusal(err, overrides)}", file=sys.stderr)
         return EXIT_CONFIG
@@ -199,7 +199,6 @@ def check_switches(cfg: DictConfig) -> None:
 
 
 def _run(overrides: list[str]) -> int:
-    os.environ.setdefault("VOXDIFF_TARGET", "gpu")  # resolve ${voxdiff.cpu_or:...} as the GPU run will
     base = compose("preflight", overrides)
     check_switches(base)
     if base.preflight.measure:  # refused now on a machine without a GPU, not after the prediction
