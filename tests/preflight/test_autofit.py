@@ -43,6 +43,8 @@ def test_the_choice_is_the_fastest_candidate_that_fits_and_nothing_faster_fits(t
     # checkpointing is tried only from the batch that no longer fits without it (below it, it is only slower)
     assert {c.batch_size for c in report.candidates if c.checkpointing != "none"} == {4}
     assert any(c.checkpointing != "none" for c in report.candidates)
+    # which of them are upper bounds: the compiled run's checkpointed rows (the compiled trace does not model it)
+    assert any(n.startswith("rows with gradient checkpointing: memory of the eager trace") for n in report.notes)
     # the time model: a larger batch takes longer per step and gives more samples per second
     assert plain[2].step_ms > plain[1].step_ms and plain[2].samples_per_s > plain[1].samples_per_s
     assert "data.batch_size=" in " ".join(best.overrides) and "*" in report.table()

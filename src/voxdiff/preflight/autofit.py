@@ -268,7 +268,8 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
     offered = any(c.ema_every_n_steps != ema_now for c in report.candidates)
     why_not = ema_why_not or f"every {ema_other} steps would save less than {EMA_MIN_GAIN:.0%} of a step here"
     _notes(report, options.effective_batch, world, first_misfit, bool(kinds[1:]),
-           _ema_note(ema, ema_other) if offered else f"not searched: system.ema.every_n_steps ({why_not})")
+           _ema_note(ema, ema_other) if offered else f"not searched: system.ema.every_n_steps ({why_not})",
+           compiled_run=compile_now)
     if data_cap is not None:
         report.notes.append(
             f"samples/s marked 'data' are the data loader's: about {data_cap:.1f} volumes/s per GPU with data.cache="
@@ -329,8 +330,9 @@ def _step_s(result: PreflightResult, gpu: str, kind: str, ema_every_n_steps: int
 
 
 def _notes(report: AutofitReport, effective: int | None, world: int, first_misfit: int | None,
-           both_kinds: bool, ema_note: str) -> None:
-    """``ema_note``: the EMA interval's note (rows offered, or why none was)."""
+           both_kinds: bool, ema_note: str, compiled_run: bool = False) -> None:
+    """``ema_note``: the EMA interval's note (rows offered, or why none was); ``compiled_run``: the run compiles
+    its model (its checkpointed rows are eager upper bounds)."""
     notes = report.notes
     if report.best is None:
         notes.append("no candidate fits: see python preflight.py experiment=... for the fixes of batch 1")
@@ -342,12 +344,17 @@ def _notes(report: AutofitReport, effective: int | None, world: int, first_misfi
                      "by memory alone: the largest batch that fits")
     else:
         notes.append("step times from the time model fitted at batch 1 (README: its error there); its error at "
-                     "larger batches has not been measured")
+                     "larger batches has not been measured (each GPU run writes its own to measured.json: "
+                     "bench/fit_step_time.py --runs)")
     if first_misfit is None:
         notes.append("every batch tried fits without gradient checkpointing, so checkpointing (only slower at the "
                      "same batch) is not listed")
     if both_kinds:
         notes.append("model.compile=true rows: memory of the eager trace, an upper bound of the compiled step's")
+    if compiled_run and any(c.checkpointing != "none" for c in report.candidates):
+        notes.append("rows with gradient checkpointing: memory of the eager trace (the compiled trace does not model "
+                     "checkpointing), an upper bound of the compiled step's; with CUDA graphs a loose one (the "
+                     "eager forward and backward counted as the graphs' pool)")
     if effective is not None:
         notes.append(f"the effective batch is held at {effective} samples per optimizer step (batch x {world} GPU(s) "
                      "x trainer.accumulate_grad_batches)")
