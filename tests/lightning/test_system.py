@@ -222,7 +222,7 @@ def test_resume_from_a_checkpoint_of_the_original_code(repo, tmp_path):
     ("sampling", 3, 0, 2),  # the samples written after that validation
 ])
 def test_running_out_of_memory_stops_with_the_last_good_checkpoint_and_the_measurements(
-        tmp_path, capsys, phase, at_step, epoch, saved_step):
+        tmp_path, capsys, monkeypatch, phase, at_step, epoch, saved_step):
     """The allocator's failure as PyTorch raises it (voxdiff.lightning.ExhaustMemory), at a step and in a phase,
     with PyTorch needing 1.32x the preflight's prediction for this run: exit EXIT_MEMORY with one report naming
     the phase, the step, the need measured against the prediction, the margin that covers the miss and the last
@@ -232,6 +232,11 @@ def test_running_out_of_memory_stops_with_the_last_good_checkpoint_and_the_measu
     from voxdiff.cli.exit_codes import EXIT_MEMORY
     from voxdiff.preflight.check import training_verdict
 
+    from voxdiff.lightning.callbacks import MeasuredRun
+
+    # a stand-in for the allocator's peak statistics, which this CPU lacks (on a GPU: torch.cuda's)
+    monkeypatch.setattr(MeasuredRun, "setup",
+                        lambda self, *a, **k: setattr(self, "stats", (lambda: (123, 456), lambda: None)))
     base = ["data.batch_size=1", "trainer.max_steps=7", "callbacks.last.every_n_train_steps=2",
             "system.sampling.every_n_epochs=1"]
     peak = training_verdict(_cfg(tmp_path, *base)).per_gpu_peak_gib
@@ -254,6 +259,9 @@ def test_running_out_of_memory_stops_with_the_last_good_checkpoint_and_the_measu
     record = json.loads((tmp_path / "memory_error.json").read_text())
     assert (record["phase"], record["global_step"], record["epoch"]) == (phase, at_step, epoch)
     assert record["miss"] == pytest.approx(1.32, abs=2e-3) and record["predicted"]["peak_gib"] == peak
+    # the allocator's peaks of the failing phase, and of the phases before it, as MeasuredRun reads them
+    assert record["measured_after"] == {"max_memory_allocated": 123, "max_memory_reserved": 456}
+    assert record["phases_measured"]["measured_gib"]["training_step1"] == 123 / 2**30
     assert _load(last)["global_step"] == saved_step
     # no checkpoint of the failing step or after it (Lightning writes none on an exception)
     assert all(_load(p)["global_step"] < at_step for p in (tmp_path / "checkpoints").glob("*.ckpt"))

@@ -247,9 +247,9 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     except Exception as e:
         if not is_out_of_memory(e):
             raise
-        device = trainer.strategy.root_device
-        after = ({k: int(getattr(torch.cuda, k)(device)) for k in ("max_memory_allocated", "max_memory_reserved")}
-                 if device.type == "cuda" else None)
+        # the allocator's peaks since MeasuredRun's last reset: those of the failing phase (None: no statistics)
+        after = (dict(zip(("max_memory_allocated", "max_memory_reserved"), map(int, measured.stats[0]())))
+                 if measured.stats is not None else None)
         stop = memory_stop(e, phase=failure.phase or "training", step=int(failure.step or 0),
                            epoch=int(failure.epoch or 0), batch_size=int(cfg.data.batch_size),
                            checkpointing=spec.unet.gradient_checkpointing if spec.unet is not None else None,
