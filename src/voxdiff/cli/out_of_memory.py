@@ -141,6 +141,7 @@ class Predicted:
         margin: the safety margin.
         phases_gib: each phase's predicted allocated peak (training, validation, sampling), where predicted.
         graph_pool_gib: the CUDA graphs' pool kept beside validation and sampling (0 without them).
+        budget_source: where ``budget_gib`` came from (``preflight.gpu_memory_gib``, ``local GPU H100``, ...).
     """
 
     peak_gib: float
@@ -150,6 +151,7 @@ class Predicted:
     margin: float
     phases_gib: dict[str, float] = field(default_factory=dict)
     graph_pool_gib: float = 0.0
+    budget_source: str = ""
 
     @classmethod
     def of(cls, verdict: Any) -> Predicted | None:
@@ -160,7 +162,7 @@ class Predicted:
         return cls(float(verdict.per_gpu_peak_gib), str(verdict.peak_phase), float(verdict.need_gib),
                    float(verdict.budget_gib), float(verdict.margin),
                    {p: figures[p] for p in ("training", "validation", "sampling") if p in figures},
-                   figures.get("graph_pool", 0.0))
+                   figures.get("graph_pool", 0.0), str(verdict.budget_source))
 
 
 class MemoryStop(Exception):
@@ -233,7 +235,21 @@ def memory_stop(exc: BaseException, *, phase: str, step: int, epoch: int, batch_
                      + (f", {phase_peak:.2f} GiB allocated in {phase}" if phase_peak is not None else "")
                      + (f" beside the CUDA graphs' pool of {predicted.graph_pool_gib:.2f} GiB"
                         if predicted.graph_pool_gib and phase != "training" else ""))
-        if needed is not None and predicted.peak_gib > 0:
+        if needed is not None and predicted.peak_gib > 0 and needed / GiB < predicted.peak_gib:
+            # the allocator's figure is where the run failed: a lower bound of its need, which cannot show a miss
+            parts.append(f"it failed below the predicted peak, so {_gib(needed)} is a lower bound of the run's need, "
+                         "not a miss of the prediction")
+            if state.capacity is not None and predicted.need_gib > state.capacity / GiB:
+                parts.append(f"the prediction needs {predicted.need_gib:.1f} GiB, more than this GPU's "
+                             f"{_gib(state.capacity)}: the check at start passed against a budget of "
+                             f"{predicted.budget_gib:.1f} GiB ({predicted.budget_source or 'its GPU type'})")
+                hold = (f"the check then holds the run to this GPU's {_gib(state.capacity)} and lists the changes it "
+                        "predicts to fit")
+                fixes.append(f"resume with ckpt_path=auto without +preflight.gpu_memory_gib: {hold}"
+                             if predicted.budget_source == "preflight.gpu_memory_gib" else
+                             f"resume with ckpt_path=auto +preflight.gpu_memory_gib="
+                             f"{math.floor(state.capacity / GiB * 10) / 10:.1f}: {hold}")
+        elif needed is not None and predicted.peak_gib > 0:
             miss = needed / GiB / predicted.peak_gib
             beyond = miss > 1 + predicted.margin
             parts.append(f"the need measured is {miss - 1:+.0%} of the prediction, "
