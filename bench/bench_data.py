@@ -1,13 +1,16 @@
 """Does the data path keep up with the GPU? Volumes per second of voxdiff's NIfTI training loader on this machine,
 per ``data.cache`` and number of DataLoader workers, against the rate the preflight predicts the step consumes.
 
-    python bench/bench_data.py [--shape 160,256,256] [--subjects 6] [--epochs 2] [--workers 0,2,4]
-                               [--caches none,disk,memory] [--experiment exp11] [--gpu H100] [--out data.csv]
+    python bench/bench_data.py [--shape 160,256,256] [--subjects 6] [--epochs 2] [--batch 1] [--workers 0,2,4]
+                               [--caches none,disk,memory,phantom] [--experiment exp11] [--gpu H100]
+                               [--out data.csv]
 
 It writes ``--subjects`` synthetic subjects (a smooth float32 T1-like image and a lesion mask per subject, gzipped
 NIfTI as scanners' converters write them) into a temporary folder, then for each cache mode and worker count builds
 ``VolumeDataModule`` as ``train.py`` does (``data.root`` = that folder) and times ``--epochs`` passes over its
 training loader after ``setup`` (``setup`` time reported apart: ``memory`` and ``disk`` load every subject there).
+``phantom`` times the built-in phantom (``data.root=null``) of as many subjects, generated at setup and kept in
+memory.
 Each figure is printed as a ratio against ``cache=none`` with 0 workers, measured in the same run, and against the
 samples per second that ``--experiment``'s step consumes on ``--gpu`` by the preflight's time model
 (``batch / predicted step time``; >= 1 keeps up).
@@ -53,12 +56,18 @@ def write_subjects(root: Path, shape: tuple[int, int, int], n: int) -> None:
 
 
 def measure(root: Path, shape: tuple[int, int, int], cache: str, workers: int, epochs: int,
-            cache_dir: Path) -> dict[str, Any]:
+            cache_dir: Path, subjects: int, batch: int = 1) -> dict[str, Any]:
+    """``cache``: a ``data.cache`` mode over the NIfTI folder ``root``, or ``phantom``: the built-in phantom
+    (``data.root=null``) of ``subjects`` subjects, generated at setup and kept in memory."""
     from voxdiff.data import VolumeDataModule
 
     t0 = time.perf_counter()
-    dm = VolumeDataModule(volume_shape=list(shape), root=str(root), cache=cache, num_workers=workers,
-                          cache_dir=str(cache_dir), batch_size=1)
+    if cache == "phantom":
+        dm = VolumeDataModule(volume_shape=list(shape), root=None, num_subjects=subjects, cache="memory",
+                              num_workers=workers, batch_size=batch, drop_last=True)
+    else:
+        dm = VolumeDataModule(volume_shape=list(shape), root=str(root), cache=cache, num_workers=workers,
+                              cache_dir=str(cache_dir), batch_size=batch, drop_last=True)
     dm.setup("fit")
     setup_s = time.perf_counter() - t0
     loader = dm.train_dataloader()
@@ -68,7 +77,7 @@ def measure(root: Path, shape: tuple[int, int, int], cache: str, workers: int, e
         for batch in loader:
             volumes += int(batch["image"].shape[0])
     seconds = time.perf_counter() - t1
-    return {"cache": cache, "workers": workers, "setup_s": setup_s, "volumes": volumes,
+    return {"cache": cache, "workers": workers, "batch": batch, "setup_s": setup_s, "volumes": volumes,
             "volumes_per_s": volumes / seconds}
 
 
@@ -93,8 +102,13 @@ def main() -> None:
     p.add_argument("--shape", default="160,256,256")
     p.add_argument("--subjects", type=int, default=6)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1,
+                   help="the loader's batch size (each batch a new tensor of batch x the volume: at a large batch "
+                        "the host's memory traffic, not the reading, sets the rate); needs that many training "
+                        "subjects")
     p.add_argument("--workers", default="0,2,4")
-    p.add_argument("--caches", default="none,disk,memory")
+    p.add_argument("--caches", default="none,disk,memory,phantom",
+                   help="data.cache modes over the NIfTI subjects, and phantom: the built-in phantom in memory")
     p.add_argument("--experiment", default="exp11")
     p.add_argument("--gpu", default="H100")
     p.add_argument("--out", help="write the table as CSV here")
@@ -102,7 +116,8 @@ def main() -> None:
     shape = tuple(int(s) for s in args.shape.split(","))
     need, how = consumed(args.experiment, args.gpu)
     print(f"bench_data: {args.subjects} subjects of {'x'.join(map(str, shape))} (gzipped NIfTI), {args.epochs} "
-          f"epoch(s) over the training split, on {os.cpu_count()} CPU(s); the step consumes "
+          f"epoch(s) over the training split in batches of {args.batch}, on {os.cpu_count()} CPU(s); the step "
+          "consumes "
           + (f"{need:.2f} samples/s ({how})" if need else how), flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -110,7 +125,8 @@ def main() -> None:
         write_subjects(root, shape, args.subjects)
         for cache in args.caches.split(","):
             for workers in (int(w) for w in args.workers.split(",")):
-                row = measure(root, shape, cache, workers, args.epochs, Path(tmp) / f"cache-{cache}-{workers}")
+                row = measure(root, shape, cache, workers, args.epochs, Path(tmp) / f"cache-{cache}-{workers}",
+                              args.subjects, args.batch)
                 rows.append(row)
                 print(f"  cache={cache:6s} workers={workers}: {row['volumes_per_s']:.2f} volumes/s "
                       f"(setup {row['setup_s']:.1f} s)", flush=True)

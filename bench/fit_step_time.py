@@ -26,7 +26,9 @@ fitted the same way.
 the GPU type it was predicted for. Each run's cost is recounted from its config as the preflight counts it
 (:func:`voxdiff.preflight.check.run_step_cost`), its error under today's ``STEP_THROUGHPUT`` printed, and its step
 kind fitted again with the runs added (the ``cudagraphs`` rows above, or the plain loops of its kind): the time
-model's error at the batches users run, and constants that include them.
+model's error at the batches users run, and constants that include them. A run whose step waited for its data
+(no DataLoader workers, the loader's measured rate: ``voxdiff.preflight.resources.data_step_s``) is printed but not
+fitted: its time is not the GPU's alone.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ NORM_BYTES = 4
 #: parameter per step as it ran, the gradient passes' bytes per parameter as it ran). The rows before session 16 were
 #: the first 13 to 25 steps of a run, inside the GPU's system.ema.start_step=1000: the EMA copied the weights every
 #: step (EMA_COPY_BYTES_PER_PARAM), not averaged them. A row of today's step (bench_gpu_step.py sets start_step=0):
-#: EMA_BYTES_PER_PARAM / the EMA's interval (12 / 10 by default), and 4 for the gradients' norm.
+#: EMA_BYTES_PER_PARAM / the EMA's interval (12 / 10 by default), and 4 for the gradients' norm. A sixth element, where
+#: present, lists the overrides the row ran with (its batch).
 CUDAGRAPH_ROWS = [
     ("reference/h100_bench_gpu_step_v3.csv", "exp11_ro", "exp11", EMA_COPY_BYTES_PER_PARAM, IN_PLACE_CLIP_BYTES),
     ("reference/h100_bench_gpu_step_v3.csv", "exp9_ldm_4x_bravo_ro", "exp9_ldm_4x_bravo", EMA_COPY_BYTES_PER_PARAM,
@@ -95,6 +98,10 @@ CUDAGRAPH_ROWS = [
      NORM_BYTES),
     ("reference/h100_bench_gpu_step_v5.csv", "exp9_ldm_8x_bravo_ema_every_step", "exp9_ldm_8x_bravo",
      EMA_BYTES_PER_PARAM, NORM_BYTES),
+    # session 19: exp11 at batch 1 and at batch 32 (the batch the preflight chose for an H100), one machine
+    ("reference/h100_bench_gpu_step_v6.csv", "exp11", "exp11", EMA_BYTES_PER_PARAM / 10, NORM_BYTES),
+    ("reference/h100_bench_gpu_step_v6.csv", "exp11_b32", "exp11", EMA_BYTES_PER_PARAM / 10, NORM_BYTES,
+     ["data.batch_size=32", "model.gradient_checkpointing=none"]),
 ]
 
 
@@ -108,10 +115,11 @@ def cudagraph_points() -> list[tuple[str, float, int, float, float, float]]:
     from voxdiff.preflight.resources import H100_BANDWIDTH, step_cost
 
     points = []
-    for path, row_name, experiment, ema_bytes, grad_bytes in CUDAGRAPH_ROWS:
+    for path, row_name, experiment, ema_bytes, grad_bytes, *overrides in CUDAGRAPH_ROWS:
         row = next(r for r in csv.DictReader(open(ROOT / path)) if r["experiment"] == row_name)
         run, problems = run_spec_problems(compose("train", [f"experiment={experiment}", "trainer.accelerator=gpu",
-                                                            "trainer.devices=1"]), "cuda")
+                                                            "trainer.devices=1", *(overrides[0] if overrides else [])]),
+                                          "cuda")
         assert not problems, problems
         with torch.device("meta"):
             model = traced_unet(run)
@@ -124,7 +132,8 @@ def cudagraph_points() -> list[tuple[str, float, int, float, float, float]]:
 
 def run_points(paths: list[str]) -> list[tuple[str, str, str, float, int, float, float, float, float | None]]:
     """``(name, gpu, kind, tflop, ops, seconds less the weight passes, seconds, the passes' seconds, predicted
-    seconds)`` of each run's ``measured.json`` (a run directory or the file) that timed its step on a CUDA GPU;
+    seconds with the wait for data)`` of each run's ``measured.json`` (a run directory or the file) that timed its
+    step on a CUDA GPU;
     the others are named on stderr and left out."""
     import json
 
@@ -132,7 +141,7 @@ def run_points(paths: list[str]) -> list[tuple[str, str, str, float, int, float,
     from omegaconf import OmegaConf
 
     from voxdiff.preflight.check import run_spec_problems, run_step_cost, traced_unet
-    from voxdiff.preflight.resources import STEP_THROUGHPUT, step_kind
+    from voxdiff.preflight.resources import DATA_SLACK, STEP_THROUGHPUT, data_step_s, loader_rate, step_kind
 
     points = []
     for given in paths:
@@ -156,8 +165,17 @@ def run_points(paths: list[str]) -> list[tuple[str, str, str, float, int, float,
         seconds = float(step["measured_ms"]) / 1e3
         passes = cost.weight_bytes / (table.bandwidth if table is not None else H100_BANDWIDTH)
         name = f"{path.parent.name} (batch {run.batch_size}, {step['steps']} steps)"
-        points.append((name, gpu, kind, cost.tflop, cost.ops, seconds - passes, seconds, passes,
-                       table.seconds(cost) if table is not None else None))
+        predicted = table.seconds(cost) if table is not None else None
+        data = record["config"].get("data") or {}
+        workers = int(data.get("num_workers") or 0)
+        rate = loader_rate(data, workers, tuple(run.shapes.volume))
+        wall = data_step_s(predicted, run.batch_size, rate, workers)
+        if predicted is not None and wall is not None and wall > predicted * (1 + DATA_SLACK):
+            print(f"fit_step_time: {path}: its step waited for data (data.num_workers={workers}, about "
+                  f"{run.batch_size / rate * 1e3:.0f} ms a step at the loader's measured rate): printed, not fitted",
+                  file=sys.stderr)
+            name += " [waited for data: not fitted]"
+        points.append((name, gpu, kind, cost.tflop, cost.ops, seconds - passes, seconds, passes, wall))
     return points
 
 
@@ -225,7 +243,8 @@ def main() -> None:
         print(f"  {name:40s} {gpu} {k}: {f:7.2f} TFLOP {n:5d} ops  measured {total * 1e3:7.1f} ms (weight passes "
               f"{passes * 1e3:4.1f})  STEP_THROUGHPUT {now}")
     for gpu, k in sorted({(p[1], p[2]) for p in runs}):
-        mine = [(f, n, t, total, passes) for _, g, kk, f, n, t, total, passes, _ in runs if (g, kk) == (gpu, k)]
+        mine = [(f, n, t, total, passes) for name, g, kk, f, n, t, total, passes, _ in runs
+                if (g, kk) == (gpu, k) and "not fitted" not in name]
         base = ([(f, n, t) for _, f, n, t, _, _ in graphs] if k == "cudagraphs"
                 else [p[1:] for p in by_kind.get(k, [])]) if gpu == "H100" else []
         if len(base) + len(mine) < 2:
@@ -234,8 +253,8 @@ def main() -> None:
         tflops, op_us = fit(base + [m[:3] for m in mine])
         print(f"({gpu}, {k}) with the runs: tflops={tflops:.1f} op_us={op_us:.1f} ({len(base)} rows + {len(mine)} "
               "runs); the runs' error under it: "
-              + ", ".join(f"{(predict(tflops, op_us, f, n) + passes) / total - 1:+.1%}"
-                          for f, n, _, total, passes in mine))
+              + (", ".join(f"{(predict(tflops, op_us, f, n) + passes) / total - 1:+.1%}"
+                           for f, n, _, total, passes in mine) or "none fitted"))
     for k in ("eager", "compiled", "cudagraphs"):
         table = STEP_THROUGHPUT.get(("H100", k))
         if table is not None and k in fitted:

@@ -1,6 +1,7 @@
 """``bench/fit_step_time.py``: the documented command that fits the preflight's time model runs, and the constants in
 ``STEP_THROUGHPUT`` are the ones it fits to ``reference/h100_step_times.csv`` (the plain loops) and to voxdiff's
-own CUDA-graph step measured by ``bench/bench_gpu_step.py`` (``reference/h100_bench_gpu_step_v3.csv``, ``_v4.csv``, ``_v5.csv``)."""
+own CUDA-graph step measured by ``bench/bench_gpu_step.py`` (``reference/h100_bench_gpu_step_v3.csv`` to
+``_v6.csv``)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def _timed_runs(tmp_path: Path, tiny_demo) -> tuple[Path, Path, float]:
     """Two train.py runs' measured.json: one as this CPU wrote it (no GPU: left out), one as a GPU run writes it
     (the same run, its device and GPU type those of an H100 run, its config a GPU run's), whose measured step is the
-    preflight's prediction for that config: the time model's error on it must come out as zero, which it does only
-    if the config recorded resolves to the step the preflight predicted."""
+    preflight's prediction for that config, as train.py gives it to MeasuredRun (the GPU's step and the wait for the
+    phantom's batches, loaded between steps without workers): the time model's error on it must come out as zero,
+    which it does only if the config recorded resolves to the step the preflight predicted."""
     import json
 
     from voxdiff.cli.train import train
@@ -34,7 +36,7 @@ def _timed_runs(tmp_path: Path, tiny_demo) -> tuple[Path, Path, float]:
     gpu_cfg = dict(record["config"], trainer={**record["config"]["trainer"], "accelerator": "gpu", "devices": 1})
     from omegaconf import OmegaConf
 
-    predicted_ms = run_preflight(OmegaConf.create(gpu_cfg), suggest=False).needs.step_s * 1e3
+    predicted_ms = run_preflight(OmegaConf.create(gpu_cfg), suggest=False).needs.wall_step_s * 1e3
     gpu = tmp_path / "gpu_run"
     gpu.mkdir()
     record.update(device="cuda:0", device_name="NVIDIA H100 80GB HBM3", gpu="H100", config=gpu_cfg)
@@ -53,7 +55,7 @@ def test_the_fit_runs_and_reproduces_the_constants_in_the_code(tmp_path, tiny_de
     assert "runs: 1 of 2 timed on a CUDA GPU" in out.stdout and f"{cpu / 'measured.json'}: no step timed" in out.stderr
     line = next(ln for ln in out.stdout.splitlines() if ln.strip().startswith("gpu_run (batch "))
     assert f"measured {predicted_ms:7.1f} ms" in line and line.endswith("STEP_THROUGHPUT  +0.0%"), line
-    assert re.search(r"^\(H100, cudagraphs\) with the runs: tflops=[\d.]+ op_us=[\d.]+ \(7 rows \+ 1 runs\)",
+    assert re.search(r"^\(H100, cudagraphs\) with the runs: tflops=[\d.]+ op_us=[\d.]+ \(9 rows \+ 1 runs\)",
                      out.stdout, re.M), out.stdout
     for kind in ("eager", "compiled", "cudagraphs"):
         m = re.search(rf"^{kind}: tflops=([\d.]+) op_us=([\d.]+)$", out.stdout, re.M)

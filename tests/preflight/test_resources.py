@@ -3,6 +3,7 @@ memory of the data, Slurm's sizes and times, the step's FLOPs and the time they 
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -209,7 +210,10 @@ def test_run_needs_predicts_time_and_requeues_from_the_experiments_slurm_limit(t
     throughput = STEP_THROUGHPUT[("H100", "compiled")]
     needs = _needs(tiny_cfg("trainer.max_steps=100000", "+slurm.TIME=01:00:00"))
     run = needs.time
-    assert run is not None and run.step_s == pytest.approx(throughput.seconds(StepCost(0.5, 1000)))
+    assert run is not None and run.gpu_s == pytest.approx(throughput.seconds(StepCost(0.5, 1000)))
+    # the phantom loaded by the main process (data.num_workers=0) between steps: its wait added to each step
+    assert run.step_s == pytest.approx(needs.wall_step_s) and run.step_s > run.gpu_s
+    assert needs.wall_step_s == pytest.approx(run.gpu_s + needs.batch_size / needs.loader_per_s)
     warn = float(read_site_env(Path(__file__).resolve().parents[2] / "slurm" / "site.env")["WARN_SECONDS"])
     assert run.time_limit_s == 3600 and run.jobs == -(-run.wall_s // (3600 - warn))
     assert "requeue" in " ".join(needs.lines())
@@ -234,24 +238,60 @@ def test_run_needs_reports_a_latent_runs_cache_bytes(tiny_cfg):
 
 
 def test_a_nifti_loader_slower_than_the_step_is_named_with_its_fix():
-    """The preflight's data check (#27): volumes per second of the measured loader against batch / step time."""
-    from voxdiff.preflight.resources import NIFTI_LOADER, data_too_slow
+    """The preflight's data check (#27): volumes per second of the measured loader against batch / step time. With
+    workers the loader runs beside the step and only a slower one makes the GPU wait."""
+    from voxdiff.preflight.resources import NIFTI_LOADER, data_step_s, data_too_slow
 
     nifti = {"_target_": "voxdiff.data.VolumeDataModule", "root": "/data/brains", "cache": "none"}
     volume = (160, 256, 256)
     one_core = NIFTI_LOADER.per_s("none", 0, 160 * 256 * 256)
     assert one_core > 0
     fast_step = 0.5 / one_core  # the step wants twice what one core delivers
-    warning = data_too_slow(nifti, 1, 0, volume, fast_step)
-    assert "data.cache=none and data.num_workers=0" in warning and "GPU would wait" in warning
+    warning = data_too_slow(nifti, 1, 1, volume, fast_step)
+    assert "data.cache=none and data.num_workers=1" in warning and "GPU would wait" in warning
     assert "data.cache=memory" in warning and "data.num_workers=2 or more" in warning
+    assert data_step_s(fast_step, 1, one_core, 1) == pytest.approx(1 / one_core)  # the loader's pace
     assert data_too_slow(nifti, 1, 2, volume, fast_step) is None  # two workers keep up
-    assert data_too_slow(nifti, 1, 0, volume, 2.0 / one_core) is None  # a slower step: one core keeps up
-    assert data_too_slow({**nifti, "cache": "memory"}, 1, 0, volume, fast_step) is None  # nothing read per step
-    assert data_too_slow({**nifti, "root": None}, 1, 0, volume, fast_step) is None  # the phantom is in memory
+    assert data_step_s(fast_step, 1, 2 * one_core, 2) == fast_step
+    assert data_too_slow(nifti, 1, 1, volume, 2.0 / one_core) is None  # a slower step: one worker keeps up
+    assert data_too_slow({**nifti, "_target_": "voxdiff.data.LatentDataModule"}, 1, 0, volume, fast_step) is None
     assert data_too_slow(nifti, 1, 0, volume, None) is None  # no step time: nothing to compare
     # a smaller volume is read faster, in proportion to its voxels
     assert NIFTI_LOADER.per_s("none", 0, 80 * 128 * 128) == pytest.approx(8 * one_core)
+
+
+def test_without_workers_the_main_process_loads_between_steps_even_from_memory():
+    """Measured on an H100 (session 19, reference/h100_session19_e11_b32_measured.json): exp11 at batch 32 from the
+    phantom in memory with data.num_workers=0 stepped 1036.8 ms in train.py against 502.1 ms for the same step with
+    its batch ready in pinned memory: the main process copies each batch (the cached tensors into the batch, the
+    batch to the GPU) between steps, so the wait adds to the step. A memory cache and the phantom are no longer
+    "nothing read per step"."""
+    from voxdiff.preflight.resources import NIFTI_LOADER, PHANTOM_LOADER, data_step_s, data_too_slow, loader_rate
+
+    volume = (160, 128, 128)
+    phantom = {"_target_": "voxdiff.data.VolumeDataModule", "root": None, "cache": "memory"}
+    rate = loader_rate(phantom, 0, volume)
+    assert rate == pytest.approx(PHANTOM_LOADER.volumes_per_s["memory"] * 4)  # a quarter of 160x256x256
+    step = 0.502
+    wall = data_step_s(step, 32, rate, 0)
+    assert wall == pytest.approx(step + 32 / rate)
+    warning = data_too_slow(phantom, 32, 0, volume, step)
+    assert warning.startswith(f"data: with data.num_workers=0 the main process loads each batch between steps: about "
+                              f"{32 / rate * 1e3:.0f} ms a step")
+    enough = math.ceil(32 / step / rate)
+    assert f"so {wall * 1e3:.0f} ms a step" in warning and f"Fix: data.num_workers={enough} or more" in warning
+    assert "data.cache=memory" not in warning.split("Fix:")[1]  # it is in memory already
+    # with enough workers they load the next batches while the GPU runs: the step alone
+    assert data_step_s(step, 32, loader_rate(phantom, enough, volume), enough) == step
+    assert data_too_slow(phantom, 32, enough, volume, step) is None
+    # a NIfTI folder cached in memory: its own measured rate, the same rule
+    nifti = {**phantom, "root": "/data/brains"}
+    assert loader_rate(nifti, 0, volume) == pytest.approx(NIFTI_LOADER.volumes_per_s["memory"] * 4)
+    assert "main process loads each batch between steps" in data_too_slow(nifti, 32, 0, volume, step)
+    # a short wait (within DATA_SLACK of a step) is not named
+    assert data_too_slow(phantom, 1, 0, volume, 100.0) is None
+    # the phantom generated at every access (no cache) was not measured: no rate, no warning
+    assert loader_rate({**phantom, "cache": "none"}, 0, volume) is None
 
 
 @pytest.mark.parametrize("clip, guard, device, scales_loss, expected", [

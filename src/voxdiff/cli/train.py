@@ -215,7 +215,8 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     record = {k: plain(cfg[k]) for k in cfg if k != "hydra"}  # the resolved config, for sample.py and resumes
     on_sigterm = SaveOnSigterm()
     failure = FailurePoint()
-    step_s = verdict.needs.step_s if verdict is not None and verdict.needs is not None else None
+    # the step as the run's clock sees it: the GPU's time and the wait for data (with no workers, loading between steps)
+    step_s = verdict.needs.wall_step_s if verdict is not None and verdict.needs is not None else None
     measured = MeasuredRun(verdict.predicted_phases_gib() if verdict is not None else None,
                            step_s * 1e3 if step_s is not None else None, run_dir,
                            context={"gpu": verdict.gpu.name if verdict is not None and verdict.gpu is not None

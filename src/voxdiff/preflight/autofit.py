@@ -35,9 +35,12 @@ The search:
 
 A candidate fits when its GPU and host memory do; a misfit no batch changes (the checkpoints' disk under
 ``paths.run_dir``) is a note of the report, and the check of the chosen configuration refuses the run for it. A
-NIfTI run's loader that delivers fewer volumes per second than a candidate's step would consume
-(:func:`~voxdiff.preflight.resources.loader_rate`) caps that candidate's samples per second (marked ``data``); among
-candidates it caps, the least memory wins the tie.
+candidate's samples per second count the wait for data
+(:func:`~voxdiff.preflight.resources.data_step_s`: the loader's measured rate,
+:func:`~voxdiff.preflight.resources.loader_rate`): with DataLoader workers, a loader slower than the step caps it;
+with none, the main process loads each batch between steps, which adds to every step. Where that costs more than
+:data:`~voxdiff.preflight.resources.DATA_SLACK` of a step the candidate is marked ``data``; among candidates the
+loader caps alike, the least memory wins the tie.
 
 Where the GPU type has no measured throughput (and on a CPU run, against the host's memory), the choice is by
 memory alone: the largest batch that fits, without checkpointing where possible. Each candidate is predicted as the
@@ -66,7 +69,14 @@ from voxdiff.models.checkpointing import GRANULARITIES
 from voxdiff.models.unet import CUDAGRAPH_MODES
 from voxdiff.preflight.check import PreflightResult, override_args, run_preflight, with_overrides
 from voxdiff.preflight.memory import traced_recipe
-from voxdiff.preflight.resources import NIFTI_LOADER, STEP_THROUGHPUT, data_subjects, step_kind
+from voxdiff.preflight.resources import (
+    DATA_SLACK,
+    STEP_THROUGHPUT,
+    data_step_s,
+    data_subjects,
+    loader_table,
+    step_kind,
+)
 from voxdiff.preflight.world import PREDICTED_DEVICE
 from voxdiff.run.spec import RunSpec, run_spec
 from voxdiff.step import EMASettings
@@ -95,8 +105,9 @@ class Candidate:
         fits: need <= budget, and its host memory fits (the disk, the same at every batch, is left to the check
             of the chosen one).
         step_ms: predicted milliseconds per step (None: no measured throughput for this GPU and step kind).
-        samples_per_s: ``batch x GPUs / step`` (None without a step time), at most what the data loader delivers
-            (``data_bound``: the loader caps it; :func:`voxdiff.preflight.resources.loader_rate`).
+        samples_per_s: ``batch x GPUs / step`` (None without a step time), the step with its wait for data
+            (``data_bound``: the wait costs more than ``DATA_SLACK`` of it; :func:`voxdiff.preflight.resources.
+            data_step_s`).
         ema_every_n_steps: the EMA's interval (``system.ema.every_n_steps``); None: no EMA.
     """
 
@@ -206,7 +217,8 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
     report: AutofitReport | None = None
     first_misfit: int | None = None
     batch_free: dict[str, str] = {}  # what does not fit at any batch, per key (refused after the choice)
-    data_cap: float | None = None  # the loader's volumes/s per GPU where it caps a candidate
+    data_cap: float | None = None  # the loader's volumes/s per GPU where waiting for it costs a candidate time
+    workers = int(run.resources.num_workers)
     for policy in GRANULARITIES:
         start = 1 if policy == "none" else first_misfit
         if start is None:  # every batch fits without checkpointing: checkpointing would only be slower
@@ -246,12 +258,12 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
                         rows.append((ema_other, {**shown, "system.ema.every_n_steps": ema_other}, other_s))
                 loader = result.needs.loader_per_s if result.needs is not None else None
                 for interval, settings, step_s in rows:
-                    gpu_rate = None if step_s is None else b * world / step_s
-                    bound = gpu_rate is not None and loader is not None and loader * world < gpu_rate
+                    wall_s = data_step_s(step_s, b, loader, workers)
+                    bound = step_s is not None and wall_s is not None and wall_s > step_s * (1 + DATA_SLACK)
                     report.candidates.append(Candidate(
                         tuple(settings.items()), b, policy, compiled,
                         result.per_gpu_peak_gib, result.peak_phase, result.need_gib, fits,
-                        None if step_s is None else step_s * 1e3, loader * world if bound else gpu_rate,
+                        None if step_s is None else step_s * 1e3, None if wall_s is None else b * world / wall_s,
                         interval, bound))
                     if bound:
                         data_cap = loader
@@ -271,11 +283,17 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
            _ema_note(ema, ema_other) if offered else f"not searched: system.ema.every_n_steps ({why_not})",
            compiled_run=compile_now)
     if data_cap is not None:
+        cache = str(data.get("cache", "memory"))
+        how = ("the main process loads each batch between steps, which adds to every step" if workers == 0 else
+               "a larger batch would wait for data, so among the candidates it caps alike the choice is the least "
+               "memory")
+        more = "more data.num_workers (they load the next batches while the GPU runs)"
+        table = loader_table(data)  # a rate came from it
         report.notes.append(
-            f"samples/s marked 'data' are the data loader's: about {data_cap:.1f} volumes/s per GPU with data.cache="
-            f"{data.get('cache', 'memory')} and data.num_workers={run.resources.num_workers} "
-            f"({NIFTI_LOADER.source}); a larger batch would wait for data, so the choice among them is the least "
-            "memory. Fix: data.cache=memory (checked against host memory), or more data.num_workers")
+            f"samples/s marked 'data' count the wait for data: the loader delivers about {data_cap:.1f} volumes/s "
+            f"per GPU with data.cache={cache} and data.num_workers={workers} ({table.source if table else '?'}); "
+            f"{how}. Fix: " + (more if cache == "memory" else f"data.cache=memory (checked against host memory), or "
+                                                              f"{more}"))
     report.notes += [f"does not fit at any batch, so it does not decide the choice (the check of the chosen one "
                      f"refuses the run for it): {m}" for m in batch_free.values()]
     report.notes.append(f"batches tried: {', '.join(map(str, batches))} (up to preflight.max_batch_size="

@@ -403,14 +403,15 @@ STEP_THROUGHPUT: dict[tuple[str, str], Throughput] = {
                                   H100_BANDWIDTH),
     ("H100", "compiled"): Throughput(448.0, 56.5, f"H100, fused AdamW + flash SDPA + torch.compile; {_GPU_SPEED}",
                                      H100_BANDWIDTH),
-    # voxdiff's own step with CUDA graphs, fitted by bench/fit_step_time.py to its seven measured rows
-    # (reference/h100_bench_gpu_step_v3.csv, _v4.csv, _v5.csv) less the weight passes each made at H100_BANDWIDTH (the
-    # rows before session 16: the EMA copying the weights inside system.ema.start_step and clipping by norm in place,
-    # 20 bytes per parameter; session 17's: the EMA's 12 bytes per its interval and the clipping norm's 4): exp11
-    # +7.5%, exp11_1 -13.7%, exp9_ldm_4x_bravo +15.3% and +15.1%, exp9_ldm_8x_bravo -10.2%, -12.8% and -12.9%
-    # (leave-one-out up to +82%, exp11); the README states them
-    ("H100", "cudagraphs"): Throughput(301.8, 16.9, "H100, voxdiff's step compiled with CUDA graphs "
-                                                    "(reduce-overhead); seven rows, h100_bench_gpu_step_v3/v4/v5.csv",
+    # voxdiff's own step with CUDA graphs, fitted by bench/fit_step_time.py to its nine measured rows
+    # (reference/h100_bench_gpu_step_v3.csv, _v4.csv, _v5.csv, _v6.csv) less the weight passes each made at
+    # H100_BANDWIDTH (the rows before session 16: the EMA copying the weights inside system.ema.start_step and clipping
+    # by norm in place, 20 bytes per parameter; since session 17: the EMA's 12 bytes per its interval and the clipping
+    # norm's 4): exp11 +9.6% and -5.3%, exp11 at batch 32 -23.9%, exp11_1 -11.1%, exp9_ldm_4x_bravo +19.2% and
+    # +19.3%, exp9_ldm_8x_bravo -7.5%, -9.9% and -10.2% (leave-one-out up to +25.9%, and -26.9% at batch 32); the
+    # README states them
+    ("H100", "cudagraphs"): Throughput(290.5, 17.1, "H100, voxdiff's step compiled with CUDA graphs "
+                                                    "(reduce-overhead); nine rows, h100_bench_gpu_step_v3-v6.csv",
                                        H100_BANDWIDTH),
 }
 """Per (GPU type, step kind: :func:`step_kind`) throughput. A GPU type without an entry gets no time prediction (never
@@ -434,6 +435,7 @@ class RunTime:
         time_limit_s: the Slurm job's time limit, if known.
         warn_s: seconds before the limit at which the job saves and requeues itself (``WARN_SECONDS``).
         throughput: what ``step_s`` was computed with.
+        gpu_s: the step's seconds on the GPU, without the wait for data (None: the same as ``step_s``).
     """
 
     step_s: float
@@ -442,6 +444,7 @@ class RunTime:
     time_limit_s: float | None
     warn_s: float
     throughput: Throughput
+    gpu_s: float | None = None
 
     @property
     def wall_s(self) -> float:
@@ -463,19 +466,22 @@ class RunTime:
         jobs = self.jobs
         limit = (f"; with a {self.time_limit_s / 3600:.1f} h Slurm limit: {jobs} job(s), {jobs - 1} requeue(s)"
                  if jobs is not None else "")
-        return (f"time: {self.step_s * 1e3:.0f} ms/step predicted, {self.max_steps} steps = {self.wall_s / 3600:.1f} h"
+        waiting = (f" ({(self.step_s - self.gpu_s) * 1e3:.0f} of them waiting for data, as the data: line says)"
+                   if self.gpu_s is not None and self.step_s > self.gpu_s else "")
+        return (f"time: {self.step_s * 1e3:.0f} ms/step predicted{waiting}, {self.max_steps} steps = "
+                f"{self.wall_s / 3600:.1f} h"
                 f" wall, {self.gpu_hours:.1f} GPU-hours{limit} (no validation or sampling time;"
                 f" {self.throughput.source})")
 
 
 @dataclass(frozen=True)
 class LoaderRate:
-    """How fast voxdiff's NIfTI training loader delivers volumes from one CPU core (the main process, or one
-    DataLoader worker), per ``data.cache`` mode, at ``voxels`` per volume (:func:`data_too_slow`).
+    """How fast voxdiff's training loader delivers volumes from one CPU core (the main process, or one DataLoader
+    worker), per ``data.cache`` mode, at ``voxels`` per volume (:func:`loader_rate`).
 
     Attributes:
         volumes_per_s: per cache mode (``none``: decompress and transform every volume; ``disk``: read the cached
-            tensors); ``memory`` is absent: nothing is read per step.
+            tensors; ``memory``: copy the cached tensors into the batch).
         voxels: the volume the rates were measured at; another volume scales them by its voxels.
         source: the measurement.
     """
@@ -485,42 +491,76 @@ class LoaderRate:
     source: str
 
     def per_s(self, cache: str, workers: int, voxels: int) -> float | None:
-        """Volumes per second with ``workers`` DataLoader workers (0: the main process), or None where nothing is
-        read per step. Workers are assumed to scale linearly (each on a core of its own)."""
+        """Volumes per second with ``workers`` DataLoader workers (0: the main process), or None where this cache
+        mode was not measured. Workers are assumed to scale linearly (each on a core of its own)."""
         rate = self.volumes_per_s.get(cache)
         return None if rate is None else rate * self.voxels / voxels * max(1, workers)
 
 
 NIFTI_LOADER = LoaderRate(
-    {"none": 0.43, "disk": 4.77}, 160 * 256 * 256,
-    "bench/bench_data.py: 160x256x256 gzipped NIfTI, 0 workers, on a 2-core VM shared with other jobs (load "
-    "average 6.5): a lower bound of one core's rate")
+    {"none": 0.43, "disk": 4.77, "memory": 8.04}, 160 * 256 * 256,
+    "bench/bench_data.py on a 2-core VM shared with other jobs, 0 workers: none and disk at 160x256x256 one volume a "
+    "batch, memory at 160x128x128 in batches of 32 (32.2 volumes/s; a new batch tensor of 640 MiB a step): a lower "
+    "bound of one core's rate")
+PHANTOM_LOADER = LoaderRate(
+    {"memory": 6.18}, 160 * 256 * 256,
+    "bench/bench_data.py --caches phantom: the built-in phantom kept in memory at 160x128x128 in batches of 32 "
+    "(24.7 volumes/s), 0 workers, on a 2-core VM: a lower bound of one core's rate")
+"""The built-in phantom (``data.root=null``) generated once and kept in memory (``data.cache=memory``); generated
+again at every access otherwise, which is not measured."""
+DATA_SLACK = 0.05
+"""The share of a step that waiting for data may add before :func:`data_too_slow` names it."""
 
 
 def loader_rate(data: Mapping[str, Any], workers: int, volume: tuple[int, ...]) -> float | None:
-    """Volumes per second a NIfTI run's loader delivers to one rank (``data.root``, ``data.cache`` none or disk:
-    :data:`NIFTI_LOADER`), or None where nothing is read per step (the phantom, a memory cache, a latent cache)."""
-    if data.get("root") is None or str(data.get("_target_", "")).endswith("LatentDataModule"):
+    """Volumes per second an image run's training loader delivers to one rank (:data:`NIFTI_LOADER` for a NIfTI
+    folder, :data:`PHANTOM_LOADER` for the phantom, per ``data.cache``), or None where it was not measured (a
+    latent run, whose latents are small beside its step; the phantom generated at every access)."""
+    table = loader_table(data)
+    return None if table is None else table.per_s(str(data.get("cache", "memory")), workers, math.prod(volume))
+
+
+def loader_table(data: Mapping[str, Any]) -> LoaderRate | None:
+    """The measured rates of this data module's loader (None: a latent run's, not measured)."""
+    if str(data.get("_target_", "")).endswith("LatentDataModule"):
         return None
-    return NIFTI_LOADER.per_s(str(data.get("cache", "memory")), workers, math.prod(volume))
+    return PHANTOM_LOADER if data.get("root") is None else NIFTI_LOADER
+
+
+def data_step_s(step_s: float | None, batch: int, rate: float | None, workers: int) -> float | None:
+    """Seconds per step with its data: with DataLoader workers, they load the next batches while the GPU runs
+    (``max(step_s, batch / rate)``); with none, the main process loads each batch between steps (``step_s +
+    batch / rate``: measured on an H100, reference/h100_session19_e11_b32_measured.json). ``rate``: the loader's
+    volumes/s for one rank (:func:`loader_rate`; None: not measured, the step alone)."""
+    if step_s is None or rate is None:
+        return step_s
+    load_s = batch / rate
+    return step_s + load_s if workers <= 0 else max(step_s, load_s)
 
 
 def data_too_slow(data: Mapping[str, Any], batch: int, workers: int, volume: tuple[int, ...],
                   step_s: float | None) -> str | None:
-    """A warning when a NIfTI run's loader (:func:`loader_rate`) delivers fewer volumes per second than the step
-    consumes (``batch / step_s`` per rank, by the time model), with the fix; else None."""
+    """A warning when waiting for data adds more than :data:`DATA_SLACK` of a step (:func:`data_step_s`, the
+    loader's rate by :func:`loader_rate`, the step's by the time model), with the fix; else None."""
     rate = loader_rate(data, workers, volume)
-    if step_s is None or rate is None:
+    wall = data_step_s(step_s, batch, rate, workers)
+    if step_s is None or rate is None or wall is None or wall <= step_s * (1 + DATA_SLACK):
         return None
     cache = str(data.get("cache", "memory"))
-    need = batch / step_s
-    if rate >= need:
-        return None
-    enough = math.ceil(need / (rate / max(1, workers)))
+    source = loader_table(data).source  # type: ignore[union-attr]  # a rate came from it
+    one_core = rate / max(1, workers)
+    enough = max(1, math.ceil(batch / step_s / one_core))
+    fixes = f"data.num_workers={enough} or more" + (" (they load the next batches while the GPU runs)"
+                                                    if workers == 0 else "")
+    if cache != "memory":
+        fixes = f"data.cache=memory (checked against host memory above), or {fixes}"
+    if workers <= 0:
+        return (f"data: with data.num_workers=0 the main process loads each batch between steps: about "
+                f"{batch / rate * 1e3:.0f} ms a step at {rate:.1f} volumes/s with data.cache={cache}, beside the "
+                f"step's {step_s * 1e3:.0f} ms predicted, so {wall * 1e3:.0f} ms a step ({source}). Fix: {fixes}")
     return (f"data: the loader with data.cache={cache} and data.num_workers={workers} delivers about {rate:.1f} "
-            f"volumes/s, the step consumes {need:.1f} samples/s per GPU: the GPU would wait for data "
-            f"({NIFTI_LOADER.source}). Fix: data.cache=memory (checked against host memory above), or "
-            f"data.num_workers={enough} or more")
+            f"volumes/s, the step consumes {batch / step_s:.1f} samples/s per GPU: the GPU would wait for data "
+            f"({source}). Fix: {fixes}")
 
 
 # ------------------------------------------------------------------------------------------- one run, from a config
@@ -533,7 +573,8 @@ class RunNeeds:
         host: host memory of one node; None when the data module caches nothing.
         time: the predicted run time; None with ``time_unknown`` saying why.
         cost: the step's FLOPs and operator calls (None: not counted); step_s: its predicted seconds on the GPU
-            (None: its throughput was not measured), whether or not the run has an end.
+            (None: its throughput was not measured), whether or not the run has an end; :attr:`wall_step_s`: with
+            the wait for data.
         misfits: what does not fit, each naming the key, the value and a fix (the preflight refuses the run).
         warnings: what may not fit (kept checkpoints).
     """
@@ -547,6 +588,13 @@ class RunNeeds:
     cost: StepCost | None = None  # the step's FLOPs and operator calls, when counted
     step_s: float | None = None  # predicted seconds per step, where the GPU's throughput was measured
     loader_per_s: float | None = None  # volumes/s the data loader delivers per rank (loader_rate); None: not limited
+    num_workers: int = 0  # data.num_workers: 0, the main process loads each batch between steps
+    batch_size: int = 1
+
+    @property
+    def wall_step_s(self) -> float | None:
+        """Seconds per step with its data (:func:`data_step_s`): what a run's step takes on the GPU's clock."""
+        return data_step_s(self.step_s, self.batch_size, self.loader_per_s, self.num_workers)
 
     def lines(self) -> list[str]:
         out = []
@@ -652,8 +700,9 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
                 f"{size(host.budget)} of host memory ({source})",
                 "use data.cache=disk (or none), fewer DataLoader workers, or more memory per node"))
 
-    # time: the step's FLOPs on a GPU whose speed was measured
+    # time: the step's FLOPs on a GPU whose speed was measured, and the wait for data
     run_time, unknown = None, ""
+    rate = loader_rate(needs.data, needs.num_workers, tuple(run.shapes.volume))
     throughput = STEP_THROUGHPUT.get((gpu, kind))
     max_steps = needs.max_steps
     if cost is None:
@@ -662,7 +711,8 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
         unknown = (f"the {kind} step's speed on {gpu} has not been measured (voxdiff.preflight.resources."
                    f"STEP_THROUGHPUT has {', '.join(f'{g} {k}' for g, k in sorted(STEP_THROUGHPUT))})")
     elif not isinstance(max_steps, int) or max_steps <= 0:
-        unknown = f"{throughput.seconds(cost) * 1e3:.0f} ms/step predicted; trainer.max_steps={max_steps} sets no end"
+        wall = data_step_s(throughput.seconds(cost), run.batch_size, rate, needs.num_workers)
+        unknown = f"{wall * 1e3:.0f} ms/step predicted; trainer.max_steps={max_steps} sets no end"
     else:
         site = slurm_site(needs.slurm)
         limit = warn = None
@@ -672,10 +722,12 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
             except ValueError:
                 limit = None  # UNLIMITED: no requeues to plan
             warn = float(site.get("WARN_SECONDS") or 0)
-        run_time = RunTime(throughput.seconds(cost), max_steps, world_size, limit, warn or 0.0, throughput)
+        gpu_s = throughput.seconds(cost)
+        run_time = RunTime(data_step_s(gpu_s, run.batch_size, rate, needs.num_workers), max_steps, world_size,
+                           limit, warn or 0.0, throughput, gpu_s)
     step_s = throughput.seconds(cost) if cost is not None and throughput is not None else None
     slow = data_too_slow(needs.data, run.batch_size, needs.num_workers, tuple(run.shapes.volume), step_s)
     if slow:
         warnings.append(slow)
-    return RunNeeds(disk, host, run_time, unknown, tuple(misfits), tuple(warnings), cost, step_s,
-                    loader_rate(needs.data, needs.num_workers, tuple(run.shapes.volume)))
+    return RunNeeds(disk, host, run_time, unknown, tuple(misfits), tuple(warnings), cost, step_s, rate,
+                    needs.num_workers, run.batch_size)
