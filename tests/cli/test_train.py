@@ -153,6 +153,26 @@ def test_batch_size_auto_trains_at_the_chosen_batch_and_records_it(tmp_path, cap
     assert stored["data"]["batch_size"] == 2 and stored["model"]["gradient_checkpointing"] == "none"
 
 
+def test_a_run_with_loader_workers_and_pinned_memory_trains_validates_and_samples(tmp_path):
+    """A GPU run's loader default since session 19 (4 workers, pinned memory: "Loading beside the step"), here with
+    2 workers on the CPU (pinning needs an accelerator, so it is left to Lightning there): the phantom's subjects are
+    built in the main process and read in the workers, the workers persist across epochs, and the run trains,
+    validates and samples to its end."""
+    import math
+
+    import torch
+
+    from voxdiff.checkpoint import CONFIG_KEY
+
+    cfg = compose("train", [*tiny_overrides(tmp_path, "demo"), "trainer.max_steps=4",
+                            "trainer.check_val_every_n_epoch=1", "data.num_workers=2", "data.pin_memory=true"])
+    report = train(cfg)
+    assert math.isfinite(report["metrics"]["train/loss"])
+    assert "val/loss" in report["metrics"] and list((tmp_path / "samples").glob("*.png"))
+    stored = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)[CONFIG_KEY]
+    assert stored["data"]["num_workers"] == 2 and stored["data"]["pin_memory"] is True
+
+
 @pytest.mark.parametrize("override", ["model.gradient_checkpointing=layer", "mode=seg",
                                       "diffusion.prediction_type=v_prediction"])
 def test_demo_variants_fast_dev_run(override, tmp_path):
