@@ -79,6 +79,7 @@ from voxdiff.encodings.base import Encoding, LearnedEncoding
 from voxdiff.errors import ConfigError
 from voxdiff.models.unet import UNetSpec, build_unet_from_spec
 from voxdiff.preflight.compiled import CompiledModule, CompiledTraceError, compiled_profile
+from voxdiff.preflight.resources import validation_batch
 from voxdiff.preflight.stage1 import attach_meta_autoencoder, latent_stage1_spec
 from voxdiff.preflight.tracker import (
     CUDA_CONTEXT_BYTES,
@@ -394,9 +395,11 @@ def predict_step_memory(
             if compile_mode not in _COMPILE_MODES_MODELLED:
                 notes.append(f"compile mode {compile_mode!r} is traced as the default mode; its CUDA graphs' "
                              "private pool as a second allocator pool, whose reserved segments the verdict counts "
-                             "(on an H100 the reserved peak of four such steps came within -9.0..+0.5% of this "
-                             "estimate, reference/h100_bench_gpu_step_v4.csv, _v5.csv); max_memory_allocated does "
-                             "not see the pool")
+                             "(on an H100 the reserved peak of four such steps at batch 1 came within -9.0..+0.5% of "
+                             "this estimate, reference/h100_bench_gpu_step_v4.csv, _v5.csv, but exp11's at batch 32 "
+                             "was 17.2% above it, _v6.csv, and that run's whole reserved peak 25.9% above its "
+                             "prediction: at a large batch, +preflight.safety_margin=0.30 covers that); "
+                             "max_memory_allocated does not see the pool")
         if traced_step is None:
             traced_step = traced(model)
         stepped, step, trace = traced_step
@@ -749,7 +752,9 @@ class PhasesReport:
         parts: ``condition`` (encoding the masks), ``sampling`` (DDIM), ``decode`` (through the encoding).
         resident: bytes alive between steps (weights, AdamW state, EMA, a latent run's VQ-VAE).
         swap_bytes: what the EMA swap holds aside while it trades weights (its largest parameter; 0 without an EMA).
-        val_batch, val_timesteps: ``data.batch_size`` and ``system.val_timesteps``.
+        val_batch, val_timesteps: the validation loader's batch (``data.batch_size``, or the validation split's
+            subjects per rank where fewer: :func:`~voxdiff.preflight.resources.validation_batch`) and
+            ``system.val_timesteps``.
         sample_batch, inference_steps: the UNet's batch while sampling (a chunk of masks, twice that with guidance)
             and the sampling steps configured (two traced).
         peak_allocated: the run's peak: the largest of training, validation and sampling.
@@ -830,9 +835,11 @@ def predict_phases(run: RunSpec | DictConfig, training: MemoryReport | None = No
     with _flash(attention), step.precision.autocast:  # one training step: the AdamW state and the EMA exist from here on
         step.run({k: torch.randn(s, device="meta") for k, s in batch.items()})
 
-    val_batch = dict(batch)
+    # the validation loader's batch: the batch size, or the validation split's subjects per rank where fewer
+    val_b = validation_batch(run.resources.data or {}, next(iter(batch.values()))[0], run.parallel.world_size)
+    val_batch = {k: (val_b, *s[1:]) for k, s in batch.items()}
     if "image_z" in val_batch and run.resources.masks:  # latent batches carry the full-size mask
-        val_batch["mask"] = (batch["image_z"][0], 1, *run.shapes.volume)
+        val_batch["mask"] = (val_b, 1, *run.shapes.volume)
     validation = trace_validation(step, val_batch, val_timesteps, attention=attention, resident=resident)
     sampling = run.sampling
     mask_shape = (max(min(num_masks, sampling.batch_size), 1), 1, *run.shapes.volume)
@@ -850,7 +857,7 @@ def predict_phases(run: RunSpec | DictConfig, training: MemoryReport | None = No
                      "n=1 draws it)")
     return PhasesReport(
         training=peaks["training"], validation=peaks["validation"], sampling=peaks["sampling"], parts=parts,
-        resident=validation.start_bytes, swap_bytes=swap, val_batch=batch[next(iter(batch))][0],
+        resident=validation.start_bytes, swap_bytes=swap, val_batch=val_b,
         val_timesteps=val_timesteps, sample_batch=mask_shape[0] * (1 if float(sampling.guidance_scale) == 1.0 else 2),
         inference_steps=steps,
         peak_allocated=peaks[phase], peak_phase=phase, training_report=training, gpu=gpu.name,

@@ -35,6 +35,7 @@ import torch
 
 from voxdiff.config import config_dir
 from voxdiff.data.nifti import readable_subjects
+from voxdiff.data.split import split_subjects
 from voxdiff.errors import ConfigError
 from voxdiff.run.spec import Parallel
 from voxdiff.slurm import parse_slurm_memory, parse_slurm_time, read_site_env, slurm_job_memory
@@ -255,6 +256,19 @@ def data_subjects(data: Mapping[str, Any]) -> int | None:
     if str(data.get("_target_", "")).endswith("LatentDataModule"):
         return _latent_subjects(data.get("latent_dir"))
     return _volume_subjects(data)
+
+
+def validation_batch(data: Mapping[str, Any], batch_size: int, world_size: int = 1) -> int:
+    """The largest batch one rank's validation loader gives: ``batch_size``, or the validation subjects each rank
+    gets where the split has fewer (its loader keeps the last, smaller batch; Lightning's sampler gives each of
+    ``world_size`` ranks ``ceil(subjects / world_size)``). ``batch_size`` where the subjects cannot be counted
+    here."""
+    subjects = data_subjects(data)
+    if not subjects or subjects < 2:
+        return batch_size
+    validation = len(split_subjects([str(i) for i in range(subjects)], float(data.get("val_fraction") or 0.25),
+                                    int(data.get("split_seed") or 0))[1])
+    return max(1, min(batch_size, math.ceil(validation / max(1, world_size))))
 
 
 def _volume_subjects(data: Mapping[str, Any]) -> int | None:
