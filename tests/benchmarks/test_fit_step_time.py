@@ -33,6 +33,7 @@ def _timed_runs(tmp_path: Path, tiny_demo) -> tuple[Path, Path, float]:
     train(compose("train", [*tiny_demo, f"paths.output_dir={cpu}", "trainer.max_steps=5"]))
     record = json.loads((cpu / "measured.json").read_text())
     assert record["device"] == "cpu" and record["step_time"]["steps"] == 2 and record["gpu"] is None
+    assert record["predicted_step"] is None  # the CPU's step time is not predicted, nor its parts
     gpu_cfg = dict(record["config"], trainer={**record["config"]["trainer"], "accelerator": "gpu", "devices": 1})
     from omegaconf import OmegaConf
 

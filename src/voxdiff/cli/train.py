@@ -216,11 +216,15 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     on_sigterm = SaveOnSigterm()
     failure = FailurePoint()
     # the step as the run's clock sees it: the GPU's time and the wait for data (with no workers, loading between steps)
-    step_s = verdict.needs.wall_step_s if verdict is not None and verdict.needs is not None else None
+    needs = verdict.needs if verdict is not None else None
+    step_s = needs.wall_step_s if needs is not None else None
+    parts = ({"gpu_ms": needs.step_s * 1e3, "data_wait_ms": (step_s - needs.step_s) * 1e3}
+             if needs is not None and needs.step_s is not None and step_s is not None else None)
     measured = MeasuredRun(verdict.predicted_phases_gib() if verdict is not None else None,
                            step_s * 1e3 if step_s is not None else None, run_dir,
                            context={"gpu": verdict.gpu.name if verdict is not None and verdict.gpu is not None
-                                    and spec.device_type == "cuda" else None, "config": record})
+                                    and spec.device_type == "cuda" else None, "config": record,
+                                    "predicted_step": parts})
     callbacks = [*instantiate_callbacks(cfg.get("callbacks")), ConfigInCheckpoint(record), CheckpointPathsInside(),
                  on_sigterm, failure, measured]
     if ckpt_path is not None:
