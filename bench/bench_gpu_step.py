@@ -28,8 +28,9 @@ other (``--experiments exp11 --out F.csv --append`` runs one experiment per call
 
 Each side's time per step is the wall time of steps ``warmup+1 .. warmup+steps`` divided by ``steps``
 (synchronised once at each end, not per step), its peak ``torch.cuda.max_memory_allocated()`` over those steps
-(and ``max_memory_reserved()``, which counts a CUDA graph's private pool, beside the preflight's estimate of it),
-its warm-up the wall time of the first ``warmup`` steps minus theirs at the steady rate (the compile, when
+(and ``max_memory_reserved()``, which counts a CUDA graph's private pool, beside the preflight's estimate of it;
+a voxdiff side also reports each allocator pool's segments after its timed steps, ``default_pool_*`` and
+``graphs_pool_*`` from ``voxdiff.benchmarks.measure.reserved_by_pool``, beside ``pred_graph_pool_gib``), its warm-up the wall time of the first ``warmup`` steps minus theirs at the steady rate (the compile, when
 compiled). The preflight's prediction of the voxdiff step is printed beside its measured peak. TFLOP/s counts one
 forward+backward (``torch.utils.flop_counter``, at the experiment's batch, scaled by the side's batch) per step; the
 share is against the GPU's dense bf16 peak; samples/s is the batch over the time per step. The ratios (voxdiff's
@@ -199,10 +200,12 @@ def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str, profile: bool = 
     """``trainer.fit`` of the experiment's system as ``train.py`` builds it (validation off). ``profile``: record the
     steady steps with ``torch.profiler`` (which slows them) and print where the host's and the device's time goes."""
     import lightning as L
+    import torch
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, Dataset
 
+    from voxdiff.benchmarks.measure import reserved_by_pool
     from voxdiff.lightning.trainer import build_trainer, instantiate_callbacks, instantiate_loggers
 
     host = host_batch(cfg)
@@ -216,6 +219,7 @@ def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str, profile: bool = 
 
     clock = _Clock(device)
     described: list[str] = []
+    pools: dict[str, dict[str, int]] = {}
     profiler = _profiler(device) if profile else None
 
     class Marks(L.Callback):
@@ -233,6 +237,8 @@ def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str, profile: bool = 
                 clock.mark("end")
                 if profiler is not None:
                     profiler.stop()
+                if device == "cuda":  # after the timed steps: the segments of each allocator pool, graphs' apart
+                    pools.update(reserved_by_pool(torch.cuda.memory._snapshot()))
 
     L.seed_everything(int(cfg.seed))
     system = instantiate(cfg.system)
@@ -246,6 +252,15 @@ def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str, profile: bool = 
     trainer.fit(system, train_dataloaders=DataLoader(Same(), batch_size=None, pin_memory=False))
     out = clock.result(warmup, steps)
     out["step"] = described[0]
+    # each allocator pool's segments after the timed steps, the CUDA graphs' private pools together: what the
+    # two-pool estimate (pred_graph_pool_gib, and pred_reserved_gib less it) is held against
+    for kind in ("default", "graphs"):
+        mine = [p for name, p in pools.items() if (name == "default") == (kind == "default")]
+        if mine:
+            out[f"{kind}_pool_reserved_gib"] = sum(p["reserved"] for p in mine) / GiB
+            out[f"{kind}_pool_allocated_gib"] = sum(p["allocated"] for p in mine) / GiB
+            out[f"{kind}_pool_largest_free_gib"] = max(p["largest_free"] for p in mine) / GiB
+            out[f"{kind}_pool_segments"] = sum(p["segments"] for p in mine)
     out["batch"] = int(next(iter(host.values())).shape[0])
     if profiler is not None:
         out.update(_profile_summary(profiler, steps))
@@ -294,7 +309,7 @@ def predicted_gib(cfg: Any) -> dict[str, Any]:
 
     report = predict_memory(cfg)
     return {"pred_peak_gib": report.peak_allocated / GiB, "pred_reserved_gib": report.estimated_reserved / GiB,
-            "pred_note": "; ".join(report.notes)[:200]}
+            "pred_graph_pool_gib": report.graph_pool_bytes / GiB, "pred_note": "; ".join(report.notes)[:200]}
 
 
 def worker(side: str, name: str, overrides: list[str], warmup: int, steps: int,

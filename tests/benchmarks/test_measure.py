@@ -9,6 +9,7 @@ from voxdiff.preflight.memory import traced_recipe
 from voxdiff.benchmarks.measure import measured_step
 from voxdiff.run.spec import run_spec
 from voxdiff.step import ClipSettings
+from voxdiff.units import MiB
 
 
 class _Phases:
@@ -129,3 +130,27 @@ def test_the_allocation_history_records_nothing_on_the_cpu():
     with AllocationHistory("cpu") as record:
         torch.ones(4)
     assert record.entries == []
+
+
+def test_reserved_by_pool_separates_the_graphs_private_pool_from_the_default_one():
+    """``torch.cuda.memory._snapshot()``'s segments (the format torch documents in ``torch.cuda.memory._snapshot``),
+    summed per pool: what the preflight's two-pool estimate of a CUDA-graph step is held against pool by pool."""
+    from voxdiff.benchmarks.measure import reserved_by_pool
+
+    def segment(pool, total, blocks):
+        return {"segment_pool_id": pool, "total_size": total, "segment_type": "large",
+                "allocated_size": sum(size for size, state in blocks if state == "active_allocated"),
+                "blocks": [{"size": size, "state": state} for size, state in blocks]}
+
+    snapshot = {"segments": [
+        segment((0, 0), 20 * MiB, [(12 * MiB, "active_allocated"), (8 * MiB, "inactive")]),
+        segment((0, 0), 2 * MiB, [(2 * MiB, "inactive")]),
+        segment((1, 3), 64 * MiB, [(40 * MiB, "active_allocated"), (24 * MiB, "inactive")]),
+        segment((1, 3), 32 * MiB, [(32 * MiB, "inactive")]),
+    ], "device_traces": []}
+    pools = reserved_by_pool(snapshot)
+    assert pools == {
+        "default": {"segments": 2, "reserved": 22 * MiB, "allocated": 12 * MiB, "largest_free": 8 * MiB},
+        "private 1.3": {"segments": 2, "reserved": 96 * MiB, "allocated": 40 * MiB, "largest_free": 32 * MiB},
+    }
+    assert reserved_by_pool({"segments": []}) == {}

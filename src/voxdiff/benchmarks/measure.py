@@ -111,6 +111,30 @@ class AllocationHistory:
             self.entries = list(traces[device]) if device < len(traces) else []
 
 
+def reserved_by_pool(snapshot: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+    """The caching allocator's segments per memory pool, from ``torch.cuda.memory._snapshot()``: ``default`` (the
+    pool every allocation outside a CUDA graph uses) and ``private <id>`` (a CUDA graph's private pool: cudagraph
+    trees share one per device). Per pool: ``segments``, ``reserved`` (their cudaMalloc'd bytes), ``allocated``
+    (in blocks a tensor holds now), and ``largest_free`` (the largest inactive block). What the preflight's two-pool
+    estimate (``graph_pool_bytes`` and the rest) is held against, pool by pool.
+
+    Args:
+        snapshot: a dict with ``segments``, each with ``segment_pool_id`` (``(0, 0)``: the default pool),
+            ``total_size``, ``allocated_size`` and ``blocks`` (``size``, ``state``).
+    """
+    pools: dict[str, dict[str, int]] = {}
+    for seg in snapshot.get("segments", []):
+        pool_id = tuple(seg.get("segment_pool_id") or (0, 0))
+        name = "default" if pool_id == (0, 0) else f"private {pool_id[0]}.{pool_id[1]}"
+        p = pools.setdefault(name, {"segments": 0, "reserved": 0, "allocated": 0, "largest_free": 0})
+        p["segments"] += 1
+        p["reserved"] += int(seg["total_size"])
+        p["allocated"] += int(seg.get("allocated_size", 0))
+        free = [int(b["size"]) for b in seg.get("blocks", []) if b.get("state") == "inactive"]
+        p["largest_free"] = max([p["largest_free"], *free])
+    return pools
+
+
 @dataclass(frozen=True)
 class PeakBlocks:
     """What :func:`live_at_peak` finds: the largest sum of the recorded allocations alive together, and where they
