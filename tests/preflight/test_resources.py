@@ -292,6 +292,9 @@ def test_without_workers_the_main_process_loads_between_steps_even_from_memory()
     assert data_too_slow(phantom, 1, 0, volume, 100.0) is None
     # the phantom generated at every access (no cache) was not measured: no rate, no warning
     assert loader_rate({**phantom, "cache": "none"}, 0, volume) is None
+    # subjects made from a template are read through the NIfTI path
+    template = {"_target_": "voxdiff.data.mni_template.MNITemplateDataModule", "cache": "memory"}
+    assert loader_rate(template, 0, volume) == loader_rate(nifti, 0, volume)
 
 
 @pytest.mark.parametrize("clip, guard, device, scales_loss, expected", [

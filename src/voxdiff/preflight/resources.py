@@ -535,10 +535,14 @@ def loader_rate(data: Mapping[str, Any], workers: int, volume: tuple[int, ...]) 
 
 
 def loader_table(data: Mapping[str, Any]) -> LoaderRate | None:
-    """The measured rates of this data module's loader (None: a latent run's, not measured)."""
-    if str(data.get("_target_", "")).endswith("LatentDataModule"):
+    """The measured rates of this data module's loader (None: a latent run's, not measured). Subjects made from a
+    template (``data=mni_template``) are written as NIfTI and read through the NIfTI path."""
+    target = str(data.get("_target_", ""))
+    if target.endswith("LatentDataModule"):
         return None
-    return PHANTOM_LOADER if data.get("root") is None else NIFTI_LOADER
+    if data.get("root") is None and not target.endswith("MNITemplateDataModule"):
+        return PHANTOM_LOADER
+    return NIFTI_LOADER
 
 
 def data_step_s(step_s: float | None, batch: int, rate: float | None, workers: int) -> float | None:
