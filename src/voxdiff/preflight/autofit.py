@@ -63,7 +63,6 @@ from typing import Any
 from omegaconf import DictConfig
 
 from voxdiff.config import model_spec, select
-from voxdiff.data.split import split_subjects
 from voxdiff.errors import ConfigError
 from voxdiff.models.checkpointing import GRANULARITIES
 from voxdiff.models.unet import CUDAGRAPH_MODES
@@ -73,8 +72,8 @@ from voxdiff.preflight.resources import (
     DATA_SLACK,
     STEP_THROUGHPUT,
     data_step_s,
-    data_subjects,
     loader_table,
+    split_sizes,
     step_kind,
 )
 from voxdiff.preflight.world import PREDICTED_DEVICE
@@ -202,10 +201,9 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
     ema = traced_recipe(run).ema
     ema_now = ema.every_n_steps if ema is not None else None
     ema_other, ema_why_not = _ema_interval(ema)
-    subjects = data_subjects(run.resources.data)  # a batch larger than the training split is not a batch
     data = run.resources.data
-    training = (len(split_subjects([str(i) for i in range(subjects)], float(data.get("val_fraction") or 0.25),
-                                   int(data.get("split_seed") or 0))[0]) if subjects and subjects >= 2 else None)
+    sizes = split_sizes(data)  # a batch larger than the training split is not a batch
+    training = sizes[0] if sizes is not None else None
     cap = min(options.max_batch_size, training) if training else options.max_batch_size
     batches = [b for b in (2**i for i in range(16)) if b <= cap]
     if options.effective_batch is not None:
@@ -361,8 +359,9 @@ def _notes(report: AutofitReport, effective: int | None, world: int, first_misfi
         notes.append(f"the step's speed on {report.gpu} has not been measured (STEP_THROUGHPUT), so the choice is "
                      "by memory alone: the largest batch that fits")
     else:
-        notes.append("step times from the time model fitted at batch 1 (README: its error there); its error at "
-                     "larger batches has not been measured (each GPU run writes its own to measured.json: "
+        notes.append("step times from the time model (README: its errors), fitted mostly at batch 1: the one row "
+                     "measured above it, exp11 at batch 32 on an H100, it predicts 24% short, so a large batch's "
+                     "samples/s here are optimistic (each GPU run writes its own to measured.json: "
                      "bench/fit_step_time.py --runs)")
     if first_misfit is None:
         notes.append("every batch tried fits without gradient checkpointing, so checkpointing (only slower at the "

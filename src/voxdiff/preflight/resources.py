@@ -258,17 +258,27 @@ def data_subjects(data: Mapping[str, Any]) -> int | None:
     return _volume_subjects(data)
 
 
+def split_sizes(data: Mapping[str, Any]) -> tuple[int, int] | None:
+    """``(training, validation)`` subjects of the plain ``data:`` config's split (``data.val_fraction``,
+    ``data.split_seed``: :func:`voxdiff.data.split.split_subjects`), or None where fewer than two subjects are
+    counted here (:func:`data_subjects`)."""
+    subjects = data_subjects(data)
+    if not subjects or subjects < 2:
+        return None
+    train, val = split_subjects([str(i) for i in range(subjects)], float(data.get("val_fraction") or 0.25),
+                                int(data.get("split_seed") or 0))
+    return len(train), len(val)
+
+
 def validation_batch(data: Mapping[str, Any], batch_size: int, world_size: int = 1) -> int:
     """The largest batch one rank's validation loader gives: ``batch_size``, or the validation subjects each rank
     gets where the split has fewer (its loader keeps the last, smaller batch; Lightning's sampler gives each of
     ``world_size`` ranks ``ceil(subjects / world_size)``). ``batch_size`` where the subjects cannot be counted
     here."""
-    subjects = data_subjects(data)
-    if not subjects or subjects < 2:
+    sizes = split_sizes(data)
+    if sizes is None:
         return batch_size
-    validation = len(split_subjects([str(i) for i in range(subjects)], float(data.get("val_fraction") or 0.25),
-                                    int(data.get("split_seed") or 0))[1])
-    return max(1, min(batch_size, math.ceil(validation / max(1, world_size))))
+    return max(1, min(batch_size, math.ceil(sizes[1] / max(1, world_size))))
 
 
 def _volume_subjects(data: Mapping[str, Any]) -> int | None:
