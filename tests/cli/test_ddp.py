@@ -33,3 +33,25 @@ def test_two_gloo_processes_keep_identical_replicas(repo, tmp_path, compiled):
     assert first != [0.0, 0.0]
     if "model.compile=true" in compiled:
         assert "compiled the training step in" in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_rank_0_out_of_memory_ends_the_processes_it_launched(repo, tmp_path):
+    """Without Slurm or torchrun Lightning launches rank 1 from rank 0's process. When rank 0 fails (here the
+    allocator's failure at step 2, on rank 0 only), rank 1 waits for it in a collective: with NCCL until the process
+    group's timeout, holding its GPU; with gloo until rank 0's exit closes its sockets, then with a "Connection closed
+    by peer" traceback. train.py ends it, says so, and exits with rank 0's code and report."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "train.py", *TINY, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+           "trainer.precision=32-true", "trainer.max_steps=6", f"paths.run_dir={run_dir}",
+           "+callbacks.oom._target_=voxdiff.lightning.ExhaustMemory", "+callbacks.oom.at_step=2",
+           "+callbacks.oom.rank=0"]
+    env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600, env=env)
+    out = result.stdout + result.stderr
+    assert result.returncode == 7, out[-3000:]
+    assert ("[voxdiff] rank 0 failed; the processes it launched: local rank 1 killed after 3 s (it was waiting for "
+            "this one in a collective)") in out
+    assert "Connection closed by peer" not in out
+    assert "CUDA out of memory in training at global step 2" in out
+    assert (run_dir / "memory_error.json").is_file() and not (run_dir / "memory_error.rank1.json").exists()

@@ -148,3 +148,38 @@ def test_the_ema_is_saved_whole_and_loaded_into_shards(tiny_cfg, gloo_world):
     for mine, theirs in zip(other.ema.shadow, system.ema.shadow):
         assert isinstance(mine, DTensor) and mine.placements == theirs.placements
         torch.testing.assert_close(mine.full_tensor(), theirs.full_tensor())
+
+
+def test_the_processes_lightning_launched_are_ended_when_their_launcher_fails():
+    """stop_launched_processes on the children of Lightning's own launcher: one that ends within the grace keeps its
+    exit code; one that would wait forever (as a rank waits in a collective for a failed rank 0) is killed."""
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    from voxdiff.lightning.distributed import stop_launched_processes
+
+    launcher = _SubprocessScriptLauncher(LightningEnvironment(), num_processes=3, num_nodes=1)
+    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    failing = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(0.5); sys.exit(7)"])
+    launcher.procs = [waiting, failing]
+    trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=launcher))
+    start = time.monotonic()
+    try:
+        assert stop_launched_processes(trainer, grace_s=2.0) == {1: "killed", 2: 7}
+    finally:
+        waiting.kill()
+    assert time.monotonic() - start < 30
+    assert waiting.returncode == -9 and failing.returncode == 7  # reaped: no process left behind
+
+
+def test_a_process_that_launched_nothing_has_nothing_to_end():
+    from types import SimpleNamespace
+
+    from voxdiff.lightning.distributed import stop_launched_processes
+
+    assert stop_launched_processes(SimpleNamespace(strategy=SimpleNamespace(launcher=None))) == {}

@@ -244,7 +244,11 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     elif ckpt_path is not None:
         print(f"[voxdiff] resuming from {ckpt_path}", flush=True)
     try:
-        trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+        try:
+            trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+        except BaseException:
+            end_launched_ranks(trainer)
+            raise
     except NonFiniteLossError as e:
         last = last_checkpoint(trainer)
         e.args = (f"{e}. The last good checkpoint: {last or 'none was written yet'}",)
@@ -294,6 +298,21 @@ def last_checkpoint(trainer: Any) -> str | None:
     last = [p for c in trainer.checkpoint_callbacks
             if (p := getattr(c, "last_model_path", "")) and Path(p).is_file()]
     return max(last, key=lambda p: Path(p).stat().st_mtime_ns) if last else None
+
+
+def end_launched_ranks(trainer: Any) -> None:
+    """This process failed: end the run's other processes, if it launched them (:func:`voxdiff.lightning.
+    distributed.stop_launched_processes`: they would wait for it in a collective), and say what became of each."""
+    # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
+    from voxdiff.lightning.distributed import LAUNCHED_GRACE_S, stop_launched_processes
+
+    ended = stop_launched_processes(trainer)
+    if ended:
+        what = ", ".join(f"local rank {r} " + (f"killed after {LAUNCHED_GRACE_S:g} s (it was waiting for this one "
+                                                  "in a collective)" if code == "killed" else f"ended (exit code {code})")
+                         for r, code in ended.items())
+        print(f"[voxdiff] rank {process_rank()} failed; the processes it launched: {what}", file=sys.stderr,
+              flush=True)
 
 
 def _exit(code: int, message: str, prefix: str = "config error") -> NoReturn:

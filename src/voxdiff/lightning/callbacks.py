@@ -326,14 +326,17 @@ class ExhaustMemory(L.Callback):
             (the system's ``generate`` while it writes samples).
         allocated_gib, requested_gib, capacity_gib, free_gib, unallocated_gib: the figures of the message.
         others_gib: memory of another process on the device (0: none named).
+        rank: the one process (``trainer.global_rank``) that fails; the others go on (None: every process).
     """
 
     def __init__(self, at_step: int, phase: str = "training", allocated_gib: float = 76.0,
                  requested_gib: float = 2.0, capacity_gib: float = 79.19, free_gib: float = 0.5,
-                 unallocated_gib: float = 0.3, others_gib: float = 0.0) -> None:
+                 unallocated_gib: float = 0.3, others_gib: float = 0.0, rank: int | None = None) -> None:
         integer("at_step", at_step, minimum=0, example=1)
         one_of("phase", phase, ("training", "validation", "sampling"))
-        self.at_step, self.phase = at_step, phase
+        if rank is not None:
+            integer("rank", rank, minimum=0, example=1)
+        self.at_step, self.phase, self.rank = at_step, phase, rank
         size = _allocator_size
         others = f"Process 4242 has {size(others_gib)} memory in use. " if others_gib else ""
         self.message = (
@@ -344,18 +347,19 @@ class ExhaustMemory(L.Callback):
             "PyTorch but unallocated. If reserved but unallocated memory is large try setting "
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
 
-    def _fail(self) -> None:
-        raise torch.OutOfMemoryError(self.message)
+    def _fail(self, trainer: L.Trainer) -> None:
+        if self.rank is None or trainer.global_rank == self.rank:
+            raise torch.OutOfMemoryError(self.message)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if self.phase == "training" and trainer.global_step == self.at_step:
-            self._fail()
+            self._fail(trainer)
 
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
         if self.phase == "validation" and trainer.global_step == self.at_step and not trainer.sanity_checking:
-            self._fail()
+            self._fail(trainer)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.phase != "sampling":
@@ -364,7 +368,7 @@ class ExhaustMemory(L.Callback):
 
         def failing(*args: Any, **kwargs: Any) -> Any:
             if trainer.global_step >= self.at_step and getattr(pl_module, "sampling_now", False):
-                self._fail()
+                self._fail(trainer)
             return generate(*args, **kwargs)
 
         pl_module.generate = failing  # type: ignore[method-assign]

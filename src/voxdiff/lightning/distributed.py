@@ -1,4 +1,5 @@
-"""Multi-GPU pieces: DDP's replica-consistency check, and FSDP for MONAI's UNet (sharding, EMA, strategy).
+"""Multi-GPU pieces: DDP's replica-consistency check, FSDP for MONAI's UNet (sharding, EMA, strategy), and the end
+of a run's other processes when the one that launched them fails.
 
 FSDP (``trainer=fsdp``) is FSDP2 (``torch.distributed.fsdp.fully_shard``) under Lightning's
 ``ModelParallelStrategy``: the same code runs on GPUs (NCCL) and on the CPU (gloo), where Lightning's
@@ -22,6 +23,8 @@ small k, by √k for large k, as is usual for AdamW).
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,7 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from voxdiff.config import check_kind
 from voxdiff.models.sharding import is_sharded, shard_unet
@@ -175,6 +179,43 @@ class ShardedUNetStrategy(SharedSamplerSeed, ModelParallelStrategy):
             self._data_parallel_size = self.num_nodes * self.num_processes
             self._tensor_parallel_size = 1
         super().setup_environment()
+
+
+#: seconds the processes Lightning launched get to end by themselves (writing their own failure's record) once the
+#: process that launched them has failed, before :func:`stop_launched_processes` kills them
+LAUNCHED_GRACE_S = 3.0
+
+
+def stop_launched_processes(trainer: L.Trainer, grace_s: float = LAUNCHED_GRACE_S) -> dict[int, int | str]:
+    """After the process that launched the run's other processes failed, end those.
+
+    Without Slurm or torchrun (``python train.py trainer=ddp trainer.devices=4`` on one machine), Lightning's
+    launcher (``_SubprocessScriptLauncher``) runs rank 0 in the command's process and starts the other local ranks
+    as its children. When a child fails, Lightning's observer thread kills them all. When rank 0 fails (out of
+    memory, a non-finite loss, any error), nothing does: its exception leaves the children waiting for it in a
+    collective (the next all-reduce or broadcast), with NCCL until the process group's timeout (30 minutes by
+    Lightning's default), holding their GPUs after the command has returned. Under Slurm, ``srun
+    --kill-on-bad-exit=1`` (``slurm/job.sh``) ends a job's other tasks; torchrun's agent ends its workers.
+
+    Each child gets ``grace_s`` (together) to end by itself, then is killed (SIGKILL: a process waiting in a
+    collective does not act on SIGTERM, as Lightning's observer notes).
+
+    Returns:
+        ``{local rank: exit code, or "killed"}`` of each child this process launched (empty: it launched none).
+    """
+    launcher = trainer.strategy.launcher
+    procs: list[subprocess.Popen] = (getattr(launcher, "procs", None) or []
+                                     if isinstance(launcher, _SubprocessScriptLauncher) else [])
+    ended: dict[int, int | str] = {}
+    deadline = time.monotonic() + grace_s
+    for local_rank, proc in enumerate(procs, start=1):
+        try:
+            ended[local_rank] = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            ended[local_rank] = "killed"
+    return ended
 
 
 class SeedEachSample(L.Callback):
