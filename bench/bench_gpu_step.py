@@ -41,7 +41,12 @@ One side alone, in this process: ``--worker '{"side": "voxdiff", "name": "exp11"
 "steps": 20, "profile": true}'`` prints its JSON result last; ``"profile": true`` (voxdiff and auto sides) records the
 steady steps with ``torch.profiler`` and prints the operators that take the host's and the device's time, and the
 device's kernel time per step (``profiled_device_ms_per_step``; against an unprofiled side's ms/step it says how
-much of a step the GPU is busy).
+much of a step the GPU is busy). ``"history": true`` (voxdiff and auto sides) records the allocator's history over
+the warm-up steps (``voxdiff.benchmarks.measure.AllocationHistory``: the compile, and CUDA graphs' warm-up and
+recording, where the segments are reserved) and prints which allocations reserved segments in which pool
+(``segment_growth``: e.g. a cuDNN workspace, or an inductor buffer of the graphs' pool) and which were alive together
+at the peak (``live_at_peak``); the result gets ``history_grown_gib`` per pool and its ``history_top_sites``. Its
+warm-up time includes the record's cost.
 
 The trailing overrides reach the voxdiff and auto sides (``train.py``'s config); the plain loops build their own
 UNet and take only its sizes. So ``--worker`` with ``"overrides": ["model.channels_last=true"]`` beside one without
@@ -196,16 +201,20 @@ def _flops(step: Any, device: str) -> float:
     return counter.get_total_flops() / 1e12
 
 
-def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str, profile: bool = False) -> dict[str, Any]:
+def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str, profile: bool = False,
+                history: bool = False) -> dict[str, Any]:
     """``trainer.fit`` of the experiment's system as ``train.py`` builds it (validation off). ``profile``: record the
-    steady steps with ``torch.profiler`` (which slows them) and print where the host's and the device's time goes."""
+    steady steps with ``torch.profiler`` (which slows them) and print where the host's and the device's time goes.
+    ``history``: record the allocator's history over the warm-up steps (the compile, CUDA graphs' warm-up and
+    recording, which reserve the segments; the record slows them) and print which allocations reserved segments in
+    which pool, and which were alive together at the peak."""
     import lightning as L
     import torch
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, Dataset
 
-    from voxdiff.benchmarks.measure import reserved_by_pool
+    from voxdiff.benchmarks.measure import AllocationHistory, live_at_peak, reserved_by_pool, segment_growth
     from voxdiff.lightning.trainer import build_trainer, instantiate_callbacks, instantiate_loggers
 
     host = host_batch(cfg)
@@ -221,12 +230,17 @@ def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str, profile: bool = 
     described: list[str] = []
     pools: dict[str, dict[str, int]] = {}
     profiler = _profiler(device) if profile else None
+    record = AllocationHistory(device) if history else None
 
     class Marks(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, i) -> None:
             if trainer.global_step == 0:
                 clock.mark("start")
+                if record is not None:
+                    record.__enter__()
             if trainer.global_step == warmup:
+                if record is not None:
+                    record.__exit__(None, None, None)
                 described.append(describe_step(module))  # while training (Lightning moves it to the CPU after)
                 clock.mark("steady")
                 if profiler is not None:
@@ -264,6 +278,13 @@ def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str, profile: bool = 
     out["batch"] = int(next(iter(host.values())).shape[0])
     if profiler is not None:
         out.update(_profile_summary(profiler, steps))
+    if record is not None:
+        growth = segment_growth(record.entries)
+        print(f"allocator history over the {warmup} warm-up steps ({len(record.entries)} entries; none off a CUDA "
+              f"device):\n{growth.describe()}\n{live_at_peak(record.entries).describe()}", flush=True)
+        out["history_grown_gib"] = {pool: round(sum(g[2] for g in growth.grown if g[0] == pool) / GiB, 3)
+                                    for pool in sorted({g[0] for g in growth.grown})}
+        out["history_top_sites"] = [[pool, site, round(size / GiB, 3), n] for pool, site, size, n in growth.grown[:5]]
     return out
 
 
@@ -313,7 +334,7 @@ def predicted_gib(cfg: Any) -> dict[str, Any]:
 
 
 def worker(side: str, name: str, overrides: list[str], warmup: int, steps: int,
-           profile: bool = False) -> dict[str, Any]:
+           profile: bool = False, history: bool = False) -> dict[str, Any]:
     import torch
 
     from voxdiff.lightning.trainer import configure_cpu_threads
@@ -335,7 +356,7 @@ def worker(side: str, name: str, overrides: list[str], warmup: int, steps: int,
 
             choose_batch_size(cfg)
             chosen = f"batch {cfg.data.batch_size}, checkpointing {cfg.model.gradient_checkpointing}"
-        result = run_voxdiff(cfg, warmup, steps, device, profile)
+        result = run_voxdiff(cfg, warmup, steps, device, profile, history)
         result.update(predicted_gib(cfg))
         if chosen:
             result["chosen"] = chosen
@@ -453,7 +474,7 @@ def main() -> None:
     if args.worker:
         job = json.loads(args.worker)
         print(json.dumps(worker(job["side"], job["name"], job["overrides"], job["warmup"], job["steps"],
-                                job.get("profile", False))),
+                                job.get("profile", False), job.get("history", False))),
               flush=True)
         return
 

@@ -5,7 +5,9 @@
 #
 # PLAN has one line per side: `TAG SIDE EXPERIMENT WARMUP STEPS [override ...]` (SIDE: plain, compiled, voxdiff,
 # auto; see bench/bench_gpu_step.py; `voxdiff+profile` or `auto+profile` records the steady steps with torch.profiler
-# and appends its tables of operators to OUT/results.txt, each line prefixed `TAG | `: time such a side again unprofiled). A line starting with `&` runs in the background (compile warm-ups in parallel,
+# and appends its tables of operators to OUT/results.txt, each line prefixed `TAG | `: time such a side again unprofiled;
+# `voxdiff+history` or `auto+history` records the allocator's history over the warm-up steps and appends which
+# allocations reserved segments in which pool the same way: its steady steps are timed as usual). A line starting with `&` runs in the background (compile warm-ups in parallel,
 # sharing one inductor cache: their times are not comparable); a line `wait` waits for them; a line starting with `!`
 # is a shell command, its output appended to OUT/results.txt (e.g. `!python3 bench/measure_sampling.py ...`; `&!` in
 # the background); other lines run one after the other, alone on the GPU (their times are). `#` starts a comment. Each side's JSON result is appended to
@@ -33,17 +35,18 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tm
 
 side() {  # TAG SIDE EXPERIMENT WARMUP STEPS [override ...]
   local tag=$1 kind=$2 name=$3 wu=$4 st=$5; shift 5
-  local ov t1 rc prof=false
+  local ov t1 rc prof=false hist=false
   if [[ $kind == *+profile ]]; then prof=true; kind=${kind%+profile}; fi
+  if [[ $kind == *+history ]]; then hist=true; kind=${kind%+history}; fi
   ov=$(python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@")
   t1=$(date +%s)
   python3 bench/bench_gpu_step.py --worker \
-    "{\"side\": \"$kind\", \"name\": \"$name\", \"overrides\": $ov, \"warmup\": $wu, \"steps\": $st, \"profile\": $prof}" \
+    "{\"side\": \"$kind\", \"name\": \"$name\", \"overrides\": $ov, \"warmup\": $wu, \"steps\": $st, \"profile\": $prof, \"history\": $hist}" \
     > "/tmp/gpu_sides/$tag.out" 2> "/tmp/gpu_sides/$tag.err"
   rc=$?
   echo "$tag rc=$rc wall=$(( $(date +%s) - t1 ))s $name $kind $* :: $(grep '^{' "/tmp/gpu_sides/$tag.out" | tail -1)" \
     | tee -a "$OUTDIR/results.txt"
-  if [[ $prof == true ]]; then grep -v '^{' "/tmp/gpu_sides/$tag.out" | sed "s/^/$tag | /" >> "$OUTDIR/results.txt"; fi
+  if [[ $prof == true || $hist == true ]]; then grep -v '^{' "/tmp/gpu_sides/$tag.out" | sed "s/^/$tag | /" >> "$OUTDIR/results.txt"; fi
   grep -h "data.batch_size=auto" "/tmp/gpu_sides/$tag.out" >> "$OUTDIR/results.txt"
   if [[ $rc != 0 ]]; then { echo "== $tag"; tail -40 "/tmp/gpu_sides/$tag.err"; } >> "$OUTDIR/errors.txt"; fi
 }

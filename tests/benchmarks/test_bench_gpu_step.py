@@ -40,7 +40,8 @@ def test_rows_from_printed_sides_count_flops_from_whichever_plain_loop_ran(tmp_p
 def test_gpu_sides_runs_a_plan_and_keeps_each_result(tmp_path):
     plan = tmp_path / "plan.txt"
     plan.write_text("# a shell line in the background, then one side alone, then one profiled\n"
-                    "&!echo from-the-plan\nwait\nt1 plain exp11 1 1   # tiny on a CPU\nt2 voxdiff+profile exp11 1 1\n")
+                    "&!echo from-the-plan\nwait\nt1 plain exp11 1 1   # tiny on a CPU\nt2 voxdiff+profile exp11 1 1\n"
+                    "t3 voxdiff+history exp11 1 1\n")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     env.pop("OUT", None)
     done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_sides.sh"), str(plan), str(tmp_path / "out")],
@@ -55,6 +56,10 @@ def test_gpu_sides_runs_a_plan_and_keeps_each_result(tmp_path):
     (profiled,) = [ln for ln in lines if ln.startswith("t2 rc=0 ")]
     assert " exp11 voxdiff " in profiled and "profiled_device_ms_per_step" in json.loads(profiled.split(" :: ", 1)[1])
     assert any(ln.startswith("t2 | ") and "Self CPU" in ln for ln in lines)  # its profiler's table
+    (recorded,) = [ln for ln in lines if ln.startswith("t3 rc=0 ")]
+    assert json.loads(recorded.split(" :: ", 1)[1])["history_grown_gib"] == {}  # a CPU's allocator records nothing
+    assert "t3 | allocator history over the 1 warm-up steps (0 entries; none off a CUDA device):" in lines
+    assert "t3 | segments reserved within the record: none; released 0.00 GiB" in lines
     assert not (tmp_path / "out" / "errors.txt").exists()
 
 

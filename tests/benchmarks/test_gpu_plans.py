@@ -13,7 +13,7 @@ from voxdiff.preflight.check import run_spec_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 PLANS = sorted((ROOT / "bench" / "plans").glob("*.txt"))
-SIDES = {"plain", "compiled", "voxdiff", "auto", "voxdiff+profile", "auto+profile"}
+SIDES = {"plain", "compiled", "voxdiff", "auto", "voxdiff+profile", "auto+profile", "voxdiff+history", "auto+history"}
 
 
 def side_lines(plan: Path) -> list[list[str]]:

@@ -124,6 +124,35 @@ def test_live_at_peak_finds_the_blocks_alive_together_at_their_peak_and_where_th
     assert live_at_peak([]).bytes == 0 and allocation_site([]) == "? <- ?"
 
 
+def test_segment_growth_names_the_allocations_that_reserved_segments_pool_by_pool():
+    """bench_gpu_step.py's "history": from an allocator history (torch.cuda.memory._snapshot()'s device_traces, with
+    each entry's pool_id as torch 2.13 writes it), the segments reserved grouped by pool and by the allocation that
+    asked for them, largest first, and the segments released; what tells a cuDNN workspace from an inductor buffer
+    where a CUDA-graph step's reserved memory outgrows its estimate."""
+    from voxdiff.benchmarks.measure import segment_growth
+
+    entries = [
+        {"action": "segment_alloc", "addr": 1, "size": 64 * MiB, "frames": CONV, "pool_id": (1, 2)},
+        {"action": "alloc", "addr": 1, "size": 60 * MiB, "frames": CONV, "pool_id": (1, 2)},
+        {"action": "segment_alloc", "addr": 2, "size": 20 * MiB, "frames": NORM, "pool_id": (1, 2)},
+        {"action": "segment_alloc", "addr": 3, "size": 32 * MiB, "frames": CONV, "pool_id": (1, 2)},
+        {"action": "segment_alloc", "addr": 4, "size": 2 * MiB, "frames": NORM, "pool_id": (0, 0)},
+        {"action": "segment_alloc", "addr": 5, "size": 8 * MiB, "frames": NORM},  # no pool_id: the default pool
+        {"action": "segment_free", "addr": 2, "size": 20 * MiB, "pool_id": (1, 2)},
+    ]
+    growth = segment_growth(entries)
+    conv = "at::native::cudnn_convolution_forward <- blocks/convolutions.py:88 forward"
+    norm = "at::native::native_group_norm <- nets/diffusion_model_unet.py:301 forward"
+    assert growth.grown == (("private 1.2", conv, 96 * MiB, 2), ("private 1.2", norm, 20 * MiB, 1),
+                            ("default", norm, 10 * MiB, 2))
+    assert growth.released == 20 * MiB
+    text = growth.describe()
+    assert text.splitlines()[0] == ("segments reserved within the record: default 0.01 GiB, private 1.2 0.11 GiB; "
+                                    "released 0.02 GiB")
+    assert len(text.splitlines()) == 4 and conv in text
+    assert segment_growth([]).describe().startswith("segments reserved within the record: none")
+
+
 def test_the_allocation_history_records_nothing_on_the_cpu():
     from voxdiff.benchmarks.measure import AllocationHistory
 

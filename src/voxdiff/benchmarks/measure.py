@@ -124,15 +124,71 @@ def reserved_by_pool(snapshot: Mapping[str, Any]) -> dict[str, dict[str, int]]:
     """
     pools: dict[str, dict[str, int]] = {}
     for seg in snapshot.get("segments", []):
-        pool_id = tuple(seg.get("segment_pool_id") or (0, 0))
-        name = "default" if pool_id == (0, 0) else f"private {pool_id[0]}.{pool_id[1]}"
-        p = pools.setdefault(name, {"segments": 0, "reserved": 0, "allocated": 0, "largest_free": 0})
+        p = pools.setdefault(pool_name(seg.get("segment_pool_id")), {"segments": 0, "reserved": 0, "allocated": 0, "largest_free": 0})
         p["segments"] += 1
         p["reserved"] += int(seg["total_size"])
         p["allocated"] += int(seg.get("allocated_size", 0))
         free = [int(b["size"]) for b in seg.get("blocks", []) if b.get("state") == "inactive"]
         p["largest_free"] = max([p["largest_free"], *free])
     return pools
+
+
+def pool_name(pool_id: Any) -> str:
+    """A memory pool's name as :func:`reserved_by_pool` writes it: ``default`` for ``(0, 0)`` (or none given),
+    ``private a.b`` for a CUDA graph's private pool."""
+    pool_id = tuple(pool_id or (0, 0))
+    return "default" if pool_id == (0, 0) else f"private {pool_id[0]}.{pool_id[1]}"
+
+
+@dataclass(frozen=True)
+class SegmentGrowth:
+    """What :func:`segment_growth` finds: the allocations that made the caching allocator reserve new segments.
+
+    Attributes:
+        grown: ``(pool, site, bytes, segments)``: the segments reserved (``cudaMalloc``), grouped by their pool
+            (:func:`pool_name`) and by the site of the allocation that asked for them (:func:`allocation_site`),
+            largest first.
+        released: bytes of segments given back (``cudaFree``: ``empty_cache``, or the allocator freeing cached
+            segments to retry an allocation that did not fit).
+    """
+
+    grown: tuple[tuple[str, str, int, int], ...]
+    released: int
+
+    def describe(self, top: int = 12) -> str:
+        """The segments reserved per pool, and the ``top`` largest sites, one per line, in MiB."""
+        pools: dict[str, int] = {}
+        for pool, _, size, _ in self.grown:
+            pools[pool] = pools.get(pool, 0) + size
+        lines = ["segments reserved within the record: " + (", ".join(
+            f"{pool} {size / 2**30:.2f} GiB" for pool, size in sorted(pools.items())) or "none")
+            + f"; released {self.released / 2**30:.2f} GiB"]
+        lines += [f"  {size / 2**20:10.1f} MiB {n:4d} segments  {pool:>14}  {site}"
+                  for pool, site, size, n in self.grown[:top]]
+        return "\n".join(lines)
+
+
+def segment_growth(entries: Iterable[Mapping[str, Any]]) -> SegmentGrowth:
+    """Which allocations of a recorded history (:class:`AllocationHistory`) made the caching allocator reserve
+    segments, pool by pool: where a step's reserved memory outgrows its allocated peak (a CUDA graph's private pool,
+    a cuDNN workspace that fits no cached block), this names the requests that grew it.
+
+    Args:
+        entries: ``torch.cuda.memory._snapshot()["device_traces"][device]``: ``segment_alloc`` and
+            ``segment_free`` entries with ``size``, ``frames`` and ``pool_id`` (torch 2.13; a trace without
+            ``pool_id`` counts as the default pool); other actions are ignored.
+    """
+    grown: dict[tuple[str, str], list[int]] = {}
+    released = 0
+    for e in entries:
+        if e.get("action") == "segment_alloc":
+            g = grown.setdefault((pool_name(e.get("pool_id")), allocation_site(e.get("frames", []))), [0, 0])
+            g[0] += int(e["size"])
+            g[1] += 1
+        elif e.get("action") == "segment_free":
+            released += int(e["size"])
+    ranked = sorted(((pool, site, v[0], v[1]) for (pool, site), v in grown.items()), key=lambda t: -t[2])
+    return SegmentGrowth(tuple(ranked), released)
 
 
 @dataclass(frozen=True)
