@@ -3,6 +3,8 @@ an effective batch held by gradient accumulation (voxdiff.preflight.autofit)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from voxdiff.errors import ConfigError
@@ -260,3 +262,38 @@ def test_without_workers_each_candidate_waits_for_its_batch_between_steps(tiny_c
     note = next(n for n in report.notes if "samples/s marked 'data'" in n)
     assert "the main process loads each batch between steps" in note
     assert "more data.num_workers" in note and "data.cache=memory (" not in note
+
+
+def test_a_candidate_nearly_as_fast_with_less_memory_is_named_beside_the_choice(tiny_cfg, monkeypatch):
+    """Where samples per second saturate with the batch (a FLOP-bound step: exp9_ldm_4x_bravo on an H100 is
+    predicted at 4.41 samples/s at batch 1 and 4.76 at batch 4, which needs 76.4 of 79.6 GiB), the report names the
+    candidate with the least memory among those within NEAR_BEST of the chosen one's samples/s; the choice stays the
+    fastest. Here on candidates as the search writes them, then on a real report."""
+    from voxdiff.preflight.autofit import NEAR_BEST, AutofitReport, Candidate, _notes
+
+    def cand(batch, need, sps, fits=True):
+        return Candidate((("data.batch_size", batch),), batch, "none", True, need - 1, "training", need, fits,
+                         batch / sps * 1e3, sps)
+
+    c1, c2, c4, c8, c16 = cand(1, 60.0, 85.0), cand(2, 62.0, 92.0), cand(4, 70.0, 95.0), cand(8, 76.0, 100.0), \
+        cand(16, 90.0, 120.0, fits=False)
+    report = AutofitReport("exp", "H100", 79.6, "preflight.gpu H100", "samples per second", [c1, c2, c4, c8, c16], c8)
+    assert NEAR_BEST == 0.90
+    assert report.nearly_as_fast() is c2  # c1 is below 90%; c16 does not fit; c2 needs less than c4
+    _notes(report, None, 1, 16, False, "ema")
+    (note,) = [n for n in report.notes if n.startswith("nearly as fast")]
+    assert note.startswith("nearly as fast with less memory: data.batch_size=2 is predicted at 92% of the chosen "
+                           "samples/s and needs 62.0 GiB against 76.0")
+    # none within reach, none with less memory, or no step times: no note
+    assert AutofitReport("exp", "H100", 79.6, "", "samples per second", [c1, c8], c8).nearly_as_fast() is None
+    assert AutofitReport("exp", "H100", 79.6, "", "samples per second", [c8], c8).nearly_as_fast() is None
+    blind = replace(c8, step_ms=None, samples_per_s=None)
+    assert AutofitReport("exp", "H100", 79.6, "", "memory alone", [c1, blind], blind).nearly_as_fast() is None
+
+    # a real report (the tiny UNet is launch-bound: its batch 4 is far faster than 1): with no threshold, the
+    # candidate that needs least memory is named, the choice unchanged
+    monkeypatch.setattr(autofit_module, "NEAR_BEST", 0.0)
+    real = autofit(tiny_cfg(SUBJECTS, "data.batch_size=auto", "preflight.max_batch_size=4"), verdict=fast)
+    assert real.best.batch_size == 4
+    (named,) = [n for n in real.notes if n.startswith("nearly as fast")]
+    assert named.startswith("nearly as fast with less memory: data.batch_size=1 ")

@@ -86,6 +86,9 @@ __all__ = ["AutofitReport", "Candidate", "autofit"]
 EMA_MIN_GAIN = 0.02
 """The least share of a step the longer EMA interval must save to be offered (a change to the average for less is
 not worth it)."""
+NEAR_BEST = 0.90
+"""A candidate predicted at this share of the chosen one's samples per second or more, with less memory, is named
+in a note (:meth:`AutofitReport.nearly_as_fast`): the time model's error above batch 1 is larger than the gap."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,18 @@ class AutofitReport:
     candidates: list[Candidate] = field(default_factory=list)
     best: Candidate | None = None
     notes: list[str] = field(default_factory=list)
+
+    def nearly_as_fast(self) -> Candidate | None:
+        """The fitting candidate with the least memory among those predicted at :data:`NEAR_BEST` of the chosen
+        one's samples per second or more that need less memory than it (None: there is none, or no step times).
+        Where samples per second saturate with the batch (a FLOP-bound step), it trains about as fast with far
+        less memory, and changes the optimisation less."""
+        best = self.best
+        if best is None or not best.samples_per_s:
+            return None
+        near = [c for c in self.candidates if c.fits and c.samples_per_s is not None and c.need_gib < best.need_gib
+                and c.samples_per_s >= NEAR_BEST * best.samples_per_s]
+        return min(near, key=lambda c: (c.need_gib, -c.samples_per_s), default=None)
 
     def table(self) -> str:
         """The candidates as a text table, the chosen one marked ``*``, then the notes."""
@@ -363,6 +378,13 @@ def _notes(report: AutofitReport, effective: int | None, world: int, first_misfi
                      "measured above it, exp11 at batch 32 on an H100, it predicts 24% short, so a large batch's "
                      "samples/s here are optimistic (each GPU run writes its own to measured.json: "
                      "bench/fit_step_time.py --runs)")
+    near = report.nearly_as_fast()
+    if near is not None and report.best is not None and report.best.samples_per_s:
+        notes.append(f"nearly as fast with less memory: {' '.join(near.overrides)} is predicted at "
+                     f"{near.samples_per_s / report.best.samples_per_s:.0%} of the chosen samples/s and needs "
+                     f"{near.need_gib:.1f} GiB against {report.best.need_gib:.1f}: within the time model's error above "
+                     "batch 1, with room for what the memory estimate misses at a large batch (a CUDA-graph step at "
+                     "batch 32 reserved 17% above its estimate on an H100), and a smaller change to the optimisation")
     if first_misfit is None:
         notes.append("every batch tried fits without gradient checkpointing, so checkpointing (only slower at the "
                      "same batch) is not listed")
