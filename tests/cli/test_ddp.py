@@ -35,6 +35,17 @@ def test_two_gloo_processes_keep_identical_replicas(repo, tmp_path, compiled):
         assert "compiled the training step in" in result.stdout + result.stderr
 
 
+def _out_of_memory_on_rank(repo, run_dir, rank: int) -> tuple[int, str]:
+    """A two-process gloo run whose rank ``rank`` alone runs out of memory at step 2: its exit code and output."""
+    cmd = [sys.executable, "train.py", *TINY, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+           "trainer.precision=32-true", "trainer.max_steps=6", f"paths.run_dir={run_dir}",
+           "+callbacks.oom._target_=voxdiff.lightning.ExhaustMemory", "+callbacks.oom.at_step=2",
+           f"+callbacks.oom.rank={rank}"]
+    env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600, env=env)
+    return result.returncode, result.stdout + result.stderr
+
+
 @pytest.mark.slow
 def test_rank_0_out_of_memory_ends_the_processes_it_launched(repo, tmp_path):
     """Without Slurm or torchrun Lightning launches rank 1 from rank 0's process. When rank 0 fails (here the
@@ -42,16 +53,24 @@ def test_rank_0_out_of_memory_ends_the_processes_it_launched(repo, tmp_path):
     group's timeout, holding its GPU; with gloo until rank 0's exit closes its sockets, then with a "Connection closed
     by peer" traceback. train.py ends it, says so, and exits with rank 0's code and report."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "train.py", *TINY, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
-           "trainer.precision=32-true", "trainer.max_steps=6", f"paths.run_dir={run_dir}",
-           "+callbacks.oom._target_=voxdiff.lightning.ExhaustMemory", "+callbacks.oom.at_step=2",
-           "+callbacks.oom.rank=0"]
-    env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600, env=env)
-    out = result.stdout + result.stderr
-    assert result.returncode == 7, out[-3000:]
+    code, out = _out_of_memory_on_rank(repo, run_dir, 0)
+    assert code == 7, out[-3000:]
     assert ("[voxdiff] rank 0 failed; the processes it launched: local rank 1 killed after 3 s (it was waiting for "
             "this one in a collective)") in out
     assert "Connection closed by peer" not in out
     assert "CUDA out of memory in training at global step 2" in out
     assert (run_dir / "memory_error.json").is_file() and not (run_dir / "memory_error.rank1.json").exists()
+
+
+@pytest.mark.slow
+def test_rank_1_out_of_memory_ends_the_run_with_its_code(repo, tmp_path):
+    """When a process Lightning launched fails (here rank 1 runs out of memory at step 2), the run exits with its
+    code and one line from each: Lightning's observer would have SIGKILLed every process (exit 137), or, with gloo,
+    rank 0 would have ended first with a "Connection closed by peer" traceback (exit 1)."""
+    run_dir = tmp_path / "run"
+    code, out = _out_of_memory_on_rank(repo, run_dir, 1)
+    assert code == 7, out[-3000:]
+    assert "[voxdiff] out of memory: CUDA out of memory in training at global step 2" in out  # rank 1's own line
+    assert "local rank 1 failed (exit code 7; its message is above)" in out
+    assert "Traceback" not in out
+    assert (run_dir / "memory_error.rank1.json").is_file() and not (run_dir / "memory_error.json").exists()

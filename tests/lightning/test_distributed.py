@@ -183,3 +183,56 @@ def test_a_process_that_launched_nothing_has_nothing_to_end():
     from voxdiff.lightning.distributed import stop_launched_processes
 
     assert stop_launched_processes(SimpleNamespace(strategy=SimpleNamespace(launcher=None))) == {}
+
+
+def _children(*codes_after):
+    """Real child processes: ``None`` sleeps (as a rank waiting in a collective), ``(code, s)`` exits with ``code``
+    after ``s`` seconds."""
+    import subprocess
+    import sys
+
+    return [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)" if c is None else
+                              f"import time, sys; time.sleep({c[1]}); sys.exit({c[0]})"]) for c in codes_after]
+
+
+def test_the_rank_watch_ends_the_others_and_exits_with_the_failed_ones_code(capsys):
+    """RankWatch (in place of Lightning's observer, which SIGKILLs every process, the launcher included: exit 137):
+    when a launched process fails, the others are killed and the launcher exits with the failed one's code."""
+    from voxdiff.lightning.distributed import RankWatch
+
+    waiting, failing = procs = _children(None, (3, 0.3))
+    exits = []
+    try:
+        RankWatch(procs, period_s=0.1, exit=exits.append).run()
+    finally:
+        waiting.kill()
+    assert exits == [3]
+    assert waiting.returncode == -9 and failing.returncode == 3
+    assert ("[voxdiff] local rank 2 failed (exit code 3; its message is above): the run's other processes are ended, "
+            "and this one exits with its code") in capsys.readouterr().err
+
+
+def test_the_rank_watch_stands_down_for_the_launchers_own_failure_and_stops_when_all_succeed():
+    from voxdiff.lightning.distributed import RankWatch, exit_code
+
+    (failing,) = procs = _children((3, 0.0))
+    failing.wait()
+    watch = RankWatch(procs, period_s=0.05, exit=lambda code: pytest.fail(f"exited {code}"))
+    watch.stand_down()  # the launcher's own failure handling (stop_launched_processes) came first
+    watch.run()  # returns at once, without exiting
+    done = _children((0, 0.0), (0, 0.1))
+    RankWatch(done, period_s=0.05, exit=lambda code: pytest.fail(f"exited {code}")).run()
+    assert [p.returncode for p in done] == [0, 0]
+    assert exit_code(-9) == 137 and exit_code(7) == 7
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_voxdiffs_strategies_launch_their_processes_with_the_rank_watch(strategy):
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from voxdiff.lightning.distributed import WatchedLauncher
+
+    built = DDPStrategy(kind="ddp") if strategy == "ddp" else ShardedUNetStrategy(kind="fsdp")
+    built.cluster_environment = LightningEnvironment()  # what Lightning's connector sets on a machine without Slurm
+    built._configure_launcher()
+    assert type(built.launcher) is WatchedLauncher and built.launcher.watch is None  # none launched yet

@@ -181,6 +181,7 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
         NonFiniteLossError: a NaN/inf loss or gradient norm; the message names the last good checkpoint.
         MemoryStop: the run ran out of memory (:mod:`voxdiff.cli.out_of_memory`; its record written to the run
             directory first).
+        RankFailed: a process this one launched failed on its own (:func:`end_launched_ranks`).
 
     Returns:
         ``{"run_dir", "metrics", "last_checkpoint", "best_checkpoint"}`` (metrics as floats).
@@ -246,8 +247,8 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
     try:
         try:
             trainer.fit(system, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
-        except BaseException:
-            end_launched_ranks(trainer)
+        except BaseException as e:
+            end_launched_ranks(trainer, e)
             raise
     except NonFiniteLossError as e:
         last = last_checkpoint(trainer)
@@ -300,19 +301,60 @@ def last_checkpoint(trainer: Any) -> str | None:
     return max(last, key=lambda p: Path(p).stat().st_mtime_ns) if last else None
 
 
-def end_launched_ranks(trainer: Any) -> None:
-    """This process failed: end the run's other processes, if it launched them (:func:`voxdiff.lightning.
-    distributed.stop_launched_processes`: they would wait for it in a collective), and say what became of each."""
+class RankFailed(Exception):
+    """A process this one launched failed on its own, and this one's error followed from it (with gloo, a
+    ``Connection closed by peer`` when the failed process exited): the run exits with that process's code.
+
+    Attributes:
+        code: the failed process's exit code (128 + the signal for one killed by a signal).
+    """
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def own_failure(error: BaseException) -> bool:
+    """Whether ``error`` is one this process reports with its own exit code (out of memory, a non-finite loss,
+    SIGTERM, an interrupt, bad input or a failed write) rather than a consequence of another process's failure."""
     # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
-    from voxdiff.lightning.distributed import LAUNCHED_GRACE_S, stop_launched_processes
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from voxdiff.cli.out_of_memory import is_out_of_memory
+    from voxdiff.data.nifti import DataError
+    from voxdiff.files import CheckpointWriteError, out_of_space
+    from voxdiff.lightning.diffusion import NonFiniteLossError
+
+    return (not isinstance(error, Exception) or is_out_of_memory(error) or out_of_space(error)
+            or isinstance(error, (NonFiniteLossError, SIGTERMException, ConfigError, DataError, CheckpointWriteError)))
+
+
+def end_launched_ranks(trainer: Any, error: BaseException) -> None:
+    """This process failed with ``error``: end the run's other processes, if it launched them
+    (:func:`voxdiff.lightning.distributed.stop_launched_processes`: they would wait for it in a collective), and say
+    what became of each.
+
+    Raises:
+        RankFailed: one of them had failed on its own and ``error`` is not one of this process's own failures
+            (:func:`own_failure`): the run exits with that process's code, not with a traceback of this one's.
+    """
+    # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
+    from voxdiff.lightning.distributed import LAUNCHED_GRACE_S, exit_code, stop_launched_processes
 
     ended = stop_launched_processes(trainer)
-    if ended:
-        what = ", ".join(f"local rank {r} " + (f"killed after {LAUNCHED_GRACE_S:g} s (it was waiting for this one "
-                                                  "in a collective)" if code == "killed" else f"ended (exit code {code})")
-                         for r, code in ended.items())
-        print(f"[voxdiff] rank {process_rank()} failed; the processes it launched: {what}", file=sys.stderr,
-              flush=True)
+    if not ended:
+        return
+    failed = [(r, code) for r, code in ended.items() if isinstance(code, int) and code != 0]
+    if failed and not own_failure(error):
+        rank, code = failed[0]
+        cause = " ".join(str(error).split())[:160]
+        raise RankFailed(f"local rank {rank} failed (exit code {exit_code(code)}; its message is above), and rank "
+                         f"{process_rank()} stopped with it ({type(error).__name__}: {cause})",
+                         exit_code(code)) from error
+    what = ", ".join(f"local rank {r} " + (f"killed after {LAUNCHED_GRACE_S:g} s (it was waiting for this one "
+                                              "in a collective)" if code == "killed" else f"ended (exit code {code})")
+                     for r, code in ended.items())
+    print(f"[voxdiff] rank {process_rank()} failed; the processes it launched: {what}", file=sys.stderr, flush=True)
 
 
 def _exit(code: int, message: str, prefix: str = "config error") -> NoReturn:
@@ -344,6 +386,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 _exit(EXIT_NONFINITE, str(e), prefix="training stopped")
             except SIGTERMException as e:
                 _exit(EXIT_TERMINATED, getattr(e, "report", "stopped by SIGTERM"), prefix="SIGTERM")
+            except RankFailed as e:
+                _exit(e.code, str(e), prefix="rank failed")
     finally:
         leave_process_group()
         release(run_dir)

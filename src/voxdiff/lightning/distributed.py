@@ -23,8 +23,12 @@ small k, by √k for large k, as is usual for AdamW).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,7 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from voxdiff.config import check_kind
@@ -125,6 +130,95 @@ def ema_checkpoint_state(ema: Any, model: torch.nn.Module) -> dict[str, Any]:
     return state
 
 
+#: seconds between :class:`RankWatch`'s looks at the processes it launched
+WATCH_PERIOD_S = 0.5
+
+
+def exit_code(returncode: int) -> int:
+    """A process's exit code as a shell reports it: ``returncode``, or 128 + the signal for one killed by a signal
+    (``subprocess``'s negative return code)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def rank_failed_line(local_rank: int, returncode: int) -> str:
+    """What the launching process says when one of its processes failed (its own message is above it)."""
+    return (f"[voxdiff] local rank {local_rank} failed (exit code {exit_code(returncode)}; its message is above): "
+            "the run's other processes are ended, and this one exits with its code")
+
+
+class RankWatch(threading.Thread):
+    """In the process that launched the run's others (Lightning's launcher without Slurm or torchrun): when one of
+    them fails, end the others and exit with its code.
+
+    It replaces Lightning's ``_ChildProcessObserver``, which ends them too, but with SIGKILL to every process,
+    itself included: the command exited 137 ("killed") whatever the failure, an out-of-memory (7) or a non-finite
+    loss (3) alike, while this process waits for the failed one in a collective (NCCL: until the process group's
+    timeout) or fails with a "Connection closed by peer" traceback (gloo). The exit is ``os._exit``: this process may
+    be blocked in a collective, and its work ends with the run (as under SIGKILL: a checkpoint being written is left
+    as a temporary file, which the run directory's next start removes).
+
+    :meth:`stand_down`, from this process's own failure handling (:func:`stop_launched_processes`), stops the watch
+    first, so that the failure of this process is reported as its own.
+    """
+
+    def __init__(self, procs: list[subprocess.Popen], period_s: float = WATCH_PERIOD_S,
+                 exit: Callable[[int], Any] = os._exit) -> None:
+        super().__init__(daemon=True, name="voxdiff-rank-watch")
+        self.procs, self.period_s, self._exit = procs, period_s, exit
+        self._lock = threading.Lock()
+        self._stood_down = threading.Event()
+
+    def stand_down(self) -> None:
+        """Stop watching; returns once a failure the watch is handling has been handled (which exits the process)."""
+        with self._lock:
+            self._stood_down.set()
+
+    def run(self) -> None:
+        while not self._stood_down.wait(self.period_s):
+            codes = [p.poll() for p in self.procs]
+            if all(c == 0 for c in codes):
+                return
+            failed = next(((r, c) for r, c in enumerate(codes, start=1) if c not in (None, 0)), None)
+            if failed is None:
+                continue
+            with self._lock:
+                if self._stood_down.is_set():
+                    return
+                for p in self.procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+                print(rank_failed_line(*failed), file=sys.stderr, flush=True)
+                self._exit(exit_code(failed[1]))
+                return
+
+
+class WatchedLauncher(_SubprocessScriptLauncher):
+    """Lightning's launcher of a run's other local processes (``trainer.devices=N`` without Slurm or torchrun),
+    with :class:`RankWatch` in place of Lightning's observer (:attr:`watch`, None until it launched any)."""
+
+    watch: RankWatch | None = None
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            self.watch = RankWatch(self.procs)
+            self.watch.start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+
+class WatchedRanks:
+    """Strategy mixin: the processes Lightning launches itself are watched by :class:`WatchedLauncher`."""
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()  # type: ignore[misc]
+        launcher = self._launcher  # type: ignore[has-type]
+        if type(launcher) is _SubprocessScriptLauncher:
+            self._launcher = WatchedLauncher(launcher.cluster_environment, launcher.num_processes, launcher.num_nodes)
+
+
 class SharedSamplerSeed:
     """Strategy mixin: every rank's ``DistributedSampler`` shuffles with the run's seed.
 
@@ -151,22 +245,22 @@ class SharedSamplerSeed:
         return {**super().distributed_sampler_kwargs, "seed": self.sampler_seed}  # type: ignore[misc]
 
 
-class DDPStrategy(SharedSamplerSeed, _LightningDDPStrategy):
+class DDPStrategy(SharedSamplerSeed, WatchedRanks, _LightningDDPStrategy):
     """The strategy of ``trainer=ddp`` (``configs/trainer/ddp.yaml``): Lightning's ``DDPStrategy`` (its arguments,
     e.g. ``gradient_as_bucket_view``, ``bucket_cap_mb``, go to ``DistributedDataParallel``) with
-    :class:`SharedSamplerSeed`."""
+    :class:`SharedSamplerSeed` and :class:`WatchedRanks`."""
 
     kind = "ddp"
 
 
-class ShardedUNetStrategy(SharedSamplerSeed, ModelParallelStrategy):
+class ShardedUNetStrategy(SharedSamplerSeed, WatchedRanks, ModelParallelStrategy):
     """The strategy of ``trainer=fsdp`` (``configs/trainer/fsdp.yaml``): Lightning's ``ModelParallelStrategy``
     with one data-parallel dimension over every process of every node, i.e. FSDP over the whole world (Lightning's
     default shards within a node and replicates across nodes through a second, tensor-parallel dimension that
     voxdiff does not use), writing one checkpoint file (``save_distributed_checkpoint=False``; a folder of shards
     is refused by :func:`voxdiff.run.spec.validate_trainer`: voxdiff's resume, ``ckpt_path=auto``,
     ``sample.py`` and ``evaluate.py`` read one file, as data only, and the shards' metadata is a pickle), with
-    :class:`SharedSamplerSeed`. The sharding itself happens in ``DiffusionSystem.configure_model``
+    :class:`SharedSamplerSeed` and :class:`WatchedRanks`. The sharding itself happens in ``DiffusionSystem.configure_model``
     (:func:`shard_system`). Other arguments are Lightning's."""
 
     kind = "fsdp"
@@ -190,15 +284,17 @@ def stop_launched_processes(trainer: L.Trainer, grace_s: float = LAUNCHED_GRACE_
     """After the process that launched the run's other processes failed, end those.
 
     Without Slurm or torchrun (``python train.py trainer=ddp trainer.devices=4`` on one machine), Lightning's
-    launcher (``_SubprocessScriptLauncher``) runs rank 0 in the command's process and starts the other local ranks
-    as its children. When a child fails, Lightning's observer thread kills them all. When rank 0 fails (out of
-    memory, a non-finite loss, any error), nothing does: its exception leaves the children waiting for it in a
-    collective (the next all-reduce or broadcast), with NCCL until the process group's timeout (30 minutes by
-    Lightning's default), holding their GPUs after the command has returned. Under Slurm, ``srun
-    --kill-on-bad-exit=1`` (``slurm/job.sh``) ends a job's other tasks; torchrun's agent ends its workers.
+    launcher runs rank 0 in the command's process and starts the other local ranks as its children. When a child
+    fails, :class:`RankWatch` ends the others. When rank 0 fails (out of memory, a non-finite loss, any error),
+    nothing in Lightning does: its exception leaves the children waiting for it in a collective (the next
+    all-reduce or broadcast), with NCCL until the process group's timeout (30 minutes by Lightning's default),
+    holding their GPUs after the command has returned. Under Slurm, ``srun --kill-on-bad-exit=1``
+    (``slurm/job.sh``) ends a job's other tasks; torchrun's agent ends its workers.
 
-    Each child gets ``grace_s`` (together) to end by itself, then is killed (SIGKILL: a process waiting in a
-    collective does not act on SIGTERM, as Lightning's observer notes).
+    The watch stands down first (this failure is reported by this process). Each child gets ``grace_s``
+    (together) to end by itself, then is killed (SIGKILL: a process waiting in a collective does not act on
+    SIGTERM, as Lightning's observer notes). A child that ended by itself with an error had failed on its own: with
+    gloo this process's error (``Connection closed by peer``) followed from it.
 
     Returns:
         ``{local rank: exit code, or "killed"}`` of each child this process launched (empty: it launched none).
@@ -206,6 +302,9 @@ def stop_launched_processes(trainer: L.Trainer, grace_s: float = LAUNCHED_GRACE_
     launcher = trainer.strategy.launcher
     procs: list[subprocess.Popen] = (getattr(launcher, "procs", None) or []
                                      if isinstance(launcher, _SubprocessScriptLauncher) else [])
+    watch = getattr(launcher, "watch", None)
+    if watch is not None:  # this failure is reported here, as this process's (or as the one it followed)
+        watch.stand_down()
     ended: dict[int, int | str] = {}
     deadline = time.monotonic() + grace_s
     for local_rank, proc in enumerate(procs, start=1):
