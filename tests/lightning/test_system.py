@@ -345,6 +345,70 @@ def test_every_run_measures_each_phase_and_the_step_against_the_prediction(tmp_p
     assert f"step {timed['measured_ms']:.1f} ms over 4 steps" in out
 
 
+def test_the_training_steps_reserved_peak_is_held_against_its_prediction_without_other_phases_segments(
+        tmp_path, monkeypatch, capsys):
+    """A reset of the allocator's peaks sets the reserved one to what is reserved then, and the allocator keeps the
+    segments of earlier phases cached: without care, the training step's reserved peak carries the sanity check's
+    and, after a validation, validation's (session 19 on an H100: a whole run's 63.90 GiB was read as the step's).
+    A stand-in allocator with a cache (reserved never falls below what it has cached, until released) runs a
+    sanity check and validations far larger (500) than the training step (100 + step): the sanity check's segments
+    are released at the start of training, and the step's reserved peak before the first validation is the one held
+    against the prediction (a CUDA-graph run: graph_pool predicted)."""
+    import json
+
+    from voxdiff.lightning.callbacks import MeasuredRun
+
+    class CachingAllocator:
+        allocated = peak_allocated = peak_reserved = cached = 0
+        released = 0
+
+        def touch(self, n: int) -> None:
+            self.peak_allocated = max(self.peak_allocated, n)
+            self.cached = max(self.cached, n + 1)  # rounded up into segments, kept after the blocks are freed
+            self.peak_reserved = max(self.peak_reserved, self.cached)
+
+        def read(self):
+            return self.peak_allocated, self.peak_reserved
+
+        def reset(self) -> None:  # as torch.cuda.reset_peak_memory_stats: the peaks become the current levels
+            self.peak_allocated, self.peak_reserved = 0, self.cached
+
+        def release(self) -> None:  # as torch.cuda.empty_cache: the cached segments no block holds
+            self.cached, self.released = 0, self.released + 1
+
+    fake = CachingAllocator()
+
+    def setup(self, *a, **k):
+        self.stats, self.release = (fake.read, fake.reset), fake.release
+        self.predicted = {**self.predicted, "graph_pool": 1e-9, "training_reserved": 110 / 2**30}
+
+    monkeypatch.setattr(MeasuredRun, "setup", setup)
+    training_step, validation_step = DiffusionSystem.training_step, DiffusionSystem.validation_step
+
+    def step(self, b, i):
+        fake.touch(100 + self.global_step)
+        return training_step(self, b, i)
+
+    def validate(self, b, i):
+        fake.touch(500)
+        return validation_step(self, b, i)
+
+    monkeypatch.setattr(DiffusionSystem, "training_step", step)
+    monkeypatch.setattr(DiffusionSystem, "validation_step", validate)
+    # batch 1: 3 steps an epoch, a validation after steps 3 and 6
+    train(_cfg(tmp_path, "data.batch_size=1", "trainer.max_steps=7", "system.sampling.every_n_epochs=0",
+               "system.sampling.final=false", "trainer.num_sanity_val_steps=1"))
+    measured = json.loads((tmp_path / "measured.json").read_text())["memory"]
+    gib = {k: round(v * 2**30) for k, v in measured["measured_gib"].items()}
+    assert fake.released == 1  # once, at the start of training
+    assert gib["training_step1"] == 100 and gib["training_step1_reserved"] == 101  # not the sanity check's 501
+    assert gib["training_before_validation_reserved"] == 103  # steps 0-2, before the first validation
+    assert gib["training_reserved"] == 501  # later spans carry validation's cached segments
+    assert measured["error"]["training_reserved"] == pytest.approx((110 - 103) / 103)
+    # the printed line says which reserved peak the error is of (the sizes here are bytes, printed in GiB)
+    assert "before the first validation; predicted 0.00 with the CUDA graphs' pool, +6.8%)" in capsys.readouterr().out
+
+
 def test_the_measured_step_is_held_against_the_predicted_one():
     from voxdiff.lightning.callbacks import MeasuredRun
 

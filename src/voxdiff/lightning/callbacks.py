@@ -404,6 +404,14 @@ class MeasuredRun(L.Callback):
     spans: ``{phase: (allocated bytes, reserved bytes)}`` in :attr:`peaks`. With CUDA graphs the allocated peak does
     not see their private pool (the replays allocate nothing); the reserved peak does.
 
+    A reset of the peaks sets the reserved one to what is reserved then, which includes the segments the allocator
+    keeps cached from earlier phases: a training span after a validation carries validation's. So training starts
+    with the sanity check's cached segments released (``torch.cuda.empty_cache``: nothing of the run is lost, the
+    allocator reserves again what it needs), and the training step's reserved peak held against its prediction is
+    that of the spans before the first validation (:attr:`first_training_reserved`,
+    ``training_before_validation_reserved`` in the record); ``training_reserved`` stays the largest of all (what the
+    run held while training).
+
     **Step time** (on any device). The wall time of the training steps after the first
     :data:`TIMED_AFTER_STEPS` of the fit, validation and sampling left out, over their number: the device is
     synchronised where a timed span starts and ends (after the warm-up steps, around each validation, at the end
@@ -432,6 +440,11 @@ class MeasuredRun(L.Callback):
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.stats = stats
         self.peaks: dict[str, tuple[int, int]] = {}
+        #: the reserved peak of the training spans before the first validation (None: none measured)
+        self.first_training_reserved: int | None = None
+        #: releases the allocator's cached segments (``torch.cuda.empty_cache`` on a CUDA device; None: nothing)
+        self.release: Any = None
+        self._validated = False  # a (non-sanity) validation has run
         self._steps_done = 0  # training steps of this fit
         self._sampled_at: int | None = None
         self._sync: Any = lambda: None
@@ -443,6 +456,7 @@ class MeasuredRun(L.Callback):
         device = trainer.strategy.root_device
         if device.type == "cuda":
             self._sync = lambda: torch.cuda.synchronize(device)
+            self.release = torch.cuda.empty_cache
             if self.stats is None:
                 self.stats = (lambda: (torch.cuda.max_memory_allocated(device),
                                        torch.cuda.max_memory_reserved(device)),
@@ -458,6 +472,8 @@ class MeasuredRun(L.Callback):
             allocated, reserved = (int(v) for v in read())
             old = self.peaks.get(phase, (0, 0))
             self.peaks[phase] = (max(old[0], allocated), max(old[1], reserved))
+            if phase in ("training_step1", "training") and not self._validated:
+                self.first_training_reserved = max(self.first_training_reserved or 0, reserved)
         reset()
 
     # -------------------------------------------------------------------------------------------- time
@@ -476,6 +492,8 @@ class MeasuredRun(L.Callback):
 
     # -------------------------------------------------------------------------------------------- hooks
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.release is not None:  # the sanity check's cached segments: not the training step's
+            self.release()
         self._close(None)  # what came before (the sanity check, loading) is no phase
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -490,6 +508,7 @@ class MeasuredRun(L.Callback):
         if not trainer.sanity_checking:
             self._stop_timing(trainer)
         self._close(None if trainer.sanity_checking else "training")
+        self._validated = self._validated or not trainer.sanity_checking
         self._sampled_at = getattr(pl_module, "_last_sampled_step", None)
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -531,24 +550,28 @@ class MeasuredRun(L.Callback):
 
     # -------------------------------------------------------------------------------------------- report
     def record(self) -> dict[str, Any]:
-        """``memory``: the measured peaks (GiB: ``<phase>`` allocated, ``<phase>_reserved``), the prediction, and
-        the error of each predicted phase (``(predicted - measured) / measured``): the allocated peak's, and with
-        CUDA graphs (a ``graph_pool`` predicted) the training step's reserved one against ``training_reserved``.
+        """``memory``: the measured peaks (GiB: ``<phase>`` allocated, ``<phase>_reserved``, and
+        ``training_before_validation_reserved``), the prediction, and the error of each predicted phase
+        (``(predicted - measured) / measured``): the allocated peak's, and with CUDA graphs (a ``graph_pool``
+        predicted) the training step's reserved one (before the first validation, where measured) against
+        ``training_reserved``.
         ``step_time``: ``measured_ms`` over ``steps``, ``predicted_ms`` and its ``error`` (None: no step timed)."""
         measured: dict[str, float] = {}
         for phase in MEASURED_PHASES:
             if phase in self.peaks:
                 allocated, reserved = self.peaks[phase]
                 measured[phase], measured[f"{phase}_reserved"] = allocated / 2**30, reserved / 2**30
+        if self.first_training_reserved is not None:
+            measured["training_before_validation_reserved"] = self.first_training_reserved / 2**30
         errors = {}
         graphs = bool(self.predicted.get("graph_pool"))
         for phase in ("training", "validation", "sampling"):
             if phase in measured and phase in self.predicted and measured[phase] > 0 and not (
                     graphs and phase == "training"):
                 errors[phase] = (self.predicted[phase] - measured[phase]) / measured[phase]
-        if graphs and "training_reserved" in measured and self.predicted.get("training_reserved"):
-            errors["training_reserved"] = ((self.predicted["training_reserved"] - measured["training_reserved"])
-                                           / measured["training_reserved"])
+        step_reserved = measured.get("training_before_validation_reserved", measured.get("training_reserved"))
+        if graphs and step_reserved and self.predicted.get("training_reserved"):
+            errors["training_reserved"] = (self.predicted["training_reserved"] - step_reserved) / step_reserved
         step = None
         if self.timed_steps:
             ms = self.timed_s / self.timed_steps * 1e3
@@ -571,8 +594,10 @@ class MeasuredRun(L.Callback):
                 text += f" (predicted {self.predicted[phase]:.2f}, {errors[phase]:+.1%})"
             text += f", {measured[f'{phase}_reserved']:.2f} reserved"
             if phase == "training" and "training_reserved" in errors:
-                text += (f" (predicted {self.predicted['training_reserved']:.2f} with the CUDA graphs' pool, "
-                         f"{errors['training_reserved']:+.1%})")
+                before = measured.get("training_before_validation_reserved")
+                text += (f" ({before:.2f} before the first validation; " if before is not None else " (") + (
+                    f"predicted {self.predicted['training_reserved']:.2f} with the CUDA graphs' pool, "
+                    f"{errors['training_reserved']:+.1%})")
             parts.append(text)
         step = record["step_time"]
         if step is not None:
