@@ -7,7 +7,8 @@
 # auto; see bench/bench_gpu_step.py; `voxdiff+profile` or `auto+profile` records the steady steps with torch.profiler
 # and appends its tables of operators to OUT/results.txt, each line prefixed `TAG | `: time such a side again unprofiled;
 # `voxdiff+history` or `auto+history` records the allocator's history over the warm-up steps and appends which
-# allocations reserved segments in which pool the same way: its steady steps are timed as usual). A line starting with `&` runs in the background (compile warm-ups in parallel,
+# allocations reserved segments in which pool the same way: its steady steps are timed as usual).
+# A line starting with `&` runs in the background (compile warm-ups in parallel,
 # sharing one inductor cache: their times are not comparable); a line `wait` waits for them; a line starting with `!`
 # is a shell command, its output appended to OUT/results.txt (e.g. `!python3 bench/measure_sampling.py ...`; `&!` in
 # the background); other lines run one after the other, alone on the GPU (their times are). `#` starts a comment. Each side's JSON result is appended to

@@ -236,3 +236,37 @@ def test_voxdiffs_strategies_launch_their_processes_with_the_rank_watch(strategy
     built.cluster_environment = LightningEnvironment()  # what Lightning's connector sets on a machine without Slurm
     built._configure_launcher()
     assert type(built.launcher) is WatchedLauncher and built.launcher.watch is None  # none launched yet
+
+
+def test_the_rank_watch_stands_by_while_the_run_is_stopped_from_outside():
+    """Ctrl-C or SIGTERM reach every process, and the children end first: their exit codes must not cut short
+    Lightning's handling in the launcher (its graceful shutdown, a resume checkpoint)."""
+    from voxdiff.lightning.distributed import RankWatch
+
+    (failing,) = procs = _children((1, 0.0))
+    failing.wait()
+    RankWatch(procs, period_s=0.05, exit=lambda code: pytest.fail(f"exited {code}"), stopping=lambda: True).run()
+
+
+def test_sigint_and_sigterm_say_that_the_run_is_being_stopped():
+    import os
+    import signal
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from voxdiff.lightning.distributed import stop_requested, watch_interrupts
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as in a command
+    try:
+        interrupted = watch_interrupts()
+        running = SimpleNamespace(_signal_connector=SimpleNamespace(received_sigterm=False))
+        assert not stop_requested(running, interrupted)
+        with pytest.raises(KeyboardInterrupt):  # the handler before it still runs: Lightning sees Ctrl-C
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        assert interrupted.is_set() and stop_requested(running, interrupted)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    terminated = SimpleNamespace(_signal_connector=SimpleNamespace(received_sigterm=True))
+    assert stop_requested(terminated, threading.Event())

@@ -124,7 +124,8 @@ def reserved_by_pool(snapshot: Mapping[str, Any]) -> dict[str, dict[str, int]]:
     """
     pools: dict[str, dict[str, int]] = {}
     for seg in snapshot.get("segments", []):
-        p = pools.setdefault(pool_name(seg.get("segment_pool_id")), {"segments": 0, "reserved": 0, "allocated": 0, "largest_free": 0})
+        p = pools.setdefault(pool_name(seg.get("segment_pool_id")),
+                             {"segments": 0, "reserved": 0, "allocated": 0, "largest_free": 0})
         p["segments"] += 1
         p["reserved"] += int(seg["total_size"])
         p["allocated"] += int(seg.get("allocated_size", 0))

@@ -351,10 +351,14 @@ def end_launched_ranks(trainer: Any, error: BaseException) -> None:
         raise RankFailed(f"local rank {rank} failed (exit code {exit_code(code)}; its message is above), and rank "
                          f"{process_rank()} stopped with it ({type(error).__name__}: {cause})",
                          exit_code(code)) from error
-    what = ", ".join(f"local rank {r} " + (f"killed after {LAUNCHED_GRACE_S:g} s (it was waiting for this one "
-                                              "in a collective)" if code == "killed" else f"ended (exit code {code})")
-                     for r, code in ended.items())
-    print(f"[voxdiff] rank {process_rank()} failed; the processes it launched: {what}", file=sys.stderr, flush=True)
+    def fate(code: int | str) -> str:
+        if code == "killed":
+            return f"killed after {LAUNCHED_GRACE_S:g} s (it was waiting for this one in a collective)"
+        return f"ended by signal {-int(code)}" if int(code) < 0 else f"ended (exit code {code})"
+
+    what = ", ".join(f"local rank {r} {fate(code)}" for r, code in ended.items())
+    how = "was interrupted" if isinstance(error, (KeyboardInterrupt, SystemExit)) else "failed"
+    print(f"[voxdiff] rank {process_rank()} {how}; the processes it launched: {what}", file=sys.stderr, flush=True)
 
 
 def _exit(code: int, message: str, prefix: str = "config error") -> NoReturn:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -34,9 +35,9 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from voxdiff.config import check_kind
@@ -158,13 +159,16 @@ class RankWatch(threading.Thread):
     as a temporary file, which the run directory's next start removes).
 
     :meth:`stand_down`, from this process's own failure handling (:func:`stop_launched_processes`), stops the watch
-    first, so that the failure of this process is reported as its own.
+    first, so that the failure of this process is reported as its own. ``stopping`` (:func:`stop_requested`) says
+    that the run is being stopped from outside (Ctrl-C, SIGTERM): every process ends by itself then, the children
+    first, and Lightning's handling in this process (a graceful shutdown, a resume checkpoint) must not be cut short
+    by their exit codes.
     """
 
     def __init__(self, procs: list[subprocess.Popen], period_s: float = WATCH_PERIOD_S,
-                 exit: Callable[[int], Any] = os._exit) -> None:
+                 exit: Callable[[int], Any] = os._exit, stopping: Callable[[], bool] = lambda: False) -> None:
         super().__init__(daemon=True, name="voxdiff-rank-watch")
-        self.procs, self.period_s, self._exit = procs, period_s, exit
+        self.procs, self.period_s, self._exit, self._stopping = procs, period_s, exit, stopping
         self._lock = threading.Lock()
         self._stood_down = threading.Event()
 
@@ -182,7 +186,7 @@ class RankWatch(threading.Thread):
             if failed is None:
                 continue
             with self._lock:
-                if self._stood_down.is_set():
+                if self._stood_down.is_set() or self._stopping():
                     return
                 for p in self.procs:
                     if p.poll() is None:
@@ -191,6 +195,28 @@ class RankWatch(threading.Thread):
                 print(rank_failed_line(*failed), file=sys.stderr, flush=True)
                 self._exit(exit_code(failed[1]))
                 return
+
+
+def watch_interrupts() -> threading.Event:
+    """An event set when this process receives SIGINT (Ctrl-C), the handler before it (Python's
+    ``KeyboardInterrupt``, which Lightning handles) then called as before. Only in the main thread (where a handler
+    can be set); elsewhere the event is never set."""
+    interrupted = threading.Event()
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is threading.main_thread() and callable(previous):
+        def on_interrupt(signum: int, frame: Any) -> Any:
+            interrupted.set()
+            return previous(signum, frame)
+
+        signal.signal(signal.SIGINT, on_interrupt)
+    return interrupted
+
+
+def stop_requested(trainer: Any, interrupted: threading.Event) -> bool:
+    """Whether the run is being stopped from outside: this process received SIGINT (``interrupted``,
+    :func:`watch_interrupts`) or SIGTERM (Lightning's signal connector's ``received_sigterm``)."""
+    connector = getattr(trainer, "_signal_connector", None)
+    return interrupted.is_set() or bool(getattr(connector, "received_sigterm", False))
 
 
 class WatchedLauncher(_SubprocessScriptLauncher):
@@ -203,7 +229,8 @@ class WatchedLauncher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
-            self.watch = RankWatch(self.procs)
+            interrupted = watch_interrupts()
+            self.watch = RankWatch(self.procs, stopping=lambda: stop_requested(trainer, interrupted))
             self.watch.start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
@@ -260,8 +287,8 @@ class ShardedUNetStrategy(SharedSamplerSeed, WatchedRanks, ModelParallelStrategy
     voxdiff does not use), writing one checkpoint file (``save_distributed_checkpoint=False``; a folder of shards
     is refused by :func:`voxdiff.run.spec.validate_trainer`: voxdiff's resume, ``ckpt_path=auto``,
     ``sample.py`` and ``evaluate.py`` read one file, as data only, and the shards' metadata is a pickle), with
-    :class:`SharedSamplerSeed` and :class:`WatchedRanks`. The sharding itself happens in ``DiffusionSystem.configure_model``
-    (:func:`shard_system`). Other arguments are Lightning's."""
+    :class:`SharedSamplerSeed` and :class:`WatchedRanks`. The sharding itself happens in
+    ``DiffusionSystem.configure_model`` (:func:`shard_system`). Other arguments are Lightning's."""
 
     kind = "fsdp"
 
