@@ -74,3 +74,39 @@ def test_rank_1_out_of_memory_ends_the_run_with_its_code(repo, tmp_path):
     assert "local rank 1 failed (exit code 7; its message is above)" in out
     assert "Traceback" not in out
     assert (run_dir / "memory_error.rank1.json").is_file() and not (run_dir / "memory_error.json").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_rank_0_saves_a_resume_checkpoint_and_ends_both_ranks(repo, tmp_path):
+    """`kill <pid>` of a two-process run without Slurm: Lightning forwards SIGTERM to rank 1, both stop at the next
+    batch boundary and write the resume checkpoint together (rank 1 waits at its barrier while rank 0 writes), and
+    the run exits 143 with last.ckpt, saying how rank 1 ended, with no failure reported. (Here rank 0's own handling
+    stands the watch down before rank 1 has exited; the watch's standing by while a run is stopped, for a rank 0
+    slower than that, is tested in tests/lightning/test_distributed.py.)"""
+    import os
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    log = tmp_path / "log.txt"
+    cmd = [sys.executable, "train.py", *TINY, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+           "trainer.precision=32-true", "trainer.max_steps=100000", f"paths.run_dir={run_dir}"]
+    env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PATH": "/usr/bin:/bin"}
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=repo, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + 300
+            while "Epoch 3" not in log.read_text(errors="replace"):  # training, past the first validations
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+            os.kill(proc.pid, signal.SIGTERM)
+            code = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text(errors="replace")
+    assert code == 143, text[-3000:]
+    assert "[voxdiff] SIGTERM: stopped by SIGTERM after step" in text
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert "[voxdiff] rank 0 was interrupted; the processes it launched: local rank 1 ended (exit code 143)" in text
+    assert "failed (exit code" not in text
