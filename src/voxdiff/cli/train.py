@@ -351,6 +351,7 @@ def end_launched_ranks(trainer: Any, error: BaseException) -> None:
         raise RankFailed(f"local rank {rank} failed (exit code {exit_code(code)}; its message is above), and rank "
                          f"{process_rank()} stopped with it ({type(error).__name__}: {cause})",
                          exit_code(code)) from error
+
     def fate(code: int | str) -> str:
         if code == "killed":
             return f"killed after {LAUNCHED_GRACE_S:g} s (it was waiting for this one in a collective)"
