@@ -110,3 +110,26 @@ def test_sigterm_to_rank_0_saves_a_resume_checkpoint_and_ends_both_ranks(repo, t
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert "[voxdiff] rank 0 was interrupted; the processes it launched: local rank 1 ended (exit code 143)" in text
     assert "failed (exit code" not in text
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_stops_both_ranks_with_the_last_good_checkpoint(repo, tmp_path):
+    """A NaN batch on the ranks at step 5 (the all-reduced gradients carry it to both): both stop there with exit 3,
+    rank 0 after rank 1 ended by itself (its own failure, not one rank 0 followed), and the checkpoint left is one
+    of finite weights from before the step."""
+    import torch
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "train.py", *TINY, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+           "trainer.precision=32-true", "trainer.max_steps=8", f"paths.run_dir={run_dir}",
+           "+callbacks.poison._target_=voxdiff.lightning.callbacks.PoisonBatch", "+callbacks.poison.at_step=5"]
+    env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600, env=env)
+    out = result.stdout + result.stderr
+    assert result.returncode == 3, out[-3000:]
+    assert "[voxdiff] rank 0 failed; the processes it launched: local rank 1 ended (exit code 3)" in out
+    assert "the training loss is nan at global step 5" in out and "Traceback" not in out
+    (ckpt,) = (run_dir / "checkpoints").glob("*.ckpt")
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert state["global_step"] <= 5
+    assert all(torch.isfinite(v).all() for v in state["state_dict"].values() if v.is_floating_point())

@@ -203,7 +203,7 @@ def test_the_rank_watch_ends_the_others_and_exits_with_the_failed_ones_code(caps
     waiting, failing = procs = _children(None, (3, 0.3))
     exits = []
     try:
-        RankWatch(procs, period_s=0.1, exit=exits.append).run()
+        RankWatch(procs, period_s=0.1, exit=exits.append, grace_s=0.2).run()
     finally:
         waiting.kill()
     assert exits == [3]
@@ -213,6 +213,8 @@ def test_the_rank_watch_ends_the_others_and_exits_with_the_failed_ones_code(caps
 
 
 def test_the_rank_watch_stands_down_for_the_launchers_own_failure_and_stops_when_all_succeed():
+    import threading
+
     from voxdiff.lightning.distributed import RankWatch, exit_code
 
     (failing,) = procs = _children((3, 0.0))
@@ -220,6 +222,10 @@ def test_the_rank_watch_stands_down_for_the_launchers_own_failure_and_stops_when
     watch = RankWatch(procs, period_s=0.05, exit=lambda code: pytest.fail(f"exited {code}"))
     watch.stand_down()  # the launcher's own failure handling (stop_launched_processes) came first
     watch.run()  # returns at once, without exiting
+    # the launcher failing too, a moment later (a non-finite loss reaches every rank): within the watch's grace
+    late = RankWatch(procs, period_s=0.05, exit=lambda code: pytest.fail(f"exited {code}"), grace_s=10.0)
+    threading.Timer(0.5, late.stand_down).start()
+    late.run()
     done = _children((0, 0.0), (0, 0.1))
     RankWatch(done, period_s=0.05, exit=lambda code: pytest.fail(f"exited {code}")).run()
     assert [p.returncode for p in done] == [0, 0]

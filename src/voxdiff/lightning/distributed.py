@@ -131,6 +131,10 @@ def ema_checkpoint_state(ema: Any, model: torch.nn.Module) -> dict[str, Any]:
     return state
 
 
+#: seconds the processes Lightning launched get to end by themselves (writing their own failure's record) once the
+#: process that launched them has failed, before :func:`stop_launched_processes` kills them; and the time
+#: :class:`RankWatch` gives this process's own failure handling after a launched process failed
+LAUNCHED_GRACE_S = 3.0
 #: seconds between :class:`RankWatch`'s looks at the processes it launched
 WATCH_PERIOD_S = 0.5
 
@@ -159,16 +163,20 @@ class RankWatch(threading.Thread):
     as a temporary file, which the run directory's next start removes).
 
     :meth:`stand_down`, from this process's own failure handling (:func:`stop_launched_processes`), stops the watch
-    first, so that the failure of this process is reported as its own. ``stopping`` (:func:`stop_requested`) says
+    first, so that the failure of this process is reported as its own. Where the processes fail together (a
+    non-finite loss reaches every rank through the all-reduced gradients), the watch gives this one ``grace_s``
+    to stand it down before it acts. ``stopping`` (:func:`stop_requested`) says
     that the run is being stopped from outside (Ctrl-C, SIGTERM): every process ends by itself then, the children
     first, and Lightning's handling in this process (a graceful shutdown, a resume checkpoint) must not be cut short
     by their exit codes.
     """
 
     def __init__(self, procs: list[subprocess.Popen], period_s: float = WATCH_PERIOD_S,
-                 exit: Callable[[int], Any] = os._exit, stopping: Callable[[], bool] = lambda: False) -> None:
+                 exit: Callable[[int], Any] = os._exit, stopping: Callable[[], bool] = lambda: False,
+                 grace_s: float = LAUNCHED_GRACE_S) -> None:
         super().__init__(daemon=True, name="voxdiff-rank-watch")
         self.procs, self.period_s, self._exit, self._stopping = procs, period_s, exit, stopping
+        self.grace_s = grace_s
         self._lock = threading.Lock()
         self._stood_down = threading.Event()
 
@@ -185,6 +193,8 @@ class RankWatch(threading.Thread):
             failed = next(((r, c) for r, c in enumerate(codes, start=1) if c not in (None, 0)), None)
             if failed is None:
                 continue
+            if self._stood_down.wait(self.grace_s):  # this process is failing too: its own report comes first
+                return
             with self._lock:
                 if self._stood_down.is_set() or self._stopping():
                     return
@@ -300,11 +310,6 @@ class ShardedUNetStrategy(SharedSamplerSeed, WatchedRanks, ModelParallelStrategy
             self._data_parallel_size = self.num_nodes * self.num_processes
             self._tensor_parallel_size = 1
         super().setup_environment()
-
-
-#: seconds the processes Lightning launched get to end by themselves (writing their own failure's record) once the
-#: process that launched them has failed, before :func:`stop_launched_processes` kills them
-LAUNCHED_GRACE_S = 3.0
 
 
 def stop_launched_processes(trainer: L.Trainer, grace_s: float = LAUNCHED_GRACE_S) -> dict[int, int | str]:
