@@ -219,42 +219,50 @@ def _check_run_dir(cfg: Any, overrides: list[str]) -> None:
     check_output(key, str(run_dir), folder=True, fix="choose a folder this user can write to")
 
 
-@contextmanager
-def refusals(cfg: Any = None) -> Iterator[None]:
-    """Around a command's work: bad input, and a write that fails, become one line on stderr and their exit code,
-    never a traceback (``ConfigError`` → :data:`EXIT_CONFIG`, ``DataError`` → :data:`EXIT_DATA`, a full disk or
-    another failed write → :data:`EXIT_WRITE`, an allocator's failure → :data:`EXIT_MEMORY`). With ``cfg``, also
-    what Hydra or Lightning refuse while the command builds its objects from it (:func:`building_refusal`) →
-    :data:`EXIT_CONFIG`. Anything else is a bug: its traceback stays."""
+def known_failure(error: BaseException) -> tuple[int, str, Any] | None:
+    """How a command reports ``error`` when it is one of its known failures: ``(exit code, what, message)`` for bad
+    input (``ConfigError`` → :data:`EXIT_CONFIG`, ``DataError`` → :data:`EXIT_DATA`), a failed write or a full disk
+    (→ :data:`EXIT_WRITE`) and an allocator's failure (→ :data:`EXIT_MEMORY`); None for anything else."""
     # deferred: python -m voxdiff.cli.exit_codes (slurm/job.sh) prints the table without importing torch
     from voxdiff.cli.out_of_memory import MemoryStop, is_out_of_memory, one_line
     from voxdiff.data.nifti import DataError
     from voxdiff.errors import ConfigError
     from voxdiff.files import CheckpointWriteError, out_of_space
 
-    def refuse(code: int, what: str, message: Any) -> NoReturn:
-        print(f"[voxdiff] {what}: {message}", file=sys.stderr, flush=True)
-        raise SystemExit(code) from None
+    if isinstance(error, ConfigError):
+        return EXIT_CONFIG, "config error", error
+    if isinstance(error, DataError):
+        return EXIT_DATA, "data error", error
+    if isinstance(error, CheckpointWriteError):
+        return EXIT_WRITE, "write failed", error.strerror or error
+    if isinstance(error, MemoryStop):
+        return EXIT_MEMORY, "out of memory", error
+    if isinstance(error, Exception):
+        if is_out_of_memory(error):  # a command's allocator failure (train.py's own report is a MemoryStop)
+            return EXIT_MEMORY, "out of memory", one_line(error)
+        if out_of_space(error):  # a full disk met outside voxdiff's own writes (a logger, a cache)
+            return EXIT_WRITE, "write failed", f"no space left on the device ({' '.join(str(error).split())})"
+    return None
 
+
+@contextmanager
+def refusals(cfg: Any = None) -> Iterator[None]:
+    """Around a command's work: bad input, and a write that fails, become one line on stderr and their exit code,
+    never a traceback (:func:`known_failure`). With ``cfg``, also what Hydra or Lightning refuse while the command
+    builds its objects from it (:func:`building_refusal`) → :data:`EXIT_CONFIG`. Anything else is a bug: its
+    traceback stays."""
     try:
         yield
-    except ConfigError as e:
-        refuse(EXIT_CONFIG, "config error", e)
-    except DataError as e:
-        refuse(EXIT_DATA, "data error", e)
-    except CheckpointWriteError as e:
-        refuse(EXIT_WRITE, "write failed", e.strerror or e)
-    except MemoryStop as e:
-        refuse(EXIT_MEMORY, "out of memory", e)
     except Exception as e:
-        if is_out_of_memory(e):  # a command's allocator failure (train.py's own report is a MemoryStop)
-            refuse(EXIT_MEMORY, "out of memory", one_line(e))
-        if out_of_space(e):  # a full disk met outside voxdiff's own writes (a logger, a cache)
-            refuse(EXIT_WRITE, "write failed", f"no space left on the device ({' '.join(str(e).split())})")
-        refusal = building_refusal(e, cfg) if cfg is not None else None
-        if refusal is None:
-            raise  # a genuine bug: its traceback
-        refuse(EXIT_CONFIG, "config error", refusal)
+        known = known_failure(e)
+        if known is None:
+            refusal = building_refusal(e, cfg) if cfg is not None else None
+            if refusal is None:
+                raise  # a genuine bug: its traceback
+            known = (EXIT_CONFIG, "config error", refusal)
+        code, what, message = known
+        print(f"[voxdiff] {what}: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(code) from None
 
 
 def describe(code: int) -> str:

@@ -22,7 +22,15 @@ from typing import Any, NoReturn
 
 from omegaconf import DictConfig
 
-from voxdiff.cli.exit_codes import EXIT_CONFIG, EXIT_NO_FIT, EXIT_NONFINITE, EXIT_TERMINATED, hydra_main, refusals
+from voxdiff.cli.exit_codes import (
+    EXIT_CONFIG,
+    EXIT_NO_FIT,
+    EXIT_NONFINITE,
+    EXIT_TERMINATED,
+    hydra_main,
+    known_failure,
+    refusals,
+)
 from voxdiff.cli.run_dir import claim, process_rank, release
 from voxdiff.config import batch_size_is_auto, check_name, instantiate_config, plain
 from voxdiff.errors import ConfigError, Problems, boolean
@@ -315,18 +323,16 @@ class RankFailed(Exception):
 
 
 def own_failure(error: BaseException) -> bool:
-    """Whether ``error`` is one this process reports with its own exit code (out of memory, a non-finite loss,
-    SIGTERM, an interrupt, bad input or a failed write) rather than a consequence of another process's failure."""
+    """Whether ``error`` is one this process reports with its own exit code (a non-finite loss, SIGTERM, an
+    interrupt, or a command's known failure: bad input, a failed write, out of memory,
+    :func:`voxdiff.cli.exit_codes.known_failure`) rather than a consequence of another process's failure."""
     # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from voxdiff.cli.out_of_memory import is_out_of_memory
-    from voxdiff.data.nifti import DataError
-    from voxdiff.files import CheckpointWriteError, out_of_space
     from voxdiff.lightning.diffusion import NonFiniteLossError
 
-    return (not isinstance(error, Exception) or is_out_of_memory(error) or out_of_space(error)
-            or isinstance(error, (NonFiniteLossError, SIGTERMException, ConfigError, DataError, CheckpointWriteError)))
+    return (not isinstance(error, Exception) or isinstance(error, (NonFiniteLossError, SIGTERMException))
+            or known_failure(error) is not None)
 
 
 def end_launched_ranks(trainer: Any, error: BaseException) -> None:

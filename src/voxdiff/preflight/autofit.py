@@ -69,12 +69,12 @@ from voxdiff.models.unet import CUDAGRAPH_MODES
 from voxdiff.preflight.check import PreflightResult, override_args, run_preflight, with_overrides
 from voxdiff.preflight.memory import traced_recipe
 from voxdiff.preflight.resources import (
-    DATA_SLACK,
     STEP_THROUGHPUT,
     data_step_s,
     loader_table,
     split_sizes,
     step_kind,
+    waits_for_data,
 )
 from voxdiff.preflight.world import PREDICTED_DEVICE
 from voxdiff.run.spec import RunSpec, run_spec
@@ -272,7 +272,7 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
                 loader = result.needs.loader_per_s if result.needs is not None else None
                 for interval, settings, step_s in rows:
                     wall_s = data_step_s(step_s, b, loader, workers)
-                    bound = step_s is not None and wall_s is not None and wall_s > step_s * (1 + DATA_SLACK)
+                    bound = waits_for_data(step_s, wall_s)
                     report.candidates.append(Candidate(
                         tuple(settings.items()), b, policy, compiled,
                         result.per_gpu_peak_gib, result.peak_phase, result.need_gib, fits,

@@ -566,13 +566,19 @@ def data_step_s(step_s: float | None, batch: int, rate: float | None, workers: i
     return step_s + load_s if workers <= 0 else max(step_s, load_s)
 
 
+def waits_for_data(step_s: float | None, wall_s: float | None) -> bool:
+    """Whether the wait for data (``wall_s``: the step with it, :func:`data_step_s`) adds more than
+    :data:`DATA_SLACK` of the step ``step_s``."""
+    return step_s is not None and wall_s is not None and wall_s > step_s * (1 + DATA_SLACK)
+
+
 def data_too_slow(data: Mapping[str, Any], batch: int, workers: int, volume: tuple[int, ...],
                   step_s: float | None) -> str | None:
     """A warning when waiting for data adds more than :data:`DATA_SLACK` of a step (:func:`data_step_s`, the
     loader's rate by :func:`loader_rate`, the step's by the time model), with the fix; else None."""
     rate = loader_rate(data, workers, volume)
     wall = data_step_s(step_s, batch, rate, workers)
-    if step_s is None or rate is None or wall is None or wall <= step_s * (1 + DATA_SLACK):
+    if step_s is None or rate is None or wall is None or not waits_for_data(step_s, wall):
         return None
     cache = str(data.get("cache", "memory"))
     source = loader_table(data).source  # type: ignore[union-attr]  # a rate came from it
@@ -732,6 +738,8 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
     run_time, unknown = None, ""
     rate = loader_rate(needs.data, needs.num_workers, tuple(run.shapes.volume))
     throughput = STEP_THROUGHPUT.get((gpu, kind))
+    step_s = throughput.seconds(cost) if cost is not None and throughput is not None else None
+    wall_s = data_step_s(step_s, run.batch_size, rate, needs.num_workers)
     max_steps = needs.max_steps
     if cost is None:
         unknown = "not predicted for this step"
@@ -739,8 +747,7 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
         unknown = (f"the {kind} step's speed on {gpu} has not been measured (voxdiff.preflight.resources."
                    f"STEP_THROUGHPUT has {', '.join(f'{g} {k}' for g, k in sorted(STEP_THROUGHPUT))})")
     elif not isinstance(max_steps, int) or max_steps <= 0:
-        wall = data_step_s(throughput.seconds(cost), run.batch_size, rate, needs.num_workers)
-        unknown = f"{wall * 1e3:.0f} ms/step predicted; trainer.max_steps={max_steps} sets no end"
+        unknown = f"{wall_s * 1e3:.0f} ms/step predicted; trainer.max_steps={max_steps} sets no end"
     else:
         site = slurm_site(needs.slurm)
         limit = warn = None
@@ -750,10 +757,7 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
             except ValueError:
                 limit = None  # UNLIMITED: no requeues to plan
             warn = float(site.get("WARN_SECONDS") or 0)
-        gpu_s = throughput.seconds(cost)
-        run_time = RunTime(data_step_s(gpu_s, run.batch_size, rate, needs.num_workers), max_steps, world_size,
-                           limit, warn or 0.0, throughput, gpu_s)
-    step_s = throughput.seconds(cost) if cost is not None and throughput is not None else None
+        run_time = RunTime(wall_s, max_steps, world_size, limit, warn or 0.0, throughput, step_s)
     slow = data_too_slow(needs.data, run.batch_size, needs.num_workers, tuple(run.shapes.volume), step_s)
     if slow:
         warnings.append(slow)
