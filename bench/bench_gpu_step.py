@@ -30,8 +30,8 @@ Each side's time per step is the wall time of steps ``warmup+1 .. warmup+steps``
 (synchronised once at each end, not per step), its peak ``torch.cuda.max_memory_allocated()`` over those steps
 (and ``max_memory_reserved()``, which counts a CUDA graph's private pool, beside the preflight's estimate of it;
 a voxdiff side also reports each allocator pool's segments after its timed steps, ``default_pool_*`` and
-``graphs_pool_*`` from ``voxdiff.benchmarks.measure.reserved_by_pool``, beside ``pred_graph_pool_gib``), its warm-up the wall time of the first ``warmup`` steps minus theirs at the steady rate (the compile, when
-compiled). The preflight's prediction of the voxdiff step is printed beside its measured peak. TFLOP/s counts one
+``graphs_pool_*`` from ``voxdiff.benchmarks.measure.reserved_by_pool``, beside ``pred_graph_pool_gib``), its warm-up
+the wall time of the first ``warmup`` steps minus theirs at the steady rate (the compile, when compiled). The preflight's prediction of the voxdiff step is printed beside its measured peak. TFLOP/s counts one
 forward+backward (``torch.utils.flop_counter``, at the experiment's batch, scaled by the side's batch) per step; the
 share is against the GPU's dense bf16 peak; samples/s is the batch over the time per step. The ratios (voxdiff's
 default step against each plain loop, the chosen batch's samples/s against the default's) are of sides measured in
@@ -282,8 +282,7 @@ def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str, profile: bool = 
         growth = segment_growth(record.entries)
         print(f"allocator history over the {warmup} warm-up steps ({len(record.entries)} entries; none off a CUDA "
               f"device):\n{growth.describe()}\n{live_at_peak(record.entries).describe()}", flush=True)
-        out["history_grown_gib"] = {pool: round(sum(g[2] for g in growth.grown if g[0] == pool) / GiB, 3)
-                                    for pool in sorted({g[0] for g in growth.grown})}
+        out["history_grown_gib"] = {pool: round(size / GiB, 3) for pool, size in growth.by_pool().items()}
         out["history_top_sites"] = [[pool, site, round(size / GiB, 3), n] for pool, site, size, n in growth.grown[:5]]
     return out
 

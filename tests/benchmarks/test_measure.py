@@ -146,6 +146,7 @@ def test_segment_growth_names_the_allocations_that_reserved_segments_pool_by_poo
     assert growth.grown == (("private 1.2", conv, 96 * MiB, 2), ("private 1.2", norm, 20 * MiB, 1),
                             ("default", norm, 10 * MiB, 2))
     assert growth.released == 20 * MiB
+    assert growth.by_pool() == {"default": 10 * MiB, "private 1.2": 116 * MiB}
     text = growth.describe()
     assert text.splitlines()[0] == ("segments reserved within the record: default 0.01 GiB, private 1.2 0.11 GiB; "
                                     "released 0.02 GiB")

@@ -156,13 +156,17 @@ class SegmentGrowth:
     grown: tuple[tuple[str, str, int, int], ...]
     released: int
 
-    def describe(self, top: int = 12) -> str:
-        """The segments reserved per pool, and the ``top`` largest sites, one per line, in MiB."""
+    def by_pool(self) -> dict[str, int]:
+        """Bytes of segments reserved per pool, by pool name."""
         pools: dict[str, int] = {}
         for pool, _, size, _ in self.grown:
             pools[pool] = pools.get(pool, 0) + size
+        return dict(sorted(pools.items()))
+
+    def describe(self, top: int = 12) -> str:
+        """The segments reserved per pool, and the ``top`` largest sites, one per line, in MiB."""
         lines = ["segments reserved within the record: " + (", ".join(
-            f"{pool} {size / 2**30:.2f} GiB" for pool, size in sorted(pools.items())) or "none")
+            f"{pool} {size / 2**30:.2f} GiB" for pool, size in self.by_pool().items()) or "none")
             + f"; released {self.released / 2**30:.2f} GiB"]
         lines += [f"  {size / 2**20:10.1f} MiB {n:4d} segments  {pool:>14}  {site}"
                   for pool, site, size, n in self.grown[:top]]
