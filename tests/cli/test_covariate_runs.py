@@ -150,11 +150,51 @@ def test_evaluate_reports_whether_age_is_obeyed_beside_a_negative_control(covari
     assert "Covariates: is age obeyed?" in Path(record["html"]).read_text()
     assert len(_sidecars(out / "samples")) == 4  # the model's samples, each with its ages
     assert len(list((out / "samples").glob("control_*_generated.nii.gz"))) == 4  # the control's (no covariates)
+    control = _volumes(out / "samples", "control")
+    assert np.abs(control[0] - control[2]).max() > 0  # one mask, another noise: without counterfactual=true
     saved = json.loads(Path(record["json"]).read_text())
     assert saved["figures"]["covariate_age_ventricles_control"]["checkpoint"] == str(diffusion_ckpt)
     # the model's other covariate, sex, is measured on the same samples (the head's size), beside the same control
     assert figures["covariate_sex_head_generated"]["n"] == figures["covariate_sex_head_control"]["n"] == 4
     assert "Covariates: is sex obeyed?" in Path(record["html"]).read_text()
+
+
+def _volumes(folder: Path, tag: str) -> dict[int, np.ndarray]:
+    """The generated volumes ``<tag>_<subject>_s<i>_generated.nii.gz`` of an evaluation, by sample index i."""
+    return {int(p.name.split("_s")[-1][:3]): np.asarray(nib.load(p).dataobj)
+            for p in folder.glob(f"{tag}_*_generated.nii.gz")}
+
+
+def test_counterfactuals_draw_each_mask_at_every_age_with_the_same_noise(covariate_ckpt, diffusion_ckpt,
+                                                                          tmp_path) -> None:
+    """counterfactual=true: the two validation masks at three ages, each mask with one noise at every age, and the
+    effect of age within each mask; beside the control (no covariates), whose samples of a mask are then the same
+    volume at every age: its effect is exactly 0."""
+    out = tmp_path / "eval"
+    record = evaluate(compose("evaluate", [f"ckpt_path={covariate_ckpt}", "n=6", "covariate_sweep=age",
+                                           "counterfactual=true", f"control_ckpt={diffusion_ckpt}",
+                                           "num_inference_steps=2", "random_features_seed=null",
+                                           f"paths.output_dir={out}"]))
+    ages = [row["age"] for row in record["sampling"]["covariates"]]
+    assert ages[0] == ages[1] < ages[2] == ages[3] < ages[4] == ages[5]  # one age per cycle over the two masks
+    assert ages[2] - ages[0] == pytest.approx(ages[4] - ages[2])  # evenly over the training range
+    assert record["sampling"]["counterfactual"] is True
+    subjects = record["sampling"]["conditioned_on"]
+    assert subjects == subjects[:2] * 3 and subjects[0] != subjects[1]
+    control, model = _volumes(out / "samples", "control"), _volumes(out / "samples", "eval")
+    assert sorted(control) == sorted(model) == list(range(6))
+    for i in range(2):  # the same mask and noise: the control draws one volume, the model one per age
+        np.testing.assert_array_equal(control[i], control[i + 2])
+        np.testing.assert_array_equal(control[i], control[i + 4])
+        assert np.abs(model[i] - model[i + 2]).max() > 0
+    figures = record["figures"]
+    generated = figures["covariate_age_ventricles_effect_generated"]
+    assert generated["n"] == 2 and len(generated["per_group"]) == 2 and "se" in generated and "t" in generated
+    assert figures["covariate_age_ventricles_effect_control"]["value"] == 0.0
+    assert figures["covariate_age_ventricles_effect_control"]["checkpoint"] == str(diffusion_ckpt)
+    assert figures["covariate_age_ventricles_effect_real"]["n"] == 2  # the real subjects' own ages
+    assert "covariate_sex_head_effect_generated" not in figures  # sex is each subject's own, not swept
+    assert figures["covariate_age_ventricles_generated"]["n"] == 6  # the correlation over every sample, as before
 
 
 def test_a_sweep_over_sex_alternates_its_levels_and_codes_them_for_the_figure(covariate_ckpt, tmp_path) -> None:

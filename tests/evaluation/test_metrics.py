@@ -222,3 +222,32 @@ def test_noise_does_not_pass_for_sharpness(heads):
 def test_anatomy_stats_refuse_a_volume_without_a_channel_axis():
     with pytest.raises(ValueError, match=r"\(N, 1, D, H, W\)"):
         M.anatomy_stats(torch.zeros(2, 8, 8, 8))
+
+
+def test_slope_is_least_squares_with_its_standard_error():
+    x = [0.0, 1.0, 2.0, 3.0]
+    exact = M.slope(x, [1.0 + 2.5 * v for v in x])
+    assert exact["value"] == pytest.approx(2.5) and exact["se"] == pytest.approx(0.0, abs=1e-12) and exact["n"] == 4
+    noisy = M.slope(x, [0.0, 1.0, 1.0, 4.0])  # numpy.polyfit: slope 1.2; se √(Σres² / (n − 2) / Sxx) = √(1.8/2/5)
+    assert noisy["value"] == pytest.approx(1.2) and noisy["se"] == pytest.approx(math.sqrt(1.8 / 2 / 5))
+    assert math.isnan(M.slope([1.0, 1.0], [0.0, 1.0])["value"])  # x constant: no slope
+    assert math.isnan(M.slope([0.0, 1.0], [0.0, 1.0])["se"])  # two points: no residual to estimate it from
+    with pytest.raises(ValueError):
+        M.slope([1.0], [1.0])
+
+
+def test_paired_effect_cancels_what_differs_between_groups():
+    """Each group (a mask drawn at three values with one noise) has its own offset, 100 voxels apart: the slope over
+    all samples mixes them in, the effect within the groups does not."""
+    x = [20.0, 20.0, 50.0, 50.0, 80.0, 80.0]
+    groups = [0, 1, 0, 1, 0, 1]
+    y = [0.5 * v + 100.0 * g for v, g in zip(x, groups)]
+    effect = M.paired_effect(x, y, groups)
+    assert effect["value"] == pytest.approx(0.5) and effect["n"] == 2 and effect["per_group"] == [0.5, 0.5]
+    assert effect["se"] == pytest.approx(0.0, abs=1e-12)
+    assert M.pearson(x, y)["value"] < 0.5  # over all samples the offsets hide it
+    uneven = M.paired_effect(x, [0.5 * v + 100.0 * g + (3.0 * v if g else 0.0) for v, g in zip(x, groups)], groups)
+    assert uneven["value"] == pytest.approx(2.0) and uneven["se"] == pytest.approx(1.5)  # slopes 0.5 and 3.5
+    assert uneven["t"] == pytest.approx(2.0 / 1.5)
+    with pytest.raises(ValueError, match="group 1 has fewer than 2 distinct values"):
+        M.paired_effect([1.0, 2.0, 3.0, 3.0], [0.0] * 4, [0, 0, 1, 1])

@@ -33,3 +33,16 @@ def test_the_page_is_self_contained_with_one_row_per_figure():
     uri = page.split("src='")[1].split("'")[0]
     assert base64.b64decode(uri.split(",", 1)[1]) == png
     assert "http" not in page
+
+
+def test_a_row_shows_its_spread_and_its_ratio_to_real():
+    figures = {
+        "ventricles": {"value": 34.05, "std": 20.5, "n": 40, "ratio_to_real": 0.5422, "label": "ventricles"},
+        "effect": {"value": 1.2111, "se": 0.3597, "t": 3.37, "n": 10, "ratio_to_real": 0.4064, "label": "effect"},
+        "r": {"value": 0.4679, "n": 40, "label": "r"},
+    }
+    page = render_html("t", {}, figures, {}, [])
+    rows = page.split("<tr><td>")[1:]
+    assert "34.05 ± 20.5; 0.5422× real</td>" in rows[0]
+    assert "1.211 ± 0.3597 (se); 0.4064× real</td>" in rows[1]
+    assert "0.4679</td>" in rows[2]  # no spread, no ratio: the value alone

@@ -53,14 +53,14 @@ from voxdiff.units import GiB
 from voxdiff.files import check_output
 from voxdiff.files import load_file
 from voxdiff.evaluation.features import build_extractors, file_sha256
-from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, check_volume_shape, describe, pearson
+from voxdiff.evaluation.metrics import MS_SSIM_PRESETS, check_volume_shape, describe, paired_effect, pearson, slope
 from voxdiff.evaluation.pipeline import (
-    batches,
     diffusion_figures,
     figure,
     histogram_section,
     load_real,
     montage_section,
+    noise_batches,
     vqvae_figures,
     vqvae_reconstructions,
 )
@@ -118,6 +118,14 @@ def validate(cfg: DictConfig) -> None:
     if stage1 is not None and not Path(str(stage1)).is_file():
         raise ConfigError("stage1_ckpt", stage1, "no such checkpoint file",
                           "point it at a VQ-VAE run's checkpoints/last.ckpt, or stage1_ckpt=null")
+    counterfactual = cfg.get("counterfactual", False)
+    if not isinstance(counterfactual, bool):
+        raise ConfigError("counterfactual", counterfactual, "must be true or false",
+                          "use counterfactual=true (with covariate_sweep=NAME) or counterfactual=false")
+    if counterfactual and cfg.get("covariate_sweep") is None:
+        raise ConfigError("counterfactual", counterfactual, "draws each mask at every value of the swept covariate, "
+                          "and no covariate is swept", "add covariate_sweep=age (a covariate of the model), or use "
+                          "counterfactual=false")
     control = cfg.get("control_ckpt")
     if control is not None and not Path(str(control)).is_file():
         raise ConfigError("control_ckpt", control, "no such checkpoint file", "point it at the negative control's "
@@ -137,9 +145,11 @@ def _split(dm: Any, split: str):
 
 def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any, precision: Any,
               rows: list[dict[str, Any]] | None = None, tag: str = "eval",
-              guide: Any = None) -> tuple[Any, list[int], list[Path]]:
+              guide: Any = None, cycle: int | None = None) -> tuple[Any, list[int], list[Path]]:
     """``n`` samples conditioned on the real masks in turn (and on ``rows[i]``'s covariates, written beside each
-    when the model has covariates), autoguided by ``guide`` when given; writes NIfTI + montage per sample."""
+    when the model has covariates), autoguided by ``guide`` when given; writes NIfTI + montage per sample.
+    ``cycle`` (counterfactuals: the number of masks): sample ``i`` is drawn with the noise of sample ``i % cycle``
+    (:func:`~voxdiff.evaluation.pipeline.noise_batches`); without it each batch has its own."""
     import torch
     from tqdm.auto import tqdm
 
@@ -150,9 +160,10 @@ def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any
     sources = [i % len(real) for i in range(n)]
     generated = torch.empty((n, *real.images.shape[1:]))  # filled batch by batch: never a second copy (no cat)
     pngs: list[Path] = []
-    for b, idx in enumerate(tqdm(list(batches(n, int(cfg.batch_size))), desc=f"[voxdiff] {sampler.sampler}", unit="batch")):
+    for idx, key in tqdm(noise_batches(n, int(cfg.batch_size), cycle), desc=f"[voxdiff] {sampler.sampler}",
+                         unit="batch"):
         src = [sources[i] for i in idx]
-        generator = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1_000_003 + b)
+        generator = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1_000_003 + key)
         used = None if rows is None or system.covariate_encoding is None else [rows[i] for i in idx]
         with precision.autocast():
             x = system.generate(real.masks[src], num_inference_steps=sampler.num_inference_steps,
@@ -210,7 +221,7 @@ def _swept(cfg: DictConfig, encoding: Any) -> Any:
     return column
 
 
-def _sweep(column: Any, n: int, masks: int) -> list[dict[str, Any]]:
+def _sweep(column: Any, n: int, masks: int, counterfactual: bool = False) -> list[dict[str, Any]]:
     """The ``n`` samples' requested values of the swept ``column`` (``[{}] * n`` without a sweep), spread so that
     the value does not follow the mask: sample ``i`` uses mask ``i % masks``, and a mask's features (its subject's
     head, where its lesions sit) would otherwise move with the value in the figure of the model and of its control
@@ -219,26 +230,74 @@ def _sweep(column: Any, n: int, masks: int) -> list[dict[str, Any]]:
     * categorical: its levels in turn by cycle over the masks (``(i // masks) % levels``): with ``n`` a multiple of
       ``masks x levels`` every mask is drawn at every level equally often;
     * numeric: ``n`` values evenly over its training range, in a fixed shuffled order (seed 0), so that no mask
-      gets the low or the high ones (drawn in order, mask ``j`` of each cycle would always get the ``j``-th lowest).
+      gets the low or the high ones (drawn in order, mask ``j`` of each cycle would always get the ``j``-th lowest);
+      ``counterfactual``: ``n // masks`` values evenly over the range, one per cycle (``i // masks``), so every mask
+      is drawn at every value (:func:`_check_counterfactual` has checked ``n``).
     """
     if column is None:
         return [{} for _ in range(n)]
     if column.kind == "categorical":
         return [{column.name: column.levels[(i // masks) % len(column.levels)]} for i in range(n)]
+    if counterfactual:
+        step = (column.hi - column.lo) / (n // masks - 1)
+        return [{column.name: round(column.lo + (i // masks) * step, 6)} for i in range(n)]
     step = (column.hi - column.lo) / max(n - 1, 1)
     order = np.random.default_rng(0).permutation(n)
     return [{column.name: round(column.lo + int(k) * step, 6)} for k in order]
 
 
+def _check_counterfactual(column: Any, n: int, masks: int) -> int:
+    """``counterfactual=true``: every one of the split's ``masks`` drawn at every swept value needs ``n`` a
+    multiple of ``masks`` with at least 2 values (a categorical column: each level equally often); the samples use
+    the split's first ``n`` masks in turn, so with ``n >= 2 · masks`` all of them. Returns ``masks``, the cycle.
+
+    Raises:
+        ConfigError: naming ``n`` and the values that work.
+    """
+    numeric = column.kind == "numeric"
+    unit = masks if numeric else masks * len(column.levels)
+    if n % unit or n < 2 * masks:
+        what = f"n / {masks} values, at least 2" if numeric else f"each of its {len(column.levels)} levels alike"
+        least = max(unit, 2 * masks)
+        raise ConfigError("n", n, f"with counterfactual=true draws each of the split's {masks} masks at every value "
+                          f"of {column.name} ({what}), so it must be a multiple of {unit}, at least {least}",
+                          f"use n={least} (or {least + unit}, ...)")
+    return masks
+
+
+def _effect_figures(key: str, series: dict[str, tuple[list[float], list[float]]], cycle: int,
+                    control_path: str) -> dict[str, Any]:
+    """The counterfactual figures of one covariate (``key``: ``covariate_<name>_<measure>``): the effect within each
+    mask (sample ``i`` is mask ``i % cycle``) of the generated ``series`` and of the negative control's where it was
+    drawn, and the real subjects' slope, with the generated effect's ratio to it."""
+    out: dict[str, Any] = {}
+    real = slope(*series["real"]) if "real" in series else None
+    if real is not None:
+        out[f"{key}_effect_real"] = figure(f"{key}_effect_real", real)
+    for name, tag in (("generated", "generated"), ("negative control", "control")):
+        if name not in series:
+            continue
+        values, measured = series[name]
+        effect = paired_effect(values, measured, [i % cycle for i in range(len(values))])
+        if name == "generated" and real is not None and math.isfinite(real["value"]) and real["value"] != 0:
+            effect["ratio_to_real"] = effect["value"] / real["value"]
+        out[f"{key}_effect_{tag}"] = figure(f"{key}_effect_{tag}", effect,
+                                            **({"checkpoint": control_path} if tag == "control" else {}))
+    return out
+
+
 def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any, real: Any,
                        generated: Any, rows: list[dict[str, Any]] | None, table: dict[str, Any],
-                       device: Any, precision: Any) -> tuple[dict[str, Any], dict[str, str], list[Any]]:
+                       device: Any, precision: Any, cycle: int | None = None
+                       ) -> tuple[dict[str, Any], dict[str, str], list[Any]]:
     """Is each covariate obeyed? On a phantom run (``phantom``: trained and evaluated on the built-in phantom), for
     each of its covariates that changes the phantom's anatomy (:data:`~voxdiff.data.phantom.COVARIATE_EFFECTS`: age
     the ventricles, sex the head): Pearson's r between the value each sample was drawn at (a categorical one as its
     level's index, e.g. F 0, M 1) and the measure of what it changes, the same for the real images and their own
     values, and for ``control_ckpt`` (a negative control: sampled once with the same masks, noise and values); with
-    a scatter per covariate for the report."""
+    a scatter per covariate for the report. ``cycle`` (``counterfactual=true``: the number of masks, each drawn at
+    every value of the swept covariate with the same noise): the swept covariate's effect within each mask too
+    (:func:`~voxdiff.evaluation.metrics.paired_effect`), against the real subjects' slope (``_effect_`` figures)."""
     figures: dict[str, Any] = {}
     absent: dict[str, str] = {}
     effects = {name: COVARIATE_EFFECTS[name] for name in (rows[0] if rows else ()) if name in COVARIATE_EFFECTS}
@@ -271,7 +330,7 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
         print(f"[voxdiff] negative control {control_path}: sampling with the same masks, noise and covariates",
               flush=True)
         control, _, _ = _generate(cfg, model, control_sampler, real, device, control_precision, rows, tag="control",
-                                  guide=control_guide)
+                                  guide=control_guide, cycle=cycle)
         release(model, control_guide)
     sections = []
     for name, (measure, of, label) in effects.items():
@@ -290,6 +349,8 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
             series["negative control"] = (values, [of(v) for v in control])
             figures[f"{key}_control"] = figure(f"{key}_control", pearson(*series["negative control"]),
                                                checkpoint=str(control_path))
+        if cycle is not None and name == cfg.get("covariate_sweep"):
+            figures.update(_effect_figures(key, series, cycle, str(control_path)))
         axis = f"{name} (requested; real: the subject's)" + (f", levels {levels[name]} as 0..{len(levels[name]) - 1}"
                                                              if name in levels else "")
         png = scatter_png(series, axis, label)
@@ -312,18 +373,20 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     ms_ssim = MS_SSIM_PRESETS[cfg.ms_ssim]
     volume = tuple(dataset[0]["image"].shape)
     check_volume_shape(volume[1:], ms_ssim)
+    cycle = _check_counterfactual(swept, int(cfg.n), len(dataset)) if cfg.get("counterfactual") else None
     check_host_memory(cfg, volume, min(int(cfg.n), len(dataset)))
     real = load_real(dataset, int(cfg.n))
     extractors, absent = build_extractors(cfg.get("random_features_seed"), cfg.get("stage1_ckpt"),
                                           plain(cfg.get("medicalnet")))
     sources = [i % len(real) for i in range(int(cfg.n))]
     table = getattr(dm, "covariate_values", {})
-    sweep = _sweep(swept, int(cfg.n), masks=len(real))
+    sweep = _sweep(swept, int(cfg.n), masks=len(real), counterfactual=cycle is not None)
     rows = None if encoding is None else [
         covariate_rows(encoding, table, [real.subjects[s]], {**requested, **sweep[i]})[0]
         for i, s in enumerate(sources)]
     t0 = time.perf_counter()
-    generated, sources, pngs = _generate(cfg, system, sampler, real, device, precision, rows, guide=guide)
+    generated, sources, pngs = _generate(cfg, system, sampler, real, device, precision, rows, guide=guide,
+                                         cycle=cycle)
     t1 = time.perf_counter()
     measured = measured_memory(device, memory)
     release(system, guide)  # the device is the feature extractors' and the negative control's from here on
@@ -335,7 +398,7 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
                                              ventricles=ventricle_voxels if phantom else None,
                                              diversity_pairs=cfg.get("diversity_pairs"), seed=int(cfg.seed))
     cov_figures, cov_absent, cov_sections = _covariate_figures(cfg, phantom, system, sampler, real, generated, rows,
-                                                               table, device, precision)
+                                                               table, device, precision, cycle)
     figures.update(cov_figures)
     more_absent.update(cov_absent)
     what = "mask | real | generated" if system.mode == "bravo" else "real mask | generated mask"
@@ -351,6 +414,7 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
                      "autoguide_scale": sampler.autoguide_scale,
                      **({"autoguide_ckpt": str(guide_path)} if guide_path is not None else {}),
                      "use_ema": bool(cfg.use_ema), "seed": int(cfg.seed), "batch_size": int(cfg.batch_size),
+                     "counterfactual": cycle is not None,  # each mask's noise the same at every swept value
                      # GiB of device memory: predicted before loading (voxdiff.preflight.memory.predict_sampling);
                      # measured (max_memory_allocated) on a GPU only
                      "memory_gib": {"predicted": round(memory.peak / GiB, 4),

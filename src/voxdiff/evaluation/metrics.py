@@ -442,6 +442,52 @@ def pearson(x: Any, y: Any) -> dict[str, float | int]:
     return {"value": float((a * b).sum()) / denominator if denominator > 0 else math.nan, "n": int(a.numel())}
 
 
+def slope(x: Any, y: Any) -> dict[str, float | int]:
+    """The least-squares slope of ``y`` on ``x`` (two equal-length sequences, float64), with its standard error
+    (from the residuals; NaN below 3 points) and N; the slope is NaN when ``x`` is constant."""
+    a = torch.as_tensor(list(x), dtype=torch.float64)
+    b = torch.as_tensor(list(y), dtype=torch.float64)
+    if a.numel() != b.numel() or a.numel() < 2:
+        raise ValueError(f"slope needs two sequences of the same length >= 2, got {a.numel()} and {b.numel()}")
+    a, b = a - a.mean(), b - b.mean()
+    sxx = float(a @ a)
+    if sxx == 0:
+        return {"value": math.nan, "se": math.nan, "n": int(a.numel())}
+    k = float(a @ b) / sxx
+    residual = b - k * a
+    se = math.sqrt(float(residual @ residual) / (a.numel() - 2) / sxx) if a.numel() > 2 else math.nan
+    return {"value": k, "se": se, "n": int(a.numel())}
+
+
+def paired_effect(x: Any, y: Any, groups: Any) -> dict[str, Any]:
+    """The effect of ``x`` on ``y`` within groups: each group's least-squares slope of ``y`` on ``x``, and their
+    mean with its standard error (the slopes' standard deviation / √groups) and ``t`` (mean / standard error).
+
+    A group is one condition drawn at several values of ``x`` with everything else held (a counterfactual: the same
+    mask and noise), so what varies between its members is ``x`` alone and the differences between groups cancel.
+    ``n`` is the number of groups; ``per_group`` their slopes.
+
+    Raises:
+        ValueError: sequences of different lengths, or a group with fewer than 2 distinct values of ``x``.
+    """
+    x, y, groups = list(x), list(y), list(groups)
+    if not len(x) == len(y) == len(groups):
+        raise ValueError(f"paired_effect needs sequences of one length, got {len(x)}, {len(y)} and {len(groups)}")
+    members: dict[Any, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    slopes = []
+    for g, idx in members.items():
+        if len({x[i] for i in idx}) < 2:
+            raise ValueError(f"paired_effect: group {g!r} has fewer than 2 distinct values of x")
+        slopes.append(slope([x[i] for i in idx], [y[i] for i in idx])["value"])
+    k = torch.tensor(slopes, dtype=torch.float64)
+    se = float(k.std() / math.sqrt(len(k))) if len(k) > 1 else math.nan
+    mean = float(k.mean())
+    return {"value": mean, "se": se, "t": mean / se if se and se > 0 else math.nan, "n": len(k),
+            "per_group": [round(v, 6) for v in slopes]}
+
+
 def describe(ms_ssim_settings: SSIMSettings = MS_SSIM_SETTINGS) -> dict[str, Any]:
     """The metric settings as plain data, for ``metrics.json``."""
     preset = next((k for k, v in MS_SSIM_PRESETS.items() if v == ms_ssim_settings), "custom")

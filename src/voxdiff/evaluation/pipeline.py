@@ -95,6 +95,32 @@ DEFINITIONS: dict[str, tuple[str, str, str]] = {
     "covariate_sex_head_control": (
         "Negative control: r(requested sex, control's head size)", "lower",
         "The same figure for control_ckpt, sampled with the same masks, noise and requested values: near 0."),
+    "covariate_age_ventricles_effect_generated": (
+        "Age effect, counterfactual: ventricle voxels per year, generated", "match",
+        "With counterfactual=true each mask is drawn at every swept age with the same noise; the figure is the mean "
+        "over masks of each mask's least-squares slope of its ventricle size (voxdiff.data.phantom.ventricle_voxels) "
+        "on the age, with its standard error over masks (se) and t. Mask and noise are held, so the age alone "
+        "varies: more sensitive than the correlation over all samples. ratio_to_real: against the real slope."),
+    "covariate_age_ventricles_effect_real": (
+        "Age effect in the data: ventricle voxels per year, real", "info",
+        "The least-squares slope of the real phantom images' ventricle size on their own ages over the subjects of "
+        "the split (se from its residuals): the effect the counterfactuals should reproduce."),
+    "covariate_age_ventricles_effect_control": (
+        "Negative control, counterfactual: ventricle voxels per year", "lower",
+        "The same within-mask slope for control_ckpt, drawn with the same masks, noise and ages: a model that "
+        "cannot follow the age stays near 0 (compare with its se)."),
+    "covariate_sex_head_effect_generated": (
+        "Sex effect, counterfactual: head voxels M − F, generated", "match",
+        "With counterfactual=true each mask is drawn at F and at M with the same noise; the mean over masks of the "
+        "difference in head size (voxdiff.data.phantom.head_voxels, the slope on the level's index), with se and "
+        "t. ratio_to_real: against the real difference."),
+    "covariate_sex_head_effect_real": (
+        "Sex effect in the data: head voxels M − F, real", "info",
+        "The least-squares slope of the real images' head size on their sex (0 F, 1 M) over the subjects of the "
+        "split: the mean difference M − F, with se from its residuals."),
+    "covariate_sex_head_effect_control": (
+        "Negative control, counterfactual: head voxels M − F", "lower",
+        "The same within-mask difference for control_ckpt, drawn with the same masks, noise and levels: near 0."),
     "reconstruction_ssim": ("Reconstruction SSIM", "higher",
                             "SSIM of each validation image against its VQ-VAE reconstruction (clamped to [0, 1])."),
     "reconstruction_psnr": ("Reconstruction PSNR, dB", "higher",
@@ -156,6 +182,18 @@ def batches(n: int, size: int) -> Iterable[list[int]]:
     it = iter(range(n))
     while chunk := list(itertools.islice(it, size)):
         yield chunk
+
+
+def noise_batches(n: int, size: int, cycle: int | None = None) -> list[tuple[list[int], int]]:
+    """The sampling batches of ``n`` samples, each with the key its noise is seeded by: ``batches(n, size)`` keyed
+    by their order; with ``cycle`` (a multiple of it: the masks, each drawn once per cycle), the batches of each cycle
+    apart, keyed by their place in the cycle, so that sample ``i`` gets the noise of sample ``i % cycle``: the same
+    mask drawn in every cycle with the same noise (counterfactuals, at another covariate value per cycle)."""
+    if cycle is None:
+        return [(idx, b) for b, idx in enumerate(batches(n, size))]
+    if n % cycle:
+        raise ValueError(f"noise_batches: n={n} is not a multiple of the cycle {cycle}")
+    return [([c * cycle + j for j in idx], b) for c in range(n // cycle) for b, idx in enumerate(batches(cycle, size))]
 
 
 # ------------------------------------------------------------------------------------------------ diffusion

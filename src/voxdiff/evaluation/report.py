@@ -173,7 +173,10 @@ def render_html(title: str, meta: Mapping[str, Any], figures: Mapping[str, Mappi
                 f"{n} ({f['pairs']} pairs)"
         elif "n_real" in f:
             n = f"{f['n_generated']} gen / {f['n_real']} real"
-        value = _fmt(f["value"]) + (f" ± {_fmt(f['std'])}" if "std" in f else "")
+        value = _fmt(f["value"]) + (f" ± {_fmt(f['std'])}" if "std" in f else
+                                    f" ± {_fmt(f['se'])} (se)" if "se" in f else "")
+        if "ratio_to_real" in f:
+            value += f"; {_fmt(f['ratio_to_real'])}× real"
         rows.append(f"<tr><td>{html.escape(f.get('label', name))}<br><code>{html.escape(name)}</code></td>"
                     f"<td class='num'>{value}</td><td class='num'>{html.escape(str(n))}</td>"
                     f"<td>{html.escape(DIRECTIONS[f.get('direction', 'info')])}</td>"
@@ -184,7 +187,7 @@ def render_html(title: str, meta: Mapping[str, Any], figures: Mapping[str, Mappi
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{html.escape(title)}</h1><div class='meta'>{meta_rows}</div>",
-        "<h2>Metrics</h2><table id='metrics'><thead><tr><th>figure</th><th>value (± std)</th><th>N</th>"
+        "<h2>Metrics</h2><table id='metrics'><thead><tr><th>figure</th><th>value (± std, or ± standard error)</th><th>N</th>"
         "<th>direction</th><th>definition</th></tr></thead><tbody>", *rows, "</tbody></table>",
     ]
     if absent_rows:
