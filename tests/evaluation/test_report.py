@@ -2,7 +2,9 @@
 
 import base64
 
-from voxdiff.evaluation.report import data_uri, loss_curve_png, read_loss_log, render_html
+import pytest
+
+from voxdiff.evaluation.report import data_uri, loss_curve_png, read_loss_log, render_html, scatter_png
 
 
 def _csv(path, rows):
@@ -46,3 +48,15 @@ def test_a_row_shows_its_spread_and_its_ratio_to_real():
     assert "34.05 ± 20.5; 0.5422× real</td>" in rows[0]
     assert "1.211 ± 0.3597 (se); 0.4064× real</td>" in rows[1]
     assert "0.4679</td>" in rows[2]  # no spread, no ratio: the value alone
+
+
+def test_a_scatter_joins_each_groups_points_only_where_asked():
+    """Counterfactuals: two masks at three ages each; the model's points of one mask are joined by a line."""
+    ages, measure = [30.0, 30.0, 50.0, 50.0, 70.0, 70.0], [1.0, 5.0, 2.0, 7.0, 4.0, 8.0]
+    series = {"generated": (ages, measure), "real": ([35.0, 60.0], [2.0, 6.0])}
+    plain = scatter_png(series, "age", "ventricles")
+    assert plain == scatter_png(series, "age", "ventricles", groups={})
+    joined = scatter_png(series, "age", "ventricles", groups={"generated": [0, 1, 0, 1, 0, 1]})
+    assert joined[:8] == b"\x89PNG\r\n\x1a\n" and joined != plain
+    with pytest.raises(ValueError):  # a group for every point, or none
+        scatter_png(series, "age", "ventricles", groups={"generated": [0, 1]})

@@ -353,7 +353,10 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
             figures.update(_effect_figures(key, series, cycle, str(control_path)))
         axis = f"{name} (requested; real: the subject's)" + (f", levels {levels[name]} as 0..{len(levels[name]) - 1}"
                                                              if name in levels else "")
-        png = scatter_png(series, axis, label)
+        joined = cycle is not None and name == cfg.get("covariate_sweep")  # each mask's counterfactuals joined
+        png = scatter_png(series, axis, label, groups={k: [i % cycle for i in range(len(series[k][0]))]
+                                                       for k in ("generated", "negative control")
+                                                       if joined and k in series})
         sections.append((f"Covariates: is {name} obeyed?", f"{label} of each volume against the {name} it was "
                          "sampled at (generated, negative control) or has (real); r and N in the table",
                          [(data_uri(png), name)]))

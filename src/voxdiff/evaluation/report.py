@@ -120,13 +120,19 @@ def loss_curve_png(series: Mapping[str, Sequence[tuple[int, float]]], step: int 
     return png_bytes(fig)
 
 
-def scatter_png(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], xlabel: str, ylabel: str) -> bytes:
+def scatter_png(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], xlabel: str, ylabel: str,
+                groups: Mapping[str, Sequence[Any]] | None = None) -> bytes:
     """One scatter of several labelled ``(x, y)`` series (e.g. generated ventricle size against requested age, for
-    the model and its negative control)."""
+    the model and its negative control). ``groups``: for a series' label, each point's group (counterfactuals: its
+    mask), whose points are joined by a thin line in the series' colour, in the order of x."""
     fig = _figure(5.5, 3.6)
     ax = fig.add_subplot(1, 1, 1)
     for (label, (x, y)), marker in zip(series.items(), "os^D", strict=False):
-        ax.plot(x, y, marker, linestyle="none", alpha=0.8, label=label)
+        (points,) = ax.plot(x, y, marker, linestyle="none", alpha=0.8, label=label)
+        of = (groups or {}).get(label)
+        for g in dict.fromkeys(of or ()):
+            line = sorted((u, v) for u, v, h in zip(x, y, of, strict=True) if h == g)
+            ax.plot(*zip(*line, strict=True), "-", color=points.get_color(), alpha=0.35, linewidth=0.8)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
