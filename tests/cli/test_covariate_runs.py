@@ -175,6 +175,8 @@ def test_evaluate_reports_whether_age_is_obeyed_beside_a_negative_control(covari
     # the model's other covariate, sex, is measured on the same samples (the head's size), beside the same control
     assert figures["covariate_sex_head_generated"]["n"] == figures["covariate_sex_head_control"]["n"] == 4
     assert "Covariates: is sex obeyed?" in Path(record["html"]).read_text()
+    # the probe reads a feature extractor's features, and this evaluation has none on (random_features_seed=null)
+    assert "none is on" in record["absent"]["covariate_age_probe_generated"]
 
 
 def _volumes(folder: Path, tag: str) -> dict[int, np.ndarray]:
@@ -238,3 +240,68 @@ def test_the_table_is_skipped_only_where_it_is_not_the_anatomy() -> None:
     assert without_table(nifti, encoding, {"age": 40.0})["data"]["covariates"] == []
     assert without_table(nifti, encoding, {})["data"]["covariates"] == ["age"]
     assert without_table(phantom, encoding, {"age": 40.0})["data"]["covariates"] == ["age"]
+
+
+def test_an_evaluation_fits_the_probe_on_its_real_volumes_random_network_features(covariate_ckpt, tmp_path) -> None:
+    """Wired end to end: eight real phantom subjects (split=all), the random ResNet-10's features (on by default):
+    the probe's leave-one-out figure on them, and its reading of the generated volumes or why not."""
+    record = evaluate(compose("evaluate", [f"ckpt_path={covariate_ckpt}", "n=8", "split=all", "data.num_subjects=8",
+                                           "num_inference_steps=2", f"paths.output_dir={tmp_path / 'eval'}"]))
+    for name in ("age", "sex"):
+        real = record["figures"][f"covariate_{name}_probe_real"]
+        assert real["n"] == 8 and real["features"].startswith("random 3D ResNet-10") and -1 <= real["value"] <= 1
+        generated = record["figures"].get(f"covariate_{name}_probe_generated")
+        if real["value"] >= 0.5:
+            assert generated is not None and generated["n"] == 8
+        else:
+            assert generated is None and "reads too little" in record["absent"][f"covariate_{name}_probe_generated"]
+
+
+def _dark_share_volumes(shares: list[float], seed: int) -> torch.Tensor:
+    """16³ volumes whose share of dark voxels (0.1) among bright ones (0.8) is each value of ``shares``, placed at
+    random: a covariate that shows in the intensities only (as atrophy does: more CSF)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for share in shares:
+        v = torch.full((16 ** 3,), 0.8)
+        v[torch.randperm(16 ** 3, generator=g)[: int(share * 16 ** 3)]] = 0.1
+        out.append(v.reshape(1, 16, 16, 16))
+    return torch.stack(out)
+
+
+def test_a_probe_reads_a_covariate_that_shows_in_the_intensities_and_not_a_control_that_ignores_it() -> None:
+    """The probe's figures on volumes made to order: 12 real ones whose dark share is age/200, generated ones drawn
+    at requested ages the same way (obeyed), a control's at shares unrelated to the age (not obeyed)."""
+    from voxdiff.cli.evaluate import PROBE_MIN_SUBJECTS, _probe_figures
+    from voxdiff.evaluation.pipeline import VolumeSet
+
+    rng = np.random.default_rng(0)
+    real_ages = [float(a) for a in rng.uniform(20, 90, 12)]
+    images = _dark_share_volumes([a / 200 for a in real_ages], seed=1)
+    real = VolumeSet(images, torch.zeros_like(images), torch.eye(4).expand(12, 4, 4), [f"s{i}" for i in range(12)])
+    requested = [20.0 + 5 * i for i in range(15)]
+    obeyed = _dark_share_volumes([a / 200 for a in requested], seed=2)
+    ignored = _dark_share_volumes(list(rng.uniform(0.1, 0.45, 15)), seed=3)
+    from voxdiff.evaluation.metrics import histograms
+
+    def probe(real_set, control):  # the intensity histogram: the features a dark share shows in
+        return _probe_figures("age", "age", requested, real_ages[:len(real_set)], real_set, obeyed, control,
+                              "control.ckpt", lambda v: histograms(v, 64), "64-bin histograms")
+
+    figures, absent, sections = probe(real, ignored)
+    assert figures["covariate_age_probe_real"]["value"] > 0.95 and figures["covariate_age_probe_real"]["n"] == 12
+    assert figures["covariate_age_probe_generated"]["value"] > 0.95
+    assert abs(figures["covariate_age_probe_control"]["value"]) < 0.5
+    assert figures["covariate_age_probe_generated"]["label"].startswith("age obeyed, by a probe")
+    assert figures["covariate_age_probe_real"]["features"] == "64-bin histograms"
+    assert not absent and sections[0][0] == "Covariates: is age obeyed? (probe)"
+    # real volumes whose intensities do not carry the age: the probe reads nothing, and says so
+    unrelated = VolumeSet(_dark_share_volumes(list(rng.uniform(0.1, 0.45, 12)), seed=4), real.masks, real.affines,
+                          real.subjects)
+    figures, absent, sections = probe(unrelated, ignored)
+    assert figures["covariate_age_probe_real"]["value"] < 0.5 and list(figures) == ["covariate_age_probe_real"]
+    assert "reads too little of age" in absent["covariate_age_probe_generated"] and not sections
+    # too few real volumes to fit it on: said, not faked
+    few = VolumeSet(images[:PROBE_MIN_SUBJECTS - 1], images[:PROBE_MIN_SUBJECTS - 1], real.affines[:7], [])
+    figures, absent, sections = probe(few, None)
+    assert not figures and not sections and "needs 8" in absent["covariate_age_probe_generated"]

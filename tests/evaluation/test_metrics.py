@@ -251,3 +251,41 @@ def test_paired_effect_cancels_what_differs_between_groups():
     assert uneven["t"] == pytest.approx(2.0 / 1.5)
     with pytest.raises(ValueError, match="group 1 has fewer than 2 distinct values"):
         M.paired_effect([1.0, 2.0, 3.0, 3.0], [0.0] * 4, [0, 0, 1, 1])
+
+
+def test_a_probes_leave_one_out_predictions_are_those_of_refitting_without_each_volume():
+    """The closed form against the definition: ridge with an unpenalised intercept on the standardised features,
+    refitted N times without one volume each, predicting it."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand((12, 30), generator=g, dtype=torch.float64)
+    y = x[:, :3].sum(1) * 10 + torch.rand(12, generator=g, dtype=torch.float64)
+    probe = M.fit_probe(x, y.tolist(), alphas=(3.0,))
+    z = (x - probe.mean) / probe.scale
+    design = torch.cat([torch.ones(12, 1, dtype=torch.float64), z], 1)
+    penalty = torch.diag(torch.tensor([0.0] + [3.0] * 30, dtype=torch.float64))
+    loo = []
+    for i in range(12):
+        keep = [j for j in range(12) if j != i]
+        a, b = design[keep], y[keep]
+        beta = torch.linalg.solve(a.T @ a + penalty, a.T @ b)
+        loo.append(float(design[i] @ beta))
+    assert probe.loo_r == pytest.approx(M.pearson(y, loo)["value"], abs=1e-9)
+    full = torch.linalg.solve(design.T @ design + penalty, design.T @ y)  # the probe itself: every volume
+    torch.testing.assert_close(probe(x), design @ full)
+
+
+def test_a_probe_reads_a_planted_signal_and_not_noise():
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand((40, 64), generator=g, dtype=torch.float64)
+    signal = x[:, 5] - x[:, 9]
+    planted = M.fit_probe(x, (signal + 0.05 * torch.randn(40, generator=g, dtype=torch.float64)).tolist())
+    assert planted.loo_r > 0.7 and planted.n == 40 and planted.alpha in M.PROBE_ALPHAS
+    fresh = torch.rand((40, 64), generator=g, dtype=torch.float64)
+    assert M.pearson((fresh[:, 5] - fresh[:, 9]).tolist(), planted(fresh).tolist())["value"] > 0.7  # new volumes
+    noise = M.fit_probe(x, torch.randn(40, generator=g, dtype=torch.float64).tolist())
+    assert noise.loo_r < 0.3
+    constant = x.clone()
+    constant[:, 0] = 1.0  # a feature constant over the real volumes is left out, not divided by 0
+    assert torch.isfinite(M.fit_probe(constant, signal.tolist())(x)).all()
+    with pytest.raises(ValueError, match="constant"):
+        M.fit_probe(x, [1.0] * 40)

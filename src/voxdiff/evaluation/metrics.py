@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -486,6 +487,70 @@ def paired_effect(x: Any, y: Any, groups: Any) -> dict[str, Any]:
     mean = float(k.mean())
     return {"value": mean, "se": se, "t": mean / se if se and se > 0 else math.nan, "n": len(k),
             "per_group": [round(v, 6) for v in slopes]}
+
+
+#: ridge penalties a probe chooses from (on standardised features), by its leave-one-out error
+PROBE_ALPHAS = (1e-2, 1e-1, 1.0, 10.0, 100.0, 1e3, 1e4)
+
+
+@dataclass(frozen=True)
+class LinearProbe:
+    """A ridge regression from feature vectors to a covariate, fitted on real volumes (:func:`fit_probe`):
+    ``probe(features (N, F)) -> (N,)`` float64. ``loo_r`` is Pearson's r between the real values and their
+    leave-one-out predictions: what the probe can read from a real volume, the ceiling of its figure on generated
+    ones."""
+
+    mean: torch.Tensor  # (F,) of the real features
+    scale: torch.Tensor  # (F,), 0 where a feature is constant over the real volumes (it is then not used)
+    weights: torch.Tensor  # (F,) on the standardised features
+    intercept: float
+    alpha: float
+    loo_r: float
+    n: int
+    loo: tuple[float, ...]  # (N,) each real volume's prediction by the probe fitted without it
+
+    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+        used = self.scale > 0
+        x = (features.double()[:, used] - self.mean[used]) / self.scale[used]
+        return x @ self.weights[used] + self.intercept
+
+
+def fit_probe(features: torch.Tensor, targets: Any, alphas: Sequence[float] = PROBE_ALPHAS) -> LinearProbe:
+    """Ridge regression of ``targets (N,)`` on ``features (N, F)`` (float64, each feature standardised over the N;
+    the intercept unpenalised), its penalty the one of ``alphas`` with the least leave-one-out squared error, which
+    ridge gives in closed form: ``e_i = (y − H y)_i / (1 − H_ii)`` with the hat matrix ``H = 11ᵀ/N + X (XᵀX + αI)⁻¹
+    Xᵀ`` of the centred features (computed as ``K (K + αI)⁻¹``, ``K = XXᵀ``: N × N, for N ≪ F).
+
+    Raises:
+        ValueError: fewer than 3 volumes, a length mismatch, or every feature or every target constant.
+    """
+    x = features.double()
+    y = torch.as_tensor(list(targets), dtype=torch.float64)
+    n = x.shape[0]
+    if n < 3 or y.numel() != n:
+        raise ValueError(f"fit_probe needs >= 3 volumes with a target each, got {n} volumes and {y.numel()} targets")
+    mean, scale = x.mean(0), x.std(0)
+    scale = torch.where(scale > 1e-12, scale, torch.zeros_like(scale))
+    if not bool((scale > 0).any()) or float(y.std()) == 0:
+        raise ValueError("fit_probe: every feature (or every target) is constant over the volumes")
+    used = scale > 0
+    xc = (x[:, used] - mean[used]) / scale[used]
+    yc = y - y.mean()
+    k = xc @ xc.T
+    eye = torch.eye(n, dtype=torch.float64)
+    best = None
+    for alpha in alphas:
+        dual = torch.linalg.solve(k + alpha * eye, eye)  # (K + αI)⁻¹
+        hat = k @ dual + 1.0 / n
+        loo = (y - (hat @ yc + y.mean())) / (1.0 - torch.diagonal(hat))
+        error = float(loo @ loo)
+        if best is None or error < best[0]:
+            best = (error, alpha, dual, y - loo)
+    _, alpha, dual, predicted = best
+    weights = torch.zeros(x.shape[1], dtype=torch.float64)
+    weights[used] = xc.T @ (dual @ yc)
+    return LinearProbe(mean=mean, scale=scale, weights=weights, intercept=float(y.mean()), alpha=alpha,
+                       loo_r=pearson(y, predicted)["value"], n=n, loo=tuple(predicted.tolist()))
 
 
 def describe(ms_ssim_settings: SSIMSettings = MS_SSIM_SETTINGS) -> dict[str, Any]:

@@ -121,6 +121,24 @@ DEFINITIONS: dict[str, tuple[str, str, str]] = {
     "covariate_sex_head_effect_control": (
         "Negative control, counterfactual: head voxels M − F", "lower",
         "The same within-mask difference for control_ckpt, drawn with the same masks, noise and levels: near 0."),
+    # a probe's figures are stored per covariate (covariate_<name>_probe_...), with the covariate in their label
+    "covariate_probe_generated": (
+        "Covariate obeyed, by a probe: r(requested, probe's reading), generated", "higher",
+        "A ridge regression from each volume's features (MedicalNet's where given, else the VQ-VAE encoder's, else "
+        "the random ResNet-10's) to the covariate (a categorical one of two levels as 0/1), fitted on the real "
+        "volumes of the split with their own values (penalty by leave-one-out error), reads each generated volume; "
+        "the figure is Pearson's r between the value it was sampled at and the probe's reading. Any covariate, any "
+        "data: no anatomy is assumed. Its ceiling is the real figure; a probe fitted on real volumes can misread "
+        "generated ones unlike them."),
+    "covariate_probe_real": (
+        "Covariate in the data, by the probe: leave-one-out r, real", "info",
+        "Pearson's r between the real volumes' own values and the probe's leave-one-out predictions (each volume "
+        "read by the probe fitted without it): how much of the covariate the probe can read at all. At or below 0 "
+        "it reads nothing, and its figures on generated volumes mean nothing: a probe that reads nothing predicts "
+        "about the mean of the other volumes, which falls as a volume's own value rises (r down to -1)."),
+    "covariate_probe_control": (
+        "Negative control, by the probe: r(requested, probe's reading)", "lower",
+        "The same figure for control_ckpt, sampled with the same masks, noise and values: near 0."),
     "reconstruction_ssim": ("Reconstruction SSIM", "higher",
                             "SSIM of each validation image against its VQ-VAE reconstruction (clamped to [0, 1])."),
     "reconstruction_psnr": ("Reconstruction PSNR, dB", "higher",
