@@ -285,8 +285,10 @@ def test_a_probe_reads_a_covariate_that_shows_in_the_intensities_and_not_a_contr
     from voxdiff.evaluation.metrics import histograms
 
     def probe(real_set, control):  # the intensity histogram: the features a dark share shows in
-        return _probe_figures("age", "age", requested, real_ages[:len(real_set)], real_set, obeyed, control,
-                              "control.ckpt", lambda v: histograms(v, 64), "64-bin histograms")
+        volumes = {"real": real_set.images, "generated": obeyed, "control": control}
+        return _probe_figures("age", "age", requested, real_ages[:len(real_set)],
+                              lambda tag: histograms(volumes[tag], 64), "64-bin histograms",
+                              None if control is None else "control.ckpt")
 
     figures, absent, sections = probe(real, ignored)
     assert figures["covariate_age_probe_real"]["value"] > 0.95 and figures["covariate_age_probe_real"]["n"] == 12

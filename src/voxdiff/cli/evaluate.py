@@ -329,6 +329,10 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
     def coded(name: str, value: Any) -> float:
         return float(levels[name].index(value)) if name in levels else float(value)
 
+    def axis(name: str) -> str:
+        return f"{name} (requested; real: the subject's)" + (
+            f", levels {levels[name]} as 0..{len(levels[name]) - 1}" if name in levels else "")
+
     control = None
     control_path = cfg.get("control_ckpt")
     if control_path is not None:
@@ -366,31 +370,32 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
             series["negative control"] = (values, [of(v) for v in control])
             figures[f"{key}_control"] = figure(f"{key}_control", pearson(*series["negative control"]),
                                                checkpoint=str(control_path))
-        if cycle is not None and name == cfg.get("covariate_sweep"):
+        counterfactuals = cycle is not None and name == cfg.get("covariate_sweep")
+        if counterfactuals:
             figures.update(_effect_figures(key, series, cycle, str(control_path)))
-        axis = f"{name} (requested; real: the subject's)" + (f", levels {levels[name]} as 0..{len(levels[name]) - 1}"
-                                                             if name in levels else "")
-        joined = cycle is not None and name == cfg.get("covariate_sweep")  # each mask's counterfactuals joined
-        png = scatter_png(series, axis, label, groups={k: [i % cycle for i in range(len(series[k][0]))]
-                                                       for k in ("generated", "negative control")
-                                                       if joined and k in series})
+        png = scatter_png(series, axis(name), label,  # each mask's counterfactuals joined by a line
+                          groups={k: [i % cycle for i in range(len(series[k][0]))]
+                                  for k in ("generated", "negative control") if counterfactuals and k in series})
         sections.append((f"Covariates: is {name} obeyed?", f"{label} of each volume against the {name} it was "
                          "sampled at (generated, negative control) or has (real); r and N in the table",
                          [(data_uri(png), name)]))
     extractor = min((e for e in extractors if e.name.startswith(PROBE_FEATURES)), default=None,
                     key=lambda e: [e.name.startswith(p) for p in PROBE_FEATURES].index(True))
+    volumes = {"real": real.images, "generated": generated, "control": control}
+
+    @functools.cache  # each set's features once, for every covariate probed, and only where a probe is fitted
+    def features(tag: str) -> Any:
+        return extractor(volumes[tag], device=device)
+
     for name in probed:
         if extractor is None:
             absent[f"covariate_{name}_probe_generated"] = (
                 "the probe reads a feature extractor's features, and none is on: random_features_seed=0 (or "
                 "medicalnet.weights=, stage1_ckpt=)")
             continue
-        axis = f"{name} (requested; real: the subject's)" + (f", levels {levels[name]} as 0..1" if name in levels
-                                                             else "")
-        more, missing, section = _probe_figures(name, axis, [coded(name, r[name]) for r in rows],
+        more, missing, section = _probe_figures(name, axis(name), [coded(name, r[name]) for r in rows],
                                                 [coded(name, table[s][name]) for s in real.subjects],
-                                                real, generated, control, control_path,
-                                                functools.partial(extractor, device=device), extractor.label)
+                                                features, extractor.label, control_path)
         figures.update(more)
         absent.update(missing)
         sections += section
@@ -408,21 +413,21 @@ PROBE_MIN_R = 0.5
 PROBE_FEATURES = ("medicalnet", "vqvae_encoder", "random_resnet10")
 
 
-def _probe_figures(name: str, axis: str, values: list[float], real_values: list[float], real: Any, generated: Any,
-                   control: Any, control_path: Any, extract: Callable[[Any], Any], features: str
+def _probe_figures(name: str, axis: str, values: list[float], real_values: list[float],
+                   features: Callable[[str], Any], label: str, control_path: Any
                    ) -> tuple[dict[str, Any], dict[str, str], list[Any]]:
     """Is covariate ``name`` obeyed, read by a probe (:func:`~voxdiff.evaluation.metrics.fit_probe`) fitted on the
-    real volumes' features (``extract``: volumes ``(N, 1, D, H, W)`` → ``(N, F)``; ``features`` says whose) and
-    their own ``real_values``: r between the ``values`` the ``generated`` volumes (and the ``control``'s, where
-    drawn) were sampled at and the probe's reading of them, beside the probe's leave-one-out r on the real volumes;
-    a scatter of the three."""
+    real volumes' features (``features(tag)``: ``(N, F)`` of the ``"real"``, ``"generated"`` or ``"control"``
+    volumes; ``label`` says whose) and their own ``real_values``: r between the ``values`` the generated volumes
+    (and the negative control's, drawn where ``control_path`` is set) were sampled at and the probe's reading of
+    them, beside the probe's leave-one-out r on the real volumes; a scatter of the three."""
     key = f"covariate_{name}_probe"
     if len(real_values) < PROBE_MIN_SUBJECTS:
         return {}, {f"{key}_generated": (
             f"the probe is fitted on the real volumes of the split: {len(real_values)} here, it needs "
             f"{PROBE_MIN_SUBJECTS} (a larger n, split=all, or a data set with more validation subjects)")}, []
     try:
-        probe = fit_probe(extract(real.images), real_values)
+        probe = fit_probe(features("real"), real_values)
     except ValueError as e:
         return {}, {f"{key}_generated": f"no probe could be fitted: {e}"}, []
 
@@ -432,26 +437,26 @@ def _probe_figures(name: str, axis: str, values: list[float], real_values: list[
                       .replace("requested", f"requested {name}"), **extra)
 
     figures = {f"{key}_real": labelled("real", {"value": probe.loo_r, "n": probe.n, "alpha": probe.alpha,
-                                                "features": features})}
+                                                "features": label})}
     if not probe.loo_r >= PROBE_MIN_R:  # NaN too
         why = (f"the probe reads too little of {name} from the real volumes' features (leave-one-out r "
                f"{probe.loo_r:.2f} on {probe.n}, below {PROBE_MIN_R}): its reading of generated ones would mean "
                "nothing (more real volumes: a larger n with split=all)")
         return figures, {f"{key}_generated": why}, []
-    series = {"generated": (values, probe(extract(generated)).tolist()),
+    series = {"generated": (values, probe(features("generated")).tolist()),
               "real": (real_values, list(probe.loo))}
     figures[f"{key}_generated"] = labelled("generated", pearson(*series["generated"]))
     absent = {}
-    if control is None:
+    if control_path is None:
         absent[f"{key}_control"] = ("no negative control: pass control_ckpt=PATH (a run without data.covariates, "
                                     "or with shuffled ones)")
     else:
-        series["negative control"] = (values, probe(extract(control)).tolist())
+        series["negative control"] = (values, probe(features("control")).tolist())
         figures[f"{key}_control"] = labelled("control", pearson(*series["negative control"]),
                                              checkpoint=str(control_path))
     png = scatter_png(series, axis, f"{name} read by the probe (real: leave-one-out)")
     section = (f"Covariates: is {name} obeyed? (probe)", f"the probe's reading of each volume (a ridge regression on "
-               f"its features, {features}, fitted on the {probe.n} real volumes) against the {name} it was sampled at "
+               f"its features, {label}, fitted on the {probe.n} real volumes) against the {name} it was sampled at "
                "(generated, negative control) or has (real, read by the probe fitted without it); r in the table",
                [(data_uri(png), f"{name} probe")])
     return figures, absent, [section]

@@ -432,13 +432,19 @@ def codebook_usage(indices: torch.Tensor, num_embeddings: int) -> dict[str, floa
             "num_embeddings": num_embeddings, "n_latents": int(counts.sum())}
 
 
-def pearson(x: Any, y: Any) -> dict[str, float | int]:
-    """Pearson's r of two equal-length sequences (float64) with its N; r is NaN when either is constant."""
+def _centred(x: Any, y: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two equal-length sequences (at least 2 each) as float64 tensors less their means; ``what`` names the figure
+    in the ValueError otherwise."""
     a = torch.as_tensor(list(x), dtype=torch.float64)
     b = torch.as_tensor(list(y), dtype=torch.float64)
     if a.numel() != b.numel() or a.numel() < 2:
-        raise ValueError(f"pearson needs two sequences of the same length >= 2, got {a.numel()} and {b.numel()}")
-    a, b = a - a.mean(), b - b.mean()
+        raise ValueError(f"{what} needs two sequences of the same length >= 2, got {a.numel()} and {b.numel()}")
+    return a - a.mean(), b - b.mean()
+
+
+def pearson(x: Any, y: Any) -> dict[str, float | int]:
+    """Pearson's r of two equal-length sequences (float64) with its N; r is NaN when either is constant."""
+    a, b = _centred(x, y, "pearson")
     denominator = float(a.norm() * b.norm())
     return {"value": float((a * b).sum()) / denominator if denominator > 0 else math.nan, "n": int(a.numel())}
 
@@ -446,11 +452,7 @@ def pearson(x: Any, y: Any) -> dict[str, float | int]:
 def slope(x: Any, y: Any) -> dict[str, float | int]:
     """The least-squares slope of ``y`` on ``x`` (two equal-length sequences, float64), with its standard error
     (from the residuals; NaN below 3 points) and N; the slope is NaN when ``x`` is constant."""
-    a = torch.as_tensor(list(x), dtype=torch.float64)
-    b = torch.as_tensor(list(y), dtype=torch.float64)
-    if a.numel() != b.numel() or a.numel() < 2:
-        raise ValueError(f"slope needs two sequences of the same length >= 2, got {a.numel()} and {b.numel()}")
-    a, b = a - a.mean(), b - b.mean()
+    a, b = _centred(x, y, "slope")
     sxx = float(a @ a)
     if sxx == 0:
         return {"value": math.nan, "se": math.nan, "n": int(a.numel())}
