@@ -3,7 +3,8 @@
     python bench/bench_gpu_step.py [--experiments exp11,exp11_1,exp9_ldm_4x_bravo,exp9_ldm_8x_bravo]
                                    [--steps 20] [--warmup 5] [--out bench_gpu_step.csv [--append]]
                                    [--no-compiled] [--no-auto] [--side-timeout S] [override ...]
-    python bench/bench_gpu_step.py --rows-from LOG --out F.csv [--append]   # the rows of a cut-off run's output
+    python bench/bench_gpu_step.py --rows-from LOG --out F.csv [--append]   # the rows of a cut-off run's output,
+                                                                            # or of gpu_sides.sh's results.txt
 
 For each experiment, four sides train the UNet of that experiment on the same random batch (held in pinned host
 memory and copied to the device every step, as a data loader's batch is), each in its own process, one after the
@@ -392,15 +393,20 @@ def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-def summarise(name: str, device: str, peak: float | None, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def summarise(name: str, device: str, peak: float | None, results: dict[str, dict[str, Any]],
+              meta_count: tuple[float, int] | None = None) -> dict[str, Any]:
     """One experiment's CSV row from its sides' results: each side's figures, samples/s, TFLOP/s, share of the
-    dense bf16 ``peak``, and the ratios of sides measured in the same call."""
+    dense bf16 ``peak``, and the ratios of sides measured in the same call. ``meta_count``, ``(TFLOP, batch)`` of
+    one forward+backward counted on the meta device (:func:`meta_tflop`), stands in where no plain loop ran."""
     row: dict[str, Any] = {"experiment": name, "device": device}
     for side, result in results.items():
         row.update({f"{side}_{k}": v for k, v in result.items()})
     # one forward+backward at the experiment's batch, counted by whichever plain loop ran (a call may time only one)
     counted = next((results[s] for s in ("plain", "compiled") if results.get(s, {}).get("tflop_per_step")), {})
     flop, batch = counted.get("tflop_per_step"), counted.get("batch")
+    if flop is None and meta_count is not None:
+        (flop, batch), row["tflop_source"] = meta_count, "voxdiff.preflight.resources.step_cost (meta device)"
+        row["tflop_per_step"] = flop
     for side, result in results.items():
         ms, b = result.get("ms_per_step"), result.get("batch")
         if ms is None or b is None:
@@ -420,24 +426,57 @@ def summarise(name: str, device: str, peak: float | None, results: dict[str, dic
     return row
 
 
+#: a side as ``bench/gpu_sides.sh`` writes it to its results.txt: TAG, exit status, wall time, experiment, side, the
+#: side's overrides, its JSON result
+SIDE_LINE = r"^(\S+) rc=0 wall=\d+s (\S+) (plain|compiled|voxdiff|auto)((?: \S+)*?) +:: (\{.*\})$"
+
+
+def meta_tflop(experiment: str, overrides: list[str]) -> tuple[float, int]:
+    """``(TFLOP, batch)`` of one forward+backward of ``experiment``'s UNet with these ``train.py`` overrides, as the
+    preflight counts it on the meta device (``torch.utils.flop_counter``; within 0.12% of the compiled loop's count
+    of exp9_ldm_4x_bravo on an H100, whose SDPA attention it counts the same way)."""
+    import torch
+
+    from voxdiff.preflight.check import run_spec_problems, run_step_cost, traced_unet
+
+    with tempfile.TemporaryDirectory() as out:
+        run, problems = run_spec_problems(config(experiment, [*STEADY, *overrides], out, "cuda"), "cuda")
+    if problems:
+        raise SystemExit(f"bench_gpu_step: {experiment} {' '.join(overrides)}: {problems[0]}")
+    with torch.device("meta"):
+        return run_step_cost(run, traced_unet(run)).tflop, run.batch_size
+
+
 def rows_from_log(log: str, out: str | None, append: bool) -> None:
-    """The rows of the experiments a run printed sides of (``NAME SIDE: {...}``), on the device its first line
-    names; a side it never printed is recorded as not finished."""
+    """The rows of the experiments a run printed sides of, on the device its first line names: this script's own
+    output (``NAME SIDE: {...}``, a side it never printed recorded as not finished), or ``bench/gpu_sides.sh``'s
+    results.txt (one row per tag, named by it, its FLOPs counted on the meta device where no plain loop ran: the
+    tag's experiment and overrides are on its line)."""
     import re
 
     text = Path(log).read_text()
-    head = re.search(r"^bench_gpu_step: (.+?) \(dense bf16 peak ([\d.]+|None)", text, re.M)
+    head = (re.search(r"^bench_gpu_step: (.+?) \(dense bf16 peak ([\d.]+|None)", text, re.M)
+            or re.search(r"^(NVIDIA [^,]+), \d+ MiB", text, re.M))  # gpu_sides.sh's nvidia-smi line
     if head is None:
-        raise SystemExit(f"{log}: no 'bench_gpu_step: <GPU> (dense bf16 peak ...' line: not this script's output")
+        raise SystemExit(f"{log}: no 'bench_gpu_step: <GPU> (dense bf16 peak ...' line, nor gpu_sides.sh's "
+                         "nvidia-smi line: not this script's output")
     device, peak = head.group(1), dense_peak(head.group(1))
     found: dict[str, dict[str, dict[str, Any]]] = {}
+    runs: dict[str, tuple[str, list[str]]] = {}
     for m in re.finditer(r"^(\S+) (plain|compiled|voxdiff|auto): (\{.*\})$", text, re.M):
         found.setdefault(m.group(1), {})[m.group(2)] = json.loads(m.group(3))
+    for m in re.finditer(SIDE_LINE, text, re.M):
+        tag, experiment, side, overrides, result = m.groups()
+        found.setdefault(tag, {})[side] = json.loads(result)
+        runs[tag] = (experiment, overrides.split())
     rows = []
     for name, results in found.items():
         for side in ("plain", "compiled", "voxdiff", "auto"):
             results.setdefault(side, {"error": f"{side} not in {log} (not asked for, or cut off by a time limit)"})
-        rows.append(summarise(name, device, peak, results))
+        counted = None
+        if name in runs and not any(results[s].get("tflop_per_step") for s in ("plain", "compiled")):
+            counted = meta_tflop(*runs[name])
+        rows.append(summarise(name, device, peak, results, counted))
         print(json.dumps(rows[-1]))
     if out:
         write_csv(out, (read_csv(out) if append else []) + rows)

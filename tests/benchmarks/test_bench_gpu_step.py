@@ -36,6 +36,31 @@ def test_rows_from_printed_sides_count_flops_from_whichever_plain_loop_ran(tmp_p
     assert "not in" in row["plain_error"] and "speedup" not in row
 
 
+def test_rows_from_gpu_sides_results_count_flops_on_meta_at_each_sides_batch(tmp_path):
+    """``gpu_sides.sh``'s results.txt (voxdiff sides only, as session 22's call) becomes one row per tag: the FLOPs of
+    the tag's experiment at its own batch, counted on the meta device, give TFLOP/s and the share of the dense peak;
+    a side cut off before its result (no ``::`` line) makes no row."""
+    b1 = {"ms_per_step": 25.0, "batch": 1}
+    b2 = {"ms_per_step": 40.0, "batch": 2}
+    log = tmp_path / "results.txt"
+    log.write_text("NVIDIA H200, 143771 MiB, 580.159.04\ntorch 2.11.0+cu130 monai 1.6.1 lightning 2.6.6\n"
+                   "[t=21s] one voxdiff exp11 3 20\n"
+                   f"one rc=0 wall=123s exp11 voxdiff  :: {json.dumps(b1)}\n"
+                   f"two rc=0 wall=90s exp11 voxdiff data.batch_size=2 model.gradient_checkpointing=none :: "
+                   f"{json.dumps(b2)}\n[t=540s] three voxdiff exp11 3 10 data.batch_size=4\n")
+    out = tmp_path / "rows.csv"
+    bench = load_script("bench/bench_gpu_step.py")
+    bench.rows_from_log(str(log), str(out), append=False)
+    one, two = bench.read_csv(str(out))
+    assert (one["experiment"], two["experiment"], one["device"]) == ("one", "two", "NVIDIA H200")
+    flop = float(one["tflop_per_step"])
+    assert flop > 1 and float(two["tflop_per_step"]) == pytest.approx(2 * flop)  # counted at each side's batch
+    assert float(one["voxdiff_tflops"]) == pytest.approx(flop / 0.025)
+    assert float(two["voxdiff_peak_share"]) == pytest.approx(2 * flop / 0.040 / 989.4)
+    assert float(two["voxdiff_samples_per_s"]) == pytest.approx(50.0)
+    assert "meta" in one["tflop_source"] and "not in" in one["plain_error"]
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bash runs the plan")
 def test_gpu_sides_runs_a_plan_and_keeps_each_result(tmp_path):
     plan = tmp_path / "plan.txt"
