@@ -105,10 +105,11 @@ def details(r: PreflightResult) -> str:
     if r.report is not None:
         out.append("  " + r.report.summary().replace("\n", "\n  "))
         if r.phases is not None:
-            held = r.report.graph_pool_bytes
+            held, budgeted = r.report.graph_pool_bytes, r.report.graph_pool_needed
             out.append("  phases: " + r.phases.describe() + (
-                f" (allocated peaks; the CUDA graphs' pool, {held / GiB:.2f} GiB, stays reserved beside validation and "
-                "sampling: the per-GPU line is the verdict's)" if held else ""))
+                f" (allocated peaks; the CUDA graphs' pool, {held / GiB:.2f} GiB simulated and {budgeted / GiB:.2f} "
+                "budgeted, stays reserved beside validation and sampling: the per-GPU line is the verdict's)"
+                if held else ""))
         where = r.parallel.describe() if r.parallel is not None else "one GPU"
         if r.peak_phase == "training":
             pools = ", reserved: its CUDA graphs keep their pool" if r.report.peak_needed > r.report.peak_allocated else ""

@@ -133,7 +133,7 @@ class PreflightResult:
 
 
 def _need(peak_bytes: float, report: MemoryReport, margin: float) -> float:
-    return (peak_bytes * (1.0 + margin) + report.cuda_context_bytes) / GiB
+    return report.need_bytes(peak_bytes, margin) / GiB
 
 
 def with_overrides(cfg: DictConfig, overrides: dict[str, Any]) -> DictConfig:
@@ -235,8 +235,8 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
         # validation and sampling run eagerly; with CUDA graphs the graphs' pool keeps its segments meanwhile
         eager = {"validation": result.phases.validation, "sampling": result.phases.sampling}
         phase = max(eager, key=eager.__getitem__)
-        if eager[phase] + report.graph_pool_bytes > peak:
-            peak, result.peak_phase = eager[phase] + report.graph_pool_bytes, phase
+        if eager[phase] + report.graph_pool_needed > peak:
+            peak, result.peak_phase = eager[phase] + report.graph_pool_needed, phase
     one = {k: (1, *v[1:]) for k, v in batch.items()}
     recipe = traced_recipe(run)
     cost = run_step_cost(run, model) if timing else None
