@@ -374,10 +374,10 @@ def _notes(report: AutofitReport, effective: int | None, world: int, first_misfi
         notes.append(f"the step's speed on {report.gpu} has not been measured (STEP_THROUGHPUT), so the choice is "
                      "by memory alone: the largest batch that fits")
     else:
-        notes.append("step times from the time model (README: its errors), fitted mostly at batch 1: the one row "
-                     "measured above it, exp11 at batch 32 on an H100, it predicts 24% short, so a large batch's "
-                     "samples/s here are optimistic (each GPU run writes its own to measured.json: "
-                     "bench/fit_step_time.py --runs)")
+        notes.append("step times from the time model (README: its errors), fitted mostly at batch 1 with one rate "
+                     "for every UNet: exp11 at batch 32 on an H100 it predicts 24% short, exp9_ldm_4x_bravo at batch "
+                     "4 (on an H200, the H100's constants) 72% long, so a large batch's samples/s here may be off "
+                     "either way (each GPU run writes its own to measured.json: bench/fit_step_time.py --runs)")
     near = report.nearly_as_fast()
     if near is not None and report.best is not None and report.best.samples_per_s:
         notes.append(f"nearly as fast with less memory: {' '.join(near.overrides)} is predicted at "

@@ -199,7 +199,8 @@ class MemoryReport:
             (:meth:`voxdiff.run.spec.Parallel.describe`); ``param_bytes`` and ``ema_bytes`` are then
             this rank's (shards under FSDP).
         cuda_graphs: whether the run replays its compiled forward and backward as CUDA graphs (a compile mode
-            with them); :attr:`peak_needed` is then the reserved estimate where that is larger.
+            with them); :attr:`peak_needed` is then the reserved estimate, its graphs' pool as budgeted, where that
+            is larger.
         graph_pool_bytes: the segments of the CUDA graphs' private pool (0 without them), as simulated: held
             through the validation and the sampling, which run the model eagerly, outside the pool. The verdict
             budgets :attr:`graph_pool_needed`.
