@@ -59,3 +59,35 @@ def test_sigterm_saves_a_resume_checkpoint_and_exits_143(tiny_demo, tmp_path):
                                      "callbacks.last.every_n_train_steps=3", f"paths.output_dir={run_dir}",
                                      "ckpt_path=auto"]))
     assert torch.load(report["last_checkpoint"], weights_only=True)["global_step"] == step + 2
+
+
+def test_the_sigterm_handler_runs_no_collective(monkeypatch):
+    """Lightning 2.6's SIGTERM handler broadcasts the flag from inside the handler (lightning#20825), wherever the
+    main thread is, also inside another collective: a DDP run stopped by ``kill`` broke off with "Connection closed
+    by peer" and hung (a suite run of tests/cli/test_ddp.py, session 22). With :class:`SaveOnSigterm` the trainer
+    registers a handler that forwards the signal and sets the flag, and never calls a collective: the loop
+    broadcasts rank 0's flag at the next batch, in order. Lightning's own handler, called the same way, does."""
+    import lightning as L
+    import torch.distributed as dist
+
+    from voxdiff.lightning.preemption import SaveOnSigterm
+
+    calls: list[str] = []
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "broadcast", lambda *a, **k: calls.append("broadcast"))
+    monkeypatch.setattr(L.Trainer, "world_size", property(lambda self: 2))
+
+    def handler_after_setup(callbacks: list) -> tuple[L.Trainer, object]:
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_checkpointing=False, callbacks=callbacks)
+        for cb in callbacks:
+            cb.setup(trainer, None, "fit")
+        return trainer, trainer._signal_connector._sigterm_notifier_fn  # what register_signal_handlers composes
+
+    trainer, ours = handler_after_setup([SaveOnSigterm()])
+    ours(signal.SIGTERM, None)
+    assert trainer.received_sigterm and calls == []
+    theirs_trainer, theirs = handler_after_setup([])
+    theirs(signal.SIGTERM, None)
+    assert theirs_trainer.received_sigterm and calls == ["broadcast"]  # what the replacement leaves out

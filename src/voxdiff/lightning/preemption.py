@@ -1,10 +1,17 @@
 """SIGTERM (``scancel``, a preemption without ``--signal``, ``kill``): save a resume checkpoint, then stop.
 
-Lightning's own SIGTERM handler only sets a flag; the training loop raises ``SIGTERMException`` at the next batch
-boundary (after the optimizer step and the ``on_train_batch_end`` hooks) — the checkpoint is written then, from
-the main loop, never inside the signal handler (saving in a handler can hang: lightning#21406). Without this
-callback that exception is a ``SystemExit`` with status 0: the run ended silently with nothing saved since the
-last periodic checkpoint.
+Lightning's SIGTERM handler forwards the signal to the processes its launcher started and sets a flag; the
+training loop raises ``SIGTERMException`` at the next batch boundary (after the optimizer step and the
+``on_train_batch_end`` hooks) — the checkpoint is written then, from the main loop, never inside the signal handler
+(saving in a handler can hang: lightning#21406). With several processes the loop broadcasts rank 0's flag at the
+start of every batch, so all ranks stop at the same one. Lightning 2.6's handler also broadcasts the flag from
+inside the handler (lightning#20825): a collective that Python runs wherever the main thread is, also inside
+another collective (the guard's all-reduce), which the other rank then pairs with the wrong call. Seen here: both
+ranks broke off with "Connection closed by peer" and the run hung instead of exiting 143. :meth:`SaveOnSigterm.setup`
+puts back the handler without that broadcast (:func:`sigterm_notifier`).
+
+Without this callback that exception is a ``SystemExit`` with status 0: the run ended silently with nothing saved
+since the last periodic checkpoint.
 
 :class:`SaveOnSigterm` writes ``checkpoints/last.ckpt`` (atomically, through the trainer's checkpoint IO) in
 ``on_exception``, so ``ckpt_path=auto`` resumes from it, and, in a Slurm job that is still running, requeues the
@@ -16,10 +23,12 @@ with ``EXIT_TERMINATED`` (143).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +73,24 @@ def _resume_path(trainer: L.Trainer) -> Path:
     return Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
 
 
+def sigterm_notifier(trainer: L.Trainer) -> Callable[[int, Any], None]:
+    """The SIGTERM handler Lightning registers first (``_SignalConnector._sigterm_notifier_fn``) without its
+    collective: say so, forward the signal once to the processes the strategy's launcher started, set the flag the
+    loop reads (and broadcasts from rank 0 at the next batch, in order with the other collectives)."""
+    connector = trainer._signal_connector
+    log = logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector")
+
+    def notify(signum: int, _frame: Any) -> None:
+        log.info(f"[rank: {trainer.local_rank}] Received SIGTERM: {signum}")
+        if not connector.received_sigterm:
+            launcher = trainer.strategy.launcher
+            if launcher is not None:
+                launcher.kill(signum)
+        connector.received_sigterm = True
+
+    return notify
+
+
 class SaveOnSigterm(L.Callback):
     """On SIGTERM: a resume checkpoint at the last finished step, and a requeue of a running Slurm job.
 
@@ -76,6 +103,11 @@ class SaveOnSigterm(L.Callback):
         self.step = 0
         self.saved: Path | None = None
         self.requeue: str | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # before the trainer registers its signal handlers (after the setup hooks): the one it composes first is
+        # looked up on the connector, so this instance's replaces Lightning 2.6's, which broadcasts in the handler
+        trainer._signal_connector._sigterm_notifier_fn = sigterm_notifier(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException):
