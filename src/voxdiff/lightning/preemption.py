@@ -6,9 +6,9 @@ training loop raises ``SIGTERMException`` at the next batch boundary (after the 
 (saving in a handler can hang: lightning#21406). With several processes the loop broadcasts rank 0's flag at the
 start of every batch, so all ranks stop at the same one. Lightning 2.6's handler also broadcasts the flag from
 inside the handler (lightning#20825): a collective that Python runs wherever the main thread is, also inside
-another collective (the guard's all-reduce), which the other rank then pairs with the wrong call. Seen here: both
-ranks broke off with "Connection closed by peer" and the run hung instead of exiting 143. :meth:`SaveOnSigterm.setup`
-puts back the handler without that broadcast (:func:`sigterm_notifier`).
+another collective. Seen once here (a suite run of tests/cli/test_ddp.py): the handler's broadcast ran inside the
+guard's all-reduce, gloo broke off with "Connection closed by peer", and the run did not exit.
+:meth:`SaveOnSigterm.setup` puts back the handler without that broadcast (:func:`sigterm_notifier`).
 
 Without this callback that exception is a ``SystemExit`` with status 0: the run ended silently with nothing saved
 since the last periodic checkpoint.
