@@ -22,6 +22,7 @@ PLAN=$(realpath "$1")
 OUTDIR=${2:-${OUT:-gpu_sides_out}}
 mkdir -p "$OUTDIR" /tmp/gpu_sides
 OUTDIR=$(realpath "$OUTDIR")
+export OUT=$OUTDIR  # a plan's `!` lines write their files under $OUT, as on the device machine
 cd "$(dirname "$0")/.." || exit 3  # the repository: bench/, src/, .whl/
 T0=$(date +%s)
 if [[ -d .whl ]] && ls .whl/*.whl >/dev/null 2>&1; then

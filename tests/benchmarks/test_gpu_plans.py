@@ -44,3 +44,39 @@ def test_every_side_of_a_plan_composes(plan):
         assert not problems, f"{plan.name}: {tag}: {problems[0]}"
         tags.append(tag)
     assert len(tags) == len(set(tags)), f"{plan.name}: a tag is used twice (its output file would be overwritten)"
+
+
+def shell_lines(plan: Path) -> list[str]:
+    """The shell lines of ``plan`` (``!`` or ``&!``), without the marker."""
+    return [raw.strip().lstrip("&")[1:] for raw in plan.read_text().splitlines()
+            if raw.strip().startswith(("!", "&!"))]
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.name)
+def test_every_bench_script_a_plan_runs_exists_and_its_experiments_compose(plan):
+    """A shell line that runs ``bench/X.py`` names a script of the repository; one of ``bench/bench_convs.py``
+    names experiments whose trailing overrides compose and resolve on a GPU (what it times there)."""
+    import shlex
+
+    for line in shell_lines(plan):
+        words = shlex.split(line.split(">", 1)[0].split(";", 1)[0])
+        scripts = [w for w in words if w.startswith("bench/") and w.endswith(".py")]
+        for script in scripts:
+            assert (ROOT / script).is_file(), f"{plan.name}: {line}: no {script}"
+        if scripts != ["bench/bench_convs.py"]:
+            continue
+        rest = words[words.index("bench/bench_convs.py") + 1:]
+        experiments, overrides, i = None, [], 0
+        while i < len(rest):
+            if rest[i].startswith("--"):
+                if rest[i] == "--experiments":
+                    experiments = rest[i + 1].split(",")
+                i += 1 if rest[i] == "--append" else 2
+                continue
+            overrides.append(rest[i])
+            i += 1
+        for experiment in experiments or ["exp11"]:
+            cfg = compose("train", [f"experiment={experiment}", *overrides, "trainer.accelerator=gpu",
+                                    "trainer.devices=1"])
+            _, problems = run_spec_problems(cfg, "cuda")
+            assert not problems, f"{plan.name}: {line}: {problems[0]}"
