@@ -213,8 +213,45 @@ def test_counterfactuals_draw_each_mask_at_every_age_with_the_same_noise(covaria
     assert figures["covariate_age_ventricles_effect_control"]["value"] == 0.0
     assert figures["covariate_age_ventricles_effect_control"]["checkpoint"] == str(diffusion_ckpt)
     assert figures["covariate_age_ventricles_effect_real"]["n"] == 2  # the real subjects' own ages
+    # a control without covariates has no training pairs to read its effect against: said, not faked
+    assert "without covariates" in record["absent"]["covariate_age_ventricles_effect_control_data"]
     assert "covariate_sex_head_effect_generated" not in figures  # sex is each subject's own, not swept
     assert figures["covariate_age_ventricles_generated"]["n"] == 6  # the correlation over every sample, as before
+
+
+def test_a_shuffled_controls_effect_comes_with_the_chance_slope_its_training_pairs_hold(covariate_ckpt, tmp_path):
+    """A control trained with data.shuffle_covariates=true: beside its counterfactual effect, the slope of its real
+    training images' ventricle size on the ages it trained them with (another subject's each), computed here
+    independently from the ages its training items' vectors encode."""
+    from conftest import COVARIATES, TINY_DEMO
+    from voxdiff.data.datamodule import VolumeDataModule
+    from voxdiff.data.phantom import ventricle_voxels
+    from voxdiff.evaluation.metrics import slope
+
+    report = train(compose("train", [*TINY_DEMO, *COVARIATES, "data.shuffle_covariates=true",
+                                     f"paths.output_dir={tmp_path / 'control'}"]))
+    record = evaluate(compose("evaluate", [f"ckpt_path={covariate_ckpt}", "n=6", "covariate_sweep=age",
+                                           "counterfactual=true", f"control_ckpt={report['last_checkpoint']}",
+                                           "num_inference_steps=2", "random_features_seed=null",
+                                           f"paths.output_dir={tmp_path / 'eval'}"]))
+    data = record["figures"]["covariate_age_ventricles_effect_control_data"]
+
+    cfg = compose("train", [*TINY_DEMO, *COVARIATES, "data.shuffle_covariates=true"])
+    dm = VolumeDataModule(volume_shape=list(cfg.data.volume_shape), num_subjects=int(cfg.data.num_subjects),
+                          batch_size=1, covariates=["age", "sex"], shuffle_covariates=True)
+    dm.setup("fit")
+    age = dm.covariate_encoding.columns[0]
+    assert age.name == "age"
+    items = [dm.train_dataset[i] for i in range(len(dm.train_dataset))]
+    ages = [float(item["covariates"][0]) * age.std + age.mean for item in items]  # what the vector encodes
+    expected = slope(ages, [ventricle_voxels(item["image"]) for item in items])
+    assert data["n"] == len(items) == 4
+    assert data["value"] == pytest.approx(expected["value"], rel=1e-4)
+    assert data["se"] == pytest.approx(expected["se"], rel=1e-4)
+    own = [float(dm.covariate_values[str(item["subject"])]["age"]) for item in items]
+    assert all(abs(o - a) > 1e-3 for o, a in zip(own, ages, strict=True))  # each trained with another's age
+    assert data["checkpoint"] == str(report["last_checkpoint"])
+    assert "covariate_age_ventricles_effect_control_data" not in record["absent"]
 
 
 def test_a_sweep_over_sex_alternates_its_levels_and_codes_them_for_the_figure(covariate_ckpt, tmp_path) -> None:

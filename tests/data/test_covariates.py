@@ -144,3 +144,24 @@ def test_the_preflights_width_is_exact_for_the_phantom() -> None:
     assert estimated_width([], phantom=True) == 0 and estimated_width(None, phantom=False) == 0
     assert estimated_width(["age", "sex"], phantom=True) == 1 + 2 + 1
     assert estimated_width(["age", "sex"], phantom=False) == 3  # a table's levels are not known without it
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_each_training_item_carries_the_vector_of_the_values_it_trains_with(shuffle) -> None:
+    """``covariate_trained_values`` are the values each subject's vector encodes: its own, or under
+    ``shuffle_covariates`` (a negative control) another subject's, never its own; ``covariate_values`` stay the
+    subject's own (what sampling starts from)."""
+    from voxdiff.data.datamodule import VolumeDataModule
+
+    dm = VolumeDataModule(volume_shape=[16, 16, 16], num_subjects=8, batch_size=2, covariates=["age", "sex"],
+                          shuffle_covariates=shuffle)
+    dm.setup("fit")
+    encoding = dm.covariate_encoding
+    for dataset, subjects in ((dm.train_dataset, dm.train_subjects), (dm.val_dataset, dm.val_subjects)):
+        for i, subject in enumerate(subjects):
+            item = dataset[i]
+            assert item["subject"] == subject
+            torch.testing.assert_close(item["covariates"],
+                                       encoding.vector(dm.covariate_trained_values[subject]))
+            own = dm.covariate_values[subject]
+            assert (own == dm.covariate_trained_values[subject]) is (not shuffle)

@@ -275,15 +275,33 @@ def _check_counterfactual(column: Any, n: int, masks: int) -> int:
     return masks
 
 
+def _training_pairs(saved: dict[str, Any], cfg: DictConfig, weights: str | None) -> tuple[list[dict[str, str]], Any]:
+    """The training split of the run whose stored config is ``saved`` (built as the command builds its data
+    module): the covariate values each of its subjects trained with (``covariate_trained_values``: another
+    subject's under ``data.shuffle_covariates``), and their real images ``(N, 1, D, H, W)``."""
+    import torch
+
+    dm, _ = _datamodule(saved, cfg, weights)
+    dm.setup("fit")
+    items = [dm.train_dataset[i] for i in range(len(dm.train_dataset))]
+    return ([dm.covariate_trained_values[str(item["subject"])] for item in items],
+            torch.stack([item["image"] for item in items]).float())
+
+
 def _effect_figures(key: str, series: dict[str, tuple[list[float], list[float]]], cycle: int,
-                    control_path: str) -> dict[str, Any]:
+                    control_path: str, control_pairs: tuple[list[float], list[float]] | None = None
+                    ) -> dict[str, Any]:
     """The counterfactual figures of one covariate (``key``: ``covariate_<name>_<measure>``): the effect within each
     mask (sample ``i`` is mask ``i % cycle``) of the generated ``series`` and of the negative control's where it was
-    drawn, and the real subjects' slope, with the generated effect's ratio to it."""
+    drawn, and the real subjects' slope, with the generated effect's ratio to it; ``control_pairs`` (the values the
+    control's training images trained with, and their measures): the chance slope those pairs hold."""
     out: dict[str, Any] = {}
     real = slope(*series["real"]) if "real" in series else None
     if real is not None:
         out[f"{key}_effect_real"] = figure(f"{key}_effect_real", real)
+    if control_pairs is not None:
+        out[f"{key}_effect_control_data"] = figure(f"{key}_effect_control_data", slope(*control_pairs),
+                                                   checkpoint=control_path)
     for name, tag in (("generated", "generated"), ("negative control", "control")):
         if name not in series:
             continue
@@ -333,7 +351,7 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
         return f"{name} (requested; real: the subject's)" + (
             f", levels {levels[name]} as 0..{len(levels[name]) - 1}" if name in levels else "")
 
-    control = None
+    control = control_train = None
     control_path = cfg.get("control_ckpt")
     if control_path is not None:
         control_cfg = cfg.copy()
@@ -341,8 +359,8 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
             control_cfg.ckpt_path = str(control_path)
             control_cfg.autoguide_ckpt = None  # autoguided as the model is, by its own run's guide snapshot
         # a control may have no covariates; it samples as the model did (its guide, if it has one, is its own)
-        model, control_sampler, control_guide, _, _, control_precision, _, _ = ready(control_cfg, device,
-                                                                                    requested=False, sampler=sampler)
+        model, control_sampler, control_guide, _, control_saved, control_precision, control_weights, _ = ready(
+            control_cfg, device, requested=False, sampler=sampler)
         encoding = model.covariate_encoding
         if encoding is not None and set(encoding.names) != set(rows[0]):
             raise ConfigError("control_ckpt", str(control_path), f"was trained with the covariates {encoding.names}, "
@@ -353,6 +371,9 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
         control, _, _ = _generate(cfg, model, control_sampler, real, device, control_precision, rows, tag="control",
                                   guide=control_guide, cycle=cycle)
         release(model, control_guide)
+        if effects and cycle is not None and encoding is not None:  # the counterfactuals' control: what its
+            # (phantom) training pairs hold; a real dataset's training split is not loaded for it
+            control_train = _training_pairs(control_saved, control_cfg, control_weights)
     sections = []
     for name, (measure, of, label) in effects.items():
         key = f"covariate_{name}_{measure}"
@@ -372,7 +393,12 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
                                                checkpoint=str(control_path))
         counterfactuals = cycle is not None and name == cfg.get("covariate_sweep")
         if counterfactuals:
-            figures.update(_effect_figures(key, series, cycle, str(control_path)))
+            pairs = None if control_train is None else (
+                [coded(name, v[name]) for v in control_train[0]], [of(v) for v in control_train[1]])
+            figures.update(_effect_figures(key, series, cycle, str(control_path), pairs))
+            if control is not None and pairs is None:
+                absent[f"{key}_effect_control_data"] = ("the control was trained without covariates: its "
+                                                        "training pairs hold no relation to read it against")
         png = scatter_png(series, axis(name), label,  # each mask's counterfactuals joined by a line
                           groups={k: [i % cycle for i in range(len(series[k][0]))]
                                   for k in ("generated", "negative control") if counterfactuals and k in series})

@@ -318,11 +318,20 @@ def fit_encoding(table: Mapping[str, Mapping[str, str]], source: str, names: Seq
 @dataclass(frozen=True)
 class SubjectCovariates:
     """A data module's covariates: the encoding fitted on its training split, each subject's ``(K,)`` vector and
-    its values in the table (what sampling starts from)."""
+    its values in the table (what sampling starts from); ``donors`` (a negative control, :meth:`shuffled`): the
+    subject whose vector each subject trains with."""
 
     encoding: CovariateEncoding
     vectors: dict[str, torch.Tensor]
     values: dict[str, dict[str, str]]
+    donors: dict[str, str] | None = None
+
+    @property
+    def trained_values(self) -> dict[str, dict[str, str]]:
+        """Each subject's values as its vector encodes them: its own, or (:meth:`shuffled`) its donor's. The pairs
+        a model trains on: an evaluation reads a shuffled control against the chance relation they hold."""
+        donors = self.donors or {}
+        return {s: self.values[donors.get(s, s)] for s in self.values}
 
     def shuffled(self, seed: int) -> SubjectCovariates:
         """A negative control: every subject gets another subject's vector (a random permutation without fixed
@@ -335,8 +344,9 @@ class SubjectCovariates:
             order = names[:]
             rng.shuffle(order)
             if all(a != b for a, b in zip(names, order, strict=True)):
-                vectors = {a: self.vectors[b] for a, b in zip(names, order, strict=True)}
-                return SubjectCovariates(self.encoding, vectors, self.values)
+                donors = dict(zip(names, order, strict=True))
+                return SubjectCovariates(self.encoding, {a: self.vectors[b] for a, b in donors.items()}, self.values,
+                                         donors)
 
 
 def subject_covariates(columns: Sequence[tuple[str, str | None]], table: Mapping[str, Mapping[str, str]],

@@ -146,6 +146,7 @@ class VolumeDataModule(L.LightningDataModule):
         self.covariate_encoding: CovariateEncoding | None = None
         self._covariate_vectors: dict[str, Any] = {}
         self.covariate_values: dict[str, dict[str, str]] = {}  # subject -> the table's values of the columns
+        self.covariate_trained_values: dict[str, dict[str, str]] = {}  # subject -> the values its vector encodes
         self._fit_covariates(parse_covariates(covariates), plain(covariates_table), names, bool(shuffle_covariates))
 
     def _fit_covariates(self, columns: list[tuple[str, str | None]], table_path: Any, names: list[str],
@@ -168,6 +169,7 @@ class VolumeDataModule(L.LightningDataModule):
         fitted = fitted.shuffled(self.split_seed) if shuffle else fitted
         self.covariate_encoding, self._covariate_vectors, self.covariate_values = (
             fitted.encoding, fitted.vectors, fitted.values)
+        self.covariate_trained_values = fitted.trained_values
 
     @staticmethod
     def _name(key: str, value: Any) -> str:

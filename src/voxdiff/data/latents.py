@@ -459,12 +459,14 @@ class LatentDataModule(L.LightningDataModule):
         # covariates travel with the cache: cache_latents.py copies the source's participants table into it
         self.covariate_encoding = self._covariates = None
         self.covariate_values: dict[str, dict[str, str]] = {}
+        self.covariate_trained_values: dict[str, dict[str, str]] = {}  # its own: latents are never shuffled
         columns = parse_covariates(covariates)
         if columns:
             table = plain(covariates_table) or str(self.latent_dir / TABLE_NAME)
             self._covariates = subject_covariates(columns, read_table(table), str(table), self.train_subjects,
                                                   self.val_subjects)
             self.covariate_encoding, self.covariate_values = self._covariates.encoding, self._covariates.values
+            self.covariate_trained_values = self._covariates.trained_values
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
