@@ -80,10 +80,11 @@ class ConvCall:
                 memory_format: torch.memory_format) -> tuple[torch.Tensor, ...]:
         """Random operands for :meth:`call` on ``device``: ``(input, weight, bias)`` for a forward, ``(grad_output,
         input, weight)`` for a backward, the 5-D ones in ``memory_format``."""
-        g = torch.Generator(device="cpu").manual_seed(0)
+        device = torch.device(device)
+        g = None if device.type == "meta" else torch.Generator(device=device).manual_seed(0)
 
-        def rand(shape: Shape) -> torch.Tensor:
-            t = torch.randn(shape, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+        def rand(shape: Shape) -> torch.Tensor:  # drawn where it is used: a 2 GiB operand in milliseconds on a GPU
+            t = torch.randn(shape, generator=g, device=device, dtype=dtype)
             return t.contiguous(memory_format=memory_format) if t.dim() == 5 else t
 
         if self.kind == "forward":
