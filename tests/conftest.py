@@ -125,6 +125,12 @@ COVARIATES = ["data.num_subjects=6", "data.covariates=[age,sex]", "system.guidan
 
 
 @pytest.fixture(scope="session")
+def tiny_covariates() -> list[str]:
+    """The ``train.py`` overrides of :func:`covariate_ckpt`'s run (a test trains its own variant of it with them)."""
+    return [*TINY_DEMO, *COVARIATES]
+
+
+@pytest.fixture(scope="session")
 def covariate_ckpt(tmp_path_factory) -> Path:
     """``checkpoints/last.ckpt`` of a real 2-step tiny diffusion run on the phantom with ``data.covariates``."""
     from voxdiff.cli.train import train

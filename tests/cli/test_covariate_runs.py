@@ -219,16 +219,16 @@ def test_counterfactuals_draw_each_mask_at_every_age_with_the_same_noise(covaria
     assert figures["covariate_age_ventricles_generated"]["n"] == 6  # the correlation over every sample, as before
 
 
-def test_a_shuffled_controls_effect_comes_with_the_chance_slope_its_training_pairs_hold(covariate_ckpt, tmp_path):
+def test_a_shuffled_controls_effect_comes_with_the_chance_slope_its_training_pairs_hold(covariate_ckpt, tiny_covariates,
+                                                                                       tmp_path):
     """A control trained with data.shuffle_covariates=true: beside its counterfactual effect, the slope of its real
     training images' ventricle size on the ages it trained them with (another subject's each), computed here
     independently from the ages its training items' vectors encode."""
-    from conftest import COVARIATES, TINY_DEMO
     from voxdiff.data.datamodule import VolumeDataModule
     from voxdiff.data.phantom import ventricle_voxels
     from voxdiff.evaluation.metrics import slope
 
-    report = train(compose("train", [*TINY_DEMO, *COVARIATES, "data.shuffle_covariates=true",
+    report = train(compose("train", [*tiny_covariates, "data.shuffle_covariates=true",
                                      f"paths.output_dir={tmp_path / 'control'}"]))
     record = evaluate(compose("evaluate", [f"ckpt_path={covariate_ckpt}", "n=6", "covariate_sweep=age",
                                            "counterfactual=true", f"control_ckpt={report['last_checkpoint']}",
@@ -236,7 +236,7 @@ def test_a_shuffled_controls_effect_comes_with_the_chance_slope_its_training_pai
                                            f"paths.output_dir={tmp_path / 'eval'}"]))
     data = record["figures"]["covariate_age_ventricles_effect_control_data"]
 
-    cfg = compose("train", [*TINY_DEMO, *COVARIATES, "data.shuffle_covariates=true"])
+    cfg = compose("train", [*tiny_covariates, "data.shuffle_covariates=true"])
     dm = VolumeDataModule(volume_shape=list(cfg.data.volume_shape), num_subjects=int(cfg.data.num_subjects),
                           batch_size=1, covariates=["age", "sex"], shuffle_covariates=True)
     dm.setup("fit")
