@@ -104,7 +104,8 @@ def bench(name: str, overrides: list[str], device: str, settings: list[tuple[str
     base = f"ms_{setting_name(settings[0])}"
     conv_tflop = sum(r["gflop"] * r["count"] for r in rows) / 1e3
     total: dict[str, Any] = {"experiment": name, "batch": run.batch_size, "device": gpu, "dtype": rows[0]["dtype"],
-                             "call": "TOTAL", "count": sum(r["count"] for r in rows), "gflop": round(conv_tflop * 1e3, 4)}
+                             "call": "TOTAL", "count": sum(r["count"] for r in rows),
+                             "gflop": round(conv_tflop * 1e3, 4)}
     for setting in settings:
         key = f"ms_{setting_name(setting)}"
         total[key] = round(sum(r[key] * r["count"] for r in rows), 3)

@@ -143,8 +143,8 @@ class _ConvRecorder(TorchDispatchMode):
 def step_convolutions(run: RunSpec) -> dict[ConvCall, int]:
     """Every convolution call of one training step of ``run`` (forward and backward, recomputations included) and
     how many times the step makes it, in the order first made: the preflight's trace of the step
-    (:func:`~voxdiff.preflight.check.run_step_cost` on a UNet built on meta, :func:`~voxdiff.preflight.check.traced_unet`)
-    at the run's batch."""
+    (:func:`~voxdiff.preflight.check.run_step_cost` on a UNet built on meta by
+    :func:`~voxdiff.preflight.check.traced_unet`) at the run's batch."""
     recorder = _ConvRecorder()
     with torch.device("meta"):
         model = traced_unet(run)
