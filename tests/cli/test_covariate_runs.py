@@ -225,7 +225,7 @@ def test_a_shuffled_controls_effect_comes_with_the_chance_slope_its_training_pai
     training images' ventricle size on the ages it trained them with (another subject's each), computed here
     independently from the ages its training items' vectors encode."""
     from voxdiff.data.datamodule import VolumeDataModule
-    from voxdiff.data.phantom import ventricle_voxels
+    from voxdiff.data.phantom import head_voxels, ventricle_voxels
     from voxdiff.evaluation.metrics import slope
 
     report = train(compose("train", [*tiny_covariates, "data.shuffle_covariates=true",
@@ -252,6 +252,20 @@ def test_a_shuffled_controls_effect_comes_with_the_chance_slope_its_training_pai
     assert all(abs(o - a) > 1e-3 for o, a in zip(own, ages, strict=True))  # each trained with another's age
     assert data["checkpoint"] == str(report["last_checkpoint"])
     assert "covariate_age_ventricles_effect_control_data" not in record["absent"]
+
+    # a sweep over sex: the head's difference M - F that the same control's training pairs hold, each subject's
+    # level read from its vector (the level whose encoding it matches)
+    record = evaluate(compose("evaluate", [f"ckpt_path={covariate_ckpt}", "n=4", "covariate_sweep=sex",
+                                           "counterfactual=true", f"control_ckpt={report['last_checkpoint']}",
+                                           "num_inference_steps=2", "random_features_seed=null",
+                                           f"paths.output_dir={tmp_path / 'eval_sex'}"]))
+    sex = record["figures"]["covariate_sex_head_effect_control_data"]
+    levels = ["F", "M"]
+    codes = [dm.covariate_encoding.vector({"age": "50", "sex": level}) for level in levels]
+    trained = [min(range(2), key=lambda k: float((item["covariates"][1:] - codes[k][1:]).abs().sum()))
+               for item in items]
+    expected = slope([float(k) for k in trained], [head_voxels(item["image"]) for item in items])
+    assert sex["n"] == 4 and sex["value"] == pytest.approx(expected["value"], rel=1e-4)
 
 
 def test_a_sweep_over_sex_alternates_its_levels_and_codes_them_for_the_figure(covariate_ckpt, tmp_path) -> None:
