@@ -79,15 +79,13 @@ def bench(name: str, overrides: list[str], device: str, settings: list[tuple[str
 
     from voxdiff.benchmarks.convs import step_convolutions, time_convolution
     from voxdiff.benchmarks.measure import experiment_on
-    from voxdiff.preflight.check import run_step_cost, traced_unet
 
     cuda = device == "cuda"
     with tempfile.TemporaryDirectory() as out:
         _, run = experiment_on(name, device, [*([] if cuda else TINY), *overrides, f"paths.output_dir={out}"])
     dtype = run.precision.autocast_dtype or torch.float32
-    calls = step_convolutions(run)
-    with torch.device("meta"):
-        step_tflop = run_step_cost(run, traced_unet(run)).tflop
+    calls, cost = step_convolutions(run)
+    step_tflop = cost.tflop
     gpu = torch.cuda.get_device_name() if cuda else "CPU"
     rows: list[dict[str, Any]] = []
     for call, count in calls.items():

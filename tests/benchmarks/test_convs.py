@@ -45,7 +45,7 @@ def _conv_modules_called(run) -> int:
 def test_every_convolution_of_the_step_is_recorded_with_its_backward():
     """Each forward the UNet's Conv3d modules make is one recorded forward call, and each has one backward; the
     first convolution (of the noisy input, which needs no gradient) computes the weight's gradient only."""
-    calls = step_convolutions(_run())
+    calls, _ = step_convolutions(_run())
     forwards = sum(n for c, n in calls.items() if c.kind == "forward")
     backwards = {c: n for c, n in calls.items() if c.kind == "backward"}
     assert forwards == _conv_modules_called(_run()) > 20
@@ -58,8 +58,8 @@ def test_every_convolution_of_the_step_is_recorded_with_its_backward():
 def test_gradient_checkpointing_adds_the_recomputed_forwards():
     """With checkpointing, the backward runs the checkpointed blocks' forwards again: more forward calls (as many
     as the hooks count), the same backwards."""
-    plain = step_convolutions(_run("model.gradient_checkpointing=none"))
-    checkpointed = step_convolutions(_run("model.gradient_checkpointing=block"))
+    plain, _ = step_convolutions(_run("model.gradient_checkpointing=none"))
+    checkpointed, _ = step_convolutions(_run("model.gradient_checkpointing=block"))
 
     def total(calls, kind):
         return sum(n for c, n in calls.items() if c.kind == kind)
@@ -80,8 +80,9 @@ def test_the_calls_flops_add_up_to_the_flop_counters_convolutions_of_the_step():
             run_step_cost(run, model)
     by_op = counter.get_flop_counts()["Global"]
     convs = sum(v for op, v in by_op.items() if "convolution" in str(op))
-    calls = step_convolutions(run)
+    calls, cost = step_convolutions(run)
     assert sum(c.flop * n for c, n in calls.items()) == pytest.approx(convs, rel=1e-12)
+    assert cost.tflop * 1e12 == pytest.approx(counter.get_total_flops(), rel=1e-12)  # the same trace's
     assert convs > 0.9 * counter.get_total_flops()
 
 

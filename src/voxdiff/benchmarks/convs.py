@@ -24,6 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 from voxdiff.preflight.check import run_step_cost, traced_unet
+from voxdiff.preflight.resources import StepCost
 from voxdiff.run.spec import RunSpec
 
 Shape = tuple[int, ...]
@@ -140,20 +141,20 @@ class _ConvRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def step_convolutions(run: RunSpec) -> dict[ConvCall, int]:
+def step_convolutions(run: RunSpec) -> tuple[dict[ConvCall, int], StepCost]:
     """Every convolution call of one training step of ``run`` (forward and backward, recomputations included) and
-    how many times the step makes it, in the order first made: the preflight's trace of the step
-    (:func:`~voxdiff.preflight.check.run_step_cost` on a UNet built on meta by
+    how many times the step makes it, in the order first made; and the step's cost (its FLOPs) from the same trace:
+    the preflight's trace of the step (:func:`~voxdiff.preflight.check.run_step_cost` on a UNet built on meta by
     :func:`~voxdiff.preflight.check.traced_unet`) at the run's batch."""
     recorder = _ConvRecorder()
     with torch.device("meta"):
         model = traced_unet(run)
         with recorder:
-            run_step_cost(run, model)
+            cost = run_step_cost(run, model)
     counts: dict[ConvCall, int] = {}
     for call in recorder.calls:
         counts[call] = counts.get(call, 0) + 1
-    return counts
+    return counts, cost
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], Any], int], float]:
