@@ -127,7 +127,8 @@ def bench(name: str, overrides: list[str], device: str, settings: list[tuple[str
     return [*rows, total]
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (``tests/benchmarks/test_gpu_plans.py`` reads a plan's lines with it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experiments", default="exp11", help="comma-separated experiment names")
     p.add_argument("--settings", default=SETTINGS, help=f"comma-separated (default {SETTINGS}); the first is the "
@@ -139,7 +140,11 @@ def main() -> None:
     p.add_argument("--out", help="write the rows as CSV here (after each experiment)")
     p.add_argument("--append", action="store_true", help="keep the rows already in --out")
     p.add_argument("overrides", nargs="*", help="train.py overrides for every experiment")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
 
     import torch
 

@@ -53,11 +53,16 @@ def shell_lines(plan: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.name)
-def test_every_bench_script_a_plan_runs_exists_and_its_experiments_compose(plan):
+def test_every_bench_script_a_plan_runs_exists_and_its_experiments_compose(plan, monkeypatch):
     """A shell line that runs ``bench/X.py`` names a script of the repository; one of ``bench/bench_convs.py``
-    names experiments whose trailing overrides compose and resolve on a GPU (what it times there)."""
+    (read by the script's own parser) names experiments whose trailing overrides compose and resolve on a GPU (what
+    it times there)."""
     import shlex
 
+    from script_modules import load_script
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when the script runs: its folder is on the path
+    convs = load_script("bench/bench_convs.py").parser()
     for line in shell_lines(plan):
         words = shlex.split(line.split(">", 1)[0].split(";", 1)[0])
         scripts = [w for w in words if w.startswith("bench/") and w.endswith(".py")]
@@ -65,18 +70,9 @@ def test_every_bench_script_a_plan_runs_exists_and_its_experiments_compose(plan)
             assert (ROOT / script).is_file(), f"{plan.name}: {line}: no {script}"
         if scripts != ["bench/bench_convs.py"]:
             continue
-        rest = words[words.index("bench/bench_convs.py") + 1:]
-        experiments, overrides, i = None, [], 0
-        while i < len(rest):
-            if rest[i].startswith("--"):
-                if rest[i] == "--experiments":
-                    experiments = rest[i + 1].split(",")
-                i += 1 if rest[i] == "--append" else 2
-                continue
-            overrides.append(rest[i])
-            i += 1
-        for experiment in experiments or ["exp11"]:
-            cfg = compose("train", [f"experiment={experiment}", *overrides, "trainer.accelerator=gpu",
+        args = convs.parse_args(words[words.index("bench/bench_convs.py") + 1:])
+        for experiment in args.experiments.split(","):
+            cfg = compose("train", [f"experiment={experiment}", *args.overrides, "trainer.accelerator=gpu",
                                     "trainer.devices=1"])
             _, problems = run_spec_problems(cfg, "cuda")
             assert not problems, f"{plan.name}: {line}: {problems[0]}"
