@@ -17,7 +17,12 @@ Then the ``cudagraphs`` kind: voxdiff's own step with CUDA graphs, measured by `
 as those steps ran (each row says its EMA's and its gradients' bytes per parameter: the rows measured before
 session 16 ran inside ``system.ema.start_step``, where the EMA copies the weights, 8 bytes, instead of averaging them,
 12, and clipped by norm in place, 12 bytes) at the GPU's bandwidth (``voxdiff.preflight.resources.H100_BANDWIDTH``),
-fitted the same way.
+fitted with four terms (non-negative least squares on the relative error): the FLOPs, the operator calls, the
+convolutions' weight bytes (``StepCost.conv_weight_bytes``: a fixed cost per convolution call) and the bytes the
+operators touch (``StepCost.tensor_bytes``: the traffic, which grows with the batch). It prints the two-term fit of
+the same rows beside it (the model before session 24), each row's error and leave-one-out error under both, and the
+error of the four-term constants on the rows of :data:`H200_ROWS` (measured on an H200, not fitted). Paste the
+``cudagraphs`` constants into ``STEP_THROUGHPUT`` (the H200's entry takes the same).
 
     python bench/fit_step_time.py --runs logs/exp11/2026-11-27_10-00-00 [more run directories or measured.json]
 
@@ -38,6 +43,7 @@ import csv
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -105,9 +111,22 @@ CUDAGRAPH_ROWS = [
 ]
 
 
-def cudagraph_points() -> list[tuple[str, float, int, float, float, float]]:
-    """``(row, tflop, ops, seconds less the weight passes, seconds, the passes' seconds)`` of
-    :data:`CUDAGRAPH_ROWS`."""
+#: voxdiff's CUDA-graph step measured on an H200 (the step of session 21 and after: the EMA averaging every 10th step
+#: from step 0, the clipping norm's 4 bytes): not fitted; the H100's constants are checked on them
+H200_ROWS = [
+    ("reference/h200_bench_gpu_step.csv", "exp9_ldm_4x_bravo", "exp9_ldm_4x_bravo", EMA_BYTES_PER_PARAM / 10,
+     NORM_BYTES),
+    ("reference/h200_bench_gpu_step_v2.csv", "E_e94_b4", "exp9_ldm_4x_bravo", EMA_BYTES_PER_PARAM / 10, NORM_BYTES,
+     ["data.batch_size=4", "model.gradient_checkpointing=none"]),
+    ("reference/h200_bench_gpu_step_v2.csv", "I_e11_b32", "exp11", EMA_BYTES_PER_PARAM / 10, NORM_BYTES,
+     ["data.batch_size=32", "model.gradient_checkpointing=none"]),
+    ("reference/h200_bench_gpu_step_v2.csv", "K_e11_b1", "exp11", EMA_BYTES_PER_PARAM / 10, NORM_BYTES),
+]
+
+
+def cudagraph_points(rows: list | None = None) -> list[tuple[str, object, float, float, float]]:
+    """``(row, its StepCost, seconds less the weight passes, seconds, the passes' seconds)`` of :data:`CUDAGRAPH_ROWS`
+    (or ``rows`` in its format), the passes at ``H100_BANDWIDTH``."""
     import torch
 
     from voxdiff.config import compose
@@ -115,7 +134,7 @@ def cudagraph_points() -> list[tuple[str, float, int, float, float, float]]:
     from voxdiff.preflight.resources import H100_BANDWIDTH, step_cost
 
     points = []
-    for path, row_name, experiment, ema_bytes, grad_bytes, *overrides in CUDAGRAPH_ROWS:
+    for path, row_name, experiment, ema_bytes, grad_bytes, *overrides in (CUDAGRAPH_ROWS if rows is None else rows):
         row = next(r for r in csv.DictReader(open(ROOT / path)) if r["experiment"] == row_name)
         run, problems = run_spec_problems(compose("train", [f"experiment={experiment}", "trainer.accelerator=gpu",
                                                             "trainer.devices=1", *(overrides[0] if overrides else [])]),
@@ -126,12 +145,12 @@ def cudagraph_points() -> list[tuple[str, float, int, float, float, float]]:
         c = step_cost(model, run.batch, run.mode, run.encoding, grad_bytes_per_param=grad_bytes)
         seconds = float(row["voxdiff_ms_per_step"]) / 1e3
         passes = (c.weight_bytes + c.params * ema_bytes) / H100_BANDWIDTH
-        points.append((f"{row_name} ({path.rsplit('/', 1)[1]})", c.tflop, c.ops, seconds - passes, seconds, passes))
+        points.append((f"{row_name} ({path.rsplit('/', 1)[1]})", c, seconds - passes, seconds, passes))
     return points
 
 
-def run_points(paths: list[str]) -> list[tuple[str, str, str, float, int, float, float, float, float | None]]:
-    """``(name, gpu, kind, tflop, ops, seconds less the weight passes, seconds, the passes' seconds, predicted
+def run_points(paths: list[str]) -> list[tuple[str, str, str, object, float, float, float, float | None]]:
+    """``(name, gpu, kind, its StepCost, seconds less the weight passes, seconds, the passes' seconds, predicted
     seconds with the wait for data)`` of each run's ``measured.json`` (a run directory or the file) that timed its
     step on a CUDA GPU;
     the others are named on stderr and left out."""
@@ -175,21 +194,58 @@ def run_points(paths: list[str]) -> list[tuple[str, str, str, float, int, float,
                   f"{run.batch_size / rate * 1e3:.0f} ms a step at the loader's measured rate): printed, not fitted",
                   file=sys.stderr)
             name += " [waited for data: not fitted]"
-        points.append((name, gpu, kind, cost.tflop, cost.ops, seconds - passes, seconds, passes, wall))
+        points.append((name, gpu, kind, cost, seconds - passes, seconds, passes, wall))
     return points
+
+
+def fit_terms(points: list[tuple[list[float], float]]) -> list[float]:
+    """The coefficients (seconds per unit of each term, none negative) minimising the squared relative error over
+    ``(terms, seconds)``."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    a = np.array([[v / t for v in terms] for terms, t in points])
+    x, _ = nnls(a, np.ones(len(points)))
+    return [float(v) for v in x]
 
 
 def fit(points: list[tuple[float, int, float]]) -> tuple[float, float]:
     """``(tflops, op_us)`` minimising the squared relative error over ``(tflop, ops, seconds)``."""
-    import numpy as np
-
-    a = np.array([[f / t, n / t] for f, n, t in points])
-    (x_f, x_n), *_ = np.linalg.lstsq(a, np.ones(len(points)), rcond=None)
+    x_f, x_n = fit_terms([([f, n], t) for f, n, t in points])
     return 1.0 / x_f, x_n * 1e6
 
 
 def predict(tflops: float, op_us: float, f: float, n: int) -> float:
     return f / tflops + n * op_us / 1e6
+
+
+def four_terms(cost) -> list[float]:
+    """The terms of the CUDA-graph step's model: TFLOP, operator calls, convolutions' weight bytes, tensor bytes."""
+    return [cost.tflop, cost.ops, cost.conv_weight_bytes, cost.tensor_bytes]
+
+
+def fit_four(points: list[tuple[object, float]]):
+    """A :class:`~voxdiff.preflight.resources.Throughput` of the four terms fitted to ``(StepCost, seconds less the
+    weight passes)`` (its bandwidth ``H100_BANDWIDTH``; a term fitted to zero is left out: its rate None)."""
+    from voxdiff.preflight.resources import Throughput
+
+    f, n, w, b = fit_terms([(four_terms(c), t) for c, t in points])
+    return Throughput(1.0 / f if f else float("inf"), n * 1e6, "fit", H100_BANDWIDTH,
+                      1.0 / w if w else None, 1.0 / b if b else None)
+
+
+def constants(table) -> str:
+    """How the fit prints a four-term Throughput (the rates in GB/s)."""
+    rate = lambda v: "none" if v is None else f"{v / 1e9:.1f}"  # noqa: E731
+    return (f"tflops={table.tflops:.1f} op_us={table.op_us:.1f} conv_weight_gbps={rate(table.conv_weight_rate)} "
+            f"tensor_gbps={rate(table.tensor_rate)}")
+
+
+def gpu_s(table, cost) -> float:
+    """A four-term Throughput's seconds for ``cost`` without the weight passes (the points carry them apart)."""
+    from dataclasses import replace
+
+    return table.seconds(replace(cost, params=0))
 
 
 def _pct(values: list[float]) -> str:
@@ -208,7 +264,7 @@ def main() -> None:
 
     from voxdiff.preflight.resources import STEP_THROUGHPUT
 
-    fitted: dict[str, tuple[float, float]] = {}
+    fitted: dict[str, Any] = {}  # a kind: (tflops, op_us); cudagraphs: its four-term Throughput
     rows = [r for r in csv.DictReader(open(args.fit)) if r.get("step_s")]
     by_kind: dict[str, list[tuple[dict, float, int, float]]] = {}
     for r in rows:
@@ -227,39 +283,58 @@ def main() -> None:
                   f"  fit {predict(tflops, op_us, f, n) / t - 1:+6.1%}  leave-one-out "
                   f"{predict(*loo, f, n) / t - 1:+6.1%}")
     graphs = cudagraph_points()
-    tflops, op_us = fit([(f, n, t) for _, f, n, t, _, _ in graphs])
-    fitted["cudagraphs"] = (tflops, op_us)
-    print(f"\ncudagraphs: tflops={tflops:.1f} op_us={op_us:.1f}")
-    for i, (name, f, n, _, total, passes) in enumerate(graphs):
-        loo = fit([(p[1], p[2], p[3]) for j, p in enumerate(graphs) if j != i])
-        print(f"  {name:40s} {f:7.2f} TFLOP {n:5d} ops  measured {total * 1e3:6.1f} ms (weight passes "
-              f"{passes * 1e3:4.1f})  fit {(predict(tflops, op_us, f, n) + passes) / total - 1:+6.1%}  "
-              f"leave-one-out {(predict(*loo, f, n) + passes) / total - 1:+6.1%}")
+    two = fit([(c.tflop, c.ops, t) for _, c, t, _, _ in graphs])
+    print(f"\ncudagraphs, two terms (the model before session 24): tflops={two[0]:.1f} op_us={two[1]:.1f}")
+    for i, (name, c, _, total, passes) in enumerate(graphs):
+        loo = fit([(p[1].tflop, p[1].ops, p[2]) for j, p in enumerate(graphs) if j != i])
+        print(f"  {name:40s} fit {(predict(*two, c.tflop, c.ops) + passes) / total - 1:+6.1%}  leave-one-out "
+              f"{(predict(*loo, c.tflop, c.ops) + passes) / total - 1:+6.1%}")
+    table = fit_four([(c, t) for _, c, t, _, _ in graphs])
+    fitted["cudagraphs"] = table
+    print(f"\ncudagraphs: {constants(table)}")
+    for i, (name, c, _, total, passes) in enumerate(graphs):
+        loo = fit_four([(p[1], p[2]) for j, p in enumerate(graphs) if j != i])
+        print(f"  {name:40s} {c.tflop:7.2f} TFLOP {c.ops:5d} ops {c.conv_weight_bytes / 1e9:5.1f} + "
+              f"{c.tensor_bytes / 1e9:6.1f} GB  measured {total * 1e3:6.1f} ms (weight passes {passes * 1e3:4.1f})  "
+              f"fit {(gpu_s(table, c) + passes) / total - 1:+6.1%}  leave-one-out "
+              f"{(gpu_s(loo, c) + passes) / total - 1:+6.1%}")
+    print("\nH200 rows (not fitted) under these constants, the weight passes at H100_BANDWIDTH:")
+    for name, c, _, total, passes in cudagraph_points(H200_ROWS):
+        print(f"  {name:40s} {c.tflop:7.2f} TFLOP  measured {total * 1e3:6.1f} ms  predicted "
+              f"{(gpu_s(table, c) + passes) / total - 1:+6.1%}")
     runs = run_points(args.runs)
     if args.runs:
         print(f"\nruns: {len(runs)} of {len(args.runs)} timed on a CUDA GPU")
-    for name, gpu, k, f, n, _, total, passes, predicted in runs:
+    for name, gpu, k, c, _, total, passes, predicted in runs:
         now = f"{predicted / total - 1:+6.1%}" if predicted is not None else "no throughput for this GPU and kind"
-        print(f"  {name:40s} {gpu} {k}: {f:7.2f} TFLOP {n:5d} ops  measured {total * 1e3:7.1f} ms (weight passes "
-              f"{passes * 1e3:4.1f})  STEP_THROUGHPUT {now}")
+        print(f"  {name:40s} {gpu} {k}: {c.tflop:7.2f} TFLOP {c.ops:5d} ops  measured {total * 1e3:7.1f} ms (weight "
+              f"passes {passes * 1e3:4.1f})  STEP_THROUGHPUT {now}")
     for gpu, k in sorted({(p[1], p[2]) for p in runs}):
-        mine = [(f, n, t, total, passes) for name, g, kk, f, n, t, total, passes, _ in runs
+        mine = [(c, t, total, passes) for name, g, kk, c, t, total, passes, _ in runs
                 if (g, kk) == (gpu, k) and "not fitted" not in name]
-        base = ([(f, n, t) for _, f, n, t, _, _ in graphs] if k == "cudagraphs"
-                else [p[1:] for p in by_kind.get(k, [])]) if gpu == "H100" else []
+        base = ([(c, t) for _, c, t, _, _ in graphs] if k == "cudagraphs"
+                else [(p[1], p[2], p[3]) for p in by_kind.get(k, [])]) if gpu == "H100" else []
         if len(base) + len(mine) < 2:
             print(f"  ({gpu}, {k}): {len(base) + len(mine)} point(s), too few to fit")
             continue
-        tflops, op_us = fit(base + [m[:3] for m in mine])
-        print(f"({gpu}, {k}) with the runs: tflops={tflops:.1f} op_us={op_us:.1f} ({len(base)} rows + {len(mine)} "
-              "runs); the runs' error under it: "
-              + (", ".join(f"{(predict(tflops, op_us, f, n) + passes) / total - 1:+.1%}"
-                           for f, n, _, total, passes in mine) or "none fitted"))
-    for k in ("eager", "compiled", "cudagraphs"):
+        if k == "cudagraphs":
+            both = fit_four([*base, *((c, t) for c, t, _, _ in mine)])
+            shown, errors = constants(both), [(gpu_s(both, c) + passes) / total - 1 for c, _, total, passes in mine]
+        else:
+            tflops, op_us = fit([*base, *((c.tflop, c.ops, t) for c, t, _, _ in mine)])
+            shown = f"tflops={tflops:.1f} op_us={op_us:.1f}"
+            errors = [(predict(tflops, op_us, c.tflop, c.ops) + passes) / total - 1 for c, _, total, passes in mine]
+        print(f"({gpu}, {k}) with the runs: {shown} ({len(base)} rows + {len(mine)} runs); the runs' error under it: "
+              + (", ".join(f"{e:+.1%}" for e in errors) or "none fitted"))
+    for k in ("eager", "compiled"):
         table = STEP_THROUGHPUT.get(("H100", k))
         if table is not None and k in fitted:
             print(f"STEP_THROUGHPUT[('H100', '{k}')]: tflops={table.tflops} op_us={table.op_us} "
                   f"(fitted now: {fitted[k][0]:.1f}, {fitted[k][1]:.1f})")
+    table = STEP_THROUGHPUT.get(("H100", "cudagraphs"))
+    if table is not None:
+        print(f"STEP_THROUGHPUT[('H100', 'cudagraphs')]: {constants(table)} "
+              f"(fitted now: {constants(fitted['cudagraphs'])})")
 
     check = Path(args.check)
     if not check.is_file():

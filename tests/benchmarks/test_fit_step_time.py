@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 from voxdiff.preflight.resources import STEP_THROUGHPUT
 
@@ -56,13 +57,42 @@ def test_the_fit_runs_and_reproduces_the_constants_in_the_code(tmp_path, tiny_de
     assert "runs: 1 of 2 timed on a CUDA GPU" in out.stdout and f"{cpu / 'measured.json'}: no step timed" in out.stderr
     line = next(ln for ln in out.stdout.splitlines() if ln.strip().startswith("gpu_run (batch "))
     assert f"measured {predicted_ms:7.1f} ms" in line and line.endswith("STEP_THROUGHPUT  +0.0%"), line
-    assert re.search(r"^\(H100, cudagraphs\) with the runs: tflops=[\d.]+ op_us=[\d.]+ \(9 rows \+ 1 runs\)",
-                     out.stdout, re.M), out.stdout
+    number = r"([\d.]+)"
+    graphs = rf"tflops={number} op_us={number} conv_weight_gbps={number} tensor_gbps={number}"
+    assert re.search(rf"^\(H100, cudagraphs\) with the runs: {graphs} \(9 rows \+ 1 runs\)", out.stdout,
+                     re.M), out.stdout
     for kind in ("eager", "compiled", "cudagraphs"):
-        m = re.search(rf"^{kind}: tflops=([\d.]+) op_us=([\d.]+)$", out.stdout, re.M)
+        m = re.search(rf"^{kind}: " + (graphs if kind == "cudagraphs" else rf"tflops={number} op_us={number}") + "$",
+                      out.stdout, re.M)
         assert m is not None, out.stdout
         table = STEP_THROUGHPUT[("H100", kind)]
         assert float(m.group(1)) == pytest.approx(table.tflops, rel=0.01)
         assert float(m.group(2)) == pytest.approx(table.op_us, rel=0.01)
-    # each shape of each kind is printed with its error and its leave-one-out error
-    assert len(re.findall(r"leave-one-out", out.stdout)) >= 16
+        if kind == "cudagraphs":
+            assert float(m.group(3)) * 1e9 == pytest.approx(table.conv_weight_rate, rel=0.01)
+            assert float(m.group(4)) * 1e9 == pytest.approx(table.tensor_rate, rel=0.01)
+    # each shape of each kind is printed with its error and its leave-one-out error (the CUDA-graph rows under both
+    # models), and the four H200 rows under the H100's constants
+    assert len(re.findall(r"leave-one-out", out.stdout)) >= 25
+    h200 = out.stdout.split("H200 rows (not fitted)")[1].splitlines()[1:5]
+    assert all(re.search(r"h200_bench_gpu_step(_v2)?\.csv\).* predicted +[+-][\d.]+%$", ln) for ln in h200), h200
+
+
+def test_the_four_term_fit_recovers_the_constants_that_made_its_points():
+    """Step times made by a known Throughput from varied costs come back as that Throughput, and a term the times
+    do not depend on is fitted to zero (its rate None)."""
+    import random
+
+    from voxdiff.preflight.resources import H100_BANDWIDTH, StepCost, Throughput
+
+    fit_step_time = load_script("bench/fit_step_time.py")
+    truth = Throughput(800.0, 10.0, "test", H100_BANDWIDTH, conv_weight_rate=300e9, tensor_rate=2000e9)
+    rng = random.Random(0)
+    costs = [StepCost(rng.uniform(1, 200), rng.randint(500, 1500), conv_weight_bytes=rng.randint(10**9, 3 * 10**10),
+                      tensor_bytes=rng.randint(10**10, 10**12)) for _ in range(8)]
+    got = fit_step_time.fit_four([(c, truth.seconds(c)) for c in costs])
+    assert (got.tflops, got.op_us) == (pytest.approx(800.0), pytest.approx(10.0))
+    assert (got.conv_weight_rate, got.tensor_rate) == (pytest.approx(300e9), pytest.approx(2000e9))
+    no_tensor = Throughput(800.0, 10.0, "test", H100_BANDWIDTH, conv_weight_rate=300e9)
+    got = fit_step_time.fit_four([(c, no_tensor.seconds(c)) for c in costs])
+    assert got.tensor_rate is None and got.conv_weight_rate == pytest.approx(300e9)

@@ -125,6 +125,68 @@ def test_step_cost_counts_the_convolutions_flops(tiny_cfg):
     assert cost2.tflop / cost.tflop == pytest.approx(8, rel=0.02) and cost2.ops == cost.ops
 
 
+def test_the_operators_bytes_are_their_operands_and_results_and_a_convolutions_weight_apart():
+    """One convolution forward: its input, bias and output are tensor bytes, its weight the convolution's weight
+    bytes; a view touches nothing; an elementwise product reads two tensors and writes one; a convolution's backward
+    takes the weight as its third operand."""
+    from voxdiff.preflight.resources import _OpCount
+
+    with torch.device("meta"):
+        x, w, b = torch.empty(2, 4, 6, 8, 8), torch.empty(16, 4, 3, 3, 3), torch.empty(16)
+        with _OpCount() as count:
+            y = torch.nn.functional.conv3d(x, w, b, padding=1)
+        assert (count.ops, count.conv_weight_bytes) == (1, w.nbytes)
+        assert count.tensor_bytes == x.nbytes + b.nbytes + y.nbytes
+        with _OpCount() as count:
+            y.view(2, 16, -1)
+            z = y * y
+        assert (count.ops, count.conv_weight_bytes, count.tensor_bytes) == (1, 0, 3 * z.nbytes)
+        w.requires_grad_(True)
+        with _OpCount() as count:
+            torch.nn.functional.conv3d(x, w, padding=1).sum().backward()
+        assert count.conv_weight_bytes == 2 * w.nbytes  # the forward's and the backward's
+
+
+def test_step_cost_counts_each_convolutions_weight_once_per_call_and_its_traffic_grows_with_the_batch(tiny_cfg):
+    """Without checkpointing every Conv3d runs once forward and once backward: the weight bytes are twice the sum of
+    the convolutions' weights (as many times as a module is called), whatever the batch; the tensor bytes nearly
+    double with the batch (the activations; the weights' gradients do not grow)."""
+    from voxdiff.config import build_encoding, shapes
+    from voxdiff.step import batch_shapes
+
+    cfg = tiny_cfg("model.attention_levels=[false,false,false]")
+    encoding = build_encoding(cfg)
+    model = _meta_model(cfg)
+    calls: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Conv3d):
+            module.register_forward_hook(lambda m, i, o, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+    one = batch_shapes(encoding, shapes(cfg, encoding).volume, 1)
+    cost = step_cost(model, one, str(cfg.mode), encoding)
+    weights = dict(model.named_modules())
+    assert calls and cost.conv_weight_bytes == 2 * sum(n * weights[k].weight.nbytes for k, n in calls.items())
+    two = step_cost(model, {k: (2 * v[0], *v[1:]) for k, v in one.items()}, str(cfg.mode), encoding)
+    assert two.conv_weight_bytes == cost.conv_weight_bytes
+    assert cost.tensor_bytes < two.tensor_bytes < 2 * cost.tensor_bytes
+    assert two.tensor_bytes > 1.8 * cost.tensor_bytes  # the activations are most of it
+
+
+def test_a_throughputs_byte_terms_add_their_seconds_where_they_are_set():
+    from dataclasses import replace
+
+    plain = replace(STEP_THROUGHPUT[("H100", "compiled")], conv_weight_rate=None, tensor_rate=None)
+    cost = StepCost(tflop=1.0, ops=100, conv_weight_bytes=3 * 10**9, tensor_bytes=5 * 10**9)
+    base = plain.seconds(cost)
+    assert base == pytest.approx(1.0 / plain.tflops + 100 * plain.op_us / 1e6)
+    both = replace(plain, conv_weight_rate=1e11, tensor_rate=1e12)
+    assert both.seconds(cost) == pytest.approx(base + 0.03 + 0.005)
+    assert replace(plain, tensor_rate=1e12).seconds(cost) == pytest.approx(base + 0.005)
+    # the CUDA-graph step's model has both terms, and an H200 takes the H100's constants for it
+    graphs = STEP_THROUGHPUT[("H100", "cudagraphs")]
+    assert graphs.conv_weight_rate and graphs.tensor_rate
+    assert STEP_THROUGHPUT[("H200", "cudagraphs")].seconds(cost) == graphs.seconds(cost)
+
+
 def test_run_time_and_requeues():
     throughput = STEP_THROUGHPUT[("H100", "compiled")]
     cost = StepCost(tflop=throughput.tflops, ops=0)  # one second of FLOPs

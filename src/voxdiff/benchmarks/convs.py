@@ -1,6 +1,7 @@
 """The convolutions of a training step, one by one: which cuDNN calls the step makes, and how fast each runs.
 
-The time model (:data:`voxdiff.preflight.resources.STEP_THROUGHPUT`) gives every UNet one rate, but on an H200 the
+The time model (:data:`voxdiff.preflight.resources.STEP_THROUGHPUT`) gives every UNet one FLOP rate (the CUDA-graph
+step's adds a fixed cost per convolution, in its weight's bytes, and a rate for the step's traffic), but on an H200 the
 2.7B UNet's wide convolutions ran at 49% of the dense bf16 peak and exp11's narrow ones at 23% (README, "Measured in
 session 22"); a roofline of exp11's step at batch 32 says 163 ms against 456 measured, 109 ms of it convolutions.
 :func:`step_convolutions` records every convolution the step calls — forward (``aten.convolution``) and backward

@@ -3,9 +3,11 @@
 :func:`autofit` predicts candidates of one configuration, each a :func:`~voxdiff.preflight.check.run_preflight`
 of the config with its overrides (the whole run's peak: training, validation, sampling; disk and host memory), and
 ranks those that fit by **samples per second**: ``batch x GPUs / step time``, the step time from the time model
-(:data:`~voxdiff.preflight.resources.STEP_THROUGHPUT`: ``tflop / tflops + ops x op_us``). A larger batch adds FLOPs
-but few operator calls, so a launch-bound step (exp11: ~3% of an H100's dense bf16 peak) gains samples per second
-with the batch, and a FLOP-bound one little.
+(:data:`~voxdiff.preflight.resources.STEP_THROUGHPUT`: ``tflop / tflops + ops x op_us``, and for the CUDA-graph step
+the bytes its operators touch). A larger batch adds FLOPs and traffic but few operator calls, so a launch-bound step
+(exp11: ~3% of an H100's dense bf16 peak at batch 1) gains samples per second with the batch until its traffic
+dominates (exp11 on an H100: about 70 samples/s predicted at any batch from 32, 2.1x batch 1's), and a FLOP-bound
+one little.
 
 The search:
 
@@ -19,9 +21,9 @@ The search:
   ``model.compile_mode``, whose ``auto`` takes CUDA graphs (their own throughput) for a candidate without gradient
   accumulation on one GPU. Compile off is never offered to a run that compiles: on every experiment measured (one
   H100, batch 1, ``reference/h100_step_times.csv``) the compiled step was 1.18-1.55x faster than the eager one,
-  and inductor's fusions save more at a larger batch, not less; the two kinds' constants are fitted to different
-  steps (plain loops; voxdiff's CUDA-graph step) at batch 1, and extrapolated to batches of 2 to 32 they put the
-  eager step of exp9 ahead by 2-18%, an artefact of the fits that chose ``model.compile=false`` for it;
+  and inductor's fusions save more at a larger batch, not less (until session 24 the two kinds' constants, fitted to
+  different steps at batch 1, put the eager step of exp9 ahead by 2-18% at batches 2 to 32, an artefact of the fits;
+  with the CUDA-graph step's byte terms the compiled rows lead at every batch);
 * with ``preflight.effective_batch=N`` only batches that divide it (per GPU x GPUs), the rest made up by
   ``trainer.accumulate_grad_batches``: the optimisation sees the same batch;
 * the EMA interval (``system.ema.every_n_steps``): where the run sets a shorter one than ``auto`` would take for
@@ -374,10 +376,12 @@ def _notes(report: AutofitReport, effective: int | None, world: int, first_misfi
         notes.append(f"the step's speed on {report.gpu} has not been measured (STEP_THROUGHPUT), so the choice is "
                      "by memory alone: the largest batch that fits")
     else:
-        notes.append("step times from the time model (README: its errors), fitted mostly at batch 1 with one rate "
-                     "for every UNet: exp11 at batch 32 on an H100 it predicts 24% short, exp9_ldm_4x_bravo at batch "
-                     "4 (on an H200, the H100's constants) 72% long, so a large batch's samples/s here may be off "
-                     "either way (each GPU run writes its own to measured.json: bench/fit_step_time.py --runs)")
+        notes.append("step times from the time model (README: its errors). The CUDA-graph step's: fitted to nine "
+                     "H100 rows, one above batch 1 (exp11 at batch 32: -7.0%, -17.3% leave-one-out), and checked on "
+                     "four H200 rows it was not fitted to (+2.4% to +17.7%; exp9_ldm_4x_bravo at batch 4 +9.1%). The "
+                     "eager and compiled steps': FLOPs and operator calls fitted at batch 1 only, so their large "
+                     "batches are predicted short. Each GPU run writes its own to measured.json "
+                     "(bench/fit_step_time.py --runs)")
     near = report.nearly_as_fast()
     if near is not None and report.best is not None and report.best.samples_per_s:
         notes.append(f"nearly as fast with less memory: {' '.join(near.overrides)} is predicted at "

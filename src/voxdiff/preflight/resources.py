@@ -16,8 +16,9 @@ its disk, its nodes' memory and its time. Sizes are bytes.
 * **Time.** :func:`step_cost` counts the FLOPs (``torch.utils.flop_counter``) and the operator calls of one
   forward+backward on the meta device, and the bytes of the step's passes over its weights beyond the optimizer's
   (the EMA; the gradients' norm and clipping: :func:`gradient_pass_bytes`); :data:`STEP_THROUGHPUT` turns them into
-  seconds on a GPU whose efficiency was measured, as ``tflop / tflops + ops * op_us + weight bytes / bandwidth``;
-  ``bench/fit_step_time.py`` fits the first two constants from measured step times and prints the error.
+  seconds on a GPU whose efficiency was measured, as ``tflop / tflops + ops * op_us + weight bytes / bandwidth``
+  (and, for the CUDA-graph step, the bytes the step's operators touch: :class:`StepCost`, :class:`Throughput`);
+  ``bench/fit_step_time.py`` fits the constants from measured step times and prints the error.
 """
 
 from __future__ import annotations
@@ -321,7 +322,7 @@ AdamW clipping by norm: its kernel takes the factor (:func:`voxdiff.step.optim.c
 @dataclass(frozen=True)
 class StepCost:
     """What one training step costs: the FLOPs and operator calls of one forward+backward, counted on the meta
-    device, and the step's passes over its weights beyond the optimizer's, counted in bytes.
+    device, the bytes its operators touch, and the step's passes over its weights beyond the optimizer's.
 
     Attributes:
         tflop: FLOPs of the forward and backward, in 10^12.
@@ -329,6 +330,12 @@ class StepCost:
         params: the model's parameters.
         ema_every_n_steps: the EMA's interval (``system.ema.every_n_steps``); None: no EMA.
         grad_bytes_per_param: bytes per parameter read and written on the gradients (:func:`gradient_pass_bytes`).
+        conv_weight_bytes: the weight operand's bytes summed over every convolution call, forward and backward (as
+            traced: float32). A convolution's cost beyond its FLOPs that does not grow with the batch: the
+            FLOPs per output voxel are ``2 x`` the weight's elements, so a term in its bytes is the convolution
+            computed as if it had a fixed number of voxels more (small volumes and the UNet's deep levels).
+        tensor_bytes: the bytes of the operands and results of every operator that launches work, less
+            ``conv_weight_bytes`` (as traced: float32): the step's traffic, which grows with the batch.
     """
 
     tflop: float
@@ -336,6 +343,8 @@ class StepCost:
     params: int = 0
     ema_every_n_steps: int | None = None
     grad_bytes_per_param: int = 0
+    conv_weight_bytes: int = 0
+    tensor_bytes: int = 0
 
     @property
     def weight_bytes(self) -> float:
@@ -357,27 +366,39 @@ def gradient_pass_bytes(recipe: Recipe, device_type: str, scales_loss: bool) -> 
 
 
 class _OpCount(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the operators that launch work (views and metadata changes are free)."""
+    """Counts the operators that launch work (views and metadata changes are free), the bytes of their operands and
+    results, and the weight operand's bytes of each convolution (:class:`StepCost`)."""
 
     FREE = ("aten::view", "aten::_unsafe_view", "aten::t", "aten::detach", "aten::expand", "aten::permute",
             "aten::transpose", "aten::unsqueeze", "aten::squeeze", "aten::reshape", "aten::as_strided",
             "aten::alias", "aten::slice", "aten::select", "aten::split", "aten::chunk", "aten::unbind")
+    #: the position of the weight among a convolution's arguments
+    CONV_WEIGHT = {"aten::convolution": 1, "aten::convolution_backward": 2}
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops = 0
+        self.ops = self.conv_weight_bytes = self.tensor_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.name not in self.FREE:
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name
+        if name not in self.FREE:
             self.ops += 1
-        return func(*args, **(kwargs or {}))
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}, out))
+            nbytes = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+            if name in self.CONV_WEIGHT:
+                weight = args[self.CONV_WEIGHT[name]]
+                self.conv_weight_bytes += weight.numel() * weight.element_size()
+                nbytes -= weight.numel() * weight.element_size()
+            self.tensor_bytes += nbytes
+        return out
 
 
 def step_cost(model: torch.nn.Module, batch: Mapping[str, tuple[int, ...]], mode: str,
               encoding: Any = None, ema_every_n_steps: int | None = None, grad_bytes_per_param: int = 0) -> StepCost:
-    """FLOPs and operator calls of one training forward+backward of ``model`` (built on meta) for a batch of these
-    shapes (:func:`voxdiff.step.batch_shapes`), encoded by ``encoding``, as :class:`voxdiff.step.TrainStep`
-    computes the loss; with the parameter count, the EMA's interval (None: no EMA) and the gradient passes'
+    """FLOPs, operator calls and the bytes they touch of one training forward+backward of ``model`` (built on meta)
+    for a batch of these shapes (:func:`voxdiff.step.batch_shapes`), encoded by ``encoding``, as
+    :class:`voxdiff.step.TrainStep` computes the loss; with the parameter count, the EMA's interval (None: no EMA) and the gradient passes'
     bytes per parameter (:func:`gradient_pass_bytes`) for the weight passes (none by default: a plain loop's step)."""
     from dataclasses import replace
 
@@ -392,28 +413,36 @@ def step_cost(model: torch.nn.Module, batch: Mapping[str, tuple[int, ...]], mode
         loss.backward()
     model.zero_grad(set_to_none=True)
     return StepCost(flops.get_total_flops() / 1e12, counter.ops, sum(p.numel() for p in model.parameters()),
-                    ema_every_n_steps, grad_bytes_per_param)
+                    ema_every_n_steps, grad_bytes_per_param, counter.conv_weight_bytes, counter.tensor_bytes)
 
 
 @dataclass(frozen=True)
 class Throughput:
-    """How fast a GPU runs a UNet step: ``seconds = tflop / tflops + ops * op_us / 1e6 + weight_bytes / bandwidth``.
+    """How fast a GPU runs a UNet step: ``seconds = tflop / tflops + ops * op_us / 1e6 + weight_bytes / bandwidth``,
+    plus ``conv_weight_bytes / conv_weight_rate + tensor_bytes / tensor_rate`` where those two are set.
 
     Attributes:
         tflops: effective TFLOP/s on the FLOPs of the step.
         op_us: microseconds per operator call (launch and host overhead, memory-bound kernels).
-        source: the measurements the two were fitted to.
+        source: the measurements the constants were fitted to.
         bandwidth: bytes per second (read + written) of the step's passes over its weights
             (:attr:`StepCost.weight_bytes`): the GPU's measured device-to-device copy rate.
+        conv_weight_rate: bytes per second of :attr:`StepCost.conv_weight_bytes` (each convolution's cost that
+            does not grow with the batch); None: not part of this kind's model (too few measured rows to fit it).
+        tensor_rate: bytes per second of :attr:`StepCost.tensor_bytes` (the step's traffic); None: as above.
     """
 
     tflops: float
     op_us: float
     source: str
     bandwidth: float
+    conv_weight_rate: float | None = None
+    tensor_rate: float | None = None
 
     def seconds(self, cost: StepCost) -> float:
-        return cost.tflop / self.tflops + cost.ops * self.op_us / 1e6 + cost.weight_bytes / self.bandwidth
+        return (cost.tflop / self.tflops + cost.ops * self.op_us / 1e6 + cost.weight_bytes / self.bandwidth
+                + (cost.conv_weight_bytes / self.conv_weight_rate if self.conv_weight_rate else 0.0)
+                + (cost.tensor_bytes / self.tensor_rate if self.tensor_rate else 0.0))
 
 
 _GPU_SPEED = "../shared/notes/gpu-speed.md: exp11, exp11_1, exp9 4x, exp9 8x shapes, median of 10 steps"
@@ -431,12 +460,21 @@ STEP_THROUGHPUT: dict[tuple[str, str], Throughput] = {
     # (reference/h100_bench_gpu_step_v3.csv, _v4.csv, _v5.csv, _v6.csv) less the weight passes each made at
     # H100_BANDWIDTH (the rows before session 16: the EMA copying the weights inside system.ema.start_step and clipping
     # by norm in place, 20 bytes per parameter; since session 17: the EMA's 12 bytes per its interval and the clipping
-    # norm's 4): exp11 +9.6% and -5.3%, exp11 at batch 32 -23.9%, exp11_1 -11.1%, exp9_ldm_4x_bravo +19.2% and
-    # +19.3%, exp9_ldm_8x_bravo -7.5%, -9.9% and -10.2% (leave-one-out up to +25.9%, and -26.9% at batch 32); the
-    # README states them
-    ("H100", "cudagraphs"): Throughput(290.5, 17.1, "H100, voxdiff's step compiled with CUDA graphs "
-                                                    "(reduce-overhead); nine rows, h100_bench_gpu_step_v3-v6.csv",
-                                       H100_BANDWIDTH),
+    # norm's 4), with four terms since session 24: FLOPs, operator calls, the convolutions' weight bytes (a fixed cost
+    # per convolution: as if each had about 5,300 output voxels more) and the step's tensor bytes (its traffic, which
+    # grows with the batch). Errors: exp11 +5.1% and -9.4%, exp11 at batch 32 -7.0%, exp11_1 +7.9%,
+    # exp9_ldm_4x_bravo +1.4% and +0.4%, exp9_ldm_8x_bravo +1.0%, -0.7% and -1.8%; leave-one-out up to +14.7%, and
+    # -17.3% at batch 32 (the two terms before it: up to -26.9%). The README states them
+    ("H100", "cudagraphs"): Throughput(902.3, 8.2, "H100, voxdiff's step compiled with CUDA graphs "
+                                                   "(reduce-overhead); nine rows, h100_bench_gpu_step_v3-v6.csv",
+                                       H100_BANDWIDTH, conv_weight_rate=342.1e9, tensor_rate=2185.7e9),
+    # the H100's constants, checked (not fitted) on the four rows of the same step measured on an H200
+    # (reference/h200_bench_gpu_step.csv, _v2.csv): exp9_ldm_4x_bravo at batch 1 +5.7% and at batch 4 +9.1%, exp11 at
+    # batch 32 +2.4% and at batch 1 +17.7% (predicted long: the H200's faster memory is not modelled, nor its copy
+    # rate measured: H100_BANDWIDTH)
+    ("H200", "cudagraphs"): Throughput(902.3, 8.2, "the H100's constants for voxdiff's step compiled with CUDA graphs, "
+                                                   "checked on four H200 rows (h200_bench_gpu_step.csv, _v2.csv)",
+                                       H100_BANDWIDTH, conv_weight_rate=342.1e9, tensor_rate=2185.7e9),
 }
 """Per (GPU type, step kind: :func:`step_kind`) throughput. A GPU type without an entry gets no time prediction (never
 a guess)."""
