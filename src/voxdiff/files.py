@@ -13,8 +13,9 @@ and ``fsync``-s the folder so the rename itself survives a crash: readers see th
 mix. A write that cannot fit is refused before a byte is written, and one that fails anyway (the disk filled up
 meanwhile, a quota, an I/O error) is reported as :class:`CheckpointWriteError`, naming the file, the bytes it needs
 and the bytes free, instead of PyTorch's ``[enforce fail at inline_container.cc:...] unexpected pos``. Checkpoints
-(:class:`voxdiff.lightning.checkpoint_io.AtomicCheckpointIO`), the latent cache, the data module's cache stamps and
-the MNI template are written through it.
+(:class:`voxdiff.lightning.checkpoint_io.AtomicCheckpointIO`), the latent cache, the data module's cache stamps, the
+MNI template and the evaluation's ``metrics.json`` and report are written through it, with the permissions a file
+written in place would get (the old file's, else ``0666`` less the umask; not the temporary file's ``0600``).
 
 Nothing here imports Lightning; the data modules use it too.
 """
@@ -26,6 +27,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -141,6 +143,16 @@ def _no_space(target: Path, need: int | None) -> CheckpointWriteError:
         + ". Free space there, or point paths.run_dir at a file system with room")
 
 
+def _new_file_mode(target: Path) -> int:
+    """The permissions a file written in place would have: the old file's, else ``0666`` less the umask."""
+    try:
+        return stat.S_IMODE(target.stat().st_mode)
+    except OSError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
+
+
 def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any], nbytes: int | None = None) -> Path:
     """Write ``path`` with ``write(file)`` through a temporary file in the same folder, fsync and ``os.replace``.
 
@@ -163,6 +175,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any],
         raise _no_space(target, nbytes)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, _new_file_mode(target))  # mkstemp's 0600 would hide the file from the user's group
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

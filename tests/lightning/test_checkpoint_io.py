@@ -97,3 +97,24 @@ def test_a_disk_that_fills_up_during_the_write_is_reported_not_enforce_fail(smal
                                                    r"[\d.]+ [kMGT]?B free"):  # as disk_usage says
         atomic_torch_save({"step": 2, "w": torch.zeros(1024 * 1024)}, path)
     assert path.read_bytes() == old and os.listdir(small_disk) == ["last.ckpt"]
+
+
+def test_a_written_file_has_the_permissions_of_one_written_in_place_not_the_temporary_files(tmp_path):
+    """mkstemp creates 0600: a checkpoint or report renamed from it would be unreadable to the user's group. A new
+    file gets 0666 less the umask, a replaced one keeps its mode."""
+    import os
+    import stat
+
+    from voxdiff.files import atomic_write
+
+    mask = os.umask(0o022)
+    try:
+        new = atomic_write(tmp_path / "new.json", lambda f: f.write(b"{}"))
+        assert stat.S_IMODE(new.stat().st_mode) == 0o644
+        os.umask(0o007)
+        assert stat.S_IMODE(atomic_write(tmp_path / "group.json", lambda f: f.write(b"{}")).stat().st_mode) == 0o660
+        new.chmod(0o640)
+        assert stat.S_IMODE(atomic_write(new, lambda f: f.write(b"[]")).stat().st_mode) == 0o640
+        assert new.read_bytes() == b"[]"
+    finally:
+        os.umask(mask)
