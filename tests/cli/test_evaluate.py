@@ -245,11 +245,15 @@ def test_the_loss_curve_comes_from_the_runs_csv(run, tmp_path):
     ("stage1_ckpt=/nonexistent.ckpt", "stage1_ckpt"), ("ms_ssim=hagan", "ms_ssim"),
     ("medicalnet.weights=/some.pth", "medicalnet.sha256"), ("diversity_pairs=0", "diversity_pairs"),
     ("batch_size=many", "batch_size"), ("memory_budget_gib=-1", "memory_budget_gib"),
+    # a sweep: each value as one evaluation, at least two, none twice, one scale at a time
+    ("autoguide_scale=[1,-1]", "autoguide_scale"), ("autoguide_scale=[1.5]", "autoguide_scale"),
+    ("guidance_scale=[1,2,1]", "guidance_scale"), ("guidance_scale=[1,x]", "guidance_scale"),
+    ("autoguide_scale=[1,1.5] guidance_scale=[1,2]", "autoguide_scale"),
 ])
 def test_bad_evaluation_configs_are_refused(run, override, key):
     _, _, last = run
     with pytest.raises(ConfigError) as e:
-        validate(compose("evaluate", [f"ckpt_path={last}", override]))
+        validate(compose("evaluate", [f"ckpt_path={last}", *override.split()]))
     assert e.value.key == key
 
 
@@ -302,3 +306,43 @@ def test_the_volumes_host_memory_is_checked_before_the_real_set_is_loaded(monkey
     monkeypatch.setattr(E, "available_host_bytes", lambda: real)
     with pytest.raises(ConfigError, match=r"Fix: use a node with more memory \(n=2 needs"):
         E.check_host_memory(OmegaConf.create({"n": 2, "control_ckpt": None}), volume, 3)
+
+
+def test_a_guidance_sweep_evaluates_each_scale_with_the_same_masks_and_noise_and_puts_them_side_by_side(
+        run, late, tmp_path):
+    """``autoguide_scale=[1,1.5,2]``: one whole evaluation per scale in ``autoguide_scale_<v>/``; scale 1 is the plain
+    evaluation itself (the same masks and noise: every figure equal to the plain one's), the others differ;
+    ``sweep.json`` holds each figure's values in the order of the scales with the scale it prefers, and
+    ``sweep.html`` renders in a real browser with a row per figure and each scale's report linked. A scale the
+    checkpoint cannot take is refused before anything is sampled."""
+    _, early_ckpt, last = run
+    record = _evaluate(last, tmp_path, "autoguide_scale=[1,1.5,2]", f"autoguide_ckpt={early_ckpt}")
+    plain = late[0]
+    assert record["swept"] == "autoguide_scale" and record["values"] == [1.0, 1.5, 2.0]
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    assert saved["values"] == [1.0, 1.5, 2.0] and set(saved["figures"]) == set(plain["figures"])
+    for value in ("1", "1.5", "2"):
+        one = json.loads((tmp_path / f"autoguide_scale_{value}" / "metrics.json").read_text())
+        assert one["sampling"]["autoguide_scale"] == float(value)
+        assert one["sampling"]["conditioned_on"] == plain["sampling"]["conditioned_on"]
+        assert (tmp_path / f"autoguide_scale_{value}" / "report.html").is_file()
+        for name, f in saved["figures"].items():
+            assert f["values"][saved["values"].index(float(value))] == one["figures"][name]["value"], name
+    for name, f in saved["figures"].items():  # scale 1 is the plain evaluation, with the same noise
+        assert f["values"][0] == pytest.approx(plain["figures"][name]["value"]), name
+    assert saved["figures"]["psnr"]["values"][1] != saved["figures"]["psnr"]["values"][0]
+    psnr, contrast = saved["figures"]["psnr"], saved["figures"]["lesion_contrast_generated"]
+    assert psnr["best"] == saved["values"][psnr["values"].index(max(psnr["values"]))]
+    real = saved["figures"]["lesion_contrast_real"]
+    assert real["best"] is None and contrast["target"] == real["values"][0]
+    gaps = [abs(v - contrast["target"]) for v in contrast["values"]]
+    assert contrast["best"] == saved["values"][gaps.index(min(gaps))]
+    page = render(tmp_path / "sweep.html", tmp_path / "sweep.png")
+    assert page["table_rows"] == len(saved["figures"]) and page["blank"] is False
+    assert len(page["image_widths"]) == 1 and page["image_widths"][0] > 100
+    html = (tmp_path / "sweep.html").read_text()
+    assert all(f"href='autoguide_scale_{v}/report.html'" in html for v in ("1", "1.5", "2"))
+    # a scale this checkpoint cannot sample with is refused before the first is sampled: no guide for 1.5 here
+    with pytest.raises(ConfigError, match=r"autoguide_ckpt=null: autoguide_scale=1.5 needs a guide"):
+        _evaluate(last, tmp_path / "refused", "autoguide_scale=[1,1.5]")
+    assert not (tmp_path / "refused" / "autoguide_scale_1").exists()

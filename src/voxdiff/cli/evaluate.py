@@ -40,6 +40,7 @@ from voxdiff.cli.sample import (
     _CKPT_FIX,
     _datamodule,
     available_host_bytes,
+    checked,
     chunk_memory,
     measured_memory,
     ready,
@@ -79,9 +80,12 @@ from voxdiff.evaluation.report import (
     loss_curve_png,
     read_loss_log,
     render_html,
+    render_sweep_html,
     scatter_png,
+    sweep_png,
     write_outputs,
 )
+from voxdiff.evaluation.sweep import summarise
 from voxdiff.viz import save_montage
 
 
@@ -104,9 +108,20 @@ if not OmegaConf.has_resolver("voxdiff.eval_dir"):
 def validate(cfg: DictConfig) -> None:
     """Static checks of an evaluation config (those of ``sample.py``, and the evaluation's own).
 
+    A guidance scale given as a list (a sweep, :func:`swept_scale`) is validated at each of its values.
+
     Raises:
         ConfigError: naming the key, the value and a fix.
     """
+    sweep = swept_scale(cfg)
+    if sweep is not None:
+        key, values = sweep
+        for value in values:
+            validate(_at(cfg, key, value))
+        if len({float(v) for v in values}) != len(values):
+            raise ConfigError(key, values, "repeats a value: each scale is evaluated once",
+                              f"list each scale once, e.g. {key}=[1,1.1,1.25]")
+        return
     validate_sampling(cfg)
     check_output("out_dir" if cfg.get("out_dir") else "paths.log_dir", cfg.paths.run_dir, folder=True,
                  fix="choose a folder this user can write to (out_dir=DIR)")
@@ -144,6 +159,96 @@ def validate(cfg: DictConfig) -> None:
     if medicalnet.get("weights") is not None and not medicalnet.get("sha256"):
         raise ConfigError("medicalnet.sha256", medicalnet.get("sha256"), "a MedicalNet weights file needs its SHA-256",
                           "pass medicalnet.sha256=$(sha256sum FILE | cut -d' ' -f1) of the file you trust")
+
+
+#: the sampling settings a list of values sweeps: one evaluation at each (``autoguide_scale=[1,1.1,1.25]``)
+SWEEPABLE = ("guidance_scale", "autoguide_scale")
+
+
+def swept_scale(cfg: DictConfig) -> tuple[str, list[Any]] | None:
+    """The guidance scale given as a list: ``(key, values)`` (None: no sweep).
+
+    Raises:
+        ConfigError: both scales given as lists, or fewer than two values.
+    """
+    lists = [k for k in SWEEPABLE if OmegaConf.is_list(cfg.get(k))]
+    if not lists:
+        return None
+    key = lists[0]
+    if len(lists) > 1:
+        raise ConfigError(lists[1], plain(cfg.get(lists[1])), f"is swept beside {key}: one scale is swept at a time",
+                          f"give {lists[1]} one value (or null), or sweep it alone")
+    values = list(plain(cfg.get(key)))
+    if len(values) < 2:
+        raise ConfigError(key, values, "a sweep needs at least two scales",
+                          f"e.g. {key}=[1,1.1,1.25], or one value without brackets")
+    return key, values
+
+
+def _at(cfg: DictConfig, key: str, value: Any, out: Path | None = None) -> DictConfig:
+    """The sweep's evaluation at ``key=value``: the command's config with that scale, written into
+    ``<out>/<key>_<value>`` (``out``: the sweep's folder; None: left as it is)."""
+    point = cfg.copy()
+    with open_dict(point):
+        point[key] = value
+        if out is not None:
+            point.paths.output_dir = str(out / f"{key}_{float(value):g}")
+    return point
+
+
+def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str, Any]:
+    """Evaluate ``cfg.ckpt_path`` at each of ``values`` of the guidance setting ``key``, with the same masks, noise
+    and covariates (the same ``seed``): every scale is checked as the model and its guide can take it before any is
+    sampled, then each is a whole evaluation in ``<out>/<key>_<value>/`` (``metrics.json``, ``report.html``,
+    samples), and ``sweep.json`` and ``sweep.html`` in ``<out>`` put their figures side by side
+    (:func:`voxdiff.evaluation.sweep.summarise`: the scale each figure prefers). Returns the sweep's record plus
+    ``{"json", "html"}`` paths.
+
+    Raises:
+        ConfigError: not a diffusion checkpoint, a scale the checkpoint cannot sample with (both before anything is
+            sampled), or as :func:`evaluate`.
+    """
+    header = load_file(Path(str(cfg.ckpt_path)), "ckpt_path", _CKPT_FIX, mmap=True)
+    kind = checkpoint_kind(header)
+    del header
+    if kind != "diffusion":
+        raise ConfigError(key, values, f"sweeps the guidance of a diffusion checkpoint, and ckpt_path is {KINDS[kind]}",
+                          f"give {key} one value (or none), or point ckpt_path at a diffusion run's checkpoint")
+    out = Path(cfg.paths.output_dir)
+    points = [_at(cfg, key, v, out) for v in values]
+    device = pick_device(cfg.device)
+    print(f"[voxdiff] sweep of {key}: checking {', '.join(f'{float(v):g}' for v in values)} against the checkpoint "
+          "before any is sampled", flush=True)
+    for point in points:
+        prepared = checked(point, device)
+        release(prepared.system, prepared.guide)
+        del prepared
+    records = []
+    for i, (value, point) in enumerate(zip(values, points, strict=True)):
+        print(f"[voxdiff] sweep of {key}: {key}={float(value):g} ({i + 1} of {len(values)}) into "
+              f"{point.paths.output_dir}", flush=True)
+        records.append(evaluate(point))
+    scales = [float(v) for v in values]
+    summary = summarise(key, scales, records)
+    first = records[0]
+    record = {"checkpoint": first["checkpoint"], "evaluated_at": dt.datetime.now().isoformat(timespec="seconds"),
+              "data": first["data"], "split": first["split"], "n_generated": first["n_generated"],
+              "sampling": {k: v for k, v in first["sampling"].items()
+                           if k not in (key, "autoguide_ckpt", "memory_gib")},  # what every scale shares
+              **summary,
+              "evaluations": [{key: v, "metrics": r["json"], "report": r["html"]} for v, r in zip(scales, records)]}
+    meta = {"checkpoint": f"{first['checkpoint']['path']} (step {first['checkpoint']['global_step']})",
+            "swept": f"{key} = {', '.join(f'{v:g}' for v in scales)}: the same masks, noise and covariates at each",
+            "sets": f"{first['n_generated']} generated at each scale, {first['n_real']} real (split={first['split']})"}
+    reports = [str(Path(r["html"]).relative_to(out)) for r in records]
+    page = render_sweep_html(f"voxdiff guidance sweep: {key}", meta, summary, reports, sweep_png(summary))
+    json_path, html_path = write_outputs(out, record, page, names=("sweep.json", "sweep.html"))
+    print(f"[voxdiff] sweep of {key}: wrote {json_path} and {html_path}", flush=True)
+    for name, f in summary["figures"].items():
+        if f["best"] is not None:
+            print(f"[voxdiff]   {name}: " + "  ".join(f"{v:g}: {x:.4g}" for v, x in zip(scales, f["values"]))
+                  + f"  (prefers {f['best']:g})", flush=True)
+    return {**record, "json": str(json_path), "html": str(html_path)}
 
 
 def _split(dm: Any, split: str):
@@ -632,10 +737,15 @@ _EVALUATIONS = {"diffusion": _diffusion, "stage1": _vqvae}
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate ``cfg.ckpt_path``; returns the ``metrics.json`` record plus ``{"json", "html"}`` paths.
 
+    A guidance scale given as a list is a sweep: :func:`evaluate_sweep`.
+
     Raises:
         ConfigError: the checkpoint is not one of voxdiff's (of no kind in :data:`_EVALUATIONS`), or is refused
             when its system is rebuilt.
     """
+    sweep = swept_scale(cfg)
+    if sweep is not None:
+        return evaluate_sweep(cfg, *sweep)
 
     # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
     from voxdiff.lightning.trainer import configure_cpu_threads

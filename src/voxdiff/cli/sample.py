@@ -354,17 +354,15 @@ class Ready(NamedTuple):
     memory: Any  #: the predicted memory (:class:`voxdiff.preflight.memory.SamplingReport`)
 
 
-def ready(cfg: DictConfig, device: Any, requested: bool = True, sampler: Any = None) -> Ready:
-    """Everything a command samples with, checked before any of it goes to ``device``: the system of ``ckpt_path``
+def checked(cfg: DictConfig, device: Any, requested: bool = True, sampler: Any = None) -> Ready:
+    """Everything a command samples with, checked for ``device`` but not yet on it: the system of ``ckpt_path``
     (:func:`_load`), its sampler with the command's settings (or ``sampler``, already chosen), the guide
-    (:func:`_guide`), the predicted memory (:func:`check_memory`); then the model and the guide on the device.
+    (:func:`_guide`), the predicted memory (:func:`check_memory`).
 
     Raises:
         ConfigError: as :func:`_load`, :func:`_guide` and :func:`check_memory`, or a sampler setting the model
             cannot take.
     """
-    import torch
-
     loaded = _load(cfg, device, requested)
     system = loaded.system
     if sampler is None:
@@ -372,9 +370,19 @@ def ready(cfg: DictConfig, device: Any, requested: bool = True, sampler: Any = N
                                  cfg.get("autoguide_scale"))
     guide, sampler, path = _guide(cfg, device, system, sampler)
     memory = check_memory(cfg, device, loaded.spec, system, sampler)
+    return Ready(system, sampler, guide, path, loaded.saved, loaded.precision, loaded.weights, memory)
+
+
+def ready(cfg: DictConfig, device: Any, requested: bool = True, sampler: Any = None) -> Ready:
+    """:func:`checked`, then the model and the guide on the device.
+
+    Raises:
+        ConfigError: as :func:`checked`.
+    """
+    prepared = checked(cfg, device, requested, sampler)
     start_measuring(device)
-    return Ready(system.to(device), sampler, None if guide is None else guide.to(device), path, loaded.saved,
-                 loaded.precision, loaded.weights, memory)
+    return prepared._replace(system=prepared.system.to(device),
+                             guide=None if prepared.guide is None else prepared.guide.to(device))
 
 
 def start_measuring(device: Any) -> None:

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from voxdiff.files import atomic_write
+
 #: ``direction`` values of a figure and how the table shows them
 DIRECTIONS = {"higher": "↑ higher is better", "lower": "↓ lower is better",
               "match": "≈ closer to the real figure is better", "info": "—"}
@@ -140,6 +142,26 @@ def scatter_png(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], x
     return png_bytes(fig)
 
 
+def sweep_png(summary: Mapping[str, Any]) -> bytes:
+    """A guidance sweep (:func:`voxdiff.evaluation.sweep.summarise`): each ranked figure against the scale, a small
+    panel each, its target dashed where it has one and the scale it prefers dotted."""
+    ranked = {n: f for n, f in summary["figures"].items() if f["best"] is not None}
+    cols = min(4, max(1, len(ranked)))
+    rows = max(1, math.ceil(len(ranked) / cols))
+    fig = _figure(3.0 * cols, 2.4 * rows)
+    for k, (name, f) in enumerate(ranked.items()):
+        ax = fig.add_subplot(rows, cols, k + 1)
+        ax.plot(summary["values"], f["values"], "o-", color="tab:orange", markersize=4)
+        if f["target"] is not None:
+            ax.axhline(f["target"], color="tab:blue", linestyle="--", linewidth=1)
+        ax.axvline(f["best"], color="grey", linestyle=":", linewidth=1)
+        ax.set_title(name, fontsize=8)
+        ax.set_xlabel(summary["swept"], fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    return png_bytes(fig)
+
+
 # ------------------------------------------------------------------------------------------------ HTML
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
@@ -210,11 +232,45 @@ def render_html(title: str, meta: Mapping[str, Any], figures: Mapping[str, Mappi
     return "\n".join(parts)
 
 
-def write_outputs(out_dir: str | os.PathLike[str], record: Mapping[str, Any], page: str) -> tuple[Path, Path]:
-    """Write ``metrics.json`` and ``report.html`` into ``out_dir`` (created); returns both paths."""
+def render_sweep_html(title: str, meta: Mapping[str, Any], summary: Mapping[str, Any],
+                      reports: Sequence[str], png: bytes) -> str:
+    """The page of a guidance sweep: a row per figure with its value at each scale (the scale it prefers in bold),
+    its direction and target; the ranked figures plotted against the scale; each scale's own report linked
+    (``reports``: paths relative to the page, one per scale)."""
+    key, values = summary["swept"], summary["values"]
+    head = "".join(f"<th><a href='{html.escape(r)}'>{html.escape(key)}={v:g}</a></th>" for v, r in zip(values, reports))
+    rows = []
+    for name, f in summary["figures"].items():
+        cells = "".join(f"<td class='num'><b>{_fmt(v)}</b></td>" if f["best"] == scale
+                        else f"<td class='num'>{_fmt(v)}</td>" for scale, v in zip(values, f["values"]))
+        goal = "" if f["target"] is None else _fmt(f["target"])
+        rows.append(f"<tr><td>{html.escape(str(f['label']))}<br><code>{html.escape(name)}</code></td>{cells}"
+                    f"<td class='num'>{goal}</td><td>{html.escape(DIRECTIONS[f['direction']])}</td></tr>")
+    meta_rows = "".join(f"<div><b>{html.escape(k)}:</b> {html.escape(str(v))}</div>" for k, v in meta.items())
+    return "\n".join([
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1><div class='meta'>{meta_rows}</div>",
+        "<h2>Figures at each scale</h2><p class='note'>Bold: the scale a figure prefers (its direction; a figure "
+        "that should match the real set: the closest to its target). The negative control's and the real set's "
+        "figures are shown, not ranked. No scale is chosen for you: the figures disagree.</p>",
+        f"<table id='metrics'><thead><tr><th>figure</th>{head}<th>target</th><th>direction</th></tr></thead><tbody>",
+        *rows, "</tbody></table>",
+        "<h2>Against the scale</h2>",
+        f"<div class='wide'><figure><img src='{data_uri(png)}' alt='figures against {html.escape(key)}'>"
+        f"<figcaption>each ranked figure against {html.escape(key)}; dashed: its target; dotted: the scale it "
+        "prefers</figcaption></figure></div>",
+        "</body></html>"])
+
+
+def write_outputs(out_dir: str | os.PathLike[str], record: Mapping[str, Any], page: str,
+                  names: tuple[str, str] = ("metrics.json", "report.html")) -> tuple[Path, Path]:
+    """Write ``record`` as JSON and ``page`` into ``out_dir`` (created) as ``names`` (``metrics.json`` and
+    ``report.html``), each atomically (:func:`voxdiff.files.atomic_write`: a failed write leaves the previous file
+    and says why and where); returns both paths."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, html_path = out / "metrics.json", out / "report.html"
-    json_path.write_text(json.dumps(record, indent=2, allow_nan=True) + "\n")
-    html_path.write_text(page, encoding="utf-8")
+    json_path, html_path = out / names[0], out / names[1]
+    text = json.dumps(record, indent=2, allow_nan=True) + "\n"
+    atomic_write(json_path, lambda f: f.write(text.encode("utf-8")))
+    atomic_write(html_path, lambda f: f.write(page.encode("utf-8")))
     return json_path, html_path

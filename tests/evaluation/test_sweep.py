@@ -1,0 +1,73 @@
+"""``voxdiff.evaluation.sweep``: a guidance sweep's figures side by side, each ranked by its direction."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from voxdiff.evaluation.sweep import summarise, target
+
+
+def _record(**figures: tuple[float, str]) -> dict:
+    return {"figures": {name: {"value": value, "direction": direction, "label": name}
+                        for name, (value, direction) in figures.items()}}
+
+
+def _at(scale_values: dict[str, float], directions: dict[str, str]) -> dict:
+    return _record(**{k: (v, directions[k]) for k, v in scale_values.items()})
+
+
+DIRECTIONS = {"psnr": "higher", "mmd_histogram": "lower", "lesion_contrast_generated": "match",
+              "lesion_contrast_real": "info", "covariate_age_ventricles_control": "lower",
+              "covariate_age_ventricles_effect_generated": "match", "covariate_age_ventricles_effect_real": "info"}
+
+
+def test_each_figure_prefers_the_scale_its_direction_says_and_the_real_and_control_figures_are_not_ranked():
+    rows = [
+        {"psnr": 20.0, "mmd_histogram": 0.02, "lesion_contrast_generated": 0.30, "lesion_contrast_real": 0.45,
+         "covariate_age_ventricles_control": 0.01, "covariate_age_ventricles_effect_generated": 1.3,
+         "covariate_age_ventricles_effect_real": 3.0},
+        {"psnr": 21.0, "mmd_histogram": 0.01, "lesion_contrast_generated": 0.50, "lesion_contrast_real": 0.45,
+         "covariate_age_ventricles_control": -0.4, "covariate_age_ventricles_effect_generated": 2.7,
+         "covariate_age_ventricles_effect_real": 3.0},
+        {"psnr": 19.0, "mmd_histogram": 0.03, "lesion_contrast_generated": 0.43, "lesion_contrast_real": 0.45,
+         "covariate_age_ventricles_control": 0.2, "covariate_age_ventricles_effect_generated": 4.8,
+         "covariate_age_ventricles_effect_real": 3.0},
+    ]
+    summary = summarise("autoguide_scale", [1.0, 1.1, 1.25], [_at(r, DIRECTIONS) for r in rows])
+    f = summary["figures"]
+    assert summary["swept"] == "autoguide_scale" and summary["values"] == [1.0, 1.1, 1.25]
+    assert f["psnr"]["values"] == [20.0, 21.0, 19.0] and f["psnr"]["best"] == 1.1
+    assert f["mmd_histogram"]["best"] == 1.1
+    # matched to the real twin: 0.43 is closer to 0.45 than 0.50 is
+    assert f["lesion_contrast_generated"]["target"] == 0.45 and f["lesion_contrast_generated"]["best"] == 1.25
+    assert f["covariate_age_ventricles_effect_generated"]["target"] == 3.0
+    assert f["covariate_age_ventricles_effect_generated"]["best"] == 1.1
+    # shown, not ranked: the real set's own figure, and the negative control's (whose "lower" would pick -0.4)
+    assert f["lesion_contrast_real"]["best"] is None
+    assert f["covariate_age_ventricles_control"]["best"] is None
+    assert f["covariate_age_ventricles_control"]["values"] == [0.01, -0.4, 0.2]
+
+
+def test_a_ratio_to_the_real_set_is_matched_to_1_and_a_match_without_target_is_not_ranked():
+    sharp = [{"value": v, "direction": "match", "label": "sharpness", "generated": {"value": v}, "real": {"value": 1}}
+             for v in (0.7, 1.2, 0.95)]
+    records = [{"figures": {"anatomy_sharpness": s, "orphan_generated": {"value": 1.0 + i, "direction": "match"}}}
+               for i, s in enumerate(sharp)]
+    assert target("anatomy_sharpness", records[0]["figures"]) == 1.0
+    assert target("orphan_generated", records[0]["figures"]) is None
+    f = summarise("guidance_scale", [1, 2, 3], records)["figures"]
+    assert f["anatomy_sharpness"]["best"] == 3 and f["anatomy_sharpness"]["target"] == 1.0
+    assert f["orphan_generated"]["best"] is None
+
+
+def test_a_figure_missing_at_one_scale_is_left_out_and_a_non_finite_one_is_not_ranked():
+    records = [_record(psnr=(20.0, "higher"), fid=(1.0, "lower")), _record(psnr=(math.nan, "higher"))]
+    f = summarise("autoguide_scale", [1.0, 1.5], records)["figures"]
+    assert set(f) == {"psnr"} and f["psnr"]["best"] is None
+
+
+def test_one_scale_per_record():
+    with pytest.raises(ValueError, match="2 scales for 1 evaluations"):
+        summarise("autoguide_scale", [1.0, 1.5], [_record(psnr=(20.0, "higher"))])
