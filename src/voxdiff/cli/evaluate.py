@@ -85,7 +85,7 @@ from voxdiff.evaluation.report import (
     sweep_png,
     write_outputs,
 )
-from voxdiff.evaluation.sweep import summarise
+from voxdiff.evaluation.guidance_sweep import summarise
 from voxdiff.viz import save_montage
 
 
@@ -201,7 +201,7 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
     and covariates (the same ``seed``): every scale is checked as the model and its guide can take it before any is
     sampled, then each is a whole evaluation in ``<out>/<key>_<value>/`` (``metrics.json``, ``report.html``,
     samples), and ``sweep.json`` and ``sweep.html`` in ``<out>`` put their figures side by side
-    (:func:`voxdiff.evaluation.sweep.summarise`: the scale each figure prefers). Returns the sweep's record plus
+    (:func:`voxdiff.evaluation.guidance_sweep.summarise`: the scale each figure prefers). Returns the sweep's record plus
     ``{"json", "html"}`` paths.
 
     Raises:

@@ -1,4 +1,4 @@
-"""``voxdiff.evaluation.sweep``: a guidance sweep's figures side by side, each ranked by its direction."""
+"""``voxdiff.evaluation.guidance_sweep``: a guidance sweep's figures side by side, each ranked by its direction."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from voxdiff.evaluation.sweep import summarise, target
+from voxdiff.evaluation.guidance_sweep import summarise, target
 
 
 def _record(**figures: tuple[float, str]) -> dict:
