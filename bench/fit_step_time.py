@@ -212,7 +212,7 @@ def fit_terms(points: list[tuple[list[float], float]]) -> list[float]:
 def fit(points: list[tuple[float, int, float]]) -> tuple[float, float]:
     """``(tflops, op_us)`` minimising the squared relative error over ``(tflop, ops, seconds)``."""
     x_f, x_n = fit_terms([([f, n], t) for f, n, t in points])
-    return 1.0 / x_f, x_n * 1e6
+    return (1.0 / x_f if x_f else float("inf")), x_n * 1e6  # FLOPs fitted to no cost: an unbounded rate
 
 
 def predict(tflops: float, op_us: float, f: float, n: int) -> float:

@@ -201,8 +201,8 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
     and covariates (the same ``seed``): every scale is checked as the model and its guide can take it before any is
     sampled, then each is a whole evaluation in ``<out>/<key>_<value>/`` (``metrics.json``, ``report.html``,
     samples), and ``sweep.json`` and ``sweep.html`` in ``<out>`` put their figures side by side
-    (:func:`voxdiff.evaluation.guidance_sweep.summarise`: the scale each figure prefers). Returns the sweep's record plus
-    ``{"json", "html"}`` paths.
+    (:func:`voxdiff.evaluation.guidance_sweep.summarise`: the scale each figure prefers). Returns the sweep's record
+    plus ``{"json", "html"}`` paths.
 
     Raises:
         ConfigError: not a diffusion checkpoint, a scale the checkpoint cannot sample with (both before anything is

@@ -143,8 +143,8 @@ def scatter_png(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], x
 
 
 def sweep_png(summary: Mapping[str, Any]) -> bytes:
-    """A guidance sweep (:func:`voxdiff.evaluation.guidance_sweep.summarise`): each ranked figure against the scale, a small
-    panel each, its target dashed where it has one and the scale it prefers dotted."""
+    """A guidance sweep (:func:`voxdiff.evaluation.guidance_sweep.summarise`): each ranked figure against the scale,
+    a small panel each, its target dashed where it has one and the scale it prefers dotted."""
     ranked = {n: f for n, f in summary["figures"].items() if f["best"] is not None}
     cols = min(4, max(1, len(ranked)))
     rows = max(1, math.ceil(len(ranked) / cols))

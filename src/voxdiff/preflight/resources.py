@@ -398,8 +398,9 @@ def step_cost(model: torch.nn.Module, batch: Mapping[str, tuple[int, ...]], mode
               encoding: Any = None, ema_every_n_steps: int | None = None, grad_bytes_per_param: int = 0) -> StepCost:
     """FLOPs, operator calls and the bytes they touch of one training forward+backward of ``model`` (built on meta)
     for a batch of these shapes (:func:`voxdiff.step.batch_shapes`), encoded by ``encoding``, as
-    :class:`voxdiff.step.TrainStep` computes the loss; with the parameter count, the EMA's interval (None: no EMA) and the gradient passes'
-    bytes per parameter (:func:`gradient_pass_bytes`) for the weight passes (none by default: a plain loop's step)."""
+    :class:`voxdiff.step.TrainStep` computes the loss; with the parameter count, the EMA's interval (None: no EMA)
+    and the gradient passes' bytes per parameter (:func:`gradient_pass_bytes`) for the weight passes (none by
+    default: a plain loop's step)."""
     from dataclasses import replace
 
     from torch.utils.flop_counter import FlopCounterMode
