@@ -71,3 +71,12 @@ def test_a_figure_missing_at_one_scale_is_left_out_and_a_non_finite_one_is_not_r
 def test_one_scale_per_record():
     with pytest.raises(ValueError, match="2 scales for 1 evaluations"):
         summarise("autoguide_scale", [1.0, 1.5], [_record(psnr=(20.0, "higher"))])
+
+
+def test_a_standard_error_given_at_every_scale_is_kept_beside_the_values():
+    records = [{"figures": {"covariate_age_ventricles_effect_generated": {"value": v, "se": e, "direction": "match"},
+                            "covariate_age_ventricles_effect_real": {"value": 3.0, "direction": "info"},
+                            "psnr": {"value": 17.0, "direction": "higher"}}} for v, e in ((1.3, 0.2), (2.7, 0.5))]
+    f = summarise("autoguide_scale", [1.0, 1.1], records)["figures"]
+    assert f["covariate_age_ventricles_effect_generated"]["se"] == [0.2, 0.5]
+    assert "se" not in f["psnr"]

@@ -39,8 +39,10 @@ def _ranked(name: str, direction: str) -> bool:
 
 def summarise(key: str, values: Sequence[float], records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The sweep's table: for each figure every evaluation has, its value at each of ``values`` (the ``key``'s
-    scales, in the order run), its direction and target, and the scale it prefers (``best``; None where it is not
-    ranked, or where its values are not finite).
+    scales, in the order run; ``se``: its standard error at each, where every evaluation gives one), its direction
+    and target, and the scale it prefers (``best``; None where it is not ranked, or where its values are not
+    finite). The preference reads the values alone: where two scales lie within their standard errors of each
+    other, so does the choice.
 
     Args:
         key: ``guidance_scale`` or ``autoguide_scale``.
@@ -64,4 +66,6 @@ def summarise(key: str, values: Sequence[float], records: Sequence[Mapping[str, 
             best = values[min(range(len(series)), key=lambda i: score(series[i]))]
         figures[name] = {"label": first.get("label", name), "direction": direction, "values": series,
                          "target": goal, "best": best}
+        if all("se" in r["figures"][name] for r in records):  # an effect's standard error, at each scale
+            figures[name]["se"] = [float(r["figures"][name]["se"]) for r in records]
     return {"swept": key, "values": list(values), "figures": figures}

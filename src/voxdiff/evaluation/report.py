@@ -151,7 +151,8 @@ def sweep_png(summary: Mapping[str, Any]) -> bytes:
     fig = _figure(3.0 * cols, 2.4 * rows)
     for k, (name, f) in enumerate(ranked.items()):
         ax = fig.add_subplot(rows, cols, k + 1)
-        ax.plot(summary["values"], f["values"], "o-", color="tab:orange", markersize=4)
+        ax.errorbar(summary["values"], f["values"], yerr=f.get("se"), fmt="o-", color="tab:orange", markersize=4,
+                    capsize=2)
         if f["target"] is not None:
             ax.axhline(f["target"], color="tab:blue", linestyle="--", linewidth=1)
         ax.axvline(f["best"], color="grey", linestyle=":", linewidth=1)
@@ -234,15 +235,17 @@ def render_html(title: str, meta: Mapping[str, Any], figures: Mapping[str, Mappi
 
 def render_sweep_html(title: str, meta: Mapping[str, Any], summary: Mapping[str, Any],
                       reports: Sequence[str], png: bytes) -> str:
-    """The page of a guidance sweep: a row per figure with its value at each scale (the scale it prefers in bold),
-    its direction and target; the ranked figures plotted against the scale; each scale's own report linked
-    (``reports``: paths relative to the page, one per scale)."""
+    """The page of a guidance sweep: a row per figure with its value at each scale (± its standard error where it
+    has one; the scale it prefers in bold), its direction and target; the ranked figures plotted against the scale;
+    each scale's own report linked (``reports``: paths relative to the page, one per scale)."""
     key, values = summary["swept"], summary["values"]
     head = "".join(f"<th><a href='{html.escape(r)}'>{html.escape(key)}={v:g}</a></th>" for v, r in zip(values, reports))
     rows = []
     for name, f in summary["figures"].items():
-        cells = "".join(f"<td class='num'><b>{_fmt(v)}</b></td>" if f["best"] == scale
-                        else f"<td class='num'>{_fmt(v)}</td>" for scale, v in zip(values, f["values"]))
+        shown = [_fmt(v) + (f" ± {_fmt(e)}" if e is not None else "")
+                 for v, e in zip(f["values"], f.get("se") or [None] * len(values))]
+        cells = "".join(f"<td class='num'><b>{text}</b></td>" if f["best"] == scale
+                        else f"<td class='num'>{text}</td>" for scale, text in zip(values, shown))
         goal = "" if f["target"] is None else _fmt(f["target"])
         rows.append(f"<tr><td>{html.escape(str(f['label']))}<br><code>{html.escape(name)}</code></td>{cells}"
                     f"<td class='num'>{goal}</td><td>{html.escape(DIRECTIONS[f['direction']])}</td></tr>")
