@@ -187,6 +187,28 @@ def test_a_throughputs_byte_terms_add_their_seconds_where_they_are_set():
     assert STEP_THROUGHPUT[("H200", "cudagraphs")].seconds(cost) == graphs.seconds(cost)
 
 
+def test_the_predicted_step_is_told_term_by_term_the_largest_first():
+    """The CUDA-graph step's parts add up to its seconds, each term its own; the run's time line lists them largest
+    first with their shares, and a kind without the byte terms lists none of them."""
+    from voxdiff.preflight.resources import describe_parts
+
+    graphs = STEP_THROUGHPUT[("H100", "cudagraphs")]
+    cost = StepCost(tflop=100.0, ops=1000, params=10**9, ema_every_n_steps=10, grad_bytes_per_param=4,
+                    conv_weight_bytes=2 * 10**9, tensor_bytes=700 * 10**9)
+    parts = graphs.parts(cost)
+    assert sum(parts.values()) == pytest.approx(graphs.seconds(cost))
+    assert parts["traffic"] == pytest.approx(700e9 / graphs.tensor_rate)
+    assert parts["FLOPs"] == pytest.approx(100.0 / graphs.tflops)
+    assert parts["weight passes"] == pytest.approx(cost.weight_bytes / graphs.bandwidth)
+    text = describe_parts(parts)
+    assert text.startswith("traffic ") and text.index("FLOPs") < text.index("operator calls")
+    assert f"({parts['traffic'] / sum(parts.values()):.0%})" in text
+    run = RunTime(graphs.seconds(cost), 100, 1, None, 0.0, graphs, parts=parts)
+    assert run.describe().endswith(f"; the step: {text}")
+    compiled = STEP_THROUGHPUT[("H100", "compiled")].parts(cost)
+    assert set(compiled) == {"FLOPs", "operator calls", "weight passes"}
+
+
 def test_run_time_and_requeues():
     throughput = STEP_THROUGHPUT[("H100", "compiled")]
     cost = StepCost(tflop=throughput.tflops, ops=0)  # one second of FLOPs

@@ -440,10 +440,25 @@ class Throughput:
     conv_weight_rate: float | None = None
     tensor_rate: float | None = None
 
+    def parts(self, cost: StepCost) -> dict[str, float]:
+        """The step's seconds term by term (a term this kind does not model is left out)."""
+        out = {"FLOPs": cost.tflop / self.tflops, "operator calls": cost.ops * self.op_us / 1e6}
+        if self.conv_weight_rate:
+            out["convolutions' fixed cost"] = cost.conv_weight_bytes / self.conv_weight_rate
+        if self.tensor_rate:
+            out["traffic"] = cost.tensor_bytes / self.tensor_rate
+        out["weight passes"] = cost.weight_bytes / self.bandwidth
+        return out
+
     def seconds(self, cost: StepCost) -> float:
-        return (cost.tflop / self.tflops + cost.ops * self.op_us / 1e6 + cost.weight_bytes / self.bandwidth
-                + (cost.conv_weight_bytes / self.conv_weight_rate if self.conv_weight_rate else 0.0)
-                + (cost.tensor_bytes / self.tensor_rate if self.tensor_rate else 0.0))
+        return sum(self.parts(cost).values())
+
+
+def describe_parts(parts: Mapping[str, float]) -> str:
+    """Where a predicted step goes, the largest term first: ``traffic 334 ms (72%), FLOPs 116 ms (25%), ...``."""
+    total = sum(parts.values())
+    return ", ".join(f"{name} {seconds * 1e3:.3g} ms ({seconds / total:.0%})"
+                     for name, seconds in sorted(parts.items(), key=lambda kv: -kv[1]) if seconds > 0)
 
 
 _GPU_SPEED = "../shared/notes/gpu-speed.md: exp11, exp11_1, exp9 4x, exp9 8x shapes, median of 10 steps"
@@ -499,6 +514,7 @@ class RunTime:
         warn_s: seconds before the limit at which the job saves and requeues itself (``WARN_SECONDS``).
         throughput: what ``step_s`` was computed with.
         gpu_s: the step's seconds on the GPU, without the wait for data (None: the same as ``step_s``).
+        parts: the GPU's seconds term by term (:meth:`Throughput.parts`; None: not given).
     """
 
     step_s: float
@@ -508,6 +524,7 @@ class RunTime:
     warn_s: float
     throughput: Throughput
     gpu_s: float | None = None
+    parts: Mapping[str, float] | None = None
 
     @property
     def wall_s(self) -> float:
@@ -531,10 +548,11 @@ class RunTime:
                  if jobs is not None else "")
         waiting = (f" ({(self.step_s - self.gpu_s) * 1e3:.0f} of them waiting for data, as the data: line says)"
                    if self.gpu_s is not None and self.step_s > self.gpu_s else "")
+        split = f"; the step: {describe_parts(self.parts)}" if self.parts else ""
         return (f"time: {self.step_s * 1e3:.0f} ms/step predicted{waiting}, {self.max_steps} steps = "
                 f"{self.wall_s / 3600:.1f} h"
                 f" wall, {self.gpu_hours:.1f} GPU-hours{limit} (no validation or sampling time;"
-                f" {self.throughput.source})")
+                f" {self.throughput.source}){split}")
 
 
 @dataclass(frozen=True)
@@ -786,7 +804,8 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
         unknown = (f"the {kind} step's speed on {gpu} has not been measured (voxdiff.preflight.resources."
                    f"STEP_THROUGHPUT has {', '.join(f'{g} {k}' for g, k in sorted(STEP_THROUGHPUT))})")
     elif not isinstance(max_steps, int) or max_steps <= 0:
-        unknown = f"{wall_s * 1e3:.0f} ms/step predicted; trainer.max_steps={max_steps} sets no end"
+        unknown = (f"{wall_s * 1e3:.0f} ms/step predicted; trainer.max_steps={max_steps} sets no end; the step: "
+                   f"{describe_parts(throughput.parts(cost))}")
     else:
         site = slurm_site(needs.slurm)
         limit = warn = None
@@ -796,7 +815,8 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
             except ValueError:
                 limit = None  # UNLIMITED: no requeues to plan
             warn = float(site.get("WARN_SECONDS") or 0)
-        run_time = RunTime(wall_s, max_steps, world_size, limit, warn or 0.0, throughput, step_s)
+        run_time = RunTime(wall_s, max_steps, world_size, limit, warn or 0.0, throughput, step_s,
+                           throughput.parts(cost))
     slow = data_too_slow(needs.data, run.batch_size, needs.num_workers, tuple(run.shapes.volume), step_s)
     if slow:
         warnings.append(slow)
