@@ -143,8 +143,9 @@ def _no_space(target: Path, need: int | None) -> CheckpointWriteError:
         + ". Free space there, or point paths.run_dir at a file system with room")
 
 
-def _new_file_mode(target: Path) -> int:
-    """The permissions a file written in place would have: the old file's, else ``0666`` less the umask."""
+def new_file_mode(target: Path) -> int:
+    """The permissions a file written in place would have: the old file's, else ``0666`` less the umask (what a
+    file renamed into place from ``tempfile.mkstemp``, which creates ``0600``, should be given)."""
     try:
         return stat.S_IMODE(target.stat().st_mode)
     except OSError:
@@ -175,7 +176,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any],
         raise _no_space(target, nbytes)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, _new_file_mode(target))  # mkstemp's 0600 would hide the file from the user's group
+        os.fchmod(fd, new_file_mode(target))  # mkstemp's 0600 would hide the file from the user's group
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from voxdiff.files import new_file_mode
+
 #: row names of the montage, top to bottom
 PLANES = ("axial", "coronal", "sagittal")
 
@@ -75,11 +77,15 @@ def lesion_centre(mask: np.ndarray | torch.Tensor) -> tuple[int, int, int] | Non
 
 
 def _atomic_target(path: str | os.PathLike[str], suffix: str) -> tuple[Path, str]:
-    """Create the parent folder and a temporary file next to ``path`` (same suffix); return both."""
+    """Create the parent folder and a temporary file next to ``path`` (same suffix), with the permissions the file
+    written in place would have (:func:`voxdiff.files.new_file_mode`); return both."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=suffix)
-    os.close(fd)
+    try:
+        os.fchmod(fd, new_file_mode(target))
+    finally:
+        os.close(fd)
     return target, tmp
 
 

@@ -116,5 +116,14 @@ def test_a_written_file_has_the_permissions_of_one_written_in_place_not_the_temp
         new.chmod(0o640)
         assert stat.S_IMODE(atomic_write(new, lambda f: f.write(b"[]")).stat().st_mode) == 0o640
         assert new.read_bytes() == b"[]"
+        # the samples' montage and NIfTI (voxdiff.viz), renamed from their own temporary files
+        import numpy as np
+
+        from voxdiff.viz import save_montage, save_nifti
+
+        volume = np.zeros((4, 4, 4), dtype=np.float32)
+        for path in (save_nifti(tmp_path / "s.nii.gz", volume, np.eye(4)),
+                     save_montage(tmp_path / "s.png", {"a": volume})):
+            assert stat.S_IMODE(path.stat().st_mode) == 0o660, path
     finally:
         os.umask(mask)
