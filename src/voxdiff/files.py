@@ -14,8 +14,9 @@ mix. A write that cannot fit is refused before a byte is written, and one that f
 meanwhile, a quota, an I/O error) is reported as :class:`CheckpointWriteError`, naming the file, the bytes it needs
 and the bytes free, instead of PyTorch's ``[enforce fail at inline_container.cc:...] unexpected pos``. Checkpoints
 (:class:`voxdiff.lightning.checkpoint_io.AtomicCheckpointIO`), the latent cache, the data module's cache stamps, the
-MNI template and the evaluation's ``metrics.json`` and report are written through it, with the permissions a file
-written in place would get (the old file's, else ``0666`` less the umask; not the temporary file's ``0600``).
+MNI template, the samples' NIfTI and montages (:mod:`voxdiff.viz`) and the evaluation's ``metrics.json`` and report
+are written through it, with the permissions a file written in place would get (the old file's, else ``0666`` less
+the umask; not the temporary file's ``0600``).
 
 Nothing here imports Lightning; the data modules use it too.
 """
@@ -143,7 +144,7 @@ def _no_space(target: Path, need: int | None) -> CheckpointWriteError:
         + ". Free space there, or point paths.run_dir at a file system with room")
 
 
-def new_file_mode(target: Path) -> int:
+def _new_file_mode(target: Path) -> int:
     """The permissions a file written in place would have: the old file's, else ``0666`` less the umask (what a
     file renamed into place from ``tempfile.mkstemp``, which creates ``0600``, should be given)."""
     try:
@@ -176,7 +177,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any],
         raise _no_space(target, nbytes)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, new_file_mode(target))  # mkstemp's 0600 would hide the file from the user's group
+        os.fchmod(fd, _new_file_mode(target))  # mkstemp's 0600 would hide the file from the user's group
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -10,15 +10,15 @@ planes through a given voxel — the samples' montages cut through the largest l
 
 from __future__ import annotations
 
+import gzip
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from voxdiff.files import new_file_mode
+from voxdiff.files import atomic_write
 
 #: row names of the montage, top to bottom
 PLANES = ("axial", "coronal", "sagittal")
@@ -76,19 +76,6 @@ def lesion_centre(mask: np.ndarray | torch.Tensor) -> tuple[int, int, int] | Non
     return tuple(int(round(c)) for c in ndimage.center_of_mass(largest))  # type: ignore[return-value]
 
 
-def _atomic_target(path: str | os.PathLike[str], suffix: str) -> tuple[Path, str]:
-    """Create the parent folder and a temporary file next to ``path`` (same suffix), with the permissions the file
-    written in place would have (:func:`voxdiff.files.new_file_mode`); return both."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=suffix)
-    try:
-        os.fchmod(fd, new_file_mode(target))
-    finally:
-        os.close(fd)
-    return target, tmp
-
-
 def save_montage(
     path: str | os.PathLike[str],
     columns: Mapping[str, np.ndarray | torch.Tensor],
@@ -102,7 +89,7 @@ def save_montage(
     so columns and successive montages are comparable; values outside are clipped by the display only.
 
     Args:
-        path: the PNG to write (parent folders are created; written to a temporary file, then renamed).
+        path: the PNG to write (parent folders are created; written atomically, :func:`voxdiff.files.atomic_write`).
         columns: ``{name: volume}``, each ``(D, H, W)`` or ``(1, D, H, W)`` numpy array or tensor, e.g.
             ``{"mask": ..., "real": ..., "generated": ...}``. Shapes may differ between columns.
         title: an optional figure title.
@@ -144,14 +131,7 @@ def save_montage(
                 ax.set_ylabel(plane, color="white", fontsize=10)
     if title:
         fig.suptitle(title, color="white", fontsize=12)
-    target, tmp = _atomic_target(path, ".png")
-    try:
-        fig.savefig(tmp, format="png", facecolor=fig.get_facecolor())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return atomic_write(path, lambda f: fig.savefig(f, format="png", facecolor=fig.get_facecolor()))
 
 
 def save_nifti(
@@ -162,7 +142,8 @@ def save_nifti(
     """Write a volume as a float32 NIfTI-1 file (``.nii`` or ``.nii.gz``) with the given voxel-to-RAS affine.
 
     Args:
-        path: the file to write; ``.nii.gz`` is gzip-compressed. Written to a temporary file, then renamed.
+        path: the file to write; ``.nii.gz`` is gzip-compressed. Written atomically
+            (:func:`voxdiff.files.atomic_write`).
         volume: ``(D, H, W)`` or ``(1, D, H, W)`` array or tensor.
         affine: ``(4, 4)`` voxel → world (RAS, mm) matrix, e.g. a sample's ``"affine"``.
 
@@ -170,6 +151,7 @@ def save_nifti(
         The path written.
     """
     import nibabel as nib
+    from nibabel.openers import Opener
 
     name = Path(path).name
     if name.endswith(".nii.gz"):
@@ -188,11 +170,7 @@ def save_nifti(
     image.set_qform(aff, code=1)
     image.set_sform(aff, code=1)
     image.header.set_data_dtype(np.float32)
-    target, tmp = _atomic_target(path, suffix)
-    try:
-        nib.save(image, tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    payload = image.to_bytes()
+    if suffix == ".nii.gz":  # nibabel's own compression level for .gz files
+        payload = gzip.compress(payload, compresslevel=Opener.default_compresslevel, mtime=0)
+    return atomic_write(path, lambda f: f.write(payload))
