@@ -183,6 +183,15 @@ img{max-width:100%;height:auto;display:block;margin:6px 0} figure{margin:0}
 """
 
 
+def _page_head(title: str, meta: Mapping[str, Any]) -> list[str]:
+    """The start of a report page: the document head with the style, the heading and the ``{label: value}`` lines
+    under it."""
+    meta_rows = "".join(f"<div><b>{html.escape(k)}:</b> {html.escape(str(v))}</div>" for k, v in meta.items())
+    return ["<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+            f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+            f"<h1>{html.escape(title)}</h1><div class='meta'>{meta_rows}</div>"]
+
+
 def render_html(title: str, meta: Mapping[str, Any], figures: Mapping[str, Mapping[str, Any]],
                 absent: Mapping[str, str], sections: Sequence[tuple[str, str, Sequence[tuple[str, str]]]]) -> str:
     """The report page.
@@ -211,11 +220,8 @@ def render_html(title: str, meta: Mapping[str, Any], figures: Mapping[str, Mappi
                     f"<td>{html.escape(DIRECTIONS[f.get('direction', 'info')])}</td>"
                     f"<td>{html.escape(f.get('definition', ''))}</td></tr>")
     absent_rows = "".join(f"<li><code>{html.escape(k)}</code>: {html.escape(v)}</li>" for k, v in absent.items())
-    meta_rows = "".join(f"<div><b>{html.escape(k)}:</b> {html.escape(str(v))}</div>" for k, v in meta.items())
     parts = [
-        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
-        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
-        f"<h1>{html.escape(title)}</h1><div class='meta'>{meta_rows}</div>",
+        *_page_head(title, meta),
         "<h2>Metrics</h2><table id='metrics'><thead><tr><th>figure</th><th>value (± std, or ± standard error)</th><th>N</th>"
         "<th>direction</th><th>definition</th></tr></thead><tbody>", *rows, "</tbody></table>",
     ]
@@ -249,11 +255,8 @@ def render_sweep_html(title: str, meta: Mapping[str, Any], summary: Mapping[str,
         goal = "" if f["target"] is None else _fmt(f["target"])
         rows.append(f"<tr><td>{html.escape(str(f['label']))}<br><code>{html.escape(name)}</code></td>{cells}"
                     f"<td class='num'>{goal}</td><td>{html.escape(DIRECTIONS[f['direction']])}</td></tr>")
-    meta_rows = "".join(f"<div><b>{html.escape(k)}:</b> {html.escape(str(v))}</div>" for k, v in meta.items())
     return "\n".join([
-        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
-        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
-        f"<h1>{html.escape(title)}</h1><div class='meta'>{meta_rows}</div>",
+        *_page_head(title, meta),
         "<h2>Figures at each scale</h2><p class='note'>Bold: the scale a figure prefers (its direction; a figure "
         "that should match the real set: the closest to its target). The negative control's and the real set's "
         "figures are shown, not ranked. No scale is chosen for you: the figures disagree.</p>",
