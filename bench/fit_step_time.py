@@ -48,6 +48,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from bench_gpu_step import dense_peak  # noqa: E402  (the bench folder is on the path when a script in it runs)
 from voxdiff.preflight.resources import (  # noqa: E402
     EMA_BYTES_PER_PARAM,
     EMA_COPY_BYTES_PER_PARAM,
@@ -108,6 +109,11 @@ CUDAGRAPH_ROWS = [
     ("reference/h100_bench_gpu_step_v6.csv", "exp11", "exp11", EMA_BYTES_PER_PARAM / 10, NORM_BYTES),
     ("reference/h100_bench_gpu_step_v6.csv", "exp11_b32", "exp11", EMA_BYTES_PER_PARAM / 10, NORM_BYTES,
      ["data.batch_size=32", "model.gradient_checkpointing=none"]),
+    # session 25: exp9_ldm_4x_bravo at batch 2 (the batch the preflight chooses for an H100) and exp9_ldm_8x_bravo at
+    # batch 1 beside the compiled loop, one machine
+    ("reference/h100_bench_gpu_step_v7.csv", "E_e94_b2", "exp9_ldm_4x_bravo", EMA_BYTES_PER_PARAM / 10, NORM_BYTES,
+     ["data.batch_size=2", "model.gradient_checkpointing=none"]),
+    ("reference/h100_bench_gpu_step_v7.csv", "B_e98", "exp9_ldm_8x_bravo", EMA_BYTES_PER_PARAM / 10, NORM_BYTES),
 ]
 
 
@@ -198,14 +204,17 @@ def run_points(paths: list[str]) -> list[tuple[str, str, str, object, float, flo
     return points
 
 
-def fit_terms(points: list[tuple[list[float], float]]) -> list[float]:
-    """The coefficients (seconds per unit of each term, none negative) minimising the squared relative error over
-    ``(terms, seconds)``."""
+def fit_terms(points: list[tuple[list[float], float]], lower: list[float] | None = None) -> list[float]:
+    """The coefficients (seconds per unit of each term, none negative, none below its ``lower`` bound where given)
+    minimising the squared relative error over ``(terms, seconds)``."""
     import numpy as np
-    from scipy.optimize import nnls
+    from scipy.optimize import lsq_linear, nnls
 
     a = np.array([[v / t for v in terms] for terms, t in points])
-    x, _ = nnls(a, np.ones(len(points)))
+    if lower is None:
+        x, _ = nnls(a, np.ones(len(points)))
+    else:
+        x = lsq_linear(a, np.ones(len(points)), bounds=(lower, np.inf), method="bvls").x
     return [float(v) for v in x]
 
 
@@ -224,12 +233,15 @@ def four_terms(cost) -> list[float]:
     return [cost.tflop, cost.ops, cost.conv_weight_bytes, cost.tensor_bytes]
 
 
-def fit_four(points: list[tuple[object, float]]):
+def fit_four(points: list[tuple[object, float]], peak_tflops: float | None = None):
     """A :class:`~voxdiff.preflight.resources.Throughput` of the four terms fitted to ``(StepCost, seconds less the
-    weight passes)`` (its bandwidth ``H100_BANDWIDTH``; a term fitted to zero is left out: its rate None)."""
+    weight passes)`` (its bandwidth ``H100_BANDWIDTH``; a term fitted to zero is left out: its rate None). With
+    ``peak_tflops`` the FLOP rate is held at or under the GPU's dense peak: a rate above it would mean the other terms
+    carry time that grows with the FLOPs (session 25's eleven rows fitted 1058 TFLOP/s, above an H100's 989.4)."""
     from voxdiff.preflight.resources import Throughput
 
-    f, n, w, b = fit_terms([(four_terms(c), t) for c, t in points])
+    lower = None if peak_tflops is None else [1.0 / peak_tflops, 0.0, 0.0, 0.0]
+    f, n, w, b = fit_terms([(four_terms(c), t) for c, t in points], lower)
     return Throughput(1.0 / f if f else float("inf"), n * 1e6, "fit", H100_BANDWIDTH,
                       1.0 / w if w else None, 1.0 / b if b else None)
 
@@ -289,11 +301,12 @@ def main() -> None:
         loo = fit([(p[1].tflop, p[1].ops, p[2]) for j, p in enumerate(graphs) if j != i])
         print(f"  {name:40s} fit {(predict(*two, c.tflop, c.ops) + passes) / total - 1:+6.1%}  leave-one-out "
               f"{(predict(*loo, c.tflop, c.ops) + passes) / total - 1:+6.1%}")
-    table = fit_four([(c, t) for _, c, t, _, _ in graphs])
+    peak = dense_peak("H100")
+    table = fit_four([(c, t) for _, c, t, _, _ in graphs], peak)
     fitted["cudagraphs"] = table
-    print(f"\ncudagraphs: {constants(table)}")
+    print(f"\ncudagraphs: {constants(table)} (the FLOP rate held at or under the dense bf16 peak, {peak} TFLOP/s)")
     for i, (name, c, _, total, passes) in enumerate(graphs):
-        loo = fit_four([(p[1], p[2]) for j, p in enumerate(graphs) if j != i])
+        loo = fit_four([(p[1], p[2]) for j, p in enumerate(graphs) if j != i], peak)
         print(f"  {name:40s} {c.tflop:7.2f} TFLOP {c.ops:5d} ops {c.conv_weight_bytes / 1e9:5.1f} + "
               f"{c.tensor_bytes / 1e9:6.1f} GB  measured {total * 1e3:6.1f} ms (weight passes {passes * 1e3:4.1f})  "
               f"fit {(gpu_s(table, c) + passes) / total - 1:+6.1%}  leave-one-out "
@@ -318,7 +331,7 @@ def main() -> None:
             print(f"  ({gpu}, {k}): {len(base) + len(mine)} point(s), too few to fit")
             continue
         if k == "cudagraphs":
-            both = fit_four([*base, *((c, t) for c, t, _, _ in mine)])
+            both = fit_four([*base, *((c, t) for c, t, _, _ in mine)], dense_peak(gpu))
             shown, errors = constants(both), [(gpu_s(both, c) + passes) / total - 1 for c, _, total, passes in mine]
         else:
             tflops, op_us = fit([*base, *((c.tflop, c.ops, t) for c, t, _, _ in mine)])

@@ -59,11 +59,12 @@ def test_the_fit_runs_and_reproduces_the_constants_in_the_code(tmp_path, tiny_de
     assert f"measured {predicted_ms:7.1f} ms" in line and line.endswith("STEP_THROUGHPUT  +0.0%"), line
     number = r"([\d.]+)"
     graphs = rf"tflops={number} op_us={number} conv_weight_gbps={number} tensor_gbps={number}"
-    assert re.search(rf"^\(H100, cudagraphs\) with the runs: {graphs} \(9 rows \+ 1 runs\)", out.stdout,
+    assert re.search(rf"^\(H100, cudagraphs\) with the runs: {graphs} \(11 rows \+ 1 runs\)", out.stdout,
                      re.M), out.stdout
     for kind in ("eager", "compiled", "cudagraphs"):
-        m = re.search(rf"^{kind}: " + (graphs if kind == "cudagraphs" else rf"tflops={number} op_us={number}") + "$",
-                      out.stdout, re.M)
+        held = r" \(the FLOP rate held at or under the dense bf16 peak, 989.4 TFLOP/s\)"
+        m = re.search(rf"^{kind}: " + (graphs + held if kind == "cudagraphs" else rf"tflops={number} op_us={number}")
+                      + "$", out.stdout, re.M)
         assert m is not None, out.stdout
         table = STEP_THROUGHPUT[("H100", kind)]
         assert float(m.group(1)) == pytest.approx(table.tflops, rel=0.01)
@@ -96,3 +97,25 @@ def test_the_four_term_fit_recovers_the_constants_that_made_its_points():
     no_tensor = Throughput(800.0, 10.0, "test", H100_BANDWIDTH, conv_weight_rate=300e9)
     got = fit_step_time.fit_four([(c, no_tensor.seconds(c)) for c in costs])
     assert got.tensor_rate is None and got.conv_weight_rate == pytest.approx(300e9)
+
+
+def test_the_four_term_fit_holds_the_flop_rate_at_the_dense_peak():
+    """Times made with a FLOP rate above the GPU's peak (as an unbounded fit of session 25's rows came out, 1058
+    TFLOP/s against an H100's 989.4) fit that rate when unbounded and the peak itself when bounded, the other terms
+    taking up the rest; a bound the data do not reach changes nothing."""
+    import random
+
+    from voxdiff.preflight.resources import H100_BANDWIDTH, StepCost, Throughput
+
+    fit_step_time = load_script("bench/fit_step_time.py")
+    too_fast = Throughput(1100.0, 10.0, "test", H100_BANDWIDTH, conv_weight_rate=300e9, tensor_rate=2000e9)
+    rng = random.Random(1)
+    costs = [StepCost(rng.uniform(1, 200), rng.randint(500, 1500), conv_weight_bytes=rng.randint(10**9, 3 * 10**10),
+                      tensor_bytes=rng.randint(10**10, 10**12)) for _ in range(8)]
+    points = [(c, too_fast.seconds(c)) for c in costs]
+    assert fit_step_time.fit_four(points).tflops == pytest.approx(1100.0)
+    bounded = fit_step_time.fit_four(points, peak_tflops=989.4)
+    assert bounded.tflops == pytest.approx(989.4)
+    errors = [gpu / t - 1 for gpu, t in ((bounded.seconds(c), t) for c, t in points)]
+    assert max(map(abs, errors)) < 0.1, errors  # the rest is taken up by the other terms, not dropped
+    assert fit_step_time.fit_four(points, peak_tflops=2000.0).tflops == pytest.approx(1100.0)

@@ -376,9 +376,10 @@ def _notes(report: AutofitReport, effective: int | None, world: int, first_misfi
         notes.append(f"the step's speed on {report.gpu} has not been measured (STEP_THROUGHPUT), so the choice is "
                      "by memory alone: the largest batch that fits")
     else:
-        notes.append("step times from the time model (README: its errors). The CUDA-graph step's: fitted to nine "
-                     "H100 rows, one above batch 1 (exp11 at batch 32: -7.0%, -17.3% leave-one-out), and checked on "
-                     "four H200 rows it was not fitted to (+2.4% to +17.7%; exp9_ldm_4x_bravo at batch 4 +9.1%). The "
+        notes.append("step times from the time model (README: its errors). The CUDA-graph step's: fitted to eleven "
+                     "H100 rows, two above batch 1 (exp11 at batch 32: -7.6%, -17.7% leave-one-out; exp9_ldm_4x_bravo "
+                     "at batch 2: +3.1%, +5.3%), and checked on four H200 rows it was not fitted to (+1.7% to +17.8%; "
+                     "exp9_ldm_4x_bravo at batch 4 +5.8%). The "
                      "eager and compiled steps': FLOPs and operator calls fitted at batch 1 only, so their large "
                      "batches are predicted short. Each GPU run writes its own to measured.json "
                      "(bench/fit_step_time.py --runs)")

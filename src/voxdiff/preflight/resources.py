@@ -472,25 +472,26 @@ STEP_THROUGHPUT: dict[tuple[str, str], Throughput] = {
                                   H100_BANDWIDTH),
     ("H100", "compiled"): Throughput(448.0, 56.5, f"H100, fused AdamW + flash SDPA + torch.compile; {_GPU_SPEED}",
                                      H100_BANDWIDTH),
-    # voxdiff's own step with CUDA graphs, fitted by bench/fit_step_time.py to its nine measured rows
-    # (reference/h100_bench_gpu_step_v3.csv, _v4.csv, _v5.csv, _v6.csv) less the weight passes each made at
-    # H100_BANDWIDTH (the rows before session 16: the EMA copying the weights inside system.ema.start_step and clipping
-    # by norm in place, 20 bytes per parameter; since session 17: the EMA's 12 bytes per its interval and the clipping
-    # norm's 4), with four terms since session 24: FLOPs, operator calls, the convolutions' weight bytes (a fixed cost
-    # per convolution: as if each had about 5,300 output voxels more) and the step's tensor bytes (its traffic, which
-    # grows with the batch). Errors: exp11 +5.1% and -9.4%, exp11 at batch 32 -7.0%, exp11_1 +7.9%,
-    # exp9_ldm_4x_bravo +1.4% and +0.4%, exp9_ldm_8x_bravo +1.0%, -0.7% and -1.8%; leave-one-out up to +14.7%, and
-    # -17.3% at batch 32 (the two terms before it: up to -26.9%). The README states them
-    ("H100", "cudagraphs"): Throughput(902.3, 8.2, "H100, voxdiff's step compiled with CUDA graphs "
-                                                   "(reduce-overhead); nine rows, h100_bench_gpu_step_v3-v6.csv",
-                                       H100_BANDWIDTH, conv_weight_rate=342.1e9, tensor_rate=2185.7e9),
+    # voxdiff's own step with CUDA graphs, fitted by bench/fit_step_time.py to its eleven measured rows
+    # (reference/h100_bench_gpu_step_v3.csv to _v7.csv) less the weight passes each made at H100_BANDWIDTH (the rows
+    # before session 16: the EMA copying the weights inside system.ema.start_step and clipping by norm in place, 20
+    # bytes per parameter; since session 17: the EMA's 12 bytes per its interval and the clipping norm's 4), with four
+    # terms since session 24: FLOPs, operator calls, the convolutions' weight bytes (a fixed cost per convolution: as
+    # if each had about 5,300 output voxels more) and the step's tensor bytes (its traffic, which grows with the
+    # batch); since session 25 the FLOP rate is held at or under the dense bf16 peak (989.4 TFLOP/s, where the
+    # eleven rows put it). Errors: exp11 +5.2% and -9.3%, exp11 at batch 32 -7.6%, exp11_1 +7.7%, exp9_ldm_4x_bravo
+    # +0.3% and -0.7% and at batch 2 +3.1%, exp9_ldm_8x_bravo +1.3%, -0.4%, -1.5% and -0.5%; leave-one-out up to
+    # +12.5%, and -17.7% at batch 32. The README states them
+    ("H100", "cudagraphs"): Throughput(989.4, 8.1, "H100, voxdiff's step compiled with CUDA graphs "
+                                                   "(reduce-overhead); eleven rows, h100_bench_gpu_step_v3-v7.csv",
+                                       H100_BANDWIDTH, conv_weight_rate=327.4e9, tensor_rate=2140.6e9),
     # the H100's constants, checked (not fitted) on the four rows of the same step measured on an H200
-    # (reference/h200_bench_gpu_step.csv, _v2.csv): exp9_ldm_4x_bravo at batch 1 +5.7% and at batch 4 +9.1%, exp11 at
-    # batch 32 +2.4% and at batch 1 +17.7% (predicted long: the H200's faster memory is not modelled, nor its copy
+    # (reference/h200_bench_gpu_step.csv, _v2.csv): exp9_ldm_4x_bravo at batch 1 +4.5% and at batch 4 +5.8%, exp11 at
+    # batch 32 +1.7% and at batch 1 +17.8% (predicted long: the H200's faster memory is not modelled, nor its copy
     # rate measured: H100_BANDWIDTH)
-    ("H200", "cudagraphs"): Throughput(902.3, 8.2, "the H100's constants for voxdiff's step compiled with CUDA graphs, "
+    ("H200", "cudagraphs"): Throughput(989.4, 8.1, "the H100's constants for voxdiff's step compiled with CUDA graphs, "
                                                    "checked on four H200 rows (h200_bench_gpu_step.csv, _v2.csv)",
-                                       H100_BANDWIDTH, conv_weight_rate=342.1e9, tensor_rate=2185.7e9),
+                                       H100_BANDWIDTH, conv_weight_rate=327.4e9, tensor_rate=2140.6e9),
 }
 """Per (GPU type, step kind: :func:`step_kind`) throughput. A GPU type without an entry gets no time prediction (never
 a guess)."""
