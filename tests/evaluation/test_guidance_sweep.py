@@ -80,3 +80,43 @@ def test_a_standard_error_given_at_every_scale_is_kept_beside_the_values():
     f = summarise("autoguide_scale", [1.0, 1.1], records)["figures"]
     assert f["covariate_age_ventricles_effect_generated"]["se"] == [0.2, 0.5]
     assert "se" not in f["psnr"]
+
+
+def _with_se(name: str, direction: str, points: list[tuple[float, float]], real: float | None = None) -> list[dict]:
+    records = []
+    for v, e in points:
+        figures = {name: {"value": v, "se": e, "direction": direction, "label": name},
+                   "psnr": {"value": 17.0, "direction": "higher"}}
+        if real is not None:
+            figures[name.replace("_generated", "_real")] = {"value": real, "direction": "info"}
+        records.append({"figures": figures})
+    return records
+
+
+def test_scales_within_one_standard_error_of_the_preferred_one_are_tied_with_it():
+    """higher: 2.3 +- 0.2 is preferred, 2.1 +- 0.2 lies within one standard error of the difference (0.28) and 1.0 does
+    not; match: the distance to the real twin's 3.0 is compared, 3.3 +- 0.3 (0.3 away) tied with 2.9 +- 0.1 (0.1
+    away), 2.0 not. A figure without standard errors has no ties to report."""
+    f = summarise("autoguide_scale", [1.0, 1.25, 1.5],
+                  _with_se("effect", "higher", [(1.0, 0.1), (2.1, 0.2), (2.3, 0.2)]))["figures"]
+    assert f["effect"]["best"] == 1.5 and f["effect"]["tied"] == [1.25]
+    assert "tied" not in f["psnr"]
+    f = summarise("autoguide_scale", [1.0, 1.25, 1.5],
+                  _with_se("effect_generated", "match", [(2.0, 0.1), (2.9, 0.1), (3.3, 0.3)], real=3.0))["figures"]
+    assert f["effect_generated"]["best"] == 1.25 and f["effect_generated"]["tied"] == [1.5]
+    # narrower errors separate them
+    f = summarise("autoguide_scale", [1.0, 1.25, 1.5],
+                  _with_se("effect_generated", "match", [(2.0, 0.1), (2.9, 0.05), (3.3, 0.05)], real=3.0))["figures"]
+    assert f["effect_generated"]["tied"] == []
+
+
+def test_the_sweep_page_bolds_the_preferred_scale_and_those_tied_with_it():
+    from voxdiff.evaluation.report import render_sweep_html
+
+    summary = summarise("autoguide_scale", [1.0, 1.25, 1.5],
+                        _with_se("effect", "higher", [(1.0, 0.1), (2.1, 0.2), (2.3, 0.2)]))
+    page = render_sweep_html("sweep", {}, summary, ["a/report.html", "b/report.html", "c/report.html"], b"")
+    row = next(r for r in page.split("<tr>") if "<code>effect</code>" in r)
+    assert row.count("<b>") == 2 and "<b>2.1 ± 0.2</b>" in row and "<b>2.3 ± 0.2</b>" in row
+    psnr = next(r for r in page.split("<tr>") if "<code>psnr</code>" in r)
+    assert psnr.count("<b>") == 1  # no standard error: the preferred scale alone

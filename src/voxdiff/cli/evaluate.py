@@ -246,8 +246,9 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
     print(f"[voxdiff] sweep of {key}: wrote {json_path} and {html_path}", flush=True)
     for name, f in summary["figures"].items():
         if f["best"] is not None:
+            ties = f" and, within one standard error, {', '.join(f'{v:g}' for v in f['tied'])}" if f.get("tied") else ""
             print(f"[voxdiff]   {name}: " + "  ".join(f"{v:g}: {x:.4g}" for v, x in zip(scales, f["values"]))
-                  + f"  (prefers {f['best']:g})", flush=True)
+                  + f"  (prefers {f['best']:g}{ties})", flush=True)
     return {**record, "json": str(json_path), "html": str(html_path)}
 
 

@@ -37,12 +37,24 @@ def _ranked(name: str, direction: str) -> bool:
     return direction in ("higher", "lower", "match") and not any(part in name for part in UNRANKED)
 
 
+def tied(values: Sequence[float], series: Sequence[float], se: Sequence[float], best: int, direction: str,
+         goal: float | None) -> list[float]:
+    """The scales other than ``values[best]`` whose figure lies within one standard error of the preferred one's, in
+    the figure's own terms: for ``higher`` and ``lower`` its value, for ``match`` its distance to ``goal``; one
+    standard error of the difference, ``sqrt(se_i**2 + se_best**2)`` (the two evaluations' errors taken as
+    independent; a match figure's target is the same for both, so its own error is left out)."""
+    at = (lambda v: abs(v - goal)) if direction == "match" else (lambda v: v)  # noqa: E731
+    return [values[i] for i in range(len(values)) if i != best and math.isfinite(se[i])
+            and abs(at(series[i]) - at(series[best])) <= math.hypot(se[i], se[best])]
+
+
 def summarise(key: str, values: Sequence[float], records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The sweep's table: for each figure every evaluation has, its value at each of ``values`` (the ``key``'s
     scales, in the order run; ``se``: its standard error at each, where every evaluation gives one), its direction
     and target, and the scale it prefers (``best``; None where it is not ranked, or where its values are not
-    finite). The preference reads the values alone: where two scales lie within their standard errors of each
-    other, so does the choice.
+    finite). Where the figure has standard errors, ``tied`` lists the other scales within one standard error of the
+    preferred one (:func:`tied`): the evaluation cannot tell them apart, and the page and the command's summary say
+    so. A figure without standard errors has no ``tied``: its preference reads the values alone.
 
     Args:
         key: ``guidance_scale`` or ``autoguide_scale``.
@@ -68,4 +80,6 @@ def summarise(key: str, values: Sequence[float], records: Sequence[Mapping[str, 
                          "target": goal, "best": best}
         if all("se" in r["figures"][name] for r in records):  # an effect's standard error, at each scale
             figures[name]["se"] = [float(r["figures"][name]["se"]) for r in records]
+            if best is not None:
+                figures[name]["tied"] = tied(values, series, figures[name]["se"], values.index(best), direction, goal)
     return {"swept": key, "values": list(values), "figures": figures}

@@ -242,7 +242,8 @@ def render_html(title: str, meta: Mapping[str, Any], figures: Mapping[str, Mappi
 def render_sweep_html(title: str, meta: Mapping[str, Any], summary: Mapping[str, Any],
                       reports: Sequence[str], png: bytes) -> str:
     """The page of a guidance sweep: a row per figure with its value at each scale (± its standard error where it
-    has one; the scale it prefers in bold), its direction and target; the ranked figures plotted against the scale;
+    has one; the scale it prefers in bold, and any within one standard error of it: ``tied``), its direction and
+    target; the ranked figures plotted against the scale;
     each scale's own report linked (``reports``: paths relative to the page, one per scale)."""
     key, values = summary["swept"], summary["values"]
     head = "".join(f"<th><a href='{html.escape(r)}'>{html.escape(key)}={v:g}</a></th>" for v, r in zip(values, reports))
@@ -250,7 +251,8 @@ def render_sweep_html(title: str, meta: Mapping[str, Any], summary: Mapping[str,
     for name, f in summary["figures"].items():
         shown = [_fmt(v) + (f" ± {_fmt(e)}" if e is not None else "")
                  for v, e in zip(f["values"], f.get("se") or [None] * len(values))]
-        cells = "".join(f"<td class='num'><b>{text}</b></td>" if f["best"] == scale
+        bold = {f["best"], *f.get("tied", ())} - {None}
+        cells = "".join(f"<td class='num'><b>{text}</b></td>" if scale in bold
                         else f"<td class='num'>{text}</td>" for scale, text in zip(values, shown))
         goal = "" if f["target"] is None else _fmt(f["target"])
         rows.append(f"<tr><td>{html.escape(str(f['label']))}<br><code>{html.escape(name)}</code></td>{cells}"
@@ -258,7 +260,9 @@ def render_sweep_html(title: str, meta: Mapping[str, Any], summary: Mapping[str,
     return "\n".join([
         *_page_head(title, meta),
         "<h2>Figures at each scale</h2><p class='note'>Bold: the scale a figure prefers (its direction; a figure "
-        "that should match the real set: the closest to its target). The negative control's and the real set's "
+        "that should match the real set: the closest to its target), and where the figure has a standard error, "
+        "every scale within one standard error of it: the evaluation cannot tell those apart. The negative "
+        "control's and the real set's "
         "figures are shown, not ranked. No scale is chosen for you: the figures disagree.</p>",
         f"<table id='metrics'><thead><tr><th>figure</th>{head}<th>target</th><th>direction</th></tr></thead><tbody>",
         *rows, "</tbody></table>",
