@@ -309,14 +309,25 @@ def test_the_volumes_host_memory_is_checked_before_the_real_set_is_loaded(monkey
 
 
 def test_a_guidance_sweep_evaluates_each_scale_with_the_same_masks_and_noise_and_puts_them_side_by_side(
-        run, late, tmp_path):
+        run, late, tmp_path, monkeypatch):
     """``autoguide_scale=[1,1.5,2]``: one whole evaluation per scale in ``autoguide_scale_<v>/``; scale 1 is the plain
     evaluation itself (the same masks and noise: every figure equal to the plain one's), the others differ;
     ``sweep.json`` holds each figure's values in the order of the scales with the scale it prefers, and
     ``sweep.html`` renders in a real browser with a row per figure and each scale's report linked. A scale the
-    checkpoint cannot take is refused before anything is sampled."""
+    checkpoint cannot take is refused before anything is sampled. The check reads the checkpoint once for every
+    scale and the guide once for both scales that use it (``sample.check_each``), then each evaluation its own:
+    seven loads, where checking each scale on its own had made ten."""
+    import voxdiff.cli.sample as S
+
     _, early_ckpt, last = run
+    loads = []
+    load = S._load
+    monkeypatch.setattr(S, "_load", lambda cfg, *a, **k: loads.append(
+        ("guide" if str(cfg.ckpt_path) == str(early_ckpt) else "model", cfg.get("autoguide_scale")))
+        or load(cfg, *a, **k))
     record = _evaluate(last, tmp_path, "autoguide_scale=[1,1.5,2]", f"autoguide_ckpt={early_ckpt}")
+    assert loads == [("model", 1), ("guide", 1.5),  # the check
+                     ("model", 1), ("model", 1.5), ("guide", 1.5), ("model", 2), ("guide", 2)], loads
     plain = late[0]
     assert record["swept"] == "autoguide_scale" and record["values"] == [1.0, 1.5, 2.0]
     saved = json.loads((tmp_path / "sweep.json").read_text())

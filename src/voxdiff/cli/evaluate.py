@@ -40,7 +40,7 @@ from voxdiff.cli.sample import (
     _CKPT_FIX,
     _datamodule,
     available_host_bytes,
-    checked,
+    check_each,
     chunk_memory,
     measured_memory,
     ready,
@@ -219,10 +219,7 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
     device = pick_device(cfg.device)
     print(f"[voxdiff] sweep of {key}: checking {', '.join(f'{float(v):g}' for v in values)} against the checkpoint "
           "before any is sampled", flush=True)
-    for point in points:
-        prepared = checked(point, device)
-        release(prepared.system, prepared.guide)
-        del prepared
+    check_each(points, device)
     records = []
     for i, (value, point) in enumerate(zip(values, points, strict=True)):
         print(f"[voxdiff] sweep of {key}: {key}={float(value):g} ({i + 1} of {len(values)}) into "

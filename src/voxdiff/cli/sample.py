@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from omegaconf import DictConfig, open_dict
@@ -163,11 +164,13 @@ def _guide_path(cfg: DictConfig) -> Path | None:
     return found[0]
 
 
-def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any) -> tuple[Any, Any, Path | None]:
+def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any,
+           guides: dict[Path, Any] | None = None) -> tuple[Any, Any, Path | None]:
     """``(guide, sampler, path)``: the guide of autoguidance when ``sampler.autoguide_scale`` is not 1 (else None): the
     UNet of :func:`_guide_path`, on the CPU, with its EMA weights written in (``use_ema``) and nothing else of its
     run kept, refused unless it has this model's mode, encoding and weight shapes; on the device it adds one copy of
-    the UNet's weights to the sampling memory.
+    the UNet's weights to the sampling memory. ``guides``: the guides already loaded and checked against ``system``
+    by path (a sweep's scales share one), filled in here.
     A run that asks for autoguidance by default but ended before its guide snapshot samples without it (the sampler
     returned says so), and the command prints why.
 
@@ -186,6 +189,9 @@ def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any) -> tuple[Any
               f"(callbacks.guide.step), which it never took (no {GUIDE_GLOB} beside {cfg.ckpt_path}): sampling "
               "without autoguidance", flush=True)
         return None, replace(sampler, autoguide_scale=1.0), None
+    if guides is not None and path in guides:
+        print(f"[voxdiff] autoguidance: scale {sampler.autoguide_scale:g}, guide {path}", flush=True)
+        return guides[path], sampler, path
     guide = _load(OmegaConf.merge(cfg, {"ckpt_path": str(path)}), device, requested=False).system
     differences = weights_differences(system.step.model.state_dict(), {"state_dict": guide.step.model.state_dict()})
     if (guide.mode, guide.encoding.label) != (system.mode, system.encoding.label) or differences:
@@ -195,6 +201,8 @@ def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any) -> tuple[Any
                           "network, less trained",
                           f"use the guide snapshot of the same run (its checkpoints/{GUIDE_GLOB})")
     print(f"[voxdiff] autoguidance: scale {sampler.autoguide_scale:g}, guide {path}", flush=True)
+    if guides is not None:
+        guides[path] = guide.step.model
     return guide.step.model, sampler, path
 
 
@@ -354,23 +362,41 @@ class Ready(NamedTuple):
     memory: Any  #: the predicted memory (:class:`voxdiff.preflight.memory.SamplingReport`)
 
 
-def checked(cfg: DictConfig, device: Any, requested: bool = True, sampler: Any = None) -> Ready:
+def checked(cfg: DictConfig, device: Any, requested: bool = True, sampler: Any = None,
+            loaded: Loaded | None = None, guides: dict[Path, Any] | None = None) -> Ready:
     """Everything a command samples with, checked for ``device`` but not yet on it: the system of ``ckpt_path``
-    (:func:`_load`), its sampler with the command's settings (or ``sampler``, already chosen), the guide
-    (:func:`_guide`), the predicted memory (:func:`check_memory`).
+    (:func:`_load`, or ``loaded``: what it returned for a config with the same checkpoint, data and precision), its
+    sampler with the command's settings (or ``sampler``, already chosen), the guide (:func:`_guide`, from ``guides``
+    where it holds it), the predicted memory (:func:`check_memory`).
 
     Raises:
         ConfigError: as :func:`_load`, :func:`_guide` and :func:`check_memory`, or a sampler setting the model
             cannot take.
     """
-    loaded = _load(cfg, device, requested)
+    if loaded is None:
+        loaded = _load(cfg, device, requested)
     system = loaded.system
     if sampler is None:
         sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"),
                                  cfg.get("autoguide_scale"))
-    guide, sampler, path = _guide(cfg, device, system, sampler)
+    guide, sampler, path = _guide(cfg, device, system, sampler, guides)
     memory = check_memory(cfg, device, loaded.spec, system, sampler)
     return Ready(system, sampler, guide, path, loaded.saved, loaded.precision, loaded.weights, memory)
+
+
+def check_each(cfgs: Sequence[DictConfig], device: Any) -> None:
+    """:func:`checked` for each of ``cfgs``, which share the checkpoint, its data and precision and differ in how
+    they sample (a guidance sweep's scales), the checkpoint read and its system built once (a 2.7B model's load is
+    tens of seconds), and each guide once: each scale's guide, sampler and memory checked before anything is
+    sampled.
+
+    Raises:
+        ConfigError: as :func:`checked`, for the first config refused.
+    """
+    loaded, guides = _load(cfgs[0], device), {}
+    for cfg in cfgs:
+        checked(cfg, device, loaded=loaded, guides=guides)
+    release(loaded.system, *guides.values())
 
 
 def ready(cfg: DictConfig, device: Any, requested: bool = True, sampler: Any = None) -> Ready:
