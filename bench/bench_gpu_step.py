@@ -14,7 +14,8 @@ other (``--experiments exp11 --out F.csv --append`` runs one experiment per call
   (foreach), bf16 autocast, DDPM noise at a random timestep, fp32 eps-MSE, ``zero_grad(set_to_none=True)`` after the
   step; nothing else.
 * **compiled**: the hand-tuned plain loop: the same with fused AdamW, SDPA attention and ``torch.compile`` of the
-  UNet (``--no-compiled`` leaves it out).
+  UNet (``--no-compiled`` leaves it out). Both plain loops take ``model.channels_last=true`` from the overrides:
+  the UNet's weights and input in ``torch.channels_last_3d`` (their result's ``layout``).
 * **voxdiff**: ``trainer.fit`` of the experiment's Lightning system, built as ``train.py`` builds it (the config's
   defaults on this device: optimizer, attention, ``model.compile``, EMA, clipping, the non-finite guard, callbacks
   and CSV logging), validation off. Its EMA averages from the first step (``system.ema.start_step=0``, before the
@@ -142,7 +143,10 @@ class _Clock:
 
 def run_plain(cfg: Any, warmup: int, steps: int, device: str, compiled: bool = False) -> dict[str, Any]:
     """The plain eager MONAI loop (see the module docstring); ``compiled``: the hand-tuned one (fused AdamW, SDPA
-    attention, ``torch.compile`` of the UNet)."""
+    attention, ``torch.compile`` of the UNet). With ``model.channels_last=true`` among the side's overrides the loop
+    is laid out as a user would write it channels-last: the UNet's weights and its input in
+    ``torch.channels_last_3d`` (voxdiff's own option does the same, plus inductor's layout hint); the result's
+    ``layout`` says which layout the convolution weights had as the steps ran."""
     import torch
     import torch.nn.functional as F
     from monai.networks.nets import DiffusionModelUNet
@@ -160,6 +164,8 @@ def run_plain(cfg: Any, warmup: int, steps: int, device: str, compiled: bool = F
         num_head_channels=list(spec.num_head_channels), norm_num_groups=spec.norm_num_groups,
         use_flash_attention=compiled,
     ).to(device)
+    layout = torch.channels_last_3d if cfg.model.get("channels_last") else torch.contiguous_format
+    model = model.to(memory_format=layout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if compiled else {"foreach": True}))
     forward = torch.compile(model) if compiled else model
     scheduler = DDPMScheduler(num_train_timesteps=1000)
@@ -174,7 +180,8 @@ def run_plain(cfg: Any, warmup: int, steps: int, device: str, compiled: bool = F
         t = torch.randint(0, scheduler.num_train_timesteps, (x0.shape[0],), device=device)
         xt = scheduler.add_noise(x0, noise, t)
         with torch.autocast(device, dtype=dtype, enabled=device == "cuda"):
-            pred = forward(xt if cond is None else torch.cat([xt, cond], 1), timesteps=t)
+            pred = forward((xt if cond is None else torch.cat([xt, cond], 1)).contiguous(memory_format=layout),
+                           timesteps=t)
         loss = F.mse_loss(pred.float(), noise)
         loss.backward()
         opt.step()
@@ -190,6 +197,8 @@ def run_plain(cfg: Any, warmup: int, steps: int, device: str, compiled: bool = F
     clock.mark("end")
     out = clock.result(warmup, steps)
     out["batch"] = int(next(iter(host.values())).shape[0])
+    conv = next(p for p in model.parameters() if p.dim() == 5)
+    out["layout"] = "NDHWC" if conv.is_contiguous(memory_format=torch.channels_last_3d) else "NCDHW"
     out["tflop_per_step"] = _flops(lambda: one_step(), device)
     return out
 
