@@ -477,7 +477,7 @@ STEP_THROUGHPUT: dict[tuple[str, str], Throughput] = {
     # before session 16: the EMA copying the weights inside system.ema.start_step and clipping by norm in place, 20
     # bytes per parameter; since session 17: the EMA's 12 bytes per its interval and the clipping norm's 4), with four
     # terms since session 24: FLOPs, operator calls, the convolutions' weight bytes (a fixed cost per convolution: as
-    # if each had about 5,300 output voxels more) and the step's tensor bytes (its traffic, which grows with the
+    # if each had about 6,000 output voxels more) and the step's tensor bytes (its traffic, which grows with the
     # batch); since session 25 the FLOP rate is held at or under the dense bf16 peak (989.4 TFLOP/s, where the
     # eleven rows put it). Errors: exp11 +5.2% and -9.3%, exp11 at batch 32 -7.6%, exp11_1 +7.7%, exp9_ldm_4x_bravo
     # +0.3% and -0.7% and at batch 2 +3.1%, exp9_ldm_8x_bravo +1.3%, -0.4%, -1.5% and -0.5%; leave-one-out up to
