@@ -8,7 +8,6 @@ read from the DOM after the load event by a script added to a copy of the page (
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from apt_packages import ensure  # tests/ is on sys.path (its conftest.py)
+
 PACKAGES = ["chromium"]
 _PROBE = ("<script>addEventListener('load',()=>{const b=document.body;"
           "b.dataset.widths=[...document.images].map(i=>i.naturalWidth).join(',');"
@@ -24,21 +25,10 @@ _PROBE = ("<script>addEventListener('load',()=>{const b=document.body;"
 
 
 def ensure_installed() -> str:
-    """The path of ``chromium``, installed with apt-get if missing (needs root and apt)."""
-    found = shutil.which("chromium")
-    if found:
-        return found
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        raise RuntimeError("chromium is not installed and cannot be installed here (needs root and apt-get): "
-                           "apt-get install chromium")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES], check=True, env=env,
-                   capture_output=True)
-    found = shutil.which("chromium")
-    if not found:
-        raise RuntimeError("apt-get install chromium finished but there is no chromium on PATH")
-    return found
+    """The path of ``chromium``, installed with apt-get if missing (needs root and apt; one install at a time across
+    the suite's processes: ``apt_packages.ensure``)."""
+    ensure(PACKAGES, ("chromium",))
+    return shutil.which("chromium")
 
 
 def _chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -17,7 +17,6 @@ private range that only these namespaces use; the bridge and namespaces are remo
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -25,6 +24,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from apt_packages import ensure  # tests/ is on sys.path (its conftest.py)
 
 REPO = Path(__file__).resolve().parents[2]
 EXP11 = REPO / "slurm" / "exp11.slurm"  # the rendered job script the tests submit, unchanged
@@ -34,16 +35,9 @@ TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "
 
 
 def ensure_installed() -> None:
-    """Install Debian's Slurm packages if they are missing (the test suite sets itself up; needs root + apt)."""
-    if all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch", "scontrol")):
-        return
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        raise RuntimeError("Slurm is not installed and cannot be installed here (needs root and apt-get): "
-                           f"apt-get install {' '.join(SLURM_PACKAGES)}")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *SLURM_PACKAGES], check=True,
-                   env=env, capture_output=True)
+    """Install Debian's Slurm packages if they are missing (the test suite sets itself up; needs root + apt; one
+    install at a time across the suite's processes: ``apt_packages.ensure``)."""
+    ensure(SLURM_PACKAGES, ("slurmctld", "slurmd", "sbatch", "scontrol"))
 
 
 def _kill_job_steps(job_ids: set[int]) -> None:
