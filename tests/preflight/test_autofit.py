@@ -297,3 +297,17 @@ def test_a_candidate_nearly_as_fast_with_less_memory_is_named_beside_the_choice(
     assert real.best.batch_size == 4
     (named,) = [n for n in real.notes if n.startswith("nearly as fast")]
     assert named.startswith("nearly as fast with less memory: data.batch_size=1 ")
+
+
+@pytest.mark.parametrize("overrides, note", [
+    ([], "not searched: model.channels_last (on an H100 its convolutions alone ran 0.76-0.82x"),
+    (["model.channels_last=true"], "model.channels_last=true: the step times above are the default layout's"),
+])
+def test_the_report_says_what_its_step_times_know_of_the_memory_layout(tiny_cfg, overrides, note):
+    """The time model was fitted to NCDHW steps: a channels-last run's times are the default layout's, and the
+    report says so; a default run is told channels-last was not searched, with the only GPU figures there are."""
+    report = autofit(tiny_cfg(SUBJECTS, "data.batch_size=auto", "preflight.max_batch_size=1", *overrides),
+                     verdict=fast)
+    assert report.by == "samples per second"
+    assert [n for n in report.notes if "channels_last" in n] == [next(n for n in report.notes if n.startswith(note))]
+    assert "channels_last" not in report.table().split("note:")[0]  # a note, not a candidate

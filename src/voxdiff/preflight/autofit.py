@@ -33,7 +33,9 @@ The search:
   model at a small batch: 2.7B parameters). ``auto``, the default, takes it already. Same memory; the time model
   counts the EMA's pass over the weights in bytes at the GPU's bandwidth
   (:class:`~voxdiff.preflight.resources.StepCost`), so these rows differ from their twins by that arithmetic alone;
-* not searched: compile modes other than the run's (a mode is chosen by ``model.compile_mode``, not by the batch).
+* not searched: compile modes other than the run's (a mode is chosen by ``model.compile_mode``, not by the batch);
+  the memory layout (``model.channels_last``): the time model has no whole channels-last step above batch 1, so a
+  channels-last run's times are the default layout's, and the report says so (:func:`layout_note`).
 
 A candidate fits when its GPU and host memory do; a misfit no batch changes (the checkpoints' disk under
 ``paths.run_dir``) is a note of the report, and the check of the chosen configuration refuses the run for it. A
@@ -296,7 +298,7 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
     why_not = ema_why_not or f"every {ema_other} steps would save less than {EMA_MIN_GAIN:.0%} of a step here"
     _notes(report, options.effective_batch, world, first_misfit, bool(kinds[1:]),
            _ema_note(ema, ema_other) if offered else f"not searched: system.ema.every_n_steps ({why_not})",
-           compiled_run=compile_now)
+           compiled_run=compile_now, layout=layout_note(select(cfg, "model.channels_last") is True))
     if data_cap is not None:
         cache = str(data.get("cache", "memory"))
         how = ("the main process loads each batch between steps, which adds to every step" if workers == 0 else
@@ -362,10 +364,24 @@ def _step_s(result: PreflightResult, gpu: str, kind: str, ema_every_n_steps: int
     return throughput.seconds(cost)
 
 
+def layout_note(channels_last: bool) -> str:
+    """What the step times say of the memory layout: a channels-last run's are the default layout's (the time model
+    was fitted to NCDHW steps: :data:`~voxdiff.preflight.resources.STEP_THROUGHPUT`), and channels-last is not among
+    the candidates. Its only GPU figures above batch 1 are its convolutions timed alone on an H100
+    (``bench/bench_convs.py``, session 25: 0.758x and 0.816x the default layout's time)."""
+    measured = ("on an H100 its convolutions alone ran 0.76-0.82x their default-layout time at exp11's batch 32 and "
+                "exp9_ldm_4x_bravo's batch 2, bench/bench_convs.py; a whole channels-last step is measured at batch 1 "
+                "only")
+    if channels_last:
+        return f"model.channels_last=true: the step times above are the default layout's ({measured})"
+    return f"not searched: model.channels_last ({measured})"
+
+
 def _notes(report: AutofitReport, effective: int | None, world: int, first_misfit: int | None,
-           both_kinds: bool, ema_note: str, compiled_run: bool = False) -> None:
+           both_kinds: bool, ema_note: str, compiled_run: bool = False, layout: str | None = None) -> None:
     """``ema_note``: the EMA interval's note (rows offered, or why none was); ``compiled_run``: the run compiles
-    its model (its checkpointed rows are eager upper bounds)."""
+    its model (its checkpointed rows are eager upper bounds); ``layout``: :func:`layout_note`, given where the
+    candidates have step times."""
     notes = report.notes
     if report.best is None:
         notes.append("no candidate fits: see python preflight.py experiment=... for the fixes of batch 1")
@@ -409,3 +425,5 @@ def _notes(report: AutofitReport, effective: int | None, world: int, first_misfi
     notes.append(ema_note)
     notes.append("not searched: compile modes other than the run's model.compile_mode (auto: CUDA graphs on one GPU "
                  "without gradient accumulation)")
+    if layout is not None and report.by == "samples per second":
+        notes.append(layout)
