@@ -73,6 +73,7 @@ from voxdiff.models.unet import CUDAGRAPH_MODES
 from voxdiff.preflight.check import PreflightResult, override_args, run_preflight, with_overrides
 from voxdiff.preflight.memory import traced_recipe
 from voxdiff.preflight.resources import (
+    CHANNELS_LAST_TIME,
     STEP_THROUGHPUT,
     data_step_s,
     loader_table,
@@ -373,7 +374,7 @@ def layout_note(channels_last: bool) -> str:
                 "exp9_ldm_4x_bravo's batch 2, bench/bench_convs.py; a whole channels-last step is measured at batch 1 "
                 "only")
     if channels_last:
-        return f"model.channels_last=true: the step times above are the default layout's ({measured})"
+        return f"model.channels_last=true: the step times above are {CHANNELS_LAST_TIME} ({measured})"
     return f"not searched: model.channels_last ({measured})"
 
 

@@ -503,6 +503,11 @@ def step_kind(compiled: bool, cuda_graphs: bool) -> str:
     return "cudagraphs" if compiled and cuda_graphs else "compiled" if compiled else "eager"
 
 
+#: what a predicted step time is for a ``model.channels_last=true`` run: every row of :data:`STEP_THROUGHPUT` was
+#: measured in the default layout, and no whole channels-last step above batch 1 has been (README, "Channels-last")
+CHANNELS_LAST_TIME = "the default layout's: the time model has no whole channels-last step above batch 1"
+
+
 @dataclass(frozen=True)
 class RunTime:
     """How long ``max_steps`` take, and how many Slurm jobs that is.
@@ -516,6 +521,8 @@ class RunTime:
         throughput: what ``step_s`` was computed with.
         gpu_s: the step's seconds on the GPU, without the wait for data (None: the same as ``step_s``).
         parts: the GPU's seconds term by term (:meth:`Throughput.parts`; None: not given).
+        layout: what the time is for the run's memory layout ("": the default layout, as measured;
+            :data:`CHANNELS_LAST_TIME` for a channels-last run).
     """
 
     step_s: float
@@ -526,6 +533,7 @@ class RunTime:
     throughput: Throughput
     gpu_s: float | None = None
     parts: Mapping[str, float] | None = None
+    layout: str = ""
 
     @property
     def wall_s(self) -> float:
@@ -553,7 +561,7 @@ class RunTime:
         return (f"time: {self.step_s * 1e3:.0f} ms/step predicted{waiting}, {self.max_steps} steps = "
                 f"{self.wall_s / 3600:.1f} h"
                 f" wall, {self.gpu_hours:.1f} GPU-hours{limit} (no validation or sampling time;"
-                f" {self.throughput.source}){split}")
+                f" {self.throughput.source}{'; ' + self.layout if self.layout else ''}){split}")
 
 
 @dataclass(frozen=True)
@@ -799,14 +807,16 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
     step_s = throughput.seconds(cost) if cost is not None and throughput is not None else None
     wall_s = data_step_s(step_s, run.batch_size, rate, needs.num_workers)
     max_steps = needs.max_steps
+    unet = run.system.unet
+    layout = CHANNELS_LAST_TIME if unet is not None and unet.channels_last else ""
     if cost is None:
         unknown = "not predicted for this step"
     elif throughput is None:
         unknown = (f"the {kind} step's speed on {gpu} has not been measured (voxdiff.preflight.resources."
                    f"STEP_THROUGHPUT has {', '.join(f'{g} {k}' for g, k in sorted(STEP_THROUGHPUT))})")
     elif not isinstance(max_steps, int) or max_steps <= 0:
-        unknown = (f"{wall_s * 1e3:.0f} ms/step predicted; trainer.max_steps={max_steps} sets no end; the step: "
-                   f"{describe_parts(throughput.parts(cost))}")
+        unknown = (f"{wall_s * 1e3:.0f} ms/step predicted{f' ({layout})' if layout else ''}; "
+                   f"trainer.max_steps={max_steps} sets no end; the step: {describe_parts(throughput.parts(cost))}")
     else:
         site = slurm_site(needs.slurm)
         limit = warn = None
@@ -817,7 +827,7 @@ def run_needs(run: Any, model: torch.nn.Module, *, ema: bool, data: Any, sample_
                 limit = None  # UNLIMITED: no requeues to plan
             warn = float(site.get("WARN_SECONDS") or 0)
         run_time = RunTime(wall_s, max_steps, world_size, limit, warn or 0.0, throughput, step_s,
-                           throughput.parts(cost))
+                           throughput.parts(cost), layout)
     slow = data_too_slow(needs.data, run.batch_size, needs.num_workers, tuple(run.shapes.volume), step_s)
     if slow:
         warnings.append(slow)
