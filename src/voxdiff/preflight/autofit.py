@@ -34,7 +34,7 @@ The search:
   counts the EMA's pass over the weights in bytes at the GPU's bandwidth
   (:class:`~voxdiff.preflight.resources.StepCost`), so these rows differ from their twins by that arithmetic alone;
 * not searched: compile modes other than the run's (a mode is chosen by ``model.compile_mode``, not by the batch);
-  the memory layout (``model.channels_last``): the time model has no whole channels-last step above batch 1, so a
+  the memory layout (``model.channels_last``): the time model was fitted to default-layout steps only, so a
   channels-last run's times are the default layout's, and the report says so (:func:`layout_note`).
 
 A candidate fits when its GPU and host memory do; a misfit no batch changes (the checkpoints' disk under
