@@ -23,6 +23,10 @@ LOCK = Path(tempfile.gettempdir()) / "voxdiff-tests-apt.lock"
 DPKG_LOCK_TIMEOUT_S = 600
 
 
+def _missing(binaries: Sequence[str]) -> list[str]:
+    return [b for b in binaries if not shutil.which(b)]
+
+
 def ensure(packages: Sequence[str], binaries: Sequence[str]) -> None:
     """Install ``packages`` with apt-get unless every one of ``binaries`` is on ``PATH`` already.
 
@@ -30,7 +34,7 @@ def ensure(packages: Sequence[str], binaries: Sequence[str]) -> None:
         RuntimeError: not root or no apt-get (naming the command to run), an apt-get that failed (its command, exit
             status and stderr), or an install after which a binary is still missing.
     """
-    if all(shutil.which(b) for b in binaries):
+    if not _missing(binaries):
         return
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         raise RuntimeError(f"{', '.join(binaries)} not installed and cannot be installed here (needs root and "
@@ -39,13 +43,13 @@ def ensure(packages: Sequence[str], binaries: Sequence[str]) -> None:
     wait = ["-o", f"DPkg::Lock::Timeout={DPKG_LOCK_TIMEOUT_S}"]
     with open(LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if all(shutil.which(b) for b in binaries):
+        if not _missing(binaries):
             return  # another process installed them while this one waited
         for cmd in (["apt-get", *wait, "update", "-qq"],
                     ["apt-get", *wait, "install", "-y", "-qq", "--no-install-recommends", *packages]):
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
-    missing = [b for b in binaries if not shutil.which(b)]
+    missing = _missing(binaries)
     if missing:
         raise RuntimeError(f"apt-get install {' '.join(packages)} finished but {', '.join(missing)} is not on PATH")
