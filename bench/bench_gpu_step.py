@@ -14,8 +14,9 @@ other (``--experiments exp11 --out F.csv --append`` runs one experiment per call
   (foreach), bf16 autocast, DDPM noise at a random timestep, fp32 eps-MSE, ``zero_grad(set_to_none=True)`` after the
   step; nothing else.
 * **compiled**: the hand-tuned plain loop: the same with fused AdamW, SDPA attention and ``torch.compile`` of the
-  UNet (``--no-compiled`` leaves it out). Both plain loops take ``model.channels_last=true`` from the overrides:
-  the UNet's weights and input in ``torch.channels_last_3d`` (their result's ``layout``).
+  UNet (``--no-compiled`` leaves it out). Both plain loops take ``model.channels_last`` as voxdiff's step resolves
+  it (``auto``, the default: channels-last for the compiled loop on a GPU, not the eager one; ``true``: both): the
+  UNet's weights and input in ``torch.channels_last_3d`` (their result's ``layout``).
 * **voxdiff**: ``trainer.fit`` of the experiment's Lightning system, built as ``train.py`` builds it (the config's
   defaults on this device: optimizer, attention, ``model.compile``, EMA, clipping, the non-finite guard, callbacks
   and CSV logging), validation off. Its EMA averages from the first step (``system.ema.start_step=0``, before the
@@ -143,8 +144,9 @@ class _Clock:
 
 def run_plain(cfg: Any, warmup: int, steps: int, device: str, compiled: bool = False) -> dict[str, Any]:
     """The plain eager MONAI loop (see the module docstring); ``compiled``: the hand-tuned one (fused AdamW, SDPA
-    attention, ``torch.compile`` of the UNet). With ``model.channels_last=true`` among the side's overrides the loop
-    is laid out as a user would write it channels-last: the UNet's weights and its input in
+    attention, ``torch.compile`` of the UNet). Where ``model.channels_last`` resolves on for the loop as for voxdiff's
+    step (``true``; ``auto``, the default: the compiled loop on a GPU,
+    :func:`voxdiff.models.unet.resolve_channels_last`) the loop is laid out as a user would write it channels-last: the UNet's weights and its input in
     ``torch.channels_last_3d`` (voxdiff's own option does the same, plus inductor's layout hint); the result's
     ``layout`` says which layout the convolution weights had as the steps ran."""
     import torch
@@ -154,6 +156,7 @@ def run_plain(cfg: Any, warmup: int, steps: int, device: str, compiled: bool = F
 
     from voxdiff.config import build_encoding, model_spec
     from voxdiff.diffusion import encode_batch
+    from voxdiff.models.unet import resolve_channels_last
 
     torch.manual_seed(0)
     encoding = build_encoding(cfg).to(device)
@@ -164,7 +167,8 @@ def run_plain(cfg: Any, warmup: int, steps: int, device: str, compiled: bool = F
         num_head_channels=list(spec.num_head_channels), norm_num_groups=spec.norm_num_groups,
         use_flash_attention=compiled,
     ).to(device)
-    layout = torch.channels_last_3d if cfg.model.get("channels_last") else torch.contiguous_format
+    last = resolve_channels_last(spec.channels_last, torch.device(device).type, compiled, flat_weights=False)
+    layout = torch.channels_last_3d if last else torch.contiguous_format
     model = model.to(memory_format=layout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if compiled else {"foreach": True}))
     forward = torch.compile(model) if compiled else model

@@ -147,7 +147,7 @@ def cudagraph_points(rows: list | None = None) -> list[tuple[str, object, float,
                                           "cuda")
         assert not problems, problems
         with torch.device("meta"):
-            model = traced_unet(run)
+            model = traced_unet(run, ncdhw=True)  # as the preflight counts a step (the rows ran NCDHW)
         c = step_cost(model, run.batch, run.mode, run.encoding, grad_bytes_per_param=grad_bytes)
         seconds = float(row["voxdiff_ms_per_step"]) / 1e3
         passes = (c.weight_bytes + c.params * ema_bytes) / H100_BANDWIDTH
@@ -183,7 +183,7 @@ def run_points(paths: list[str]) -> list[tuple[str, str, str, object, float, flo
         if problems:
             sys.exit(f"fit_step_time: {path}: its config does not resolve here: {problems[0]}")
         with torch.device("meta"):
-            cost = run_step_cost(run, traced_unet(run))
+            cost = run_step_cost(run, traced_unet(run, ncdhw=True))  # as the preflight counts it
         kind = step_kind(run.unet.compile, run.unet.cuda_graphs)
         gpu = record.get("gpu") or "?"
         table = STEP_THROUGHPUT.get((gpu, kind))

@@ -401,7 +401,10 @@ def model_spec(cfg: DictConfig, encoding: Encoding | None = None, device_type: s
                           f"remove it; the UNet takes {', '.join(f for f in UNetSpec.__dataclass_fields__)}")
     args.update(in_channels=c_in, out_channels=c_out)
     spec = unet_spec(**args)
-    return spec if device_type is None else spec.for_device(device_type, cuda_graphs_fit(cfg, device_type))
+    if device_type is None:
+        return spec
+    flat = strategy_kind(plain((cfg.get("trainer") or {}).get("strategy"))) == "fsdp"  # no channels-last weights
+    return spec.for_device(device_type, cuda_graphs_fit(cfg, device_type), flat_weights=flat)
 
 
 #: ``trainer.devices`` values that ask Lightning for every device of the node (``auto`` is Lightning's default)

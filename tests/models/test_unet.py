@@ -4,7 +4,7 @@ from monai.networks.nets import DiffusionModelUNet
 
 from voxdiff.encodings import HaarWavelet, SpaceToDepth, VQVAELatent
 from voxdiff.errors import ConfigError
-from voxdiff.models import build_unet, count_parameters, unet_io_channels
+from voxdiff.models import build_unet, build_unet_from_spec, count_parameters, unet_io_channels
 
 
 def _params(**kw) -> float:
@@ -133,8 +133,31 @@ def test_a_channels_last_unet_keeps_that_layout_and_computes_what_the_contiguous
     assert (grads[1] - grads[0]).abs().max() <= 1e-5 * grads[0].abs().max()
     assert not torch.equal(outs[0], torch.zeros_like(outs[0]))
     assert list(last.state_dict()) == list(plain.state_dict())
-    with pytest.raises(ConfigError, match=r"model.channels_last=yes: must be true or false"):
+    with pytest.raises(ConfigError, match=r"model.channels_last=yes: must be true, false or auto. Fix: use "
+                       r"model.channels_last=auto \(on for a compiled CUDA run"):
         build_unet(**kw, channels_last="yes")
+
+
+@pytest.mark.parametrize("value,device,compiled,flat,want", [
+    ("auto", "cuda", True, False, True),  # a compiled GPU run: channels-last (measured faster)
+    ("auto", "cuda", False, False, False),  # eager on a GPU: unmeasured
+    ("auto", "cpu", True, False, False),  # a CPU: slower (oneDNN picks its own layouts)
+    ("auto", "cuda", True, True, False),  # FSDP flattens the weights
+    (True, "cpu", False, False, True), (False, "cuda", True, False, False),  # as given
+])
+def test_channels_last_auto_is_on_for_a_compiled_gpu_run_only(value, device, compiled, flat, want):
+    """``model.channels_last=auto`` resolves in one place, for the run's device, compile and strategy; the spec of a
+    config resolves it with the rest (``model_spec``), and a model is not built with it unresolved."""
+    from voxdiff.models.unet import resolve_channels_last, unet_spec
+
+    assert resolve_channels_last(value, device, compiled, flat) is want
+    spec = unet_spec(in_channels=2, out_channels=2, channels=[8, 16], attention_levels=[False, True],
+                     num_res_blocks=1, num_head_channels=8, norm_num_groups=4, compile=compiled, channels_last=value)
+    assert spec.resolved is (value != "auto")
+    assert spec.for_device(device, flat_weights=flat).channels_last is want
+    if value == "auto":
+        with pytest.raises(ValueError, match="model.channels_last=auto needs the device the model runs on"):
+            build_unet_from_spec(spec)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])

@@ -430,3 +430,28 @@ def test_autocast_emulator_honours_the_models_own_disabled_regions() -> None:
     assert inside.dtype == torch.float32 and inside_meta.dtype == torch.float32
     assert nested.dtype == torch.bfloat16 and after.dtype == torch.bfloat16
     assert torch.autocast is torch.amp.autocast  # restored when the mode exits
+
+
+def test_a_compiled_channels_last_step_is_planned_in_ncdhw(monkeypatch) -> None:
+    """A compiled channels-last step measured the memory of the NCDHW one (exp9_ldm_8x_bravo: the same default pool
+    to the byte, its CUDA graphs' pool 0.97x; ``reference/h200_bench_gpu_step_v3.csv``). Traced channels-last, the
+    plan held the decompositions' layout copies that inductor removes (2.4 GiB more reserved): the compiled plan and
+    the time model's count are NCDHW's; every other trace keeps the run's layout."""
+    from voxdiff.config import compose
+    from voxdiff.preflight.memory import diffusion_run, predict_memory, traced_unet
+
+    monkeypatch.setenv("VOXDIFF_TARGET", "gpu")  # resolved as the GPU run resolves it (python preflight.py)
+    cfg = {cl: compose("preflight", ["experiment=exp9_ldm_8x_bravo", f"model.channels_last={cl}"])
+           for cl in ("false", "true")}
+    default, channels_last = (predict_memory(cfg[cl]) for cl in ("false", "true"))
+    assert channels_last.model_step == default.model_step == "compiled" and channels_last.cuda_graphs
+    assert (channels_last.steady_step, channels_last.graph_pool_bytes, channels_last.estimated_reserved) == (
+        default.steady_step, default.graph_pool_bytes, default.estimated_reserved)
+    run = diffusion_run(cfg["true"])
+    assert run.unet.channels_last
+    with torch.device("meta"):
+        as_run, planned = traced_unet(run), traced_unet(run, ncdhw=True)
+    conv = next(n for n, p in as_run.named_parameters() if p.dim() == 5)
+    weights = dict(as_run.named_parameters())[conv], dict(planned.named_parameters())[conv]
+    assert weights[0].is_contiguous(memory_format=torch.channels_last_3d) and not weights[0].is_contiguous()
+    assert weights[1].is_contiguous()

@@ -250,7 +250,8 @@ def test_standalone_sampling_predictions_hold_where_measured_on_an_h100(gpu_run,
     160x256x256: one fp32 copy of the UNet's first level, or two bf16 ones) and by about 22 MiB per UNet on the
     device; not identified (cuDNN's convolution workspaces, which the trace does not model, are a candidate). The
     test holds each error where it was measured, so a change that moves one shows, and every measured peak inside
-    the 10% margin the commands refuse with."""
+    the 10% margin the commands refuse with. Measured in NCDHW: since session 26 a compiled GPU run's model is
+    channels-last (``model.channels_last=auto``), its eager sampling traced so, 1.3-2.5% higher here; unmeasured."""
     import csv
     from pathlib import Path
 
@@ -261,7 +262,7 @@ def test_standalone_sampling_predictions_hold_where_measured_on_an_h100(gpu_run,
     rows = [r for r in csv.DictReader(open(Path(__file__).parents[2] / "reference" / "h100_sampling.csv"))
             if r["experiment"] == experiment]
     assert len(rows) == 4 and all("H100" in r["gpu"] for r in rows)
-    cfg = compose("preflight", [f"experiment={experiment}"])
+    cfg = compose("preflight", [f"experiment={experiment}", "model.channels_last=false"])  # the layout it ran in
     for r in rows:
         rep = predict_sampling(cfg, int(r["batch"]), guidance_scale=float(r["guidance_scale"]),
                                autoguide_scale=float(r["autoguide_scale"]), num_inference_steps=int(r["steps"]),

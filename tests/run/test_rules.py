@@ -112,10 +112,17 @@ def test_rule_channels_last_is_refused_under_fsdp():
     with key, value and fix; with DDP or on one GPU it passes."""
     (msg,) = _problems("experiment=exp11", "trainer=fsdp", "model.channels_last=true", "model.compile_mode=null")
     assert msg.startswith("model.channels_last=true: keeps the convolution weights channels-last, and FSDP flattens")
-    assert "Fix: use model.channels_last=false under FSDP, or trainer.strategy=ddp" in msg
+    assert "Fix: use model.channels_last=auto (off under FSDP) or false, or trainer.strategy=ddp" in msg
     assert _problems("experiment=exp11", "model.channels_last=true") == []
     assert _problems("experiment=exp11", "trainer=fsdp", "model.compile_mode=null") == []
     assert run_spec(compose("train", ["experiment=exp11", "model.channels_last=true"]), "cuda").unet.channels_last
+    # auto (the default) resolves with the run: channels-last for a compiled GPU run, not under FSDP, not on the CPU
+    for overrides, cuda in (([], True), (["trainer=fsdp", "model.compile_mode=null"], False),
+                            (["model.compile=false"], False), (["trainer=ddp", "trainer.devices=2"], True)):
+        cfg = compose("train", ["experiment=exp11", *overrides])
+        assert cfg.model.channels_last == "auto"
+        assert run_spec(cfg, "cuda").unet.channels_last is cuda, overrides
+        assert run_spec(cfg, "cpu").unet.channels_last is False
 
 
 @pytest.mark.parametrize("experiment, key, value, message, fix", [

@@ -13,12 +13,16 @@ run on one CUDA GPU without gradient accumulation, torch's default mode elsewher
 mode's step was launch-bound: its kernels kept the GPU busy 29 ms of the 104); exp9_ldm_4x_bravo's 203 and 201 ms
 (compute-bound).
 
-``channels_last`` (off by default) keeps the UNet's 5-D weights and its input in ``torch.channels_last_3d``
+``channels_last`` keeps the UNet's 5-D weights and its input in ``torch.channels_last_3d``
 (:func:`apply_channels_last`), and makes inductor lay out the compiled graph's tensors the same way
-(:class:`voxdiff.step.CompileSettings`). Why: in exp11's default-mode step on an H100, 5.6 of the 28.7 ms of GPU
-kernels were cuDNN converting NCDHW tensors to NDHWC and back around its bf16 convolutions; inductor does not choose
-channels-last by itself for a UNet (its heuristic skips graphs with a convolution of fewer output than input
-channels, as a UNet's decoder has). Whether it is faster is still to be measured on a GPU, so it stays off.
+(:class:`voxdiff.step.CompileSettings`). Why: cuDNN runs its bf16 3D convolutions in NDHWC, and converts NCDHW
+tensors to it and back around each one (exp9_ldm_8x_bravo on an H100: 20.3 of its 127.9 ms of kernels); inductor
+does not choose channels-last by itself for a UNet (its heuristic skips graphs with a convolution of fewer output
+than input channels, as a UNet's decoder has). ``auto`` (:func:`resolve_channels_last`) is on for a compiled CUDA run
+whose weights are not flattened (FSDP), off elsewhere: every compiled GPU step measured channels-last was faster
+(``reference/README.md``: exp11 at batch 1 0.96x its time on an H100; exp9_ldm_8x_bravo's hand-tuned loop 0.872x
+and voxdiff's step 0.938x that NCDHW loop on an H200); an eager GPU step is unmeasured, and on a CPU it was slower
+(the demo: 1.14 steps/s against 1.35, ``docs/demo_recipe.md``).
 """
 
 from __future__ import annotations
@@ -37,21 +41,25 @@ from voxdiff.models.checkpointing import GRANULARITIES, apply_gradient_checkpoin
 from voxdiff.models.covariates import attach_covariates
 
 MODES = ("bravo", "seg")
-AUTO = "auto"  # a run-time switch (model.use_flash_attention, model.compile) that the device decides
+AUTO = "auto"  # a run-time switch (model.use_flash_attention, model.compile, model.channels_last) the run decides
 #: ``torch.compile`` modes that capture CUDA graphs (inductor's ``triton.cudagraphs``)
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
-def check_switch(key: str, value: Any) -> bool | str:
-    """``value`` of a run-time switch (``model.use_flash_attention``, ``model.compile``) if it is true, false or
-    ``auto``.
+def check_switch(key: str, value: Any, auto: str = "on for a CUDA run, off on the CPU") -> bool | str:
+    """``value`` of a run-time switch (``model.use_flash_attention``, ``model.compile``, ``model.channels_last``) if
+    it is true, false or ``auto`` (``auto``: what it means for this key, for the fix).
 
     Raises:
         ConfigError: naming the key, the value and the fix.
     """
     if isinstance(value, bool) or value == AUTO:
         return value
-    raise ConfigError(key, value, "must be true, false or auto", f"use {key}=auto (on for a CUDA run, off on the CPU)")
+    raise ConfigError(key, value, "must be true, false or auto", f"use {key}=auto ({auto})")
+
+
+#: what ``model.channels_last=auto`` means (:func:`resolve_channels_last`)
+CHANNELS_LAST_AUTO = "on for a compiled CUDA run, not under FSDP; off elsewhere"
 
 
 def resolve_switch(key: str, value: bool | str, device_type: str) -> bool:
@@ -59,6 +67,14 @@ def resolve_switch(key: str, value: bool | str, device_type: str) -> bool:
     elsewhere; ``true``/``false`` as given. The only place ``auto`` is decided."""
     value = check_switch(key, value)
     return value if isinstance(value, bool) else device_type == "cuda"
+
+
+def resolve_channels_last(value: bool | str, device_type: str, compiled: bool, flat_weights: bool) -> bool:
+    """``model.channels_last`` for a run on ``device_type``: ``auto`` is on for a ``compiled`` (inductor) ``cuda``
+    run whose weights are not flattened into one buffer (``flat_weights``: FSDP, which refuses ``true``), off
+    elsewhere; ``true``/``false`` as given. The only place ``auto`` is decided."""
+    value = check_switch("model.channels_last", value, CHANNELS_LAST_AUTO)
+    return value if isinstance(value, bool) else device_type == "cuda" and compiled and not flat_weights
 
 
 def resolve_compile_mode(mode: str | None, device_type: str, cuda_graphs: bool) -> str | None:
@@ -152,23 +168,28 @@ class UNetSpec:
     compile_mode: str | None = None  # torch.compile(mode=...); None: torch's default mode; auto: by the run
     compile_backend: str = "inductor"  # torch.compile(backend=...); aot_eager tells a dynamo/autograd failure apart
     covariate_dim: int = 0  # K of the covariate vector (voxdiff.models.covariates); 0: no covariates
-    channels_last: bool = False  # 5-D weights and input in torch.channels_last_3d (apply_channels_last)
+    channels_last: bool | str = False  # 5-D weights and input in torch.channels_last_3d: true, false or auto
 
-    def for_device(self, device_type: str, cuda_graphs: bool = True) -> UNetSpec:
+    def for_device(self, device_type: str, cuda_graphs: bool = True, flat_weights: bool = False) -> UNetSpec:
         """This spec for a model that runs on ``device_type`` (``cuda``, ``cpu``): ``auto`` switches resolved by
         :func:`resolve_switch`, an ``auto`` compile mode by :func:`resolve_compile_mode` (``cuda_graphs``: whether
-        the run could replay CUDA graphs, :func:`voxdiff.config.cuda_graphs_fit`)."""
+        the run could replay CUDA graphs, :func:`voxdiff.config.cuda_graphs_fit`), an ``auto`` layout by
+        :func:`resolve_channels_last` (``flat_weights``: FSDP)."""
+        compiled = resolve_switch("model.compile", self.compile, device_type)
         return replace(self, use_flash_attention=resolve_switch("model.use_flash_attention", self.use_flash_attention,
                                                                 device_type),
-                       compile=resolve_switch("model.compile", self.compile, device_type),
+                       compile=compiled,
                        compile_mode=resolve_compile_mode(self.compile_mode, device_type,
-                                                         cuda_graphs and self.compile_backend == "inductor"))
+                                                         cuda_graphs and self.compile_backend == "inductor"),
+                       channels_last=resolve_channels_last(self.channels_last, device_type,
+                                                           compiled and self.compile_backend == "inductor",
+                                                           flat_weights))
 
     @property
     def resolved(self) -> bool:
         """Whether no switch is left at ``auto``."""
         return (isinstance(self.use_flash_attention, bool) and isinstance(self.compile, bool)
-                and self.compile_mode != AUTO)
+                and self.compile_mode != AUTO and isinstance(self.channels_last, bool))
 
     @property
     def cuda_graphs(self) -> bool:
@@ -276,7 +297,7 @@ def unet_spec(
     compile: bool | str = False,
     compile_mode: str | None = None,
     compile_backend: str = "inductor",
-    channels_last: bool = False,
+    channels_last: bool | str = False,
 ) -> UNetSpec:
     """Validate the model config; every failure names the key, the value and a fix.
 
@@ -335,9 +356,7 @@ def unet_spec(
     if gradient_checkpointing not in GRANULARITIES:
         raise ConfigError("model.gradient_checkpointing", gradient_checkpointing, "unknown granularity",
                           f"use one of {', '.join(GRANULARITIES)}")
-    if not isinstance(channels_last, bool):
-        raise ConfigError("model.channels_last", channels_last, "must be true or false",
-                          "use model.channels_last=false (the default) or true")
+    check_switch("model.channels_last", channels_last, CHANNELS_LAST_AUTO)
     return UNetSpec(
         in_channels=in_channels,
         out_channels=out_channels,
@@ -370,7 +389,7 @@ def build_unet(
     compile: bool | str = False,
     compile_mode: str | None = None,
     compile_backend: str = "inductor",
-    channels_last: bool = False,
+    channels_last: bool | str = False,
 ) -> DiffusionModelUNet:
     """Build ``DiffusionModelUNet(spatial_dims=3, ...)`` and apply the gradient-checkpointing policy.
 
@@ -392,7 +411,8 @@ def build_unet(
         device_type: the device the model will run on, which resolves ``auto`` (:meth:`UNetSpec.for_device`).
         compile, compile_mode, compile_backend: validated here; the training step compiles its forward
             (:class:`voxdiff.step.TrainStep`), the model itself is never compiled.
-        channels_last: weights and input in ``torch.channels_last_3d`` (:func:`apply_channels_last`).
+        channels_last: weights and input in ``torch.channels_last_3d`` (:func:`apply_channels_last`); ``auto``:
+            on for a compiled ``device_type`` cuda run (:func:`resolve_channels_last`).
     """
     spec = unet_spec(in_channels, out_channels, channels, attention_levels, num_res_blocks, num_head_channels,
                      norm_num_groups, use_flash_attention, gradient_checkpointing, compile, compile_mode,
@@ -410,9 +430,9 @@ def build_unet_from_spec(spec: UNetSpec, preserve_rng_state: bool = True,
     """
     if device_type is not None:
         spec = spec.for_device(device_type)
-    if not isinstance(spec.use_flash_attention, bool):
-        raise ValueError("build_unet_from_spec: model.use_flash_attention=auto needs the device the model runs on "
-                         "(device_type=..., or spec.for_device(...))")
+    if not (isinstance(spec.use_flash_attention, bool) and isinstance(spec.channels_last, bool)):
+        raise ValueError("build_unet_from_spec: model.use_flash_attention=auto or model.channels_last=auto needs the "
+                         "device the model runs on (device_type=..., or spec.for_device(...))")
     model = DiffusionModelUNet(**spec.monai_kwargs())
     if spec.covariate_dim:
         attach_covariates(model, spec.covariate_dim)

@@ -34,8 +34,9 @@ The search:
   counts the EMA's pass over the weights in bytes at the GPU's bandwidth
   (:class:`~voxdiff.preflight.resources.StepCost`), so these rows differ from their twins by that arithmetic alone;
 * not searched: compile modes other than the run's (a mode is chosen by ``model.compile_mode``, not by the batch);
-  the memory layout (``model.channels_last``): the time model was fitted to default-layout steps only, so a
-  channels-last run's times are the default layout's, and the report says so (:func:`layout_note`).
+  the memory layout (``model.channels_last``, ``auto``: channels-last for a compiled GPU run): the time model was
+  fitted to NCDHW steps only, so a channels-last run's times are NCDHW's, and the report says
+  so (:func:`layout_note`).
 
 A candidate fits when its GPU and host memory do; a misfit no batch changes (the checkpoints' disk under
 ``paths.run_dir``) is a note of the report, and the check of the chosen configuration refuses the run for it. A
@@ -299,7 +300,7 @@ def autofit(cfg: DictConfig, verdict: Verdict | None = None, run: RunSpec | None
     why_not = ema_why_not or f"every {ema_other} steps would save less than {EMA_MIN_GAIN:.0%} of a step here"
     _notes(report, options.effective_batch, world, first_misfit, bool(kinds[1:]),
            _ema_note(ema, ema_other) if offered else f"not searched: system.ema.every_n_steps ({why_not})",
-           compiled_run=compile_now, layout=layout_note(select(cfg, "model.channels_last") is True))
+           compiled_run=compile_now, layout=layout_note(run.unet.channels_last is True))
     if data_cap is not None:
         cache = str(data.get("cache", "memory"))
         how = ("the main process loads each batch between steps, which adds to every step" if workers == 0 else
@@ -366,15 +367,17 @@ def _step_s(result: PreflightResult, gpu: str, kind: str, ema_every_n_steps: int
 
 
 def layout_note(channels_last: bool) -> str:
-    """What the step times say of the memory layout: a channels-last run's are the default layout's (the time model
-    was fitted to NCDHW steps: :data:`~voxdiff.preflight.resources.STEP_THROUGHPUT`), and channels-last is not among
-    the candidates. Its only GPU figures above batch 1 are its convolutions timed alone on an H100
-    (``bench/bench_convs.py``, session 25: 0.758x and 0.816x the default layout's time)."""
-    measured = ("on an H100 its convolutions alone ran 0.76-0.82x their default-layout time at exp11's batch 32 and "
-                "exp9_ldm_4x_bravo's batch 2, bench/bench_convs.py; a whole channels-last step is measured at batch 1 "
-                "only")
+    """What the step times say of the memory layout (``channels_last``: the run's, as it resolves on the GPU): a
+    channels-last run's are NCDHW's (the time model was fitted to NCDHW steps:
+    :data:`~voxdiff.preflight.resources.STEP_THROUGHPUT`), and the layout is not among the candidates. Its GPU figures
+    (``reference/README.md``): whole compiled steps at batch 1 (exp11 0.96x the NCDHW step's time on an H100,
+    session 15; exp9_ldm_8x_bravo at most 0.94x on an H200, session 26), the convolutions alone above it
+    (``bench/bench_convs.py``, session 25: 0.758x and 0.816x)."""
+    measured = ("compiled channels-last steps measured at batch 1 ran 0.96x (exp11, H100) and at most 0.94x "
+                "(exp9_ldm_8x_bravo, H200) the NCDHW step's time; above batch 1 only the convolutions alone, "
+                "0.76-0.82x at exp11's batch 32 and exp9_ldm_4x_bravo's batch 2, bench/bench_convs.py")
     if channels_last:
-        return f"model.channels_last=true: the step times above are {CHANNELS_LAST_TIME} ({measured})"
+        return f"channels-last (model.channels_last): the step times above are {CHANNELS_LAST_TIME} ({measured})"
     return f"not searched: model.channels_last ({measured})"
 
 

@@ -220,7 +220,7 @@ def run_preflight(cfg: DictConfig, name: str = "", suggest: bool = True,
     result.shapes = run.shapes
     result.levels = run.unet.levels
     with torch.device("meta"):
-        model = traced_unet(run)  # for the parameter count and the checkpoint's bytes
+        model = traced_unet(run, ncdhw=True)  # parameters, checkpoint bytes, the time model's (NCDHW) count
     result.params = sum(p.numel() for p in model.parameters())
     parallel = run.parallel
     result.parallel, result.strategy, result.world_size = parallel, parallel.strategy, parallel.world_size

@@ -503,10 +503,12 @@ def step_kind(compiled: bool, cuda_graphs: bool) -> str:
     return "cudagraphs" if compiled and cuda_graphs else "compiled" if compiled else "eager"
 
 
-#: what a predicted step time is for a ``model.channels_last=true`` run: every row of :data:`STEP_THROUGHPUT` was
-#: measured in the default layout (the one whole channels-last step measured, exp11 at batch 1 in session 15, is not
-#: among them; README, "Channels-last")
-CHANNELS_LAST_TIME = "the default layout's: the time model was fitted to default-layout steps only"
+#: what a predicted step time is for a channels-last run (``model.channels_last``, ``auto`` on a compiled GPU run):
+#: every row of :data:`STEP_THROUGHPUT` was measured in NCDHW (the whole channels-last steps measured,
+#: exp11 at batch 1 in session 15 and exp9_ldm_8x_bravo in session 26, are not among them; README, "Channels-last"),
+#: and those ran faster than NCDHW's
+CHANNELS_LAST_TIME = ("NCDHW's: the time model was fitted to NCDHW steps only, and compiled channels-last steps "
+                      "measured faster")
 
 
 @dataclass(frozen=True)

@@ -291,7 +291,7 @@ def check_channels_last(cfg: DictConfig) -> None:
     if strategy_kind(plain(trainer.get("strategy"))) == "fsdp":
         raise ConfigError("model.channels_last", True, "keeps the convolution weights channels-last, and FSDP "
                           "flattens the weights into one contiguous buffer",
-                          "use model.channels_last=false under FSDP, or trainer.strategy=ddp")
+                          "use model.channels_last=auto (off under FSDP) or false, or trainer.strategy=ddp")
 
 
 #: values of ``trainer.precision`` that Lightning accepts (an int from the command line, e.g. 32, counts too)
