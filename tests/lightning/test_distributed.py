@@ -276,3 +276,45 @@ def test_sigint_and_sigterm_say_that_the_run_is_being_stopped():
         signal.signal(signal.SIGINT, before)
     terminated = SimpleNamespace(_signal_connector=SimpleNamespace(received_sigterm=True))
     assert stop_requested(terminated, threading.Event())
+
+
+def test_a_peer_whose_connection_closed_is_waited_for_so_its_code_is_the_runs():
+    """Rank 0's collective failed because a launched rank's connection closed (gloo's "Connection closed by peer"):
+    that rank is ending, and on a loaded machine its exit (its own failure's record, the teardown) can take longer
+    than the grace, after which it would be killed and the run would exit with rank 0's traceback (once seen in CI:
+    exit 1 instead of the failed rank's 7). ``first_exit_s`` waits for it; ``end_launched_ranks`` then reports its
+    code. Any other error keeps the short grace: a rank waiting in a collective is killed after it."""
+    import time
+    from types import SimpleNamespace
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    from voxdiff.cli.train import RankFailed, end_launched_ranks
+    from voxdiff.lightning.distributed import peer_gone, stop_launched_processes
+
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:38614")
+    try:
+        raise ValueError("hydra's wrapper") from gloo
+    except ValueError as wrapped:
+        assert peer_gone(gloo) and peer_gone(wrapped)
+    assert not peer_gone(RuntimeError("CUDA out of memory")) and not peer_gone(KeyboardInterrupt())
+
+    def trainer_with(children):
+        launcher = _SubprocessScriptLauncher(LightningEnvironment(), num_processes=len(children) + 1, num_nodes=1)
+        launcher.procs = children
+        return SimpleNamespace(strategy=SimpleNamespace(launcher=launcher))
+
+    slow = _children((7, 2.5))
+    try:
+        assert stop_launched_processes(trainer_with(slow), grace_s=0.5) == {1: "killed"}  # the short grace alone
+    finally:
+        slow[0].kill()
+    slow = _children((7, 2.5))
+    start = time.monotonic()
+    assert stop_launched_processes(trainer_with(slow), grace_s=0.5, first_exit_s=30) == {1: 7}
+    assert time.monotonic() - start < 20  # it waited for the peer, not for the whole of first_exit_s
+    slow = _children((7, 4.5))  # longer than LAUNCHED_GRACE_S: without the wait it would be killed, no RankFailed
+    with pytest.raises(RankFailed, match=r"local rank 1 failed \(exit code 7; its message is above\)") as failed:
+        end_launched_ranks(trainer_with(slow), gloo)
+    assert failed.value.code == 7

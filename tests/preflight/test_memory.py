@@ -435,8 +435,9 @@ def test_autocast_emulator_honours_the_models_own_disabled_regions() -> None:
 def test_a_compiled_channels_last_step_is_planned_in_ncdhw(monkeypatch) -> None:
     """A compiled channels-last step measured the memory of the NCDHW one (exp9_ldm_8x_bravo: the same default pool
     to the byte, its CUDA graphs' pool 0.97x; ``reference/h200_bench_gpu_step_v3.csv``). Traced channels-last, the
-    plan held the decompositions' layout copies that inductor removes (2.4 GiB more reserved): the compiled plan and
-    the time model's count are NCDHW's; every other trace keeps the run's layout."""
+    plan held the decompositions' layout copies that inductor removes (2.4 GiB more reserved): the compiled plan, the
+    eager trace that bounds it and the time model's count are NCDHW's; validation and sampling, which run eagerly in
+    the run's layout, are traced in it."""
     from voxdiff.config import compose
     from voxdiff.preflight.memory import diffusion_run, predict_memory, traced_unet
 
@@ -447,6 +448,8 @@ def test_a_compiled_channels_last_step_is_planned_in_ncdhw(monkeypatch) -> None:
     assert channels_last.model_step == default.model_step == "compiled" and channels_last.cuda_graphs
     assert (channels_last.steady_step, channels_last.graph_pool_bytes, channels_last.estimated_reserved) == (
         default.steady_step, default.graph_pool_bytes, default.estimated_reserved)
+    bounds = [predict_memory(cfg[cl], compile=False) for cl in ("false", "true")]  # the eager trace that bounds it
+    assert bounds[1].model_step == "upper bound (eager)" and bounds[1].steady_step == bounds[0].steady_step
     run = diffusion_run(cfg["true"])
     assert run.unet.channels_last
     with torch.device("meta"):

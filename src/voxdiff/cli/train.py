@@ -338,16 +338,24 @@ def own_failure(error: BaseException) -> bool:
 def end_launched_ranks(trainer: Any, error: BaseException) -> None:
     """This process failed with ``error``: end the run's other processes, if it launched them
     (:func:`voxdiff.lightning.distributed.stop_launched_processes`: they would wait for it in a collective), and say
-    what became of each.
+    what became of each. Where ``error`` says a peer's connection closed
+    (:func:`~voxdiff.lightning.distributed.peer_gone`), the peer that is ending gets up to ``PEER_EXIT_WAIT_S`` to
+    end, so that its code is the run's.
 
     Raises:
         RankFailed: one of them had failed on its own and ``error`` is not one of this process's own failures
             (:func:`own_failure`): the run exits with that process's code, not with a traceback of this one's.
     """
     # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
-    from voxdiff.lightning.distributed import LAUNCHED_GRACE_S, exit_code, stop_launched_processes
+    from voxdiff.lightning.distributed import (
+        LAUNCHED_GRACE_S,
+        PEER_EXIT_WAIT_S,
+        exit_code,
+        peer_gone,
+        stop_launched_processes,
+    )
 
-    ended = stop_launched_processes(trainer)
+    ended = stop_launched_processes(trainer, first_exit_s=PEER_EXIT_WAIT_S if peer_gone(error) else 0.0)
     if not ended:
         return
     failed = [(r, code) for r, code in ended.items() if isinstance(code, int) and code != 0]

@@ -135,6 +135,13 @@ def ema_checkpoint_state(ema: Any, model: torch.nn.Module) -> dict[str, Any]:
 #: process that launched them has failed, before :func:`stop_launched_processes` kills them; and the time
 #: :class:`RankWatch` gives this process's own failure handling after a launched process failed
 LAUNCHED_GRACE_S = 3.0
+#: seconds :func:`stop_launched_processes` waits for the first launched process to end when this process's error
+#: says a peer's connection closed (:func:`peer_gone`): that peer is ending, but writing its own failure's record and
+#: tearing down can take longer than :data:`LAUNCHED_GRACE_S` on a loaded machine (a CI run once exited 1 with rank 0's
+#: "Connection closed by peer" traceback instead of the failed rank's code 7)
+PEER_EXIT_WAIT_S = 60.0
+#: what a collective's error says when another process's connection closed under it (gloo; NCCL's watchdog)
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote process exited")
 #: seconds between :class:`RankWatch`'s looks at the processes it launched
 WATCH_PERIOD_S = 0.5
 
@@ -312,7 +319,19 @@ class ShardedUNetStrategy(SharedSamplerSeed, WatchedRanks, ModelParallelStrategy
         super().setup_environment()
 
 
-def stop_launched_processes(trainer: L.Trainer, grace_s: float = LAUNCHED_GRACE_S) -> dict[int, int | str]:
+def peer_gone(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) says another process's connection closed under a collective
+    (:data:`PEER_GONE`): that process failed or is ending, and this one's error followed from it."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if any(s in str(seen) for s in PEER_GONE):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def stop_launched_processes(trainer: L.Trainer, grace_s: float = LAUNCHED_GRACE_S,
+                            first_exit_s: float = 0.0) -> dict[int, int | str]:
     """After the process that launched the run's other processes failed, end those.
 
     Without Slurm or torchrun (``python train.py trainer=ddp trainer.devices=4`` on one machine), Lightning's
@@ -323,10 +342,11 @@ def stop_launched_processes(trainer: L.Trainer, grace_s: float = LAUNCHED_GRACE_
     holding their GPUs after the command has returned. Under Slurm, ``srun --kill-on-bad-exit=1``
     (``slurm/job.sh``) ends a job's other tasks; torchrun's agent ends its workers.
 
-    The watch stands down first (this failure is reported by this process). Each child gets ``grace_s``
-    (together) to end by itself, then is killed (SIGKILL: a process waiting in a collective does not act on
-    SIGTERM, as Lightning's observer notes). A child that ended by itself with an error had failed on its own: with
-    gloo this process's error (``Connection closed by peer``) followed from it.
+    The watch stands down first (this failure is reported by this process). Up to ``first_exit_s`` pass until one
+    child has ended (where this process's error says a peer's connection closed, :func:`peer_gone`: one is ending);
+    then each child gets ``grace_s`` (together) to end by itself, then is killed (SIGKILL: a process waiting in a
+    collective does not act on SIGTERM, as Lightning's observer notes). A child that ended by itself with an error had
+    failed on its own: with gloo this process's error (``Connection closed by peer``) followed from it.
 
     Returns:
         ``{local rank: exit code, or "killed"}`` of each child this process launched (empty: it launched none).
@@ -337,6 +357,9 @@ def stop_launched_processes(trainer: L.Trainer, grace_s: float = LAUNCHED_GRACE_
     watch = getattr(launcher, "watch", None)
     if watch is not None:  # this failure is reported here, as this process's (or as the one it followed)
         watch.stand_down()
+    first = time.monotonic() + first_exit_s
+    while procs and all(p.poll() is None for p in procs) and time.monotonic() < first:
+        time.sleep(0.05)
     ended: dict[int, int | str] = {}
     deadline = time.monotonic() + grace_s
     for local_rank, proc in enumerate(procs, start=1):

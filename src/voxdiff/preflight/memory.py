@@ -497,12 +497,13 @@ def traced_unet(run: RunSpec, ncdhw: bool = False) -> nn.Module:
     """The run's UNet as the preflight builds it (call under ``torch.device("meta")`` to build it at no cost).
 
     ``ncdhw``: in torch's default layout (contiguous, NCDHW) whatever ``model.channels_last`` resolves to, for the
-    compiled step's plan (:func:`~voxdiff.preflight.compiled.compiled_profile`) and the time model. Inductor lays out a
-    compiled graph's tensors itself, and a compiled channels-last step measured the memory of the NCDHW one:
-    exp9_ldm_8x_bravo's default pool 39.744 GiB in both layouts, its CUDA graphs' pool 13.81 GiB channels-last against
-    14.20 (``reference/h200_bench_gpu_step_v3.csv``, ``h100_bench_gpu_step_v7.csv``). Traced channels-last, the
-    graph holds the layout copies of the decompositions that inductor removes: 2.4 GiB too many for that step. The
-    time model was fitted to NCDHW steps (:data:`~voxdiff.preflight.resources.CHANNELS_LAST_TIME`)."""
+    step of a run that compiles (its compiled plan, :func:`~voxdiff.preflight.compiled.compiled_profile`, or the eager
+    trace that bounds it) and the time model. Inductor lays out a compiled graph's tensors itself, and a compiled
+    channels-last step measured the memory of the NCDHW one: exp9_ldm_8x_bravo's default pool 39.744 GiB in both
+    layouts, its CUDA graphs' pool 13.81 GiB channels-last against 14.20 (``reference/h200_bench_gpu_step_v3.csv``,
+    ``h100_bench_gpu_step_v7.csv``). Traced channels-last, the graph holds the layout copies of the decompositions
+    that inductor removes: 2.4 GiB too many for that step. The time model was fitted to NCDHW steps
+    (:data:`~voxdiff.preflight.resources.CHANNELS_LAST_TIME`)."""
     spec = replace(run.unet, channels_last=False) if ncdhw else run.unet
     return build_unet_from_spec(spec, preserve_rng_state=False)
 
@@ -538,7 +539,7 @@ def predict_memory(run: RunSpec | DictConfig, compile: bool | None = None) -> Me
     batch = run.batch
     compiles = spec.compile and spec.compile_backend == "inductor"
     report = predict_step_memory(
-        lambda: traced_unet(run, ncdhw=compiles and compile is not False), (run.batch_size, *run.shapes.unet_input),
+        lambda: traced_unet(run, ncdhw=compiles), (run.batch_size, *run.shapes.unet_input),  # compiled: as NCDHW
         traced_recipe(run), batch=batch, encoding=run.encoding, mode=run.mode, precision=run.precision.name,
         attention="flash" if spec.use_flash_attention else "materialised", gpu=run.gpu,
         parallel=run.parallel, compile=compiles and compile is not False, compile_mode=spec.compile_mode,
