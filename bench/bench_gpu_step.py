@@ -19,7 +19,8 @@ other (``--experiments exp11 --out F.csv --append`` runs one experiment per call
   UNet's weights and input in ``torch.channels_last_3d`` (their result's ``layout``).
 * **voxdiff**: ``trainer.fit`` of the experiment's Lightning system, built as ``train.py`` builds it (the config's
   defaults on this device: optimizer, attention, ``model.compile``, EMA, clipping, the non-finite guard, callbacks
-  and CSV logging), validation off. Its EMA averages from the first step (``system.ema.start_step=0``, before the
+  and CSV logging, ``model.channels_last``: channels-last for a compiled GPU run; its result's ``layout`` says
+  which ran), validation off. Its EMA averages from the first step (``system.ema.start_step=0``, before the
   trailing overrides, which may set it back): a run's first 1000 steps on a GPU copy the weights instead (8 bytes
   per parameter, not the average's 12), and a benchmark of a few steps would time that, not the step of the rest of
   the run (the rows measured before session 16 did: ``reference/README.md``). The EMA averages every
@@ -146,9 +147,10 @@ def run_plain(cfg: Any, warmup: int, steps: int, device: str, compiled: bool = F
     """The plain eager MONAI loop (see the module docstring); ``compiled``: the hand-tuned one (fused AdamW, SDPA
     attention, ``torch.compile`` of the UNet). Where ``model.channels_last`` resolves on for the loop as for voxdiff's
     step (``true``; ``auto``, the default: the compiled loop on a GPU,
-    :func:`voxdiff.models.unet.resolve_channels_last`) the loop is laid out as a user would write it channels-last: the UNet's weights and its input in
-    ``torch.channels_last_3d`` (voxdiff's own option does the same, plus inductor's layout hint); the result's
-    ``layout`` says which layout the convolution weights had as the steps ran."""
+    :func:`voxdiff.models.unet.resolve_channels_last`) the loop is laid out as a user would write it channels-last:
+    the UNet's weights and its input in ``torch.channels_last_3d`` (voxdiff's own option does the same, plus
+    inductor's layout hint); the result's ``layout`` says which layout the convolution weights had as the steps
+    ran."""
     import torch
     import torch.nn.functional as F
     from monai.networks.nets import DiffusionModelUNet
@@ -201,10 +203,19 @@ def run_plain(cfg: Any, warmup: int, steps: int, device: str, compiled: bool = F
     clock.mark("end")
     out = clock.result(warmup, steps)
     out["batch"] = int(next(iter(host.values())).shape[0])
-    conv = next(p for p in model.parameters() if p.dim() == 5)
-    out["layout"] = "NDHWC" if conv.is_contiguous(memory_format=torch.channels_last_3d) else "NCDHW"
+    out["layout"] = weights_layout(model)
     out["tflop_per_step"] = _flops(lambda: one_step(), device)
     return out
+
+
+def weights_layout(model: Any) -> str:
+    """The layout ``model``'s convolution weights had as its steps ran: ``NDHWC`` (``channels_last_3d``, the first 5-D
+    weight that is not a 1x1x1 kernel, contiguous in both) or ``NCDHW``."""
+    import torch
+
+    conv = next((p for p in model.parameters() if p.dim() == 5 and p.shape[2:].numel() > 1), None)
+    return "NDHWC" if conv is not None and not conv.is_contiguous() and conv.is_contiguous(
+        memory_format=torch.channels_last_3d) else "NCDHW"
 
 
 def _flops(step: Any, device: str) -> float:
@@ -280,6 +291,7 @@ def run_voxdiff(cfg: Any, warmup: int, steps: int, device: str, profile: bool = 
     trainer.fit(system, train_dataloaders=DataLoader(Same(), batch_size=None, pin_memory=False))
     out = clock.result(warmup, steps)
     out["step"] = described[0]
+    out["layout"] = weights_layout(system.model)
     # each allocator pool's segments after the timed steps, the CUDA graphs' private pools together: what the
     # two-pool estimate (pred_graph_pool_gib, and pred_reserved_gib less it) is held against
     for kind in ("default", "graphs"):

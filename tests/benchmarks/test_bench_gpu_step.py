@@ -105,13 +105,15 @@ def test_the_voxdiff_side_times_the_ema_averaging_not_its_copy_phase(tmp_path, o
     assert bench.STEADY == ["system.ema.start_step=0"]
 
 
+@pytest.mark.parametrize("side", ["plain", "voxdiff"])
 @pytest.mark.parametrize("overrides, layout", [([], "NCDHW"), (["model.channels_last=true"], "NDHWC")])
-def test_the_plain_loop_takes_the_channels_last_layout_it_is_given(tmp_path, overrides, layout):
+def test_each_side_takes_the_channels_last_layout_it_is_given_and_says_so(tmp_path, side, overrides, layout):
     """``model.channels_last=true`` on a plain side lays its UNet out channels-last (it was ignored before session 25,
-    so a plan's channels-last plain loop would have timed the default layout), and the side says which layout its
-    convolution weights had after the timed steps (fused and foreach AdamW keep a parameter's layout). Without the
-    override, ``auto`` (the default) resolves as voxdiff's step would on this CPU: NCDHW."""
-    job = {"side": "plain", "name": "exp11", "overrides": overrides, "warmup": 1, "steps": 1}
+    so a plan's channels-last plain loop would have timed NCDHW), as on voxdiff's, and each side says which layout its
+    convolution weights had after the timed steps (fused and foreach AdamW keep a parameter's layout): since
+    ``model.channels_last=auto`` is channels-last on a GPU, a row says which it timed. Without the override,
+    ``auto`` (the default) resolves as voxdiff's step would on this CPU: NCDHW."""
+    job = {"side": side, "name": "exp11", "overrides": overrides, "warmup": 1, "steps": 1}
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gpu_step.py"), "--worker", json.dumps(job)],
                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True,
                           text=True, timeout=600)
