@@ -229,6 +229,13 @@ def strategy_kind(strategy: Any) -> str:
     return "ddp" if issubclass(cls, DDPStrategy) and not issubclass(cls, DeepSpeedStrategy) else "single"
 
 
+def runs_fsdp(cfg: Any) -> bool:
+    """Whether the run's ``trainer.strategy`` is FSDP (:func:`strategy_kind`): it flattens the weights into one buffer
+    per wrapped unit (no weight is channels-last there) and gathers them into new memory at every step (no CUDA
+    graph can replay them)."""
+    return strategy_kind((cfg.get("trainer") or {}).get("strategy")) == "fsdp"
+
+
 def check_kind(cls: type, kind: str | None, key: str = "system") -> None:
     """A system's or strategy's ``kind`` argument (``system.kind``, ``trainer.strategy.kind``) must be the kind
     its class declares (``cls.kind``).
@@ -403,8 +410,7 @@ def model_spec(cfg: DictConfig, encoding: Encoding | None = None, device_type: s
     spec = unet_spec(**args)
     if device_type is None:
         return spec
-    flat = strategy_kind(plain((cfg.get("trainer") or {}).get("strategy"))) == "fsdp"  # no channels-last weights
-    return spec.for_device(device_type, cuda_graphs_fit(cfg, device_type), flat_weights=flat)
+    return spec.for_device(device_type, cuda_graphs_fit(cfg, device_type), flat_weights=runs_fsdp(cfg))
 
 
 #: ``trainer.devices`` values that ask Lightning for every device of the node (``auto`` is Lightning's default)

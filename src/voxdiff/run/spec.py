@@ -60,6 +60,7 @@ from voxdiff.config import (
     plain,
     processes,
     run_kind,
+    runs_fsdp,
     select,
     shapes,
     strategy_kind,
@@ -275,7 +276,7 @@ def check_cuda_graphs(cfg: DictConfig, device_type: str) -> None:
                           "overwrites (torch raises when they are read)",
                           "use model.compile_mode=auto (torch's default mode for this run), or "
                           "trainer.accumulate_grad_batches=1")
-    if strategy_kind(plain(trainer.get("strategy"))) == "fsdp":
+    if runs_fsdp(cfg):
         raise ConfigError("model.compile_mode", mode, "captures CUDA graphs, which replay fixed memory addresses, "
                           "and FSDP gathers the parameters into new memory at every step",
                           "use model.compile_mode=auto (torch's default mode under FSDP)")
@@ -287,8 +288,7 @@ def check_channels_last(cfg: DictConfig) -> None:
     model = cfg.get("model") or {}
     if model.get("channels_last") is not True:
         return
-    trainer = cfg.get("trainer") or {}
-    if strategy_kind(plain(trainer.get("strategy"))) == "fsdp":
+    if runs_fsdp(cfg):
         raise ConfigError("model.channels_last", True, "keeps the convolution weights channels-last, and FSDP "
                           "flattens the weights into one contiguous buffer",
                           "use model.channels_last=auto (off under FSDP) or false, or trainer.strategy=ddp")
@@ -468,7 +468,7 @@ def run_spec_problems(cfg: DictConfig, device_type: str | None = None) -> tuple[
     device = device_type or accelerator_device(trainer.get("accelerator"))
     parallel = collect(lambda: parallel_of({k: plain(trainer.get(k)) for k in ("strategy", "devices", "num_nodes")},
                                            device))
-    if kind == "stage1" and parallel is not None and strategy_kind(trainer.get("strategy")) == "fsdp":
+    if kind == "stage1" and parallel is not None and runs_fsdp(cfg):
         collect.found.append(ConfigError(
             "trainer", "fsdp", "FSDP shards the diffusion UNet; the VQ-VAE stage 1 trains with one device or DDP",
             "use trainer=ddp (or trainer=gpu) for system=vqvae"))
