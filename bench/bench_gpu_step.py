@@ -209,8 +209,8 @@ def run_plain(cfg: Any, warmup: int, steps: int, device: str, compiled: bool = F
 
 
 def weights_layout(model: Any) -> str:
-    """The layout ``model``'s convolution weights had as its steps ran: ``NDHWC`` (``channels_last_3d``, the first 5-D
-    weight that is not a 1x1x1 kernel, contiguous in both) or ``NCDHW``."""
+    """The layout ``model``'s convolution weights had as its steps ran: ``NDHWC`` where its first kernel larger than
+    1x1x1 (such a kernel is contiguous in both layouts) is ``channels_last_3d`` and not contiguous, else ``NCDHW``."""
     import torch
 
     conv = next((p for p in model.parameters() if p.dim() == 5 and p.shape[2:].numel() > 1), None)

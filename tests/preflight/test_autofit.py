@@ -310,8 +310,8 @@ CL_NOTE = "channels-last (model.channels_last): the step times above are NCDHW's
 ])
 def test_the_report_says_what_its_step_times_know_of_the_memory_layout(tiny_cfg, overrides, note):
     """The time model was fitted to NCDHW steps: a channels-last run's times (``auto``, the default, on the GPU the
-    preflight predicts, or ``true``) are the default layout's, and the report says so; a run in the default layout is
-    told channels-last was not searched, with the GPU figures there are."""
+    preflight predicts, or ``true``) are NCDHW's, and the report says so; a run in NCDHW (``false``) is told
+    channels-last was not searched, with the GPU figures there are."""
     report = autofit(tiny_cfg(SUBJECTS, "data.batch_size=auto", "preflight.max_batch_size=1", *overrides),
                      verdict=fast)
     assert report.by == "samples per second"

@@ -416,8 +416,8 @@ def test_the_weight_passes_add_their_bytes_at_the_gpus_bandwidth():
 @pytest.mark.parametrize("steps", ["trainer.max_steps=100", "trainer.max_steps=-1"])
 def test_a_channels_last_runs_time_says_it_is_the_ncdhw_steps(tiny_cfg, steps):
     """Every measured step the time model was fitted to ran in NCDHW: a channels-last run's step is predicted by the
-    same rates on the NCDHW model (``traced_unet(run, ncdhw=True)``), and its
-    time line says whose time that is (with an end to the run and without)."""
+    same rates on the NCDHW model (``traced_unet(run, ncdhw=True)``), and its time line says whose time that is (with
+    an end to the run and without)."""
     from voxdiff.preflight.check import run_preflight
     from voxdiff.preflight.resources import CHANNELS_LAST_TIME
 
