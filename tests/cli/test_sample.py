@@ -142,6 +142,19 @@ def test_autoguidance_samples_with_the_runs_own_guide_snapshot(guided_run, tmp_p
     assert "autoguidance scale 1.5" in out  # the sampler's description
 
 
+def test_autoguidance_in_an_interval_and_an_interval_that_holds_no_step(guided_run, tmp_path, capsys):
+    """``guidance_interval`` limits the run's autoguidance to the steps it holds (the sampler says where); one that
+    holds none of the sampler's steps is refused before the model's memory is checked or anything is sampled."""
+    pngs = _sample(tmp_path / "a", f"ckpt_path={guided_run}", "n=1", "autoguide_scale=1.5", "guidance_interval=[0,0.5]")
+    assert len(pngs) == 1
+    assert "autoguidance scale 1.5 at t/T in [0, 0.5]" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"guidance_interval=\[0.9995, 1.0\]: holds none of the 2 sampling steps"):
+        _sample(tmp_path / "b", f"ckpt_path={guided_run}", "n=1", "autoguide_scale=1.5",
+                "guidance_interval=[0.9995,1]")
+    assert "sampling memory" not in capsys.readouterr().out
+    assert not list((tmp_path / "b").rglob("*.png"))
+
+
 def test_autoguidance_without_a_guide_or_with_classifier_free_guidance_is_refused(guided_run, nifti_run, tmp_path):
     _, unguided = nifti_run  # a run without callbacks.guide.step: no snapshot beside it
     with pytest.raises(ConfigError, match=r"autoguide_ckpt=null: autoguide_scale=1.5 needs a guide, and .* has no "

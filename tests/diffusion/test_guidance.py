@@ -9,6 +9,7 @@ import torch
 from voxdiff.diffusion import DiffusionProcess, diffusion_settings, encode_volume
 from voxdiff.diffusion.guidance import (
     autoguided,
+    check_guidance_interval,
     check_guidance_scale,
     denoiser,
     drop_condition,
@@ -161,3 +162,102 @@ def test_a_guide_equal_to_the_model_changes_no_sample_and_another_guide_does() -
             p.add_(0.05 * torch.randn(p.shape))
     assert torch.equal(sample(other, 1.0), plain)  # scale 1: the guide is not called
     assert not torch.allclose(sample(other, 1.7), plain, atol=1e-3)
+
+
+# ------------------------------------------------------------------ the guidance interval (Kynkäänniemi et al. 2024)
+
+
+def _ddim_times(steps: int) -> list[int]:
+    process = DiffusionProcess(diffusion_settings({"eta": 1.0}), clip_range=1.0)
+    return process.sampling_timesteps(steps)
+
+
+def test_the_guidance_interval_guides_only_the_steps_whose_t_over_T_lies_within() -> None:
+    """DDIM, 5 steps of 1000 (t = 999, 749, 500, 250, 0): classifier-free guidance in [0, 0.5] runs the doubled
+    batch at the last three steps and the conditional half alone at the first two, and the sample is the loop
+    written out that way, bit for bit."""
+    assert _ddim_times(5) == [999, 749, 500, 250, 0]
+    process = DiffusionProcess(diffusion_settings({"eta": 1.0}), clip_range=1.0)
+    cond = torch.randn(2, 2, 4, 4, 4, generator=torch.Generator().manual_seed(1))
+    model = Counting()
+    got = process.sample(model, (2, 2, 4, 4, 4), cond, 5, generator=torch.Generator().manual_seed(0),
+                         guidance_scale=2.0, guidance_interval=(0.0, 0.5))
+    assert model.batches == [2, 2, 4, 4, 4]
+
+    g = torch.Generator().manual_seed(0)
+    scheduler = process.inference_scheduler
+    scheduler.set_timesteps(5)
+    x = torch.randn((2, 2, 4, 4, 4), generator=g)
+    for t in scheduler.timesteps.tolist():
+        tt = torch.full((2,), t, dtype=torch.long)
+        c = model(torch.cat([x, cond], 1), timesteps=tt).float()
+        out = c
+        if t / 1000 <= 0.5:
+            u = model(torch.cat([x, torch.zeros_like(cond)], 1), timesteps=tt).float()
+            out = u + 2.0 * (c - u)
+        x, _ = scheduler.step(out, t, x, eta=1.0, generator=g)
+    assert torch.equal(got, x)
+
+
+def test_the_whole_interval_is_bit_for_bit_the_guidance_at_every_step() -> None:
+    process = DiffusionProcess(diffusion_settings({"eta": 1.0}), clip_range=1.0)
+    cond = torch.randn(2, 2, 4, 4, 4, generator=torch.Generator().manual_seed(1))
+
+    def sample(model, interval):
+        return process.sample(model, (2, 2, 4, 4, 4), cond, 5, generator=torch.Generator().manual_seed(0),
+                              guidance_scale=2.0, guidance_interval=interval)
+
+    every, whole = Counting(), Counting()
+    assert torch.equal(sample(every, None), sample(whole, (0.0, 1.0)))
+    assert every.batches == whole.batches == [4] * 5
+    assert not torch.equal(sample(Counting(), (0.0, 0.5)), sample(Counting(), None))
+
+
+def test_autoguidance_in_an_interval_calls_the_guide_only_there() -> None:
+    """Rectified flow's Euler steps with autoguidance in [0.5, 1]: the guide runs at the noisy steps only, the model
+    at every step; outside the interval the step takes the model's own prediction."""
+    from voxdiff.diffusion.rflow import RectifiedFlow, rflow_settings
+
+    process = RectifiedFlow(rflow_settings({"num_inference_steps": 6, "timestep_transform": False}))
+    times = process.sampling_timesteps(6, 64)
+    inside = [t / 1000 >= 0.5 for t in times]
+    assert any(inside) and not all(inside)
+    cond = torch.randn(1, 2, 4, 4, 4, generator=torch.Generator().manual_seed(1))
+    model, guide = Counting(), Counting()
+    guide_scale = torch.nn.Parameter(torch.tensor(0.5))  # a different network: half the output
+
+    def bad(x, timesteps):
+        return guide(x, timesteps=timesteps) * guide_scale.detach()
+
+    out = process.sample(autoguided(model, bad, 1.5), (1, 2, 4, 4, 4), cond, 6,
+                         generator=torch.Generator().manual_seed(0), guidance_interval=(0.5, 1.0))
+    assert model.calls == 6 and guide.calls == sum(inside)
+    everywhere = process.sample(autoguided(Counting(), bad, 1.5), (1, 2, 4, 4, 4), cond, 6,
+                                generator=torch.Generator().manual_seed(0))
+    unguided = process.sample(Counting(), (1, 2, 4, 4, 4), cond, 6, generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(out, everywhere) and not torch.equal(out, unguided)
+
+
+def test_an_interval_that_holds_no_sampling_step_is_refused_naming_the_key() -> None:
+    process = DiffusionProcess(diffusion_settings({"eta": 1.0}), clip_range=1.0)
+    cond = torch.randn(1, 2, 4, 4, 4)
+    with pytest.raises(ConfigError, match=r"guidance_interval=\[0.85, 0.95\]: holds none of the 5 sampling steps "
+                                          r"\(t / T from 0.999 down to 0\).*Fix: widen it"):
+        process.sample(Counting(), (1, 2, 4, 4, 4), cond, 5, guidance_scale=2.0, guidance_interval=(0.85, 0.95))
+    # unguided, an interval is nothing to hold: the plain sampler runs
+    process.sample(Counting(), (1, 2, 4, 4, 4), cond, 5, guidance_scale=1.0, guidance_interval=(0.85, 0.95))
+
+
+@pytest.mark.parametrize("value", [[0.5, 0.2], [0.2, 0.2], [0, 2], [-0.1, 0.5], [0.1], [0, 0.5, 1], "0,0.2",
+                                   [True, 0.5], ["a", 1]])
+def test_a_guidance_interval_that_is_not_lo_below_hi_within_0_1_is_refused(value) -> None:
+    with pytest.raises(ConfigError, match=r"guidance_interval=.*must be \[lo, hi\] with 0 <= lo < hi <= 1.*Fix: "):
+        check_guidance_interval("guidance_interval", value)
+
+
+def test_a_guidance_interval_is_read_as_two_floats_and_null_only_where_allowed() -> None:
+    assert check_guidance_interval("k", [0, 0.2]) == (0.0, 0.2)
+    assert check_guidance_interval("k", (0.25, 1)) == (0.25, 1.0)
+    assert check_guidance_interval("k", None, null=True) is None
+    with pytest.raises(ConfigError, match="k=null: must be"):
+        check_guidance_interval("k", None)

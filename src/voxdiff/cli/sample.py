@@ -8,7 +8,8 @@ sampler's and decoder's tensors) and refused above ``memory_budget_gib`` or a GP
 fits → the model (and the guide) on the device → take ``n`` masks (the validation subjects of the
 data the command names: ``data.root=DIR``, a latent run's ``data.latent_dir=DIR``, the built-in phantom where the
 run trained on it, or with ``data.from_checkpoint=true`` the folder the checkpoint names) → the run's sampler
-(DDIM, or Euler for rectified flow; ``guidance_scale`` for classifier-free guidance) with the EMA weights → decode →
+(DDIM, or Euler for rectified flow; ``guidance_scale`` for classifier-free guidance, ``guidance_interval`` for the
+steps either guidance runs at) with the EMA weights → decode →
 NIfTI with the source affine + PNG montage per sample (with covariates: at the values ``covariates.<name>=value``
 asks for, else the subject's own, written beside it as ``*_covariates.json``; :mod:`voxdiff.cli.covariate_args`),
 in this run's directory (``<paths.log_dir>/sample/<time>/samples``). In seg mode it writes generated masks.
@@ -44,9 +45,10 @@ from voxdiff.cli.covariate_args import (
 from voxdiff.cli.devices import check_device, pick_device
 from voxdiff.cli.exit_codes import hydra_main, refusals
 from voxdiff.config import AUTO_BATCH, require, select
-from voxdiff.diffusion.guidance import check_autoguide_scale
+from voxdiff.diffusion.guidance import check_autoguide_scale, check_guidance_interval
 from voxdiff.encodings import LearnedEncoding
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of, plain
+from voxdiff.step.sampling import check_interval_steps
 from voxdiff.units import GiB
 
 SPLITS = ("val", "all")
@@ -79,6 +81,7 @@ def validate(cfg: DictConfig) -> None:
         number("eta", cfg.eta, lo=0, hi=1, fix="use eta=0 (deterministic DDIM) to 1, or null as trained")
     if cfg.get("autoguide_scale") is not None:  # what this run can do is checked once it is loaded
         check_autoguide_scale("autoguide_scale", cfg.autoguide_scale, null=True)
+    check_guidance_interval("guidance_interval", plain(cfg.get("guidance_interval")), null=True)
     if cfg.get("memory_budget_gib") is not None:
         number("memory_budget_gib", cfg.memory_budget_gib, lo=0, lo_open=True,
                fix="e.g. memory_budget_gib=40 (GiB this command may take on its device), or null for what a GPU has "
@@ -378,8 +381,12 @@ def checked(cfg: DictConfig, device: Any, requested: bool = True, sampler: Any =
     system = loaded.system
     if sampler is None:
         sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"),
-                                 cfg.get("autoguide_scale"))
+                                 cfg.get("autoguide_scale"), cfg.get("guidance_interval"))
     guide, sampler, path = _guide(cfg, device, system, sampler, guides)
+    if sampler.guided:
+        check_interval_steps("guidance_interval" if cfg.get("guidance_interval") is not None
+                             else "system.sampling.guidance_interval", sampler.guidance_interval,
+                             sampler.num_inference_steps, system.process.settings, loaded.spec.shapes.unet_output)
     memory = check_memory(cfg, device, loaded.spec, system, sampler)
     return Ready(system, sampler, guide, path, loaded.saved, loaded.precision, loaded.weights, memory)
 
@@ -474,7 +481,8 @@ def sample(cfg: DictConfig) -> list[Path]:
                                         generator=generator, use_ema=bool(cfg.use_ema), eta=sampler.eta,
                                         guidance_scale=sampler.guidance_scale, batch_size=int(cfg.batch_size),
                                         covariates=covariate_vectors(encoding, rows), guide=guide,
-                                        autoguide_scale=sampler.autoguide_scale)
+                                        autoguide_scale=sampler.autoguide_scale,
+                                        guidance_interval=sampler.guidance_interval)
         pngs += save_samples(out_dir, "sample", system.mode, generated.cpu(), batch["mask"], batch.get("image"),
                              batch["affine"], batch["subject"], covariates=rows)
         print(f"[voxdiff] {len(pngs)}/{n}: {pngs[-1]}", flush=True)

@@ -19,11 +19,18 @@ Sampling with a scale ``s`` mixes the two predictions of the same noisy input::
 ``s = 1`` is the conditional prediction itself (the unconditional one is then not computed at all, so the sample
 is bit-for-bit the unguided one); ``s = 0`` is the unconditional model; ``s > 1`` pushes the sample towards what
 the condition implies. The conditional and unconditional halves run as one batched forward of ``2B`` samples.
+
+Either guidance (this one, or autoguidance: :func:`autoguided`) can be limited to an interval of the noise levels
+(Kynkäänniemi et al. 2024, "Applying guidance in a limited interval improves sample and distribution quality in
+diffusion models"): ``guidance_interval = [lo, hi]``, fractions of the training schedule (``t / T``: 0 clean, 1 pure
+noise), guides the sampling steps whose timestep lies within it and lets the others take the model's own
+conditional prediction, one forward of ``B`` (:func:`step_denoisers`). ``[0, 1]``, the default, guides every step
+exactly as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +108,58 @@ def check_guide_step(step: Any) -> int | None:
                    fix="e.g. callbacks.guide.step=200 (about a third of the run), or null for no guide snapshot")
 
 
+#: guidance at every sampling step: ``[lo, hi]`` as fractions of the training schedule (``t / T``)
+FULL_INTERVAL: tuple[float, float] = (0.0, 1.0)
+
+
+def check_guidance_interval(key: str, value: Any, null: bool = False) -> tuple[float, float] | None:
+    """``[lo, hi]``: two numbers with ``0 <= lo < hi <= 1``, the fractions of the training schedule (``t / T``)
+    between which a sampler guides; ``null``: the key also takes null (as trained), returned as None.
+
+    Raises:
+        ConfigError: naming the key, the value and a fix.
+    """
+    if value is None and null:
+        return None
+    fix = (f"e.g. {key}=[0,0.2] (guide the last, least noisy fifth of the schedule), {key}=[0,1] (every step)"
+           f"{', or null as trained' if null else ''}")
+    what = "must be [lo, hi] with 0 <= lo < hi <= 1, fractions of the training schedule (t / T: 0 clean, 1 pure " \
+           "noise): it guides the sampling steps whose t / T lies within"
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2:
+        raise ConfigError(key, value, what, fix)
+    try:
+        lo, hi = (number(key, v, lo=0, hi=1) for v in value)
+    except ConfigError:
+        raise ConfigError(key, list(value), what, fix) from None
+    if lo >= hi:
+        raise ConfigError(key, list(value), what, fix)
+    return lo, hi
+
+
+def in_interval(t: float, num_train_timesteps: int, interval: tuple[float, float] | None) -> bool:
+    """Whether a sampling step at timestep ``t`` (of a schedule of ``num_train_timesteps``) is guided: ``lo <= t / T
+    <= hi`` (None: every step)."""
+    if interval is None:
+        return True
+    return interval[0] <= float(t) / num_train_timesteps <= interval[1]
+
+
+def guided_steps(key: str, interval: tuple[float, float], times: Sequence[float],
+                 num_train_timesteps: int) -> list[bool]:
+    """For each sampling step at ``times``, whether ``interval`` guides it (:func:`in_interval`).
+
+    Raises:
+        ConfigError: naming ``key``: the interval holds none of the steps, so a guidance asked for would never run.
+    """
+    inside = [in_interval(t, num_train_timesteps, interval) for t in times]
+    if times and not any(inside):
+        raise ConfigError(key, list(interval), f"holds none of the {len(times)} sampling steps (t / T from "
+                          f"{max(times) / num_train_timesteps:.3g} down to {min(times) / num_train_timesteps:.3g}), "
+                          "so the guidance asked for would never run",
+                          f"widen it to hold some of them, e.g. {key}=[0,0.2], or guide no step (scale 1)")
+    return inside
+
+
 def drop_condition(cond: torch.Tensor, drop_prob: float, generator: torch.Generator | None = None) -> torch.Tensor:
     """``cond (B, C_cond, d, h, w)`` with each sample replaced by the null condition (zeros) with ``drop_prob``."""
     return drop_conditions(cond, None, drop_prob, generator)[0]
@@ -118,6 +177,19 @@ def drop_conditions(cond: torch.Tensor | None, covariates: torch.Tensor | None, 
                  for x in (cond, covariates))
 
 
+class Autoguided:
+    """The prediction of :func:`autoguided`: ``guide(x) + scale · (model(x) − guide(x))``; ``model`` is kept so that a
+    sampler can call it alone outside the guidance interval (:func:`step_denoisers`)."""
+
+    def __init__(self, model: Model, guide: Model, scale: float) -> None:
+        self.model, self.guide, self.scale = model, guide, scale
+
+    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        good = self.model(x, *args, **kwargs).float()
+        bad = self.guide(x, *args, **kwargs).float()
+        return bad + self.scale * (good - bad)
+
+
 def autoguided(model: Model, guide: Model | None, scale: float = 1.0) -> Model:
     """Autoguidance (Karras et al. 2024, "Guiding a diffusion model with a bad version of itself"): ``model``'s
     prediction pushed away from that of ``guide``, the same network less trained, as
@@ -129,17 +201,11 @@ def autoguided(model: Model, guide: Model | None, scale: float = 1.0) -> Model:
     denoiser. ``scale = 1`` (or no guide) is ``model`` itself, untouched.
 
     Returns:
-        A callable like ``model``: ``(N, C_out, d, h, w)`` float32.
+        A callable like ``model`` (an :class:`Autoguided`): ``(N, C_out, d, h, w)`` float32.
     """
     if guide is None or scale == 1.0:
         return model
-
-    def mixed(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        good = model(x, *args, **kwargs).float()
-        bad = guide(x, *args, **kwargs).float()
-        return bad + scale * (good - bad)
-
-    return mixed
+    return Autoguided(model, guide, scale)
 
 
 def with_covariates(model: Model, covariates: torch.Tensor | None) -> Model:
@@ -182,3 +248,25 @@ def denoiser(model: Model, cond: torch.Tensor | None, scale: float = 1.0,
         return u + scale * (c - u)
 
     return guided
+
+
+def step_denoisers(model: Model, cond: torch.Tensor | None, scale: float, covariates: torch.Tensor | None,
+                   times: Sequence[float], num_train_timesteps: int,
+                   interval: tuple[float, float] | None = None) -> list[Denoiser]:
+    """The denoiser of each sampling step at ``times`` (the sampler's timesteps, in order): the guided one
+    (:func:`denoiser` at ``scale``, through ``model``'s autoguidance if it has it) where the step's ``t / T`` lies in
+    ``interval`` (:func:`in_interval`; None: every step), elsewhere the model's own conditional prediction, one
+    forward of ``B`` without the guide.
+
+    Raises:
+        ConfigError: ``guidance_interval`` holds none of the steps while guidance was asked for (it would never
+            run).
+    """
+    guided = denoiser(model, cond, scale, covariates)
+    guiding = scale != 1.0 or isinstance(model, Autoguided)
+    if interval is None or not guiding:
+        return [guided] * len(times)
+    inside = guided_steps("guidance_interval", interval, times, num_train_timesteps)
+    plain_model = model.model if isinstance(model, Autoguided) else model
+    unguided = denoiser(plain_model, cond, 1.0, covariates)
+    return [guided if i else unguided for i in inside]

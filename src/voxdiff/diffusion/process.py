@@ -33,7 +33,7 @@ from monai.networks.schedulers import DDIMScheduler, DDPMScheduler
 from torch import nn
 
 from voxdiff.diffusion.batch import check_mask_weight, check_pair, per_sample_mses
-from voxdiff.diffusion.guidance import denoiser
+from voxdiff.diffusion.guidance import step_denoisers
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
@@ -205,6 +205,13 @@ class DiffusionProcess(nn.Module):
         loss = (self.loss_weights.to(per_sample.device)[t] * weighted).mean()
         return loss, {"mse": per_sample.detach().mean(), "timesteps": t.detach()}
 
+    def sampling_timesteps(self, num_inference_steps: int, numel: int | None = None) -> list[int]:
+        """The DDIM timesteps of ``num_inference_steps`` sampling steps, in sampling order (the noisiest first); the
+        inference scheduler is left set to them. ``numel`` (the encoding's voxels) is unused: DDIM's steps do not
+        depend on it (rectified flow's do)."""
+        self.inference_scheduler.set_timesteps(num_inference_steps)
+        return [int(t) for t in self.inference_scheduler.timesteps.tolist()]
+
     @torch.no_grad()
     def sample(
         self,
@@ -217,6 +224,7 @@ class DiffusionProcess(nn.Module):
         eta: float | None = None,
         guidance_scale: float = 1.0,
         covariates: torch.Tensor | None = None,
+        guidance_interval: tuple[float, float] | None = None,
     ) -> torch.Tensor:
         """Generate encodings with DDIM, starting from Gaussian noise.
 
@@ -230,6 +238,9 @@ class DiffusionProcess(nn.Module):
             eta: DDIM stochasticity (default: the configured ``eta``).
             guidance_scale: classifier-free guidance (:func:`voxdiff.diffusion.guidance.denoiser`; 1: none).
             covariates: ``(B, K)`` covariate vectors of a model trained with them (None: none).
+            guidance_interval: ``[lo, hi]`` fractions of the training schedule (``t / T``) whose steps are guided
+                (classifier-free guidance, or ``model``'s autoguidance); the others take the model's conditional
+                prediction alone (:func:`voxdiff.diffusion.guidance.step_denoisers`). None: every step.
 
         Returns:
             ``(B, C_out, d, h, w)`` float32 generated x₀ in model range.
@@ -238,10 +249,11 @@ class DiffusionProcess(nn.Module):
         eta = self.settings.eta if eta is None else eta
         device = torch.device(device) if device is not None else (cond.device if cond is not None else "cpu")
         scheduler = self.inference_scheduler
-        scheduler.set_timesteps(steps)
-        denoise = denoiser(model, cond, guidance_scale, covariates)
+        times = self.sampling_timesteps(steps)
+        denoisers = step_denoisers(model, cond, guidance_scale, covariates, times, self.num_train_timesteps,
+                                   guidance_interval)
         x = torch.randn(tuple(shape), generator=generator, device=device, dtype=torch.float32)
-        for t in scheduler.timesteps.tolist():
+        for t, denoise in zip(times, denoisers, strict=True):
             out = denoise(x, torch.full((x.shape[0],), t, device=device, dtype=torch.long))
             x, _ = scheduler.step(out, t, x, eta=eta, generator=generator)
         return x

@@ -28,7 +28,7 @@ from monai.networks.schedulers.rectified_flow import timestep_transform
 from torch import nn
 
 from voxdiff.diffusion.batch import check_mask_weight, check_pair, per_sample_mses
-from voxdiff.diffusion.guidance import denoiser
+from voxdiff.diffusion.guidance import step_denoisers
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
 TIMESTEP_SAMPLING = ("uniform", "logit-normal")
@@ -179,6 +179,14 @@ class RectifiedFlow(nn.Module):
         loss = weighted.mean()
         return loss, {"mse": per_sample.detach().mean(), "timesteps": t.detach()}
 
+    def sampling_timesteps(self, num_inference_steps: int, numel: int | None = None) -> list[float]:
+        """The Euler steps' timesteps in sampling order (the noisiest first) for an encoding of ``numel`` voxels
+        (``d·h·w``: the timestep transform shifts them by it; None: the configured ``base_numel``, no shift); the
+        scheduler is left set to them."""
+        self.scheduler.set_timesteps(num_inference_steps,
+                                     input_img_size_numel=self.settings.base_numel if numel is None else numel)
+        return [float(t) for t in self.scheduler.timesteps.tolist()]
+
     @torch.no_grad()
     def sample(
         self,
@@ -191,6 +199,7 @@ class RectifiedFlow(nn.Module):
         eta: float | None = None,
         guidance_scale: float = 1.0,
         covariates: torch.Tensor | None = None,
+        guidance_interval: tuple[float, float] | None = None,
     ) -> torch.Tensor:
         """Generate encodings with MONAI's Euler steps from Gaussian noise (arguments as
         :meth:`voxdiff.diffusion.DiffusionProcess.sample`; ``eta`` must be None or 0: the steps are deterministic).
@@ -203,10 +212,10 @@ class RectifiedFlow(nn.Module):
         steps = num_inference_steps or self.settings.num_inference_steps
         device = torch.device(device) if device is not None else (cond.device if cond is not None else "cpu")
         x = torch.randn(tuple(shape), generator=generator, device=device, dtype=torch.float32)
-        self.scheduler.set_timesteps(steps, input_img_size_numel=_numel(x))
-        times = self.scheduler.timesteps.tolist()
-        denoise = denoiser(model, cond, guidance_scale, covariates)
-        for t, t_next in zip(times, [*times[1:], 0]):
+        times = self.sampling_timesteps(steps, _numel(x))
+        denoisers = step_denoisers(model, cond, guidance_scale, covariates, times, self.num_train_timesteps,
+                                   guidance_interval)
+        for t, t_next, denoise in zip(times, [*times[1:], 0], denoisers, strict=True):
             v = denoise(x, torch.full((x.shape[0],), float(t), device=device))
             x, _ = self.scheduler.step(v, t, x, t_next)
         return x

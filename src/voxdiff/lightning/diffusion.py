@@ -299,6 +299,7 @@ class DiffusionSystem(L.LightningModule):
         covariates: torch.Tensor | None = None,
         guide: torch.nn.Module | None = None,
         autoguide_scale: float = 1.0,
+        guidance_interval: Any = None,
     ) -> torch.Tensor:
         """Generate volumes (DDIM, or Euler for rectified flow) from the EMA weights (by default).
 
@@ -315,6 +316,8 @@ class DiffusionSystem(L.LightningModule):
                 a model trained with covariates, refused by one without.
             guide, autoguide_scale: autoguidance by ``guide``, the same UNet less trained (the run's guide
                 snapshot, with its EMA weights in place); 1 or no guide: none (:meth:`TrainStep.generate`).
+            guidance_interval: ``(lo, hi)`` fractions of the schedule (``t / T``) whose steps either guidance runs
+                at (default ``sampling.guidance_interval``; ``(0, 1)``: every step).
 
         Returns:
             ``(B, 1, D, H, W)`` float32 on this module's device: images in [0, 1] (bravo) or masks in {0, 1} (seg).
@@ -332,20 +335,22 @@ class DiffusionSystem(L.LightningModule):
                                  f"{tuple(covariates.shape)}")
         self.step.to(self.device)
         scale = self.sampling.guidance_scale if guidance_scale is None else guidance_scale
+        interval = self.sampling.guidance_interval if guidance_interval is None else guidance_interval
         return self.step.generate(mask, self.spec.out_channels, num_inference_steps or self.sampling.num_inference_steps,
                                   generator=generator, eta=eta, use_ema=use_ema, guidance_scale=float(scale),
                                   batch_size=batch_size or self.sampling.batch_size, covariates=covariates,
-                                  guide=guide, autoguide_scale=autoguide_scale)
+                                  guide=guide, autoguide_scale=autoguide_scale,
+                                  guidance_interval=tuple(interval))
 
     def sampler(self, num_inference_steps: Any = None, eta: Any = None, guidance_scale: Any = None,
-                autoguide_scale: Any = None) -> SamplerChoice:
+                autoguide_scale: Any = None, guidance_interval: Any = None) -> SamplerChoice:
         """What :meth:`generate` runs with a command's own arguments (None: as trained); refuses those this model
         cannot take (:func:`voxdiff.step.sampling.sampler_choice`)."""
         guidance = self.step.recipe.guidance
         return sampler_choice(self.process.settings, self.sampling, self.mode,
                               guidance.drop_prob if guidance is not None else 0.0,
                               num_inference_steps=num_inference_steps, eta=eta, guidance_scale=guidance_scale,
-                              autoguide_scale=autoguide_scale)
+                              autoguide_scale=autoguide_scale, guidance_interval=guidance_interval)
 
     def _fill_val_cache(self) -> None:
         """Cache validation masks straight from the data module when no validation has run yet."""

@@ -80,7 +80,7 @@ from voxdiff.run.gpus import resolve_gpu
 from voxdiff.step.optim import OptimSettings, optim_settings
 from voxdiff.step.precision import Precision, accelerator_device, decide_precision
 from voxdiff.step.recipe import RECIPES, ClipSettings, Recipe, clip_settings, recipe_from_config
-from voxdiff.step.sampling import SamplingSettings, sampling_settings
+from voxdiff.step.sampling import SamplingSettings, check_interval_steps, sampling_settings
 from voxdiff.step.train_step import batch_shapes
 
 __all__ = ["DATA_MEMORY_KEYS", "MODALITIES", "PRECISIONS", "RECONSTRUCTION_LOSSES", "Parallel", "PreflightOptions",
@@ -626,6 +626,12 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
         val_timesteps = select(cfg, "system.val_timesteps", 4)
         drop = recipe.guidance.drop_prob if recipe is not None and recipe.guidance is not None else 0.0
         sampling = collect(lambda: sampling_settings(select(cfg, "system.sampling"), val_timesteps, mode, drop))
+        if sampling is not None and sampling.guidance_scale != 1.0 and recipe is not None and encoding is not None \
+                and shapes_ok:  # training's own samples are guided: within the interval at least once
+            collect(lambda: check_interval_steps(
+                "system.sampling.guidance_interval", sampling.guidance_interval,
+                sampling.num_inference_steps or recipe.diffusion.num_inference_steps, recipe.diffusion,
+                encoding.encoded_shape((1, *select(cfg, "data.volume_shape")))))
     elif kind == "stage1":
         def get(key: str, default: Any = None) -> Any:
             return select(cfg, f"system.{key}", default)

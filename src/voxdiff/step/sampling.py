@@ -3,12 +3,20 @@ training, validated before anything is built (Lightning-free: the run spec and t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
-from voxdiff.diffusion.guidance import check_autoguide_scale, check_guidance_scale
-from voxdiff.errors import ConfigError, boolean, integer, settings_from
+from voxdiff.diffusion.guidance import (
+    FULL_INTERVAL,
+    check_autoguide_scale,
+    check_guidance_interval,
+    check_guidance_scale,
+    guided_steps,
+)
+from voxdiff.diffusion.processes import build_process
+from voxdiff.errors import ConfigError, boolean, integer, plain, settings_from
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,9 @@ class SamplingSettings:
     # autoguidance scale that sample.py / evaluate.py take by default for this run, with its guide snapshot
     # (callbacks.guide.step); sampling during training never autoguides (it would hold a second UNet)
     autoguide_scale: float = 1.0
+    # [lo, hi] fractions of the schedule (t / T: 0 clean, 1 pure noise) whose sampling steps either guidance runs at;
+    # the others take the model's conditional prediction alone (voxdiff.diffusion.guidance.step_denoisers)
+    guidance_interval: tuple[float, float] = FULL_INTERVAL
 
 
 def sampling_settings(sampling: Mapping[str, Any] | None, val_timesteps: Any = 4, mode: str = "bravo",
@@ -36,6 +47,8 @@ def sampling_settings(sampling: Mapping[str, Any] | None, val_timesteps: Any = 4
         ConfigError: naming the key, the value and a fix.
     """
     s = settings_from(SamplingSettings, "system.sampling", sampling)
+    s = replace(s, guidance_interval=check_guidance_interval("system.sampling.guidance_interval",
+                                                             plain(s.guidance_interval)))
     integer("system.sampling.every_n_epochs", s.every_n_epochs, minimum=0, example="10")
     integer("system.sampling.num_masks", s.num_masks, minimum=0, example="2")
     if s.num_inference_steps is not None:
@@ -64,12 +77,20 @@ class SamplerChoice:
     eta: float | None  # DDIM's; None for Euler
     guidance_scale: float  # 1: none
     autoguide_scale: float = 1.0  # autoguidance by the run's guide snapshot (voxdiff.diffusion.guidance.autoguided)
+    guidance_interval: tuple[float, float] = FULL_INTERVAL  # t / T of the steps either guidance runs at
+
+    @property
+    def guided(self) -> bool:
+        """Whether either guidance runs."""
+        return self.guidance_scale != 1.0 or self.autoguide_scale != 1.0
 
     def describe(self) -> str:
         eta = f", eta {self.eta:g}" if self.eta is not None else ""
         guide = f", guidance scale {self.guidance_scale:g}" if self.guidance_scale != 1.0 else ""
         auto = f", autoguidance scale {self.autoguide_scale:g}" if self.autoguide_scale != 1.0 else ""
-        return f"{self.sampler} {self.num_inference_steps} steps{eta}{guide}{auto}"
+        lo, hi = self.guidance_interval
+        interval = f" at t/T in [{lo:g}, {hi:g}]" if self.guided and self.guidance_interval != FULL_INTERVAL else ""
+        return f"{self.sampler} {self.num_inference_steps} steps{eta}{guide}{auto}{interval}"
 
 
 def sampler_choice(
@@ -82,10 +103,11 @@ def sampler_choice(
     eta: Any = None,
     guidance_scale: Any = None,
     autoguide_scale: Any = None,
+    guidance_interval: Any = None,
 ) -> SamplerChoice:
-    """The sampler a command runs: its own ``num_inference_steps``, ``eta``, ``guidance_scale`` and
-    ``autoguide_scale`` (None: as trained — ``system.sampling``, then ``diffusion``) for the run's diffusion
-    settings, mode and condition dropout.
+    """The sampler a command runs: its own ``num_inference_steps``, ``eta``, ``guidance_scale``,
+    ``autoguide_scale`` and ``guidance_interval`` (None: as trained — ``system.sampling``, then ``diffusion``) for
+    the run's diffusion settings, mode and condition dropout.
 
     Raises:
         ConfigError: naming the command's key (``eta`` for rectified flow, a guidance scale the model cannot do,
@@ -108,6 +130,23 @@ def sampler_choice(
             raise ConfigError("autoguide_scale", autoguide_scale, f"and guidance_scale={scale:g} (the command's, or "
                               "the run's system.sampling.guidance_scale) both guide this sample, and how they combine "
                               "is not measured", "use one of them: guidance_scale=1, or autoguide_scale=1")
+    interval = check_guidance_interval("guidance_interval", plain(guidance_interval), null=True)
     return SamplerChoice(sampler="Euler" if rflow else "DDIM", num_inference_steps=int(steps),
                          eta=None if rflow else float(diffusion.eta if eta is None else eta), guidance_scale=scale,
-                         autoguide_scale=float(auto))
+                         autoguide_scale=float(auto),
+                         guidance_interval=sampling.guidance_interval if interval is None else interval)
+
+
+def check_interval_steps(key: str, interval: tuple[float, float], steps: int, diffusion: Any,
+                         encoded: Sequence[int]) -> None:
+    """A guidance interval holds at least one of the sampler's ``steps`` (else the guidance asked for would never
+    run): ``diffusion``, the process settings; ``encoded``, ``(C, d, h, w)`` of an encoding (rectified flow's
+    timesteps depend on its voxels). Checked where a run or a command starts, before anything is sampled.
+
+    Raises:
+        ConfigError: naming ``key``, the interval, the steps' range and a fix.
+    """
+    if tuple(interval) == FULL_INTERVAL:
+        return
+    times = build_process(diffusion).sampling_timesteps(int(steps), math.prod(encoded[1:]))
+    guided_steps(key, interval, times, diffusion.num_train_timesteps)

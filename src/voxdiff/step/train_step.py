@@ -336,6 +336,7 @@ class TrainStep:
         covariates: torch.Tensor | None = None,
         guide: nn.Module | None = None,
         autoguide_scale: float = 1.0,
+        guidance_interval: tuple[float, float] | None = None,
     ) -> torch.Tensor:
         """Samples (DDIM, or Euler for rectified flow) decoded to volumes, with the EMA weights swapped in (by
         default), on ``mask``'s device.
@@ -356,6 +357,8 @@ class TrainStep:
             guide: the same UNet less trained (its weights as they are: the caller puts its EMA in), for
                 autoguidance (:func:`voxdiff.diffusion.guidance.autoguided`); None: none.
             autoguide_scale: how far the prediction is pushed away from the guide's (1: the model alone).
+            guidance_interval: ``[lo, hi]`` (``t / T``) of the steps either guidance runs at (None: every step;
+                :func:`voxdiff.diffusion.guidance.step_denoisers`).
 
         Returns:
             ``(B, 1, D, H, W)`` float32: images in [0, 1] (bravo) or masks in {0, 1} (seg).
@@ -374,7 +377,7 @@ class TrainStep:
                 covs = covariates.split(chunk) if covariates is not None else [None] * len(mask.split(chunk))
                 for part, cov in zip(mask.split(chunk), covs, strict=True):
                     outs.append(self._generate_chunk(process, part, out_channels, num_inference_steps, generator,
-                                                     eta, probe, guidance_scale, cov, sampled))
+                                                     eta, probe, guidance_scale, cov, sampled, guidance_interval))
         finally:
             self.model.train(was_training)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -382,7 +385,8 @@ class TrainStep:
     def _generate_chunk(self, process: Process, mask: torch.Tensor, out_channels: int, num_inference_steps: int | None,
                         generator: torch.Generator | None, eta: float | None, probe: PhaseProbe,
                         guidance_scale: float, covariates: torch.Tensor | None,
-                        model: Callable[..., torch.Tensor]) -> torch.Tensor:
+                        model: Callable[..., torch.Tensor],
+                        guidance_interval: tuple[float, float] | None = None) -> torch.Tensor:
         """:meth:`generate` of one chunk of masks ``(b, 1, D, H, W)`` and covariates ``(b, K)`` or None (the model in
         eval mode, weights in place; ``model``: what the sampler calls, the UNet or its autoguided mix)."""
         probe.begin("condition")
@@ -396,6 +400,7 @@ class TrainStep:
         probe.begin("sampling")
         z = process.sample(model, (mask.shape[0], out_channels, *spatial), cond, num_inference_steps,
                            generator=generator, device=mask.device, eta=eta, guidance_scale=guidance_scale,
+                           guidance_interval=guidance_interval,
                            **({} if covariates is None else {"covariates": covariates.to(mask.device)}))
         probe.end("sampling")
         del cond
