@@ -124,6 +124,56 @@ def test_sample_at_two_ages_with_one_seed_draws_the_same_noise(covariate_ckpt, t
     assert np.abs(young - old).mean() < 0.1 * np.abs(young - other_noise).mean()
 
 
+def test_sample_with_a_list_of_ages_draws_each_mask_at_each_with_the_calls_own_noise(covariate_ckpt, tmp_path) -> None:
+    """``covariates.age=[lo,hi]`` in one call writes each mask at each age (``sample_age<value>_<subject>``, the age in
+    its sidecar), bit for bit the volumes of two calls with one age each and the same seed."""
+    age = torch.load(covariate_ckpt, map_location="cpu", weights_only=True)["hyper_parameters"]["covariates"]
+    age = next(c for c in age["columns"] if c["name"] == "age")
+    lo, hi = float(age["min"]), float(age["max"])
+    base = [f"ckpt_path={covariate_ckpt}", "n=2", "num_inference_steps=2", "seed=3"]
+
+    def volumes(folder: Path) -> dict[str, np.ndarray]:
+        return {p.name: np.asarray(nib.load(p).dataobj) for p in sorted(folder.glob("*_generated.nii.gz"))}
+
+    both = tmp_path / "both"
+    pngs = sample(compose("sample", [*base, f"covariates.age=[{lo},{hi}]", f"paths.output_dir={both}"]))
+    assert len(pngs) == 4
+    swept = volumes(both / "samples")
+    ages = {name: side["covariates"]["age"] for name, side in _sidecars(both / "samples").items()}
+    assert sorted(ages.values()) == [lo, lo, hi, hi]
+    for value in (lo, hi):
+        one = tmp_path / f"age{value:g}"
+        sample(compose("sample", [*base, f"covariates.age={value}", f"paths.output_dir={one}"]))
+        for name, volume in volumes(one / "samples").items():
+            twin = name.replace("sample_", f"sample_age{value:g}_", 1)
+            assert np.array_equal(swept[twin], volume), twin
+            assert ages[twin.replace("_generated.nii.gz", "_covariates.json")] == value
+    for name in (n for n in swept if n.startswith(f"sample_age{lo:g}_")):  # the age reaches the model
+        assert not np.array_equal(swept[name], swept[name.replace(f"age{lo:g}", f"age{hi:g}", 1)])
+
+
+@pytest.mark.parametrize(("request_", "says"), [
+    (["covariates.age=[60]"], r"covariates.age=\[60\]: a list samples every mask at each of its values and needs two"),
+    (["covariates.age=[50,60]", "covariates.lesion_load=[0.1,0.2]"],
+     r"covariates.lesion_load=\[0.1, 0.2\]: is a list beside covariates.age: one covariate is swept at a time"),
+    (["covariates.age=[50,999]"], r"covariates.age=999: is outside the range this model was trained on"),
+])
+def test_sample_refuses_a_list_it_cannot_take(covariate_ckpt, tmp_path, request_, says) -> None:
+    with pytest.raises(ConfigError, match=says):
+        sample(compose("sample", [f"ckpt_path={covariate_ckpt}", "n=1", "num_inference_steps=2", *request_,
+                                  f"paths.output_dir={tmp_path}"]))
+    assert not list(tmp_path.rglob("*.nii.gz"))
+
+
+def test_evaluate_refuses_a_list_of_covariate_values_naming_covariate_sweep(covariate_ckpt, tmp_path) -> None:
+    from voxdiff.cli.evaluate import validate
+
+    with pytest.raises(ConfigError, match=r"covariates.age=\[50, 60\]: takes one value in this command.*"
+                                          r"covariate_sweep=age"):
+        validate(compose("evaluate", [f"ckpt_path={covariate_ckpt}", "covariates.age=[50,60]",
+                                      f"out_dir={tmp_path}"]))
+
+
 def test_resume_continues_the_same_covariates_and_refuses_another_list(nifti_run, tiny_demo) -> None:
     root, ckpt = nifti_run
     same = compose("train", [*tiny_demo, f"data.root={root}", "data.covariates=[age,sex]",

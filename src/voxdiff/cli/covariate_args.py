@@ -7,7 +7,9 @@ configs; another table's column is added with ``+covariates.<name>=value``). A r
 was trained on: a number within the training split's range, a level seen in training
 (:meth:`voxdiff.data.covariates.CovariateEncoding.check_value`). When every covariate is requested, the data's table
 is not read. The values are encoded with the checkpoint's encoding (never one fitted on the command's data) and
-written beside each generated volume (``<tag>_<subject>_covariates.json``).
+written beside each generated volume (``<tag>_<subject>_covariates.json``). ``sample.py`` also takes one covariate
+as a list, ``covariates.age=[50,60,70]``: every mask is sampled at each value with the same noise (counterfactuals:
+what changes between the volumes is what the model makes of the value), written as ``sample_age50_<subject>...``.
 """
 
 from __future__ import annotations
@@ -20,33 +22,76 @@ from omegaconf import DictConfig
 
 from voxdiff.config import is_phantom_data, select
 from voxdiff.data.covariates import MISSING, CovariateEncoding
-from voxdiff.errors import ConfigError
+from voxdiff.errors import ConfigError, plain
 
 _NO_COVARIATES_FIX = "remove covariates.* (train with data.covariates=[...] to condition on what is known)"
 
 
-def requested_covariates(cfg: DictConfig, encoding: CovariateEncoding | None) -> dict[str, Any]:
+def requested_covariates(cfg: DictConfig, encoding: CovariateEncoding | None, lists: bool = False) -> dict[str, Any]:
     """The values ``covariates.<name>=value`` asks for (nulls left out), each checked against ``encoding`` (the
-    checkpoint's; None: a model without covariates, which takes none).
+    checkpoint's; None: a model without covariates, which takes none). With ``lists`` (``sample.py``) one covariate
+    may be a list, ``covariates.age=[50,60,70]``, returned as a tuple of its checked values: every mask is sampled at
+    each value with the same noise (:func:`covariate_points`).
 
     Raises:
         ConfigError: naming ``covariates.<name>``, the value and the fix: a name the model was not trained on, a
             number outside the training range, a level never seen in training, any value for a model without
-            covariates.
+            covariates; a list where the command takes one value, of fewer than two values, or beside another.
     """
-    values = {str(k): v for k, v in (select(cfg, "covariates") or {}).items() if v is not None}
+    values = {str(k): plain(v) for k, v in (select(cfg, "covariates") or {}).items() if v is not None}
     if values and encoding is None:
         name = next(iter(values))
         raise ConfigError(f"covariates.{name}", values[name], "this model was trained without covariates",
                           _NO_COVARIATES_FIX)
-    return {name: encoding.check_value(f"covariates.{name}", name, v) for name, v in values.items()}
+    if not lists:
+        one_value_each(cfg)
+    swept = [name for name, v in values.items() if isinstance(v, list)]
+    if len(swept) > 1:
+        raise ConfigError(f"covariates.{swept[1]}", values[swept[1]], f"is a list beside covariates.{swept[0]}: one "
+                          "covariate is swept at a time", f"give covariates.{swept[1]} one value, or sweep it alone")
+    checked: dict[str, Any] = {}
+    for name, v in values.items():
+        key = f"covariates.{name}"
+        if isinstance(v, list):
+            if len(v) < 2:
+                raise ConfigError(key, v, "a list samples every mask at each of its values and needs two or more",
+                                  f"e.g. {key}=[50,70], or one value without brackets")
+            checked[name] = tuple(encoding.check_value(key, name, x) for x in v)
+        else:
+            checked[name] = encoding.check_value(key, name, v)
+    return checked
+
+
+def one_value_each(cfg: DictConfig) -> None:
+    """``evaluate.py``'s ``covariates.<name>``: one value each (it sweeps a covariate by ``covariate_sweep``).
+
+    Raises:
+        ConfigError: naming the first covariate given as a list, and the fix.
+    """
+    for name, value in (select(cfg, "covariates") or {}).items():
+        if isinstance(plain(value), list):
+            raise ConfigError(f"covariates.{name}", plain(value), "takes one value in this command",
+                              f"give one value; evaluate.py sweeps a covariate with covariate_sweep={name} "
+                              "(counterfactual=true: the same noise at each value), sample.py takes a list")
+
+
+def covariate_points(requested: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The values a ``sample.py`` call samples each mask at, from :func:`requested_covariates` with ``lists``:
+    ``[("", requested)]`` without a list; with ``covariates.age=(50.0, 70.0)``, ``[("age50", {..., "age": 50.0}),
+    ("age70", {..., "age": 70.0})]``: a file-name suffix and the one-value request of each."""
+    swept = next((name for name, v in requested.items() if isinstance(v, tuple)), None)
+    if swept is None:
+        return [("", dict(requested))]
+    return [(f"{swept}{v:g}" if isinstance(v, float) else f"{swept}{v}", {**requested, swept: v})
+            for v in requested[swept]]
 
 
 def recorded_request(cfg: DictConfig, hyper_parameters: Mapping[str, Any]) -> dict[str, Any]:
     """:func:`requested_covariates` against the encoding a checkpoint's hyper-parameters record (``covariates``;
-    none: a model without covariates), before the model is built."""
+    none: a model without covariates), before the model is built (a list taken: ``evaluate.py`` refuses one in its
+    static checks, :func:`one_value_each`)."""
     recorded = hyper_parameters.get("covariates")
-    return requested_covariates(cfg, CovariateEncoding.from_plain(recorded) if recorded else None)
+    return requested_covariates(cfg, CovariateEncoding.from_plain(recorded) if recorded else None, lists=True)
 
 
 def without_table(saved: Mapping[str, Any], encoding: CovariateEncoding | None,

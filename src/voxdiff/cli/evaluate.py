@@ -35,7 +35,13 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from voxdiff.checkpoint import CONFIG_KEY, KINDS, checkpoint_kind
 from voxdiff.cli.devices import pick_device
 from voxdiff.cli.exit_codes import hydra_main, refusals
-from voxdiff.cli.covariate_args import covariate_rows, covariate_vectors, requested_covariates, without_table
+from voxdiff.cli.covariate_args import (
+    covariate_rows,
+    covariate_vectors,
+    one_value_each,
+    requested_covariates,
+    without_table,
+)
 from voxdiff.cli.sample import (
     _CKPT_FIX,
     _datamodule,
@@ -123,6 +129,7 @@ def validate(cfg: DictConfig) -> None:
                               f"list each scale once, e.g. {key}=[1,1.1,1.25]")
         return
     validate_sampling(cfg)
+    one_value_each(cfg)
     check_output("out_dir" if cfg.get("out_dir") else "paths.log_dir", cfg.paths.run_dir, folder=True,
                  fix="choose a folder this user can write to (out_dir=DIR)")
     if cfg.n < 2:

@@ -36,6 +36,7 @@ from omegaconf import DictConfig, open_dict
 from voxdiff.checkpoint import CONFIG_KEY, GUIDE_GLOB, weights_differences
 from voxdiff.cli.checkpoint_paths import command_data, path_choice, stage1_weights
 from voxdiff.cli.covariate_args import (
+    covariate_points,
     covariate_rows,
     covariate_vectors,
     recorded_request,
@@ -461,7 +462,8 @@ def sample(cfg: DictConfig) -> list[Path]:
     device = pick_device(cfg.device)
     system, sampler, guide, _, saved, precision, weights, memory = ready(cfg, device)
     encoding = system.covariate_encoding
-    requested = requested_covariates(cfg, encoding)
+    requested = requested_covariates(cfg, encoding, lists=True)
+    points = covariate_points(requested)  # one per value of a covariate given as a list: the same noise at each
     dm, _ = _datamodule(without_table(saved, encoding, requested), cfg, weights)
     dm.setup("fit")
     dataset = dm.val_dataset if cfg.split == "val" else ConcatDataset([dm.val_dataset, dm.train_dataset])
@@ -474,18 +476,20 @@ def sample(cfg: DictConfig) -> list[Path]:
           f"{out_dir}", flush=True)
     pngs: list[Path] = []
     for i, batch in enumerate(loader):
-        generator = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1_000_003 + i)
-        rows = covariate_rows(encoding, getattr(dm, "covariate_values", {}), batch["subject"], requested)
-        with precision.autocast():
-            generated = system.generate(batch["mask"], num_inference_steps=sampler.num_inference_steps,
-                                        generator=generator, use_ema=bool(cfg.use_ema), eta=sampler.eta,
-                                        guidance_scale=sampler.guidance_scale, batch_size=int(cfg.batch_size),
-                                        covariates=covariate_vectors(encoding, rows), guide=guide,
-                                        autoguide_scale=sampler.autoguide_scale,
-                                        guidance_interval=sampler.guidance_interval)
-        pngs += save_samples(out_dir, "sample", system.mode, generated.cpu(), batch["mask"], batch.get("image"),
-                             batch["affine"], batch["subject"], covariates=rows)
-        print(f"[voxdiff] {len(pngs)}/{n}: {pngs[-1]}", flush=True)
+        for suffix, request in points:
+            # each batch's noise is seeded by its index alone: every value of a list draws the same noise
+            generator = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1_000_003 + i)
+            rows = covariate_rows(encoding, getattr(dm, "covariate_values", {}), batch["subject"], request)
+            with precision.autocast():
+                generated = system.generate(batch["mask"], num_inference_steps=sampler.num_inference_steps,
+                                            generator=generator, use_ema=bool(cfg.use_ema), eta=sampler.eta,
+                                            guidance_scale=sampler.guidance_scale, batch_size=int(cfg.batch_size),
+                                            covariates=covariate_vectors(encoding, rows), guide=guide,
+                                            autoguide_scale=sampler.autoguide_scale,
+                                            guidance_interval=sampler.guidance_interval)
+            pngs += save_samples(out_dir, f"sample_{suffix}" if suffix else "sample", system.mode, generated.cpu(),
+                                 batch["mask"], batch.get("image"), batch["affine"], batch["subject"], covariates=rows)
+            print(f"[voxdiff] {len(pngs)}/{n * len(points)}: {pngs[-1]}", flush=True)
     measured_memory(device, memory)
     return pngs
 

@@ -54,7 +54,7 @@ def save_samples(
     out.mkdir(parents=True, exist_ok=True)
     pngs = []
     for i in range(generated.shape[0]):
-        stem = f"{tag}_{_safe(subjects[i])}"
+        stem = f"{_safe(tag)}_{_safe(subjects[i])}"
         affine = affines[i]
         affine = affine.detach().cpu().double().numpy() if isinstance(affine, torch.Tensor) else np.asarray(affine)
         save_nifti(out / f"{stem}_generated.nii.gz", generated[i, 0].float().cpu(), affine)
