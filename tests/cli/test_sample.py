@@ -155,14 +155,21 @@ def test_autoguidance_in_an_interval_and_an_interval_that_holds_no_step(guided_r
     assert not list((tmp_path / "b").rglob("*.png"))
 
 
-def test_autoguidance_without_a_guide_or_with_classifier_free_guidance_is_refused(guided_run, nifti_run, tmp_path):
+def test_autoguidance_without_a_guide_is_refused_and_beside_classifier_free_guidance_both_run(guided_run, nifti_run,
+                                                                                             tmp_path, capsys):
     _, unguided = nifti_run  # a run without callbacks.guide.step: no snapshot beside it
     with pytest.raises(ConfigError, match=r"autoguide_ckpt=null: autoguide_scale=1.5 needs a guide, and .* has no "
                                           r"guide snapshot \(guide-step\*.ckpt\). Fix: name one"):
         _sample(tmp_path / "a", f"ckpt_path={unguided}", "n=1", "autoguide_scale=1.5")
-    with pytest.raises(ConfigError, match=r"autoguide_scale=1.5: and guidance_scale=2 \(the command's, or the run's "
-                                          r"system.sampling.guidance_scale\) both guide this sample"):
-        _sample(tmp_path / "b", f"ckpt_path={guided_run}", "n=1", "autoguide_scale=1.5", "guidance_scale=2")
+    capsys.readouterr()
+    # both scales given: classifier-free guidance of the autoguided prediction, its memory predicted with the guide
+    # and the doubled batch
+    assert len(_sample(tmp_path / "b", f"ckpt_path={guided_run}", "n=1", "autoguide_scale=1.5",
+                       "guidance_scale=2")) == 1
+    out = capsys.readouterr().out
+    assert "guidance scale 2, autoguidance scale 1.5" in out
+    memory = next(line for line in out.splitlines() if "sampling memory" in line)
+    assert "UNet batch 2" in memory and "guide" in memory, memory
     # the run's own default (system.sampling.autoguide_scale=1.25) gives way to the command's classifier-free guidance
     from voxdiff.lightning.systems import rebuild_system
 

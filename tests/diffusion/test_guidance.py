@@ -261,3 +261,26 @@ def test_a_guidance_interval_is_read_as_two_floats_and_null_only_where_allowed()
     assert check_guidance_interval("k", None, null=True) is None
     with pytest.raises(ConfigError, match="k=null: must be"):
         check_guidance_interval("k", None)
+
+
+def test_classifier_free_guidance_of_an_autoguided_model_guides_the_autoguided_predictions() -> None:
+    """Both at once: the conditional and unconditional halves each autoguided (guide + w·(model − guide)), then
+    mixed as u + s·(c − u); the model and the guide each run once, on the doubled batch."""
+    g = torch.Generator().manual_seed(0)
+    x, cond = torch.randn(2, 2, 4, 4, 4, generator=g), torch.randn(2, 2, 4, 4, 4, generator=g)
+    t = torch.tensor([500, 500])
+    model, guide = Counting(), Counting()
+
+    def bad(x, timesteps):
+        return 0.5 * guide(x, timesteps=timesteps)
+
+    out = denoiser(autoguided(model, bad, 1.25), cond, 2.0)(x, t)
+    assert model.batches == guide.batches == [4]
+
+    def auto(c):
+        inp = torch.cat([x, c], 1)
+        m, b = model(inp, timesteps=t), bad(inp, timesteps=t)
+        return b + 1.25 * (m - b)
+
+    c, u = auto(cond), auto(torch.zeros_like(cond))
+    torch.testing.assert_close(out, u + 2.0 * (c - u))

@@ -20,6 +20,9 @@ Sampling with a scale ``s`` mixes the two predictions of the same noisy input::
 is bit-for-bit the unguided one); ``s = 0`` is the unconditional model; ``s > 1`` pushes the sample towards what
 the condition implies. The conditional and unconditional halves run as one batched forward of ``2B`` samples.
 
+Both can run at once: ``denoiser(autoguided(model, guide, w), cond, s)`` guides the autoguided predictions (each
+half ``guide + w · (model − guide)``, the model and the guide each one forward of ``2B``).
+
 Either guidance (this one, or autoguidance: :func:`autoguided`) can be limited to an interval of the noise levels
 (Kynkäänniemi et al. 2024, "Applying guidance in a limited interval improves sample and distribution quality in
 diffusion models"): ``guidance_interval = [lo, hi]``, fractions of the training schedule (``t / T``: 0 clean, 1 pure

@@ -110,8 +110,7 @@ def sampler_choice(
     the run's diffusion settings, mode and condition dropout.
 
     Raises:
-        ConfigError: naming the command's key (``eta`` for rectified flow, a guidance scale the model cannot do,
-            autoguidance and classifier-free guidance at once).
+        ConfigError: naming the command's key (``eta`` for rectified flow, a guidance scale the model cannot do).
     """
     rflow = diffusion.process == "rflow"
     if rflow and eta is not None:
@@ -120,16 +119,12 @@ def sampler_choice(
     steps = num_inference_steps or sampling.num_inference_steps or diffusion.num_inference_steps
     scale = check_guidance_scale("guidance_scale", sampling.guidance_scale if guidance_scale is None else guidance_scale,
                                  mode, drop_prob)
-    # autoguidance: the command's scale, else the run's unless classifier-free guidance runs (they are not combined:
-    # how they would is not measured), in which case none
+    # autoguidance: the command's scale (beside classifier-free guidance too: voxdiff.diffusion.guidance.step_denoisers
+    # guides the autoguided prediction), else the run's unless classifier-free guidance runs, in which case none
     if autoguide_scale is None:
         auto = sampling.autoguide_scale if scale == 1.0 else 1.0
     else:
         auto = check_autoguide_scale("autoguide_scale", autoguide_scale, null=True)
-        if auto != 1.0 and scale != 1.0:
-            raise ConfigError("autoguide_scale", autoguide_scale, f"and guidance_scale={scale:g} (the command's, or "
-                              "the run's system.sampling.guidance_scale) both guide this sample, and how they combine "
-                              "is not measured", "use one of them: guidance_scale=1, or autoguide_scale=1")
     interval = check_guidance_interval("guidance_interval", plain(guidance_interval), null=True)
     return SamplerChoice(sampler="Euler" if rflow else "DDIM", num_inference_steps=int(steps),
                          eta=None if rflow else float(diffusion.eta if eta is None else eta), guidance_scale=scale,
