@@ -258,21 +258,20 @@ class MemoryReport:
         return _gib(self.estimated_total_gpu)
 
     def required_bytes(self, safety_margin: float = DEFAULT_SAFETY_MARGIN) -> int:
-        """Device memory the training step needs: :meth:`need_bytes` of :attr:`peak_needed`, rounded up.
+        """Device memory the training step needs: :meth:`need_bytes` of :attr:`peak_needed`.
 
         The verdict uses allocated rather than reserved memory (:attr:`peak_needed`): when ``cudaMalloc`` fails,
         the caching allocator frees its unused cached segments and retries before raising out-of-memory; not
         those of CUDA graphs' private pool.
         """
-        held = self.pool_held(self.peak_needed)
-        return with_margin(self.peak_needed - held, safety_margin) + held + self.cuda_context_bytes
+        return self.need_bytes(self.peak_needed, safety_margin)
 
-    def need_bytes(self, peak: float, safety_margin: float = DEFAULT_SAFETY_MARGIN) -> float:
+    def need_bytes(self, peak: float, safety_margin: float = DEFAULT_SAFETY_MARGIN) -> int:
         """Device memory for a ``peak`` (bytes, of any phase of this run): ``peak * (1 + safety_margin) +
-        cuda_context_bytes``, but the CUDA graphs' pool the peak holds as budgeted (:attr:`graph_pool_needed`,
-        already the most a measured pool exceeded its simulation) gets no margin again."""
+        cuda_context_bytes``, rounded up, but the CUDA graphs' pool the peak holds as budgeted
+        (:attr:`graph_pool_needed`, already the most a measured pool exceeded its simulation) gets no margin again."""
         held = self.pool_held(peak)
-        return (peak - held) * (1.0 + safety_margin) + held + self.cuda_context_bytes
+        return with_margin(peak - held, safety_margin) + held + self.cuda_context_bytes
 
     def pool_held(self, peak: float) -> int:
         """The part of a ``peak`` that is the CUDA graphs' pool as budgeted (0 without CUDA graphs)."""
