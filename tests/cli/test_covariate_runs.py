@@ -157,6 +157,8 @@ def test_sample_with_a_list_of_ages_draws_each_mask_at_each_with_the_calls_own_n
     (["covariates.age=[50,60]", "covariates.lesion_load=[0.1,0.2]"],
      r"covariates.lesion_load=\[0.1, 0.2\]: is a list beside covariates.age: one covariate is swept at a time"),
     (["covariates.age=[50,999]"], r"covariates.age=999: is outside the range this model was trained on"),
+    (["covariates.age=[50,50.0000001]"], r"covariates.age=\[50, 5.*\]: repeats a value \(as the file names write "
+                                         r"them: age50, age50\)"),
 ])
 def test_sample_refuses_a_list_it_cannot_take(covariate_ckpt, tmp_path, request_, says) -> None:
     with pytest.raises(ConfigError, match=says):

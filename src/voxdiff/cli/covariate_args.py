@@ -57,6 +57,10 @@ def requested_covariates(cfg: DictConfig, encoding: CovariateEncoding | None, li
                 raise ConfigError(key, v, "a list samples every mask at each of its values and needs two or more",
                                   f"e.g. {key}=[50,70], or one value without brackets")
             checked[name] = tuple(encoding.check_value(key, name, x) for x in v)
+            labels = [_label(name, x) for x in checked[name]]
+            if len(set(labels)) < len(labels):
+                raise ConfigError(key, v, f"repeats a value (as the file names write them: {', '.join(labels)})",
+                                  "list each value once")
         else:
             checked[name] = encoding.check_value(key, name, v)
     return checked
@@ -82,8 +86,12 @@ def covariate_points(requested: Mapping[str, Any]) -> list[tuple[str, dict[str, 
     swept = next((name for name, v in requested.items() if isinstance(v, tuple)), None)
     if swept is None:
         return [("", dict(requested))]
-    return [(f"{swept}{v:g}" if isinstance(v, float) else f"{swept}{v}", {**requested, swept: v})
-            for v in requested[swept]]
+    return [(_label(swept, v), {**requested, swept: v}) for v in requested[swept]]
+
+
+def _label(name: str, value: Any) -> str:
+    """The file-name suffix of a covariate value: ``age50``, ``age62.5``, ``sexF``."""
+    return f"{name}{value:g}" if isinstance(value, float) else f"{name}{value}"
 
 
 def recorded_request(cfg: DictConfig, hyper_parameters: Mapping[str, Any]) -> dict[str, Any]:
