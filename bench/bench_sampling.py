@@ -1,5 +1,6 @@
-"""Sampling time per volume: DDIM-50 against rectified-flow Euler-30, with and without classifier-free guidance,
-measured in one process and reported as ratios against DDIM-50 unguided.
+"""Sampling time per volume: DDIM-50 against rectified-flow Euler-30, with and without classifier-free guidance, and
+DDIM-50 autoguided, each guidance at every step and only in ``guidance_interval=[0,0.2]``, measured in one process
+and reported as ratios against DDIM-50 unguided.
 
     python bench/bench_sampling.py [--experiment demo] [--repeats 3] [--device auto|cpu|cuda] [override ...]
 
@@ -7,13 +8,15 @@ Each sampler runs ``TrainStep.generate`` (what ``sample.py``, ``evaluate.py`` an
 encoding, the sampler's loop with the EMA weights swapped in, decoding) on the same masks with the same UNet — the
 demo's (``experiment=demo``: Haar wavelets of a 32×48×48 phantom into a 7.2M-parameter 3-level UNet) unless
 ``--experiment`` or overrides say otherwise (a latent experiment needs its trained stage 1 to decode and is not for
-this bench). The weights are untrained: a step's cost does not depend on them. The samplers alternate ``--repeats``
-times so drift in the machine's load hits all of them; the median per volume is reported.
+this bench). The weights are untrained: a step's cost does not depend on them (the autoguided rows' guide is a copy
+of the UNet on the same device). The samplers alternate ``--repeats`` times so drift in the machine's load hits all
+of them; the median per volume is reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
@@ -22,12 +25,18 @@ from hydra.utils import instantiate
 
 from voxdiff.config import compose
 
-#: (label, diffusion overrides, steps, guidance scale); the first is the baseline of the ratios
+#: the guidance interval of the rows marked ``[0,0.2]``: the last fifth of the schedule (docs/demo_recipe.md)
+LATE = (0.0, 0.2)
+#: (label, process, steps, guidance scale, autoguidance scale, guidance interval); the first is the ratios' baseline
 SAMPLERS = [
-    ("DDIM-50", {"process": "ddpm"}, 50, 1.0),
-    ("DDIM-50 guided", {"process": "ddpm"}, 50, 2.0),
-    ("RF-Euler-30", {"process": "rflow"}, 30, 1.0),
-    ("RF-Euler-30 guided", {"process": "rflow"}, 30, 2.0),
+    ("DDIM-50", "ddpm", 50, 1.0, 1.0, None),
+    ("DDIM-50 guided", "ddpm", 50, 2.0, 1.0, None),
+    ("DDIM-50 guided [0,0.2]", "ddpm", 50, 2.0, 1.0, LATE),
+    ("DDIM-50 autoguided", "ddpm", 50, 1.0, 1.25, None),
+    ("DDIM-50 auto [0,0.2]", "ddpm", 50, 1.0, 1.25, LATE),
+    ("RF-Euler-30", "rflow", 30, 1.0, 1.0, None),
+    ("RF-Euler-30 guided", "rflow", 30, 2.0, 1.0, None),
+    ("RF-30 guided [0,0.2]", "rflow", 30, 2.0, 1.0, LATE),
 ]
 
 
@@ -52,18 +61,20 @@ def main() -> None:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     torch.set_num_threads(max(1, torch.get_num_threads()))
     systems = {p: _system(args.experiment, args.overrides, p, device) for p in ("ddpm", "rflow")}
+    guide = copy.deepcopy(systems["ddpm"][0].step.model).eval()  # the autoguided rows' guide: the cost of a second UNet
     shape = tuple(systems["ddpm"][1].data.volume_shape)
     masks = (torch.rand(args.masks, 1, *shape, generator=torch.Generator().manual_seed(0)) > 0.9).float().to(device)
     times: dict[str, list[float]] = {label: [] for label, *_ in SAMPLERS}
     for r in range(args.repeats):
         order = SAMPLERS if r % 2 == 0 else SAMPLERS[::-1]
-        for label, diffusion, steps, scale in order:
-            system = systems[diffusion["process"]][0]
+        for label, process, steps, scale, auto, interval in order:
+            system = systems[process][0]
             if device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             system.generate(masks, num_inference_steps=steps, generator=torch.Generator(device=device).manual_seed(r),
-                            guidance_scale=scale, batch_size=args.masks)
+                            guidance_scale=scale, batch_size=args.masks, guide=guide if auto != 1.0 else None,
+                            autoguide_scale=auto, guidance_interval=interval or (0.0, 1.0))
             if device == "cuda":
                 torch.cuda.synchronize()
             times[label].append((time.perf_counter() - t0) / args.masks)
