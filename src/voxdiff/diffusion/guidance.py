@@ -258,8 +258,8 @@ def step_denoisers(model: Model, cond: torch.Tensor | None, scale: float, covari
                    interval: tuple[float, float] | None = None) -> list[Denoiser]:
     """The denoiser of each sampling step at ``times`` (the sampler's timesteps, in order): the guided one
     (:func:`denoiser` at ``scale``, through ``model``'s autoguidance if it has it) where the step's ``t / T`` lies in
-    ``interval`` (:func:`in_interval`; None: every step), elsewhere the model's own conditional prediction, one
-    forward of ``B`` without the guide.
+    ``interval`` (:func:`in_interval`; None or ``[0, 1]``: every step), elsewhere the model's own conditional
+    prediction, one forward of ``B`` without the guide.
 
     Raises:
         ConfigError: ``guidance_interval`` holds none of the steps while guidance was asked for (it would never
@@ -267,7 +267,7 @@ def step_denoisers(model: Model, cond: torch.Tensor | None, scale: float, covari
     """
     guided = denoiser(model, cond, scale, covariates)
     guiding = scale != 1.0 or isinstance(model, Autoguided)
-    if interval is None or not guiding:
+    if interval is None or tuple(interval) == FULL_INTERVAL or not guiding:  # every step guided (or none asked for)
         return [guided] * len(times)
     inside = guided_steps("guidance_interval", interval, times, num_train_timesteps)
     plain_model = model.model if isinstance(model, Autoguided) else model

@@ -484,6 +484,13 @@ def run_spec_problems(cfg: DictConfig, device_type: str | None = None) -> tuple[
     system = _system_part(cfg, kind, encoding, device, collect, shapes_ok=sizes is not None)
     if system is not None and system.sampling is not None:  # the run's callbacks: not a system's hyper-parameters
         collect(lambda: check_guide_snapshot(cfg, system.sampling))
+        sampling, recipe = system.sampling, system.recipe
+        if sampling.guidance_scale != 1.0 and recipe is not None and sizes is not None:
+            # training's own samples are guided: within the interval at least once
+            collect(lambda: check_interval_steps(
+                "system.sampling.guidance_interval", sampling.guidance_interval,
+                sampling.num_inference_steps or recipe.diffusion.num_inference_steps, recipe.diffusion,
+                sizes.unet_output))
     clip = collect(lambda: clip_settings(select(cfg, "trainer.gradient_clip_val"),
                                          select(cfg, "trainer.gradient_clip_algorithm")))
     options = collect(lambda: preflight_options(cfg))
@@ -626,12 +633,6 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
         val_timesteps = select(cfg, "system.val_timesteps", 4)
         drop = recipe.guidance.drop_prob if recipe is not None and recipe.guidance is not None else 0.0
         sampling = collect(lambda: sampling_settings(select(cfg, "system.sampling"), val_timesteps, mode, drop))
-        if sampling is not None and sampling.guidance_scale != 1.0 and recipe is not None and encoding is not None \
-                and shapes_ok:  # training's own samples are guided: within the interval at least once
-            collect(lambda: check_interval_steps(
-                "system.sampling.guidance_interval", sampling.guidance_interval,
-                sampling.num_inference_steps or recipe.diffusion.num_inference_steps, recipe.diffusion,
-                encoding.encoded_shape((1, *select(cfg, "data.volume_shape")))))
     elif kind == "stage1":
         def get(key: str, default: Any = None) -> Any:
             return select(cfg, f"system.{key}", default)
