@@ -377,6 +377,7 @@ def test_a_probe_reads_a_covariate_that_shows_in_the_intensities_and_not_a_contr
     at requested ages the same way (obeyed), a control's at shares unrelated to the age (not obeyed)."""
     from voxdiff.cli.evaluate import PROBE_MIN_SUBJECTS, _probe_figures
     from voxdiff.evaluation.pipeline import VolumeSet
+    from voxdiff.evaluation.uncertainty import Bootstrap
 
     rng = np.random.default_rng(0)
     real_ages = [float(a) for a in rng.uniform(20, 90, 12)]
@@ -391,12 +392,16 @@ def test_a_probe_reads_a_covariate_that_shows_in_the_intensities_and_not_a_contr
         volumes = {"real": real_set.images, "generated": obeyed, "control": control}
         return _probe_figures("age", "age", requested, real_ages[:len(real_set)],
                               lambda tag: histograms(volumes[tag], 64), "64-bin histograms",
-                              None if control is None else "control.ckpt")
+                              None if control is None else "control.ckpt", Bootstrap(resamples=500))
 
     figures, absent, sections = probe(real, ignored)
     assert figures["covariate_age_probe_real"]["value"] > 0.95 and figures["covariate_age_probe_real"]["n"] == 12
     assert figures["covariate_age_probe_generated"]["value"] > 0.95
     assert abs(figures["covariate_age_probe_control"]["value"]) < 0.5
+    # each r with its interval over the 15 volumes (the probe held): the obeyed one's far from the control's
+    obeyed_ci, control_ci = (figures[f"covariate_age_probe_{k}"]["ci"] for k in ("generated", "control"))
+    assert obeyed_ci[0] > 0.9 and control_ci[1] < obeyed_ci[0] and control_ci[0] < 0 < control_ci[1]
+    assert "ci" not in figures["covariate_age_probe_real"]  # a leave-one-out r: not resampled
     assert figures["covariate_age_probe_generated"]["label"].startswith("age obeyed, by a probe")
     assert figures["covariate_age_probe_real"]["features"] == "64-bin histograms"
     assert not absent and sections[0][0] == "Covariates: is age obeyed? (probe)"

@@ -93,6 +93,45 @@ def test_metrics_json_has_every_figure_with_n_and_the_checkpoint_identity(run, l
     assert record["html"] == str(out / "report.html")
 
 
+#: the figures of volumes that carry a bootstrap interval (the Fréchet distance and the MMD do not)
+WITH_INTERVAL = {"diversity_ms_ssim_generated", "diversity_ms_ssim_real", "ssim", "psnr", "ms_ssim",
+                 "lesion_contrast_generated", "lesion_contrast_real", "anatomy_sharpness", "anatomy_tissue_distance",
+                 "ventricle_voxels_generated", "ventricle_voxels_real"}
+
+
+def test_each_figure_of_volumes_carries_its_bootstrap_interval_where_both_sets_are_large_enough(run, late, tmp_path):
+    """Every subject of the run (6 real) and 6 samples: each figure averaged over volumes has its interval, seeded
+    (the same evaluation again gives the same bounds) and shown in the report; the distribution figures have none,
+    and say why in metrics.json. The plain evaluation (2 real volumes) is below the smallest set an interval is
+    drawn for: none there."""
+    _, _, last = run
+    record = _evaluate(last, tmp_path / "a", "split=all", "n=6", "bootstrap.resamples=200")
+    figures = record["figures"]
+    for name in WITH_INTERVAL:
+        f = figures[name]
+        low, high = f["ci"]
+        assert low <= high and f["ci_level"] == 0.95 and f["se"] >= 0, name
+        if name not in ("anatomy_tissue_distance",):  # a distance's resamples lie above it when the sets are alike
+            assert low <= f["value"] <= high, name
+    assert not any("ci" in figures[name] for name in set(figures) - WITH_INTERVAL)
+    settings = record["metric_settings"]["bootstrap"]
+    assert (settings["resamples"], settings["level"], settings["method"], settings["seed"]) == (200, 0.95,
+                                                                                               "percentile", 0)
+    assert "mmd_histogram" in settings["not_bootstrapped"] and "frechet_*" in settings["not_bootstrapped"]
+    again = _evaluate(last, tmp_path / "b", "split=all", "n=6", "bootstrap.resamples=200", "seed=0")
+    assert again["figures"]["psnr"]["ci"] == figures["psnr"]["ci"]
+    psnr = figures["psnr"]
+    page = Path(record["html"]).read_text()
+    assert "interval (bootstrap over volumes)" in page
+    assert f"[{psnr['ci'][0]:.4g}, {psnr['ci'][1]:.4g}] (95%)" in page
+    assert render(Path(record["html"]), tmp_path / "page.png")["table_rows"] == len(figures)
+    plain = late[0]
+    assert not any("ci" in f for f in plain["figures"].values())  # 2 real volumes: fewer than an interval needs
+    assert plain["metric_settings"]["bootstrap"]["min_volumes"] > 2
+    without = _evaluate(last, tmp_path / "c", "split=all", "n=6", "bootstrap.resamples=0")
+    assert without["metric_settings"]["bootstrap"] is None and not any("ci" in f for f in without["figures"].values())
+
+
 def test_samples_carry_the_source_affine(late):
     _, out = late
     files = sorted((out / "samples").glob("*_generated.nii.gz"))
@@ -249,6 +288,10 @@ def test_the_loss_curve_comes_from_the_runs_csv(run, tmp_path):
     ("autoguide_scale=[1,-1]", "autoguide_scale"), ("autoguide_scale=[1.5]", "autoguide_scale"),
     ("guidance_scale=[1,2,1]", "guidance_scale"), ("guidance_scale=[1,x]", "guidance_scale"),
     ("autoguide_scale=[1,1.5] guidance_scale=[1,2]", "autoguide_scale"),
+    # the intervals: enough resamples for their tails, a level in (0, 1), SciPy's methods, no other setting
+    ("bootstrap.resamples=10", "bootstrap.resamples"), ("bootstrap.resamples=-1", "bootstrap.resamples"),
+    ("bootstrap.level=95", "bootstrap.level"), ("bootstrap.method=bayes", "bootstrap.method"),
+    ("+bootstrap.seed=3", "bootstrap.seed"),
 ])
 def test_bad_evaluation_configs_are_refused(run, override, key):
     _, _, last = run

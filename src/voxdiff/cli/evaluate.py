@@ -56,7 +56,7 @@ from voxdiff.cli.sample import (
 from voxdiff.cli.sample import validate as validate_sampling
 from voxdiff.config import is_phantom_data, plain
 from voxdiff.data.phantom import COVARIATE_EFFECTS, ventricle_voxels
-from voxdiff.errors import ConfigError, integer
+from voxdiff.errors import ConfigError, integer, number, one_of
 from voxdiff.units import GiB
 from voxdiff.files import check_output
 from voxdiff.files import load_file
@@ -83,6 +83,7 @@ from voxdiff.evaluation.pipeline import (
 )
 from voxdiff.evaluation.report import (
     data_uri,
+    interval_text,
     loss_curve_png,
     read_loss_log,
     render_html,
@@ -92,6 +93,7 @@ from voxdiff.evaluation.report import (
     write_outputs,
 )
 from voxdiff.evaluation.guidance_sweep import summarise
+from voxdiff.evaluation.uncertainty import METHODS, MIN_RESAMPLES, Bootstrap, correlation_interval
 from voxdiff.viz import save_montage
 
 
@@ -162,10 +164,40 @@ def validate(cfg: DictConfig) -> None:
     if control is not None and not Path(str(control)).is_file():
         raise ConfigError("control_ckpt", control, "no such checkpoint file", "point it at the negative control's "
                           "checkpoint (a run without data.covariates, or with shuffled ones), or control_ckpt=null")
+    bootstrap_settings(cfg)
     medicalnet = cfg.get("medicalnet") or {}
     if medicalnet.get("weights") is not None and not medicalnet.get("sha256"):
         raise ConfigError("medicalnet.sha256", medicalnet.get("sha256"), "a MedicalNet weights file needs its SHA-256",
                           "pass medicalnet.sha256=$(sha256sum FILE | cut -d' ' -f1) of the file you trust")
+
+
+def bootstrap_settings(cfg: DictConfig) -> Bootstrap | None:
+    """The figures' intervals as ``cfg.bootstrap`` asks (``resamples``, ``level``, ``method``; seeded by ``seed``);
+    None for ``bootstrap.resamples=0``.
+
+    Raises:
+        ConfigError: naming the ``bootstrap.*`` key, its value and a fix.
+    """
+    values = dict(plain(cfg.get("bootstrap")) or {})
+    default = Bootstrap()
+    unknown = sorted(set(values) - {"resamples", "level", "method"})
+    if unknown:
+        raise ConfigError(f"bootstrap.{unknown[0]}", values[unknown[0]], "is not a bootstrap setting",
+                          "remove it; the settings are level, method, resamples (seeded by seed)")
+    resamples = integer("bootstrap.resamples", values.get("resamples", default.resamples), minimum=0,
+                        fix="e.g. bootstrap.resamples=1000, or 0 for no intervals")
+    if 0 < resamples < MIN_RESAMPLES:
+        raise ConfigError("bootstrap.resamples", resamples, f"is too few for the tails of an interval (at least "
+                          f"{MIN_RESAMPLES})", "use bootstrap.resamples=1000, or 0 for no intervals")
+    level = number("bootstrap.level", values.get("level", default.level), lo=0, hi=1, lo_open=True, hi_open=True,
+                   example=0.95)
+    method = one_of("bootstrap.method", values.get("method", default.method), METHODS)
+    return Bootstrap(resamples, level, method, int(cfg.seed)) if resamples else None
+
+
+def _correlated(x: Sequence[float], y: Sequence[float], bootstrap: Bootstrap | None) -> dict[str, Any]:
+    """Pearson's r of ``x`` and ``y`` with its interval."""
+    return {**pearson(x, y), **correlation_interval(x, y, bootstrap)}
 
 
 #: the sampling settings a list of values sweeps: one evaluation at each (``autoguide_scale=[1,1.1,1.25]``)
@@ -455,6 +487,8 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
     if not effects and not probed:
         return figures, absent, []
 
+    boot = bootstrap_settings(cfg)
+
     def coded(name: str, value: Any) -> float:
         return float(levels[name].index(value)) if name in levels else float(value)
 
@@ -490,17 +524,17 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
         key = f"covariate_{name}_{measure}"
         values = [coded(name, r[name]) for r in rows]
         series = {"generated": (values, [of(v) for v in generated])}
-        figures[f"{key}_generated"] = figure(f"{key}_generated", pearson(*series["generated"]))
+        figures[f"{key}_generated"] = figure(f"{key}_generated", _correlated(*series["generated"], boot))
         real_values = [coded(name, table[s][name]) for s in real.subjects]
         if len(real_values) >= 2:
             series["real"] = (real_values, [of(v) for v in real.images])
-            figures[f"{key}_real"] = figure(f"{key}_real", pearson(*series["real"]))
+            figures[f"{key}_real"] = figure(f"{key}_real", _correlated(*series["real"], boot))
         if control is None:
             absent[f"{key}_control"] = ("no negative control: pass control_ckpt=PATH (a run without "
                                         "data.covariates, or with shuffled ones)")
         else:
             series["negative control"] = (values, [of(v) for v in control])
-            figures[f"{key}_control"] = figure(f"{key}_control", pearson(*series["negative control"]),
+            figures[f"{key}_control"] = figure(f"{key}_control", _correlated(*series["negative control"], boot),
                                                checkpoint=str(control_path))
         counterfactuals = cycle is not None and name == cfg.get("covariate_sweep")
         if counterfactuals:
@@ -532,7 +566,7 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
             continue
         more, missing, section = _probe_figures(name, axis(name), [coded(name, r[name]) for r in rows],
                                                 [coded(name, table[s][name]) for s in real.subjects],
-                                                features, extractor.label, control_path)
+                                                features, extractor.label, control_path, boot)
         figures.update(more)
         absent.update(missing)
         sections += section
@@ -551,13 +585,14 @@ PROBE_FEATURES = ("medicalnet", "vqvae_encoder", "random_resnet10")
 
 
 def _probe_figures(name: str, axis: str, values: list[float], real_values: list[float],
-                   features: Callable[[str], Any], label: str, control_path: Any
+                   features: Callable[[str], Any], label: str, control_path: Any, bootstrap: Bootstrap | None = None
                    ) -> tuple[dict[str, Any], dict[str, str], list[Any]]:
     """Is covariate ``name`` obeyed, read by a probe (:func:`~voxdiff.evaluation.metrics.fit_probe`) fitted on the
     real volumes' features (``features(tag)``: ``(N, F)`` of the ``"real"``, ``"generated"`` or ``"control"``
     volumes; ``label`` says whose) and their own ``real_values``: r between the ``values`` the generated volumes
     (and the negative control's, drawn where ``control_path`` is set) were sampled at and the probe's reading of
-    them, beside the probe's leave-one-out r on the real volumes; a scatter of the three."""
+    them (with its interval where ``bootstrap`` is given: the probe held, the volumes resampled), beside the probe's
+    leave-one-out r on the real volumes; a scatter of the three."""
     key = f"covariate_{name}_probe"
     if len(real_values) < PROBE_MIN_SUBJECTS:
         return {}, {f"{key}_generated": (
@@ -582,14 +617,14 @@ def _probe_figures(name: str, axis: str, values: list[float], real_values: list[
         return figures, {f"{key}_generated": why}, []
     series = {"generated": (values, probe(features("generated")).tolist()),
               "real": (real_values, list(probe.loo))}
-    figures[f"{key}_generated"] = labelled("generated", pearson(*series["generated"]))
+    figures[f"{key}_generated"] = labelled("generated", _correlated(*series["generated"], bootstrap))
     absent = {}
     if control_path is None:
         absent[f"{key}_control"] = ("no negative control: pass control_ckpt=PATH (a run without data.covariates, "
                                     "or with shuffled ones)")
     else:
         series["negative control"] = (values, probe(features("control")).tolist())
-        figures[f"{key}_control"] = labelled("control", pearson(*series["negative control"]),
+        figures[f"{key}_control"] = labelled("control", _correlated(*series["negative control"], bootstrap),
                                              checkpoint=str(control_path))
     png = scatter_png(series, axis, f"{name} read by the probe (real: leave-one-out)")
     section = (f"Covariates: is {name} obeyed? (probe)", f"the probe's reading of each volume (a ridge regression on "
@@ -635,7 +670,8 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     figures, more_absent = diffusion_figures(real, generated, sources, system.mode, extractors,
                                              bins=int(cfg.histogram_bins), device=str(device), ms_ssim=ms_ssim,
                                              ventricles=ventricle_voxels if phantom else None,
-                                             diversity_pairs=cfg.get("diversity_pairs"), seed=int(cfg.seed))
+                                             diversity_pairs=cfg.get("diversity_pairs"), seed=int(cfg.seed),
+                                             bootstrap=bootstrap_settings(cfg))
     cov_figures, cov_absent, cov_sections = _covariate_figures(cfg, phantom, system, sampler, real, generated, rows,
                                                                table, device, precision, cycle, extractors)
     figures.update(cov_figures)
@@ -717,7 +753,7 @@ def _vqvae(cfg: DictConfig, device: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     recon, codes = vqvae_reconstructions(system, real, int(cfg.batch_size), device)
     measured = measured_memory(device, memory, "reconstruction")
-    figures = vqvae_figures(real, recon, codes, system.spec.num_embeddings, ms_ssim)
+    figures = vqvae_figures(real, recon, codes, system.spec.num_embeddings, ms_ssim, bootstrap_settings(cfg))
     out = Path(cfg.paths.output_dir) / "samples"
     pngs = [save_montage(out / f"recon_{s}.png", {"image": real.images[i, 0], "reconstruction": recon[i, 0],
                                                   "|difference|": (recon[i, 0] - real.images[i, 0]).abs()},
@@ -772,6 +808,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     result = _EVALUATIONS[kind](cfg, device)
     real = result.pop("real")
     run_dir = ckpt_path.parent.parent if ckpt_path.parent.name == "checkpoints" else ckpt_path.parent
+    bootstrap = bootstrap_settings(cfg)
     series = read_loss_log(run_dir)
     if series:
         loss = ("Training loss", f"from {run_dir}/csv/*/metrics.csv", [(data_uri(loss_curve_png(series, step)),
@@ -788,7 +825,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "real_subjects": real.subjects, "volume_shape": list(real.images.shape[2:]),
         "sampling": result["sampling"],
         **({"reconstruction": result["reconstruction"]} if "reconstruction" in result else {}),
-        "metric_settings": describe(MS_SSIM_PRESETS[cfg.ms_ssim]),
+        "metric_settings": {**describe(MS_SSIM_PRESETS[cfg.ms_ssim]),  # bootstrap: the figures' intervals
+                            "bootstrap": None if bootstrap is None else bootstrap.describe()},
         "feature_extractors": result["feature_extractors"], "figures": result["figures"], "absent": result["absent"],
         "seconds": result["seconds"],
     }
@@ -806,7 +844,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     json_path, html_path = write_outputs(out_dir, record, page)
     print(f"[voxdiff] wrote {json_path} and {html_path}", flush=True)
     for name, f in record["figures"].items():
-        print(f"[voxdiff]   {name} = {f['value']:.6g}", flush=True)
+        print(f"[voxdiff]   {name} = {f['value']:.6g}{interval_text(f)}", flush=True)
     return {**record, "json": str(json_path), "html": str(html_path)}
 
 

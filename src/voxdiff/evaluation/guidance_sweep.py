@@ -50,7 +50,8 @@ def tied(values: Sequence[float], series: Sequence[float], se: Sequence[float], 
 
 def summarise(key: str, values: Sequence[float], records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The sweep's table: for each figure every evaluation has, its value at each of ``values`` (the ``key``'s
-    scales, in the order run; ``se``: its standard error at each, where every evaluation gives one), its direction
+    scales, in the order run; ``se``: its standard error at each, where every evaluation gives one: an effect's over
+    masks, or the bootstrap's over volumes, :mod:`voxdiff.evaluation.uncertainty`), its direction
     and target, and the scale it prefers (``best``; None where it is not ranked, or where its values are not
     finite). Where the figure has standard errors, ``tied`` lists the other scales within one standard error of the
     preferred one (:func:`tied`): the evaluation cannot tell them apart, and the page and the command's summary say
@@ -78,7 +79,7 @@ def summarise(key: str, values: Sequence[float], records: Sequence[Mapping[str, 
             best = values[min(range(len(series)), key=lambda i: score(series[i]))]
         figures[name] = {"label": first.get("label", name), "direction": direction, "values": series,
                          "target": goal, "best": best}
-        if all("se" in r["figures"][name] for r in records):  # an effect's standard error, at each scale
+        if all("se" in r["figures"][name] for r in records):  # a standard error at each: an effect's, a bootstrap's
             figures[name]["se"] = [float(r["figures"][name]["se"]) for r in records]
             if best is not None:
                 figures[name]["tied"] = tied(values, series, figures[name]["se"], values.index(best), direction, goal)

@@ -157,21 +157,37 @@ def pair_indices(n: int, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return i, i + 1 + (picks - starts[i])
 
 
-def pairwise_ms_ssim(volumes: torch.Tensor, settings: SSIMSettings = MS_SSIM_SETTINGS, max_pairs: int | None = None,
-                     seed: int = 0) -> dict[str, float | int | bool]:
-    """Mean MS-SSIM over the unordered pairs of a set (the diversity figure: lower = more diverse): all of them, or,
-    when there are more than ``max_pairs``, ``max_pairs`` distinct pairs drawn at random (seeded by ``seed``), as
-    the field measures diversity over large sample sets (N = 1000 volumes make 499,500 pairs).
+@dataclass(frozen=True)
+class Pairs:
+    """The MS-SSIM of pairs of one set of ``n`` volumes: pair ``k`` is volumes ``i[k]`` and ``j[k]`` (``i < j``),
+    its MS-SSIM ``values[k]``; ``all_pairs`` = n·(n-1)/2, ``sampled``: the pairs were drawn from them."""
+
+    i: torch.Tensor
+    j: torch.Tensor
+    values: torch.Tensor
+    n: int
+    all_pairs: int
+    sampled: bool
+
+    def summary(self) -> dict[str, float | int | bool]:
+        """``{"value": mean, "std": standard deviation over pairs, "n": N, "pairs": pairs computed,
+        "all_pairs": N·(N-1)/2, "sampled": whether the pairs were drawn}``."""
+        v = self.values
+        return {"value": float(v.mean()), "std": float(v.std()) if len(v) > 1 else 0.0, "n": self.n,
+                "pairs": len(v), "all_pairs": self.all_pairs, "sampled": self.sampled}
+
+
+def ms_ssim_pairs(volumes: torch.Tensor, settings: SSIMSettings = MS_SSIM_SETTINGS, max_pairs: int | None = None,
+                  seed: int = 0) -> Pairs:
+    """The MS-SSIM of the unordered pairs of a set (the diversity figure: their mean, lower = more diverse): all of
+    them, or, when there are more than ``max_pairs``, ``max_pairs`` distinct pairs drawn at random (seeded by
+    ``seed``), as the field measures diversity over large sample sets (N = 1000 volumes make 499,500 pairs).
 
     Args:
         volumes: ``(N, 1, D, H, W)`` in [0, 1], ``N >= 2``.
         settings: the MS-SSIM settings.
         max_pairs: the most pairs to compute (None: every pair).
         seed: the seed of the pairs drawn.
-
-    Returns:
-        ``{"value": mean, "std": standard deviation over pairs, "n": N, "pairs": pairs computed,
-        "all_pairs": N·(N-1)/2, "sampled": whether the pairs were drawn}``.
     """
     n = volumes.shape[0]
     if n < 2:
@@ -180,12 +196,18 @@ def pairwise_ms_ssim(volumes: torch.Tensor, settings: SSIMSettings = MS_SSIM_SET
     sampled = max_pairs is not None and total > max_pairs
     picks = (torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:max_pairs].sort().values
              if sampled else torch.arange(total))
-    i, j = (t.tolist() for t in pair_indices(n, picks))
+    i, j = pair_indices(n, picks)
     step = max(1, VOXELS_PER_CALL // volumes[0].numel())  # index per chunk: never a copy of every pair at once
-    v = torch.cat([ms_ssim(volumes[i[k : k + step]], volumes[j[k : k + step]], settings)
-                   for k in range(0, len(i), step)])
-    return {"value": float(v.mean()), "std": float(v.std()) if len(v) > 1 else 0.0, "n": n, "pairs": len(i),
-            "all_pairs": total, "sampled": sampled}
+    a, b = i.tolist(), j.tolist()
+    v = torch.cat([ms_ssim(volumes[a[k : k + step]], volumes[b[k : k + step]], settings)
+                   for k in range(0, len(a), step)])
+    return Pairs(i, j, v, n, total, sampled)
+
+
+def pairwise_ms_ssim(volumes: torch.Tensor, settings: SSIMSettings = MS_SSIM_SETTINGS, max_pairs: int | None = None,
+                     seed: int = 0) -> dict[str, float | int | bool]:
+    """The diversity figure: :meth:`Pairs.summary` of :func:`ms_ssim_pairs`."""
+    return ms_ssim_pairs(volumes, settings, max_pairs, seed).summary()
 
 
 def summary(values: torch.Tensor) -> dict[str, float | int]:
@@ -201,29 +223,55 @@ def lesion_shell(masks: torch.Tensor, width: int = 2) -> torch.Tensor:
     return dilated & ~m
 
 
-def intensity_stats(images: torch.Tensor, masks: torch.Tensor) -> dict[str, float]:
-    """Intensity inside the masks, in a 2-voxel shell around them and outside them, pooled over the set.
+#: the regions of :func:`intensity_sums`, in order
+REGIONS = ("inside", "shell", "outside")
+
+
+def intensity_sums(images: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """Per volume and region (inside the mask, its 2-voxel shell, outside it): the voxel count, Σx and Σx².
 
     Args:
         images: ``(N, 1, D, H, W)`` in [0, 1].
         masks: ``(N, 1, D, H, W)`` in {0, 1}.
 
     Returns:
-        ``mean_inside``, ``std_inside``, ``mean_shell``, ``mean_outside``, ``std_outside`` and ``contrast``
-        (mean inside − mean of the shell: how much the lesion stands out from the tissue around it).
+        ``(N, 3, 3)`` float64: volume × region (:data:`REGIONS`) × (count, Σx, Σx²).
     """
-    sums = torch.zeros(3, 3, dtype=torch.float64)  # region × (count, Σx, Σx²), accumulated volume by volume
-    for x, m in zip(images, masks):
+    rows = []
+    for x, m in zip(images, masks):  # volume by volume: a few bool copies of one volume in memory
         x, m = x.double(), m[None]
         inside, shell = (m > 0.5)[0], lesion_shell(m)[0]
-        for r, region in enumerate((inside, shell, ~inside)):
-            v = x[region]
-            sums[r] += torch.stack([v.new_tensor(v.numel()), v.sum(), (v * v).sum()])
+        rows.append(torch.stack([torch.stack([x.new_tensor(v.numel()), v.sum(), (v * v).sum()])
+                                 for v in (x[region] for region in (inside, shell, ~inside))]))
+    return torch.stack(rows)
+
+
+def lesion_contrast(sums: torch.Tensor) -> torch.Tensor:
+    """Mean intensity inside the masks minus the mean of their shells, pooled over a set: per-volume
+    :func:`intensity_sums` ``(..., N, 3, 3)`` → ``(...)`` (NaN where a set has no voxel in a region)."""
+    t = sums.sum(-3)
+    return t[..., 0, 1] / t[..., 0, 0] - t[..., 1, 1] / t[..., 1, 0]
+
+
+def intensity_stats(images: torch.Tensor, masks: torch.Tensor, sums: torch.Tensor | None = None
+                    ) -> dict[str, float]:
+    """Intensity inside the masks, in a 2-voxel shell around them and outside them, pooled over the set.
+
+    Args:
+        images: ``(N, 1, D, H, W)`` in [0, 1].
+        masks: ``(N, 1, D, H, W)`` in {0, 1}.
+        sums: their :func:`intensity_sums` where already computed.
+
+    Returns:
+        ``mean_inside``, ``std_inside``, ``mean_shell``, ``mean_outside``, ``std_outside`` and ``contrast``
+        (:func:`lesion_contrast`: how much the lesion stands out from the tissue around it).
+    """
+    sums = intensity_sums(images, masks) if sums is None else sums
     out: dict[str, float] = {}
-    for (n, s1, s2), name in zip(sums.tolist(), ("inside", "shell", "outside")):
+    for (n, s1, s2), name in zip(sums.sum(0).tolist(), REGIONS):
         out[f"mean_{name}"] = s1 / n if n else math.nan
         out[f"std_{name}"] = math.sqrt(max(s2 / n - (s1 / n) ** 2, 0.0) * n / (n - 1)) if n > 1 else math.nan
-    out["contrast"] = out["mean_inside"] - out["mean_shell"]
+    out["contrast"] = float(lesion_contrast(sums))
     return out
 
 
@@ -299,20 +347,30 @@ def anatomy_stats(volumes: torch.Tensor) -> dict[str, torch.Tensor]:
             "head_voxels": torch.tensor(counts, dtype=torch.float64)}
 
 
-def anatomy_comparison(generated: torch.Tensor, real: torch.Tensor) -> dict[str, Any]:
+def tissue_distance(generated: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Total-variation distance ½·Σ|p_gen − p_real| between the mean class shares of two sets: per-volume
+    ``fractions`` of :func:`anatomy_stats`, ``(..., N, K)`` and ``(..., R, K)`` → ``(...)`` (volumes without a head,
+    NaN rows, left out of the means)."""
+    return 0.5 * (generated.nanmean(-2) - real.nanmean(-2)).abs().sum(-1)
+
+
+def anatomy_comparison(generated: torch.Tensor, real: torch.Tensor,
+                       stats: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
+                       ) -> dict[str, Any]:
     """Does a generated set draw the anatomy of the real one? :func:`anatomy_stats` of both sets, compared.
 
     Args:
         generated, real: ``(N, 1, D, H, W)`` and ``(R, 1, D, H, W)`` in [0, 1] (any N, R ≥ 1).
+        stats: their :func:`anatomy_stats` where already computed.
 
     Returns:
         ``sharpness_ratio`` (mean sharpness generated ÷ real: 1 = as sharp as the data, a blurred head well below),
         ``sharpness_generated``, ``sharpness_real`` (each ``{"value", "std", "n"}``), ``fractions_generated`` and
-        ``fractions_real`` (``{class: mean share of head voxels}``), ``tissue_distance`` (total-variation distance
-        ½·Σ|p_gen − p_real| between the mean class shares: 0 = the same tissue mix, 1 = disjoint) and
-        ``dark_ratio`` (share of CSF-dark head voxels, generated ÷ real: 0 when no generated voxel is CSF-dark).
+        ``fractions_real`` (``{class: mean share of head voxels}``), ``tissue_distance`` (:func:`tissue_distance`:
+        0 = the same tissue mix, 1 = disjoint) and ``dark_ratio`` (share of CSF-dark head voxels, generated ÷ real:
+        0 when no generated voxel is CSF-dark).
     """
-    gen, ref = anatomy_stats(generated), anatomy_stats(real)
+    gen, ref = stats if stats is not None else (anatomy_stats(generated), anatomy_stats(real))
     p_gen, p_ref = gen["fractions"].nanmean(0), ref["fractions"].nanmean(0)
     names = list(TISSUE_CLASSES)
     s_gen, s_ref = summary(gen["sharpness"]), summary(ref["sharpness"])
@@ -321,7 +379,7 @@ def anatomy_comparison(generated: torch.Tensor, real: torch.Tensor) -> dict[str,
         "sharpness_ratio": s_gen["value"] / s_ref["value"] if s_ref["value"] > 0 else math.nan,
         "sharpness_generated": s_gen, "sharpness_real": s_ref,
         "fractions_generated": dict(zip(names, p_gen.tolist())), "fractions_real": dict(zip(names, p_ref.tolist())),
-        "tissue_distance": float(0.5 * (p_gen - p_ref).abs().sum()),
+        "tissue_distance": float(tissue_distance(gen["fractions"], ref["fractions"])),
         "dark_ratio": float(p_gen[dark] / p_ref[dark]) if p_ref[dark] > 0 else math.nan,
         "head_voxels_generated": summary(gen["head_voxels"]), "head_voxels_real": summary(ref["head_voxels"]),
     }
@@ -442,11 +500,18 @@ def _centred(x: Any, y: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
     return a - a.mean(), b - b.mean()
 
 
+def correlation(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Pearson's r along the last axis of float64 ``(..., N)`` tensors → ``(...)``; NaN where either is constant."""
+    a, b = x - x.mean(-1, keepdim=True), y - y.mean(-1, keepdim=True)
+    denominator = a.norm(dim=-1) * b.norm(dim=-1)
+    return torch.where(denominator > 0, (a * b).sum(-1) / denominator, math.nan)
+
+
 def pearson(x: Any, y: Any) -> dict[str, float | int]:
-    """Pearson's r of two equal-length sequences (float64) with its N; r is NaN when either is constant."""
+    """Pearson's r (:func:`correlation`) of two equal-length sequences (float64) with its N; NaN when either is
+    constant."""
     a, b = _centred(x, y, "pearson")
-    denominator = float(a.norm() * b.norm())
-    return {"value": float((a * b).sum()) / denominator if denominator > 0 else math.nan, "n": int(a.numel())}
+    return {"value": float(correlation(a, b)), "n": int(a.numel())}
 
 
 def slope(x: Any, y: Any) -> dict[str, float | int]:

@@ -2,7 +2,8 @@
 then the metrics of :mod:`voxdiff.evaluation.metrics` against the real volumes of the same split.
 
 Every figure is a dict ``{"value", "n" (or "n_generated"/"n_real"/"pairs"), "direction", "definition", "label"}``
-as it appears in ``metrics.json`` and in the report's table.
+as it appears in ``metrics.json`` and in the report's table; with a bootstrap (:mod:`voxdiff.evaluation.uncertainty`),
+``"ci": [low, high]`` and ``"se"`` too, where the figure has an interval.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from voxdiff.evaluation import metrics as M
+from voxdiff.evaluation import uncertainty as U
 from voxdiff.evaluation.features import FeatureExtractor
 from voxdiff.evaluation.report import data_uri, histogram_png
 
@@ -232,7 +234,7 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
                       extractors: Sequence[FeatureExtractor], bins: int = 64, device: str = "cpu",
                       ms_ssim: M.SSIMSettings = M.MS_SSIM_SETTINGS,
                       ventricles: Callable[[torch.Tensor], int] | None = None,
-                      diversity_pairs: int | None = None, seed: int = 0,
+                      diversity_pairs: int | None = None, seed: int = 0, bootstrap: U.Bootstrap | None = None,
                       ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """All figures of a generated set against the real one.
 
@@ -248,7 +250,8 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
             image (:func:`voxdiff.data.phantom.ventricle_voxels`, passed in by the command: the data layer is
             not the evaluation's to import): the ventricle figures are added.
         diversity_pairs, seed: the diversity figures over at most this many pairs of each set, drawn with ``seed``
-            (:func:`voxdiff.evaluation.metrics.pairwise_ms_ssim`); None: every pair.
+            (:func:`voxdiff.evaluation.metrics.ms_ssim_pairs`); None: every pair.
+        bootstrap: the intervals of the figures (:mod:`voxdiff.evaluation.uncertainty`); None: none.
 
     Returns:
         ``(figures, absent)``: ``{name: figure}`` and ``{name: why it was not computed}``.
@@ -259,21 +262,22 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
     paired = reference[list(sources)]
     for name, volumes in (("diversity_ms_ssim_generated", generated), ("diversity_ms_ssim_real", reference)):
         if len(volumes) >= 2:
-            figures[name] = figure(name, M.pairwise_ms_ssim(volumes, ms_ssim, diversity_pairs, seed))
+            pairs = M.ms_ssim_pairs(volumes, ms_ssim, diversity_pairs, seed)
+            figures[name] = figure(name, {**pairs.summary(), **U.diversity_interval(pairs, bootstrap)})
     if len(real) < 2:
         absent["diversity_ms_ssim_real"] = "the split has 1 subject: no pair of real volumes"
     if mode == "bravo":
         masks = real.masks[list(sources)]
-        figures["ssim"] = figure("ssim", M.summary(M.ssim(generated, paired)))
-        figures["psnr"] = figure("psnr", M.summary(M.psnr(generated, paired)))
-        figures["ms_ssim"] = figure("ms_ssim", M.summary(M.ms_ssim(generated, paired, ms_ssim)))
-        stats_gen, stats_real = M.intensity_stats(generated, masks), M.intensity_stats(real.images, real.masks)
-        figures["lesion_contrast_generated"] = figure("lesion_contrast_generated",
-                                                      {"value": stats_gen["contrast"], "n": len(generated),
-                                                       "intensity": stats_gen})
-        figures["lesion_contrast_real"] = figure("lesion_contrast_real", {"value": stats_real["contrast"],
-                                                                          "n": len(real), "intensity": stats_real})
-        figures.update(anatomy_figures(generated, real.images, ventricles))
+        for name, per_sample in (("ssim", M.ssim(generated, paired)), ("psnr", M.psnr(generated, paired)),
+                                 ("ms_ssim", M.ms_ssim(generated, paired, ms_ssim))):
+            figures[name] = figure(name, {**M.summary(per_sample), **U.mean_interval(per_sample, bootstrap)})
+        for name, images, of in (("lesion_contrast_generated", generated, masks),
+                                 ("lesion_contrast_real", real.images, real.masks)):
+            sums = M.intensity_sums(images, of)
+            stats = M.intensity_stats(images, of, sums)
+            figures[name] = figure(name, {"value": stats["contrast"], "n": len(images), "intensity": stats,
+                                          **U.contrast_interval(sums, bootstrap)})
+        figures.update(anatomy_figures(generated, real.images, ventricles, bootstrap))
     else:
         absent["ssim/psnr/ms_ssim"] = "seg mode generates masks without a paired real image"
         absent["anatomy"] = "seg mode generates masks: no anatomy to measure"
@@ -291,19 +295,24 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
 
 
 def anatomy_figures(generated: torch.Tensor, real: torch.Tensor,
-                    ventricles: Callable[[torch.Tensor], int] | None = None) -> dict[str, dict[str, Any]]:
+                    ventricles: Callable[[torch.Tensor], int] | None = None, bootstrap: U.Bootstrap | None = None
+                    ) -> dict[str, dict[str, Any]]:
     """Is the anatomy drawn? Sharpness and tissue mix of generated ``(N, 1, D, H, W)`` against real
     ``(R, 1, D, H, W)`` images in [0, 1] (:func:`voxdiff.evaluation.metrics.anatomy_comparison`); with
-    ``ventricles`` (the phantom's :func:`voxdiff.data.phantom.ventricle_voxels`), the ventricle counts too."""
-    c = M.anatomy_comparison(generated, real)
+    ``ventricles`` (the phantom's :func:`voxdiff.data.phantom.ventricle_voxels`), the ventricle counts too; each with
+    its interval where ``bootstrap`` is given."""
+    gen, ref = M.anatomy_stats(generated), M.anatomy_stats(real)
+    c = M.anatomy_comparison(generated, real, (gen, ref))
     classes = {"fractions_generated": c["fractions_generated"], "fractions_real": c["fractions_real"]}
     out = {
         "anatomy_sharpness": figure("anatomy_sharpness", {
             "value": c["sharpness_ratio"], "n": len(generated), "generated": c["sharpness_generated"],
             "real": c["sharpness_real"], "head_voxels_generated": c["head_voxels_generated"],
-            "head_voxels_real": c["head_voxels_real"]}),
+            "head_voxels_real": c["head_voxels_real"],
+            **U.ratio_interval(gen["sharpness"], ref["sharpness"], bootstrap)}),
         "anatomy_tissue_distance": figure("anatomy_tissue_distance", {
-            "value": c["tissue_distance"], "n": len(generated), "dark_ratio": c["dark_ratio"], **classes}),
+            "value": c["tissue_distance"], "n": len(generated), "dark_ratio": c["dark_ratio"], **classes,
+            **U.tissue_distance_interval(gen["fractions"], ref["fractions"], bootstrap)}),
     }
     if ventricles is not None:
         counts = {name: torch.tensor([ventricles(v) for v in volumes], dtype=torch.float64)
@@ -311,7 +320,7 @@ def anatomy_figures(generated: torch.Tensor, real: torch.Tensor,
         ratio = float(counts["generated"].mean() / counts["real"].mean()) if counts["real"].sum() > 0 else math.nan
         for name, values in counts.items():
             out[f"ventricle_voxels_{name}"] = figure(f"ventricle_voxels_{name}", {
-                **M.summary(values), "per_volume": values.tolist(),
+                **M.summary(values), **U.mean_interval(values, bootstrap), "per_volume": values.tolist(),
                 **({"ratio_to_real": ratio} if name == "generated" else {})})
     return out
 
@@ -352,13 +361,15 @@ def vqvae_reconstructions(system: Any, real: VolumeSet, batch_size: int, device:
 
 
 def vqvae_figures(real: VolumeSet, recon: torch.Tensor, codes: torch.Tensor, num_embeddings: int,
-                  ms_ssim: M.SSIMSettings = M.MS_SSIM_SETTINGS) -> dict[str, dict[str, Any]]:
-    """Reconstruction figures and codebook usage of a VQ-VAE on the real set."""
+                  ms_ssim: M.SSIMSettings = M.MS_SSIM_SETTINGS, bootstrap: U.Bootstrap | None = None
+                  ) -> dict[str, dict[str, Any]]:
+    """Reconstruction figures (each with its interval where ``bootstrap`` is given) and codebook usage of a VQ-VAE
+    on the real set."""
     usage = M.codebook_usage(codes, num_embeddings)
+    per_volume = {"reconstruction_ssim": M.ssim(recon, real.images), "reconstruction_psnr": M.psnr(recon, real.images),
+                  "reconstruction_ms_ssim": M.ms_ssim(recon, real.images, ms_ssim)}
     return {
-        "reconstruction_ssim": figure("reconstruction_ssim", M.summary(M.ssim(recon, real.images))),
-        "reconstruction_psnr": figure("reconstruction_psnr", M.summary(M.psnr(recon, real.images))),
-        "reconstruction_ms_ssim": figure("reconstruction_ms_ssim", M.summary(M.ms_ssim(recon, real.images, ms_ssim))),
+        **{name: figure(name, {**M.summary(v), **U.mean_interval(v, bootstrap)}) for name, v in per_volume.items()},
         "codebook_perplexity": figure("codebook_perplexity", {"value": usage["perplexity"], "n": len(real),
                                                               **usage}),
         "codebook_dead_codes": figure("codebook_dead_codes", {"value": usage["dead"], "n": len(real), **usage}),

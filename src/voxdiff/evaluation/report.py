@@ -172,6 +172,12 @@ def _fmt(value: Any) -> str:
     return html.escape(str(value))
 
 
+def interval_text(f: Mapping[str, Any]) -> str:
+    """A figure's bootstrap interval as text, ``" [low, high]"`` (:mod:`voxdiff.evaluation.uncertainty`), or ``""``
+    where it has none."""
+    return f" [{_fmt(f['ci'][0])}, {_fmt(f['ci'][1])}]" if "ci" in f else ""
+
+
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1100px;color:#222}
 h1{font-size:22px;margin-bottom:4px} h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd}
@@ -212,18 +218,24 @@ def render_html(title: str, meta: Mapping[str, Any], figures: Mapping[str, Mappi
         elif "n_real" in f:
             n = f"{f['n_generated']} gen / {f['n_real']} real"
         value = _fmt(f["value"]) + (f" ± {_fmt(f['std'])}" if "std" in f else
-                                    f" ± {_fmt(f['se'])} (se)" if "se" in f else "")
+                                    f" ± {_fmt(f['se'])} (se)" if "se" in f and "ci" not in f else "")
+        ci = f"{interval_text(f).strip()} ({f['ci_level']:.0%})" if "ci" in f else ""
         if "ratio_to_real" in f:
             value += f"; {_fmt(f['ratio_to_real'])}× real"
         rows.append(f"<tr><td>{html.escape(f.get('label', name))}<br><code>{html.escape(name)}</code></td>"
-                    f"<td class='num'>{value}</td><td class='num'>{html.escape(str(n))}</td>"
+                    f"<td class='num'>{value}</td><td class='num'>{ci}</td><td class='num'>{html.escape(str(n))}</td>"
                     f"<td>{html.escape(DIRECTIONS[f.get('direction', 'info')])}</td>"
                     f"<td>{html.escape(f.get('definition', ''))}</td></tr>")
     absent_rows = "".join(f"<li><code>{html.escape(k)}</code>: {html.escape(v)}</li>" for k, v in absent.items())
     parts = [
         *_page_head(title, meta),
-        "<h2>Metrics</h2><table id='metrics'><thead><tr><th>figure</th><th>value (± std, or ± standard error)</th><th>N</th>"
-        "<th>direction</th><th>definition</th></tr></thead><tbody>", *rows, "</tbody></table>",
+        "<h2>Metrics</h2><table id='metrics'><thead><tr><th>figure</th><th>value (± std over samples, or ± standard "
+        "error)</th><th>interval (bootstrap over volumes)</th><th>N</th><th>direction</th><th>definition</th></tr>"
+        "</thead><tbody>", *rows, "</tbody></table>",
+        "<p class='note'>Interval: where the volumes drawn alone could move the figure (each set resampled with "
+        "replacement, the figure recomputed; settings in metrics.json, metric_settings.bootstrap). Two evaluations "
+        "whose intervals overlap widely cannot be told apart on these volumes.</p>" if any("ci" in f for f in
+                                                                                              figures.values()) else "",
     ]
     if absent_rows:
         parts.append(f"<p class='note'><b>Not computed:</b></p><ul class='note'>{absent_rows}</ul>")

@@ -1,0 +1,139 @@
+"""The figures' bootstrap intervals: each resampled statistic is its figure on the resampled volumes, the interval
+covers a known mean as often as its level says, and sets too small, or no settings, give none."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from voxdiff.evaluation import metrics as M
+from voxdiff.evaluation import uncertainty as U
+
+BOOT = U.Bootstrap(resamples=1000, seed=0)
+
+
+@pytest.mark.parametrize("kwargs", [{"resamples": 50}, {"resamples": -1}, {"level": 1.0}, {"level": 0.0},
+                                    {"method": "studentized"}])
+def test_settings_outside_their_range_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        U.Bootstrap(**kwargs)
+
+
+def test_the_interval_of_a_mean_has_the_width_and_standard_error_of_its_distribution():
+    values = torch.from_numpy(np.random.default_rng(1).normal(3.0, 2.0, size=400))
+    out = U.mean_interval(values, BOOT)
+    assert out["ci_level"] == 0.95
+    assert out["se"] == pytest.approx(2.0 / math.sqrt(400), rel=0.15)  # σ / √N
+    low, high = out["ci"]
+    assert low < float(values.mean()) < high
+    assert high - low == pytest.approx(2 * 1.96 * 2.0 / math.sqrt(400), rel=0.15)
+
+
+@pytest.mark.parametrize("method", U.METHODS)
+def test_the_interval_covers_the_true_mean_about_as_often_as_its_level_says(method):
+    rng = np.random.default_rng(2)
+    settings = U.Bootstrap(resamples=400, method=method)
+    trials = 200
+    covered = 0
+    for t in range(trials):
+        values = torch.from_numpy(rng.exponential(1.0, size=40))  # skewed, true mean 1
+        low, high = U.mean_interval(values, U.Bootstrap(settings.resamples, settings.level, method, seed=t))["ci"]
+        covered += low <= 1.0 <= high
+    assert 0.85 <= covered / trials <= 0.99  # 95% nominal; a bootstrap on 40 skewed values runs a little short
+
+
+def test_the_same_seed_gives_the_same_interval_and_another_seed_another():
+    values = torch.from_numpy(np.random.default_rng(3).normal(size=30))
+    assert U.mean_interval(values, BOOT) == U.mean_interval(values, U.Bootstrap(seed=0))
+    assert U.mean_interval(values, BOOT)["ci"] != U.mean_interval(values, U.Bootstrap(seed=1))["ci"]
+
+
+def test_no_settings_no_resamples_or_too_few_volumes_give_no_interval():
+    values = torch.arange(10.0)
+    assert U.mean_interval(values, None) == {}
+    assert U.mean_interval(values, U.Bootstrap(resamples=0)) == {}
+    assert U.mean_interval(values[: U.MIN_VOLUMES - 1], BOOT) == {}
+    assert U.ratio_interval(values, values[: U.MIN_VOLUMES - 1], BOOT) == {}  # one small set is enough
+    assert "ci" in U.mean_interval(values[: U.MIN_VOLUMES], BOOT)
+
+
+def test_a_set_of_identical_values_has_a_zero_width_interval():
+    out = U.mean_interval(torch.full((12,), 0.7, dtype=torch.float64), BOOT)
+    assert out["ci"] == pytest.approx([0.7, 0.7]) and out["se"] == pytest.approx(0.0)
+
+
+def _pairs(n, max_pairs=None, seed=0):
+    """A set's Pairs with known MS-SSIM values: pair (i, j) scores (i + 1) * (j + 1) / 100."""
+    total = n * (n - 1) // 2
+    picks = (torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:max_pairs].sort().values
+             if max_pairs else torch.arange(total))
+    i, j = M.pair_indices(n, picks)
+    return M.Pairs(i, j, ((i + 1) * (j + 1)).double() / 100, n, total, max_pairs is not None)
+
+
+@pytest.mark.parametrize("max_pairs", [None, 12])
+def test_a_resampled_diversity_is_the_mean_over_the_resamples_pairs_of_distinct_volumes(max_pairs):
+    pairs = _pairs(8, max_pairs)
+    value = {(int(a), int(b)): float(v) for a, b, v in zip(pairs.i, pairs.j, pairs.values)}
+    assert float(U.resampled_diversity(pairs, torch.arange(8))) == pytest.approx(pairs.summary()["value"])
+    draws = torch.from_numpy(np.random.default_rng(4).integers(0, 8, size=(5, 8)))
+    got = U.resampled_diversity(pairs, draws)
+    assert got.shape == (5,)
+    for row, g in zip(draws.tolist(), got.tolist()):  # every pair of positions holding two distinct volumes
+        seen = [value[min(a, b), max(a, b)] for a, b in itertools.combinations(row, 2)
+                if a != b and (min(a, b), max(a, b)) in value]
+        assert g == pytest.approx(sum(seen) / len(seen)) if seen else math.isnan(g)
+
+
+def test_a_diverse_set_s_interval_is_wider_when_one_volume_stands_apart():
+    n = 10
+    alike = M.Pairs(*M.pair_indices(n, torch.arange(45)), torch.full((45,), 0.8, dtype=torch.float64), n, 45, False)
+    i, j = alike.i, alike.j
+    odd = M.Pairs(i, j, torch.where((i == 0) | (j == 0), 0.1, 0.8).double(), n, 45, False)
+    assert U.diversity_interval(alike, BOOT)["ci"] == pytest.approx([0.8, 0.8])
+    low, high = U.diversity_interval(odd, BOOT)["ci"]
+    assert low < odd.summary()["value"] < high and high - low > 0.05
+
+
+def test_the_lesion_contrast_s_interval_is_of_the_pooled_contrast_and_holds_it():
+    gen = torch.Generator().manual_seed(5)
+    images = torch.rand(12, 1, 8, 8, 8, generator=gen, dtype=torch.float64) * 0.5
+    masks = torch.zeros_like(images)
+    masks[:, :, 3:5, 3:5, 3:5] = 1
+    images = images + masks * torch.linspace(0.1, 0.5, 12, dtype=torch.float64).view(-1, 1, 1, 1, 1)
+    sums = M.intensity_sums(images, masks)
+    assert sums.shape == (12, 3, 3)
+    stats = M.intensity_stats(images, masks)
+    assert float(M.lesion_contrast(sums)) == pytest.approx(stats["contrast"])
+    assert stats["contrast"] == pytest.approx(float(images[masks > 0.5].mean() - images[M.lesion_shell(masks)].mean()))
+    low, high = U.contrast_interval(sums, BOOT)["ci"]
+    assert low < stats["contrast"] < high
+    assert 0.1 < low and high < 0.5  # the lesions' contrasts run from 0.1 to 0.5
+
+
+def test_the_sharpness_and_tissue_intervals_resample_the_generated_and_real_sets_apart():
+    rng = np.random.default_rng(6)
+    generated, real = torch.from_numpy(rng.normal(2.0, 0.2, 20)), torch.from_numpy(rng.normal(1.0, 0.2, 10))
+    out = U.ratio_interval(generated, real, BOOT)
+    assert out["ci"][0] < float(generated.mean() / real.mean()) < out["ci"][1]
+    fractions = torch.from_numpy(rng.dirichlet([5, 5, 5, 5], size=30))
+    shifted = torch.from_numpy(rng.dirichlet([10, 5, 5, 1], size=30))
+    value = float(M.tissue_distance(shifted, fractions))
+    assert value == pytest.approx(0.5 * float((shifted.mean(0) - fractions.mean(0)).abs().sum()))
+    low, high = U.tissue_distance_interval(shifted, fractions, BOOT)["ci"]
+    assert low < value < high  # far apart: the distance is not at its floor of 0
+
+
+def test_the_correlation_is_pearson_s_r_on_every_row_and_its_interval_holds_it():
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=50)
+    y = 0.6 * x + rng.normal(size=50)
+    assert float(M.correlation(torch.from_numpy(x), torch.from_numpy(y))) == pytest.approx(np.corrcoef(x, y)[0, 1])
+    rows = torch.from_numpy(np.stack([x, y, -x]))
+    assert M.correlation(rows, torch.from_numpy(y).expand(3, -1)).tolist() == pytest.approx(
+        [np.corrcoef(x, y)[0, 1], 1.0, -np.corrcoef(x, y)[0, 1]])
+    assert math.isnan(M.pearson([1, 1, 1], [1, 2, 3])["value"])
+    low, high = U.correlation_interval(x, y, BOOT)["ci"]
+    assert low < np.corrcoef(x, y)[0, 1] < high and low > 0
