@@ -376,7 +376,7 @@ def test_a_probe_reads_a_covariate_that_shows_in_the_intensities_and_not_a_contr
     """The probe's figures on volumes made to order: 12 real ones whose dark share is age/200, generated ones drawn
     at requested ages the same way (obeyed), a control's at shares unrelated to the age (not obeyed)."""
     from voxdiff.cli.evaluate import PROBE_MIN_SUBJECTS, _probe_figures
-    from voxdiff.evaluation.pipeline import VolumeSet
+    from voxdiff.evaluation.pipeline import Drawn, VolumeSet
     from voxdiff.evaluation.uncertainty import Bootstrap
 
     rng = np.random.default_rng(0)
@@ -392,7 +392,8 @@ def test_a_probe_reads_a_covariate_that_shows_in_the_intensities_and_not_a_contr
         volumes = {"real": real_set.images, "generated": obeyed, "control": control}
         return _probe_figures("age", "age", requested, real_ages[:len(real_set)],
                               lambda tag: histograms(volumes[tag], 64), "64-bin histograms",
-                              None if control is None else "control.ckpt", Bootstrap(resamples=500))
+                              None if control is None else "control.ckpt",
+                              Drawn({"generated": 15, "real": len(real_set)}, Bootstrap(resamples=500)))
 
     figures, absent, sections = probe(real, ignored)
     assert figures["covariate_age_probe_real"]["value"] > 0.95 and figures["covariate_age_probe_real"]["n"] == 12

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from voxdiff.evaluation.guidance_sweep import summarise, target
@@ -120,3 +121,66 @@ def test_the_sweep_page_bolds_the_preferred_scale_and_those_tied_with_it():
     assert row.count("<b>") == 2 and "<b>2.1 ± 0.2</b>" in row and "<b>2.3 ± 0.2</b>" in row
     psnr = next(r for r in page.split("<tr>") if "<code>psnr</code>" in r)
     assert psnr.count("<b>") == 1  # no standard error: the preferred scale alone
+
+
+def _drawn(per_sample: dict[str, list[float]], real: list[float] | None = None) -> list[dict]:
+    """One record per scale from per-sample figures (sample i drawn from the same mask and noise at every scale),
+    with each figure's resampler and its bootstrap standard error, as ``evaluate()`` returns them."""
+    import torch
+
+    from voxdiff.evaluation import uncertainty as U
+
+    records = []
+    for values in per_sample.values():
+        v = torch.tensor(values, dtype=torch.float64)
+        figures = {"figure_generated" if real else "figure": {
+            "value": float(v.mean()), "direction": "match" if real else "higher", "label": "f",
+            "se": float(v.std() / math.sqrt(len(v)))}}
+        resamplers = {next(iter(figures)): U.mean_of(v)}
+        if real:
+            r = torch.tensor(real, dtype=torch.float64)
+            figures["figure_real"] = {"value": float(r.mean()), "direction": "info", "label": "r"}
+            resamplers["figure_real"] = U.mean_of(r, "real")
+        records.append({"figures": figures, "resamplers": resamplers, "n_generated": len(values),
+                        "n_real": len(real) if real else len(values)})
+    return records
+
+
+def test_a_paired_bootstrap_separates_scales_that_differ_in_every_sample_by_less_than_samples_differ():
+    """Sample i at every scale shares its mask and noise: 0.05 higher at 1.25 than at 1 in every one of 20 samples
+    that themselves spread by 1. Compared as two evaluations (one standard error each, 0.22) the scales are tied;
+    paired, the difference is 0.05 on every resample: not tied. A scale whose samples move by ±0.2 at random about
+    scale 1's is tied with the preferred one, paired too."""
+    from voxdiff.evaluation.uncertainty import Bootstrap
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(0.0, 1.0, 20)
+    noise = rng.normal(0.0, 0.2, 20)
+    records = _drawn({"1": list(x), "1.25": list(x + 0.05), "1.5": list(x + noise - noise.mean())})
+    scales = [1.0, 1.25, 1.5]
+    by_se = summarise("autoguide_scale", scales, records)["figures"]["figure"]
+    assert by_se["best"] == 1.25 and by_se["tied"] == [1.0, 1.5] and by_se["tie_rule"] == "one standard error"
+    paired = summarise("autoguide_scale", scales, records, Bootstrap(resamples=1000))["figures"]["figure"]
+    assert paired["best"] == 1.25 and paired["tie_rule"] == "paired bootstrap"
+    assert paired["differences"]["1"] == pytest.approx([0.05, 0.05])  # the same shift on every resample
+    assert paired["tied"] == [1.5] and paired["differences"]["1.5"][0] < 0 < paired["differences"]["1.5"][1]
+
+
+def test_a_paired_match_figure_is_scored_against_its_real_twin_drawn_on_the_same_resample():
+    """The generated figure should match the real one (mean 1.0 over 10 real volumes): scale 1.25 is 0.1 away in
+    every sample, scale 1 0.4 away; paired, 1 is not tied with 1.25; a real set too small for an interval (4
+    volumes) leaves the figure to the standard-error rule."""
+    from voxdiff.evaluation.uncertainty import Bootstrap
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(0.0, 0.5, 12)
+    real = rng.normal(1.0, 0.5, 10)
+    real = list(real - real.mean() + 1.0)  # mean exactly 1.0
+    records = _drawn({"1": list(x - x.mean() + 0.6), "1.25": list(x - x.mean() + 0.9)}, real=real)
+    f = summarise("autoguide_scale", [1.0, 1.25], records, Bootstrap(resamples=1000))["figures"]["figure_generated"]
+    assert f["best"] == 1.25 and f["tied"] == [] and f["tie_rule"] == "paired bootstrap"
+    low, high = f["differences"]["1"]
+    assert 0 < low < high <= 0.3 + 1e-12  # |0.6 − R| − |0.9 − R| ≤ 0.3 on every resample, > 0 where R > 0.75
+    few = _drawn({"1": list(x - x.mean() + 0.6), "1.25": list(x - x.mean() + 0.9)}, real=real[:4])
+    f = summarise("autoguide_scale", [1.0, 1.25], few, Bootstrap(resamples=1000))["figures"]["figure_generated"]
+    assert f["tie_rule"] == "one standard error" and "differences" not in f

@@ -14,6 +14,15 @@ from voxdiff.evaluation import uncertainty as U
 BOOT = U.Bootstrap(resamples=1000, seed=0)
 
 
+def _mean(values, settings=BOOT):
+    """The interval of the mean of ``values``, a set of generated volumes' figures."""
+    return U.interval(U.mean_of(values), {"generated": len(values)}, settings)
+
+
+def _one(resampler, n, settings=BOOT):
+    return U.interval(resampler, {"generated": n, "real": n}, settings)
+
+
 @pytest.mark.parametrize("kwargs", [{"resamples": 50}, {"resamples": -1}, {"level": 1.0}, {"level": 0.0},
                                     {"method": "studentized"}])
 def test_settings_outside_their_range_are_refused(kwargs):
@@ -23,7 +32,7 @@ def test_settings_outside_their_range_are_refused(kwargs):
 
 def test_the_interval_of_a_mean_has_the_width_and_standard_error_of_its_distribution():
     values = torch.from_numpy(np.random.default_rng(1).normal(3.0, 2.0, size=400))
-    out = U.mean_interval(values, BOOT)
+    out = _mean(values, BOOT)
     assert out["ci_level"] == 0.95
     assert out["se"] == pytest.approx(2.0 / math.sqrt(400), rel=0.15)  # σ / √N
     low, high = out["ci"]
@@ -39,28 +48,30 @@ def test_the_interval_covers_the_true_mean_about_as_often_as_its_level_says(meth
     covered = 0
     for t in range(trials):
         values = torch.from_numpy(rng.exponential(1.0, size=40))  # skewed, true mean 1
-        low, high = U.mean_interval(values, U.Bootstrap(settings.resamples, settings.level, method, seed=t))["ci"]
+        low, high = _mean(values, U.Bootstrap(settings.resamples, settings.level, method, seed=t))["ci"]
         covered += low <= 1.0 <= high
     assert 0.85 <= covered / trials <= 0.99  # 95% nominal; a bootstrap on 40 skewed values runs a little short
 
 
 def test_the_same_seed_gives_the_same_interval_and_another_seed_another():
     values = torch.from_numpy(np.random.default_rng(3).normal(size=30))
-    assert U.mean_interval(values, BOOT) == U.mean_interval(values, U.Bootstrap(seed=0))
-    assert U.mean_interval(values, BOOT)["ci"] != U.mean_interval(values, U.Bootstrap(seed=1))["ci"]
+    assert _mean(values, BOOT) == _mean(values, U.Bootstrap(seed=0))
+    assert _mean(values, BOOT)["ci"] != _mean(values, U.Bootstrap(seed=1))["ci"]
 
 
 def test_no_settings_no_resamples_or_too_few_volumes_give_no_interval():
     values = torch.arange(10.0)
-    assert U.mean_interval(values, None) == {}
-    assert U.mean_interval(values, U.Bootstrap(resamples=0)) == {}
-    assert U.mean_interval(values[: U.MIN_VOLUMES - 1], BOOT) == {}
-    assert U.ratio_interval(values, values[: U.MIN_VOLUMES - 1], BOOT) == {}  # one small set is enough
-    assert "ci" in U.mean_interval(values[: U.MIN_VOLUMES], BOOT)
+    assert _mean(values, None) == {}
+    assert _mean(values, U.Bootstrap(resamples=0)) == {}
+    assert _mean(values[: U.MIN_VOLUMES - 1], BOOT) == {}
+    small = {"generated": 10, "real": U.MIN_VOLUMES - 1}
+    assert U.interval(U.ratio_of(values, values[: U.MIN_VOLUMES - 1]), small, BOOT) == {}  # one small set is enough
+    assert "ci" in U.interval(U.mean_of(values), small, BOOT)  # a figure of the generated set alone
+    assert "ci" in _mean(values[: U.MIN_VOLUMES], BOOT)
 
 
 def test_a_set_of_identical_values_has_a_zero_width_interval():
-    out = U.mean_interval(torch.full((12,), 0.7, dtype=torch.float64), BOOT)
+    out = _mean(torch.full((12,), 0.7, dtype=torch.float64), BOOT)
     assert out["ci"] == pytest.approx([0.7, 0.7]) and out["se"] == pytest.approx(0.0)
 
 
@@ -92,8 +103,8 @@ def test_a_diverse_set_s_interval_is_wider_when_one_volume_stands_apart():
     alike = M.Pairs(*M.pair_indices(n, torch.arange(45)), torch.full((45,), 0.8, dtype=torch.float64), n, 45, False)
     i, j = alike.i, alike.j
     odd = M.Pairs(i, j, torch.where((i == 0) | (j == 0), 0.1, 0.8).double(), n, 45, False)
-    assert U.diversity_interval(alike, BOOT)["ci"] == pytest.approx([0.8, 0.8])
-    low, high = U.diversity_interval(odd, BOOT)["ci"]
+    assert _one(U.diversity_of(alike), n)["ci"] == pytest.approx([0.8, 0.8])
+    low, high = _one(U.diversity_of(odd), n)["ci"]
     assert low < odd.summary()["value"] < high and high - low > 0.05
 
 
@@ -108,7 +119,7 @@ def test_the_lesion_contrast_s_interval_is_of_the_pooled_contrast_and_holds_it()
     stats = M.intensity_stats(images, masks)
     assert float(M.lesion_contrast(sums)) == pytest.approx(stats["contrast"])
     assert stats["contrast"] == pytest.approx(float(images[masks > 0.5].mean() - images[M.lesion_shell(masks)].mean()))
-    low, high = U.contrast_interval(sums, BOOT)["ci"]
+    low, high = _one(U.contrast_of(sums), 12)["ci"]
     assert low < stats["contrast"] < high
     assert 0.1 < low and high < 0.5  # the lesions' contrasts run from 0.1 to 0.5
 
@@ -116,13 +127,13 @@ def test_the_lesion_contrast_s_interval_is_of_the_pooled_contrast_and_holds_it()
 def test_the_sharpness_and_tissue_intervals_resample_the_generated_and_real_sets_apart():
     rng = np.random.default_rng(6)
     generated, real = torch.from_numpy(rng.normal(2.0, 0.2, 20)), torch.from_numpy(rng.normal(1.0, 0.2, 10))
-    out = U.ratio_interval(generated, real, BOOT)
+    out = U.interval(U.ratio_of(generated, real), {"generated": 20, "real": 10}, BOOT)
     assert out["ci"][0] < float(generated.mean() / real.mean()) < out["ci"][1]
     fractions = torch.from_numpy(rng.dirichlet([5, 5, 5, 5], size=30))
     shifted = torch.from_numpy(rng.dirichlet([10, 5, 5, 1], size=30))
     value = float(M.tissue_distance(shifted, fractions))
     assert value == pytest.approx(0.5 * float((shifted.mean(0) - fractions.mean(0)).abs().sum()))
-    low, high = U.tissue_distance_interval(shifted, fractions, BOOT)["ci"]
+    low, high = _one(U.tissue_distance_of(shifted, fractions), 30)["ci"]
     assert low < value < high  # far apart: the distance is not at its floor of 0
 
 
@@ -135,5 +146,5 @@ def test_the_correlation_is_pearson_s_r_on_every_row_and_its_interval_holds_it()
     assert M.correlation(rows, torch.from_numpy(y).expand(3, -1)).tolist() == pytest.approx(
         [np.corrcoef(x, y)[0, 1], 1.0, -np.corrcoef(x, y)[0, 1]])
     assert math.isnan(M.pearson([1, 1, 1], [1, 2, 3])["value"])
-    low, high = U.correlation_interval(x, y, BOOT)["ci"]
+    low, high = _one(U.correlation_of(x, y), 50)["ci"]
     assert low < np.corrcoef(x, y)[0, 1] < high and low > 0

@@ -72,6 +72,7 @@ from voxdiff.evaluation.metrics import (
 )
 from voxdiff.evaluation.pipeline import (
     DEFINITIONS,
+    Drawn,
     diffusion_figures,
     figure,
     histogram_section,
@@ -93,7 +94,7 @@ from voxdiff.evaluation.report import (
     write_outputs,
 )
 from voxdiff.evaluation.guidance_sweep import summarise
-from voxdiff.evaluation.uncertainty import METHODS, MIN_RESAMPLES, Bootstrap, correlation_interval
+from voxdiff.evaluation.uncertainty import METHODS, MIN_RESAMPLES, Bootstrap, correlation_of
 from voxdiff.viz import save_montage
 
 
@@ -195,9 +196,10 @@ def bootstrap_settings(cfg: DictConfig) -> Bootstrap | None:
     return Bootstrap(resamples, level, method, int(cfg.seed)) if resamples else None
 
 
-def _correlated(x: Sequence[float], y: Sequence[float], bootstrap: Bootstrap | None) -> dict[str, Any]:
-    """Pearson's r of ``x`` and ``y`` with its interval."""
-    return {**pearson(x, y), **correlation_interval(x, y, bootstrap)}
+def _correlated(drawn: Drawn, name: str, series: tuple[Sequence[float], Sequence[float]], of: str = "generated"
+                ) -> dict[str, Any]:
+    """Pearson's r of a series ``(values, measures)`` of the set ``of``, with its interval (``drawn``)."""
+    return drawn.with_interval(name, pearson(*series), correlation_of(*series, of))
 
 
 #: the sampling settings a list of values sweeps: one evaluation at each (``autoguide_scale=[1,1.1,1.25]``)
@@ -265,7 +267,7 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
               f"{point.paths.output_dir}", flush=True)
         records.append(evaluate(point))
     scales = [float(v) for v in values]
-    summary = summarise(key, scales, records)
+    summary = summarise(key, scales, records, bootstrap_settings(cfg))  # the ties by a paired bootstrap
     first = records[0]
     record = {"checkpoint": first["checkpoint"], "evaluated_at": dt.datetime.now().isoformat(timespec="seconds"),
               "data": first["data"], "split": first["split"], "n_generated": first["n_generated"],
@@ -282,7 +284,8 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
     print(f"[voxdiff] sweep of {key}: wrote {json_path} and {html_path}", flush=True)
     for name, f in summary["figures"].items():
         if f["best"] is not None:
-            ties = f" and, within one standard error, {', '.join(f'{v:g}' for v in f['tied'])}" if f.get("tied") else ""
+            ties = (f"; not told apart from it ({f['tie_rule']}): {', '.join(f'{v:g}' for v in f['tied'])}"
+                    if f.get("tied") else "")
             print(f"[voxdiff]   {name}: " + "  ".join(f"{v:g}: {x:.4g}" for v, x in zip(scales, f["values"]))
                   + f"  (prefers {f['best']:g}{ties})", flush=True)
     return {**record, "json": str(json_path), "html": str(html_path)}
@@ -459,8 +462,8 @@ def _effect_figures(key: str, series: dict[str, tuple[list[float], list[float]]]
 
 def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any, real: Any,
                        generated: Any, rows: list[dict[str, Any]] | None, table: dict[str, Any],
-                       device: Any, precision: Any, cycle: int | None = None, extractors: Sequence[Any] = ()
-                       ) -> tuple[dict[str, Any], dict[str, str], list[Any]]:
+                       device: Any, precision: Any, drawn: Drawn, cycle: int | None = None,
+                       extractors: Sequence[Any] = ()) -> tuple[dict[str, Any], dict[str, str], list[Any]]:
     """Is each covariate obeyed? On a phantom run (``phantom``: trained and evaluated on the built-in phantom), for
     each of its covariates that changes the phantom's anatomy (:data:`~voxdiff.data.phantom.COVARIATE_EFFECTS`: age
     the ventricles, sex the head): Pearson's r between the value each sample was drawn at (a categorical one as its
@@ -486,8 +489,6 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
     levels = {c.name: list(c.levels) for c in columns if c.kind == "categorical"}
     if not effects and not probed:
         return figures, absent, []
-
-    boot = bootstrap_settings(cfg)
 
     def coded(name: str, value: Any) -> float:
         return float(levels[name].index(value)) if name in levels else float(value)
@@ -524,17 +525,19 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
         key = f"covariate_{name}_{measure}"
         values = [coded(name, r[name]) for r in rows]
         series = {"generated": (values, [of(v) for v in generated])}
-        figures[f"{key}_generated"] = figure(f"{key}_generated", _correlated(*series["generated"], boot))
+        figures[f"{key}_generated"] = figure(f"{key}_generated", _correlated(drawn, f"{key}_generated",
+                                                                             series["generated"]))
         real_values = [coded(name, table[s][name]) for s in real.subjects]
         if len(real_values) >= 2:
             series["real"] = (real_values, [of(v) for v in real.images])
-            figures[f"{key}_real"] = figure(f"{key}_real", _correlated(*series["real"], boot))
+            figures[f"{key}_real"] = figure(f"{key}_real", _correlated(drawn, f"{key}_real", series["real"], "real"))
         if control is None:
             absent[f"{key}_control"] = ("no negative control: pass control_ckpt=PATH (a run without "
                                         "data.covariates, or with shuffled ones)")
         else:
             series["negative control"] = (values, [of(v) for v in control])
-            figures[f"{key}_control"] = figure(f"{key}_control", _correlated(*series["negative control"], boot),
+            figures[f"{key}_control"] = figure(f"{key}_control", _correlated(drawn, f"{key}_control",
+                                                                             series["negative control"]),
                                                checkpoint=str(control_path))
         counterfactuals = cycle is not None and name == cfg.get("covariate_sweep")
         if counterfactuals:
@@ -566,7 +569,7 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
             continue
         more, missing, section = _probe_figures(name, axis(name), [coded(name, r[name]) for r in rows],
                                                 [coded(name, table[s][name]) for s in real.subjects],
-                                                features, extractor.label, control_path, boot)
+                                                features, extractor.label, control_path, drawn)
         figures.update(more)
         absent.update(missing)
         sections += section
@@ -585,13 +588,13 @@ PROBE_FEATURES = ("medicalnet", "vqvae_encoder", "random_resnet10")
 
 
 def _probe_figures(name: str, axis: str, values: list[float], real_values: list[float],
-                   features: Callable[[str], Any], label: str, control_path: Any, bootstrap: Bootstrap | None = None
+                   features: Callable[[str], Any], label: str, control_path: Any, drawn: Drawn | None = None
                    ) -> tuple[dict[str, Any], dict[str, str], list[Any]]:
     """Is covariate ``name`` obeyed, read by a probe (:func:`~voxdiff.evaluation.metrics.fit_probe`) fitted on the
     real volumes' features (``features(tag)``: ``(N, F)`` of the ``"real"``, ``"generated"`` or ``"control"``
     volumes; ``label`` says whose) and their own ``real_values``: r between the ``values`` the generated volumes
     (and the negative control's, drawn where ``control_path`` is set) were sampled at and the probe's reading of
-    them (with its interval where ``bootstrap`` is given: the probe held, the volumes resampled), beside the probe's
+    them (with its interval where ``drawn`` has a bootstrap: the probe held, the volumes resampled), beside the probe's
     leave-one-out r on the real volumes; a scatter of the three."""
     key = f"covariate_{name}_probe"
     if len(real_values) < PROBE_MIN_SUBJECTS:
@@ -617,14 +620,16 @@ def _probe_figures(name: str, axis: str, values: list[float], real_values: list[
         return figures, {f"{key}_generated": why}, []
     series = {"generated": (values, probe(features("generated")).tolist()),
               "real": (real_values, list(probe.loo))}
-    figures[f"{key}_generated"] = labelled("generated", _correlated(*series["generated"], bootstrap))
+    drawn = drawn or Drawn({"generated": len(values), "real": len(real_values)}, None)
+    figures[f"{key}_generated"] = labelled("generated", _correlated(drawn, f"{key}_generated", series["generated"]))
     absent = {}
     if control_path is None:
         absent[f"{key}_control"] = ("no negative control: pass control_ckpt=PATH (a run without data.covariates, "
                                     "or with shuffled ones)")
     else:
         series["negative control"] = (values, probe(features("control")).tolist())
-        figures[f"{key}_control"] = labelled("control", _correlated(*series["negative control"], bootstrap),
+        figures[f"{key}_control"] = labelled("control", _correlated(drawn, f"{key}_control",
+                                                                   series["negative control"]),
                                              checkpoint=str(control_path))
     png = scatter_png(series, axis, f"{name} read by the probe (real: leave-one-out)")
     section = (f"Covariates: is {name} obeyed? (probe)", f"the probe's reading of each volume (a ridge regression on "
@@ -667,13 +672,14 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     print(f"[voxdiff] {len(generated)} samples in {t1 - t0:.1f} s; computing the figures", flush=True)
     # trained and evaluated on the built-in phantom: its ventricles can be counted
     phantom = is_phantom_data(saved.get("data")) and cfg.data.get("root") is None
+    drawn = Drawn({"generated": len(generated), "real": len(real)}, bootstrap_settings(cfg))  # the intervals
     figures, more_absent = diffusion_figures(real, generated, sources, system.mode, extractors,
                                              bins=int(cfg.histogram_bins), device=str(device), ms_ssim=ms_ssim,
                                              ventricles=ventricle_voxels if phantom else None,
                                              diversity_pairs=cfg.get("diversity_pairs"), seed=int(cfg.seed),
-                                             bootstrap=bootstrap_settings(cfg))
+                                             drawn=drawn)
     cov_figures, cov_absent, cov_sections = _covariate_figures(cfg, phantom, system, sampler, real, generated, rows,
-                                                               table, device, precision, cycle, extractors)
+                                                               table, device, precision, drawn, cycle, extractors)
     figures.update(cov_figures)
     more_absent.update(cov_absent)
     what = "mask | real | generated" if system.mode == "bravo" else "real mask | generated mask"
@@ -682,7 +688,7 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
         sections.append(histogram_section(real, generated, sources, int(cfg.histogram_bins)))
     return {
         "kind": "diffusion", "mode": system.mode, "figures": figures, "absent": {**absent, **more_absent},
-        "sections": sections, "n_generated": len(generated), "real": real,
+        "sections": sections, "n_generated": len(generated), "real": real, "resamplers": drawn.resamplers,
         "sampler": sampler,
         "sampling": {"sampler": sampler.sampler, "num_inference_steps": sampler.num_inference_steps,
                      "eta": sampler.eta, "guidance_scale": sampler.guidance_scale,
@@ -778,7 +784,9 @@ _EVALUATIONS = {"diffusion": _diffusion, "stage1": _vqvae}
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
-    """Evaluate ``cfg.ckpt_path``; returns the ``metrics.json`` record plus ``{"json", "html"}`` paths.
+    """Evaluate ``cfg.ckpt_path``; returns the ``metrics.json`` record plus ``{"json", "html"}`` paths and, for a
+    diffusion checkpoint, ``resamplers`` (each figure's :class:`~voxdiff.evaluation.uncertainty.Resampler`, which a
+    sweep compares its evaluations on; not written).
 
     A guidance scale given as a list is a sweep: :func:`evaluate_sweep`.
 
@@ -845,7 +853,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     print(f"[voxdiff] wrote {json_path} and {html_path}", flush=True)
     for name, f in record["figures"].items():
         print(f"[voxdiff]   {name} = {f['value']:.6g}{interval_text(f)}", flush=True)
-    return {**record, "json": str(json_path), "html": str(html_path)}
+    return {**record, "json": str(json_path), "html": str(html_path), "resamplers": result.get("resamplers", {})}
 
 
 @hydra_main("evaluate")

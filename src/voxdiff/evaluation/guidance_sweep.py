@@ -7,8 +7,9 @@ with the same masks, noise and covariates (:mod:`voxdiff.cli.evaluate`); :func:`
 (:data:`voxdiff.evaluation.pipeline.DEFINITIONS`): ``higher``, ``lower``, or ``match`` (closest to its target: the
 real set's twin figure, ``<name>_real`` for ``<name>_generated``, or 1 for a ratio to the real set). The negative
 control's figures and the real set's own are shown, not ranked: they say whether a figure can be trusted, not which
-scale samples better. No single scale is chosen: the figures disagree (autoguidance raises the lesion contrast
-and the covariate's effect while it moves the tissue mix away from the data), and which to trade is the user's.
+scale samples better. No single scale is chosen: the figures disagree (on the demo autoguidance brings the ventricles
+and the tissue mix toward the data while it lowers the paired SSIM and PSNR and sharpens past the data), and which
+to trade is the user's. Which scales the evaluations cannot tell apart is said per figure (``tied``).
 """
 
 from __future__ import annotations
@@ -17,17 +18,26 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
+from voxdiff.evaluation import uncertainty as U
+
 #: the figures shown but not ranked: the negative control's (a diagnostic of the figure) and the real set's own
 UNRANKED = ("_control", "_real")
+
+
+def twin(name: str) -> str | None:
+    """The real set's figure a ``<stem>_generated`` figure should match (``<stem>_real``), else None."""
+    return name[: -len("_generated")] + "_real" if name.endswith("_generated") else None
 
 
 def target(name: str, figures: Mapping[str, Mapping[str, Any]]) -> float | None:
     """What a ``match`` figure should come close to: its real twin's value (``<stem>_real`` for
     ``<stem>_generated``), or 1 for a figure of generated over real, which carries both sets' figures
     (``anatomy_sharpness``); None where there is none."""
-    if name.endswith("_generated"):
-        twin = figures.get(name[: -len("_generated")] + "_real")
-        return None if twin is None else float(twin["value"])
+    if twin(name) is not None:
+        real = figures.get(twin(name))
+        return None if real is None else float(real["value"])
     if isinstance(figures[name].get("generated"), Mapping) and isinstance(figures[name].get("real"), Mapping):
         return 1.0
     return None
@@ -48,14 +58,54 @@ def tied(values: Sequence[float], series: Sequence[float], se: Sequence[float], 
             and abs(at(series[i]) - at(series[best])) <= math.hypot(se[i], se[best])]
 
 
-def summarise(key: str, values: Sequence[float], records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def paired_ties(name: str, values: Sequence[float], records: Sequence[Mapping[str, Any]], best: int, direction: str,
+                goal: float | None, bootstrap: U.Bootstrap) -> tuple[list[float], dict[str, list[float]]] | None:
+    """The scales the evaluations cannot tell apart from ``values[best]`` on the figure ``name``, by a paired
+    bootstrap: every evaluation of a sweep draws sample ``i`` from the same mask and noise, so each resample draws
+    the same samples (and the same real volumes) at every scale, and the interval of the difference in the figure's
+    score (:func:`voxdiff.evaluation.uncertainty.paired_interval`; ``match``: the distance to the real twin figure
+    drawn on the same resample, or to ``goal``) holds 0 for a tied scale. Much tighter than comparing two intervals:
+    what the scales share (the masks, the noise, the real set) cancels.
+
+    Returns:
+        ``(tied, differences)`` (``differences``: ``{scale: [low, high]}`` of score(scale) − score(best), lower
+        score better), or None where an evaluation has no resampler for the figure or a set is too small.
+    """
+    resamplers = [r.get("resamplers", {}).get(name) for r in records]
+    target = twin(name) if direction == "match" else None
+    goal_resampler = records[best].get("resamplers", {}).get(target) if target else None
+    if any(r is None for r in resamplers) or (target is not None and goal_resampler is None):
+        return None
+    sizes = {"generated": int(records[0]["n_generated"]), "real": int(records[0]["n_real"])}
+
+    def score(v: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
+        if direction == "match":
+            return (v - (t if t is not None else goal)).abs()
+        return -v if direction == "higher" else v
+
+    differences = {}
+    for i, value in enumerate(values):
+        if i != best:
+            d = U.paired_interval(resamplers[i], resamplers[best], sizes, bootstrap, score, goal_resampler)
+            if not d:
+                return None
+            differences[f"{value:g}"] = d["ci"]
+    tied = [v for v in values if f"{v:g}" in differences and differences[f"{v:g}"][0] <= 0]
+    return tied, differences
+
+
+def summarise(key: str, values: Sequence[float], records: Sequence[Mapping[str, Any]],
+              bootstrap: U.Bootstrap | None = None) -> dict[str, Any]:
     """The sweep's table: for each figure every evaluation has, its value at each of ``values`` (the ``key``'s
     scales, in the order run; ``se``: its standard error at each, where every evaluation gives one: an effect's over
     masks, or the bootstrap's over volumes, :mod:`voxdiff.evaluation.uncertainty`), its direction
     and target, and the scale it prefers (``best``; None where it is not ranked, or where its values are not
-    finite). Where the figure has standard errors, ``tied`` lists the other scales within one standard error of the
-    preferred one (:func:`tied`): the evaluation cannot tell them apart, and the page and the command's summary say
-    so. A figure without standard errors has no ``tied``: its preference reads the values alone.
+    finite). ``tied`` lists the other scales the evaluations cannot tell apart from the preferred one, and the page
+    and the command's summary say so: with ``bootstrap`` and each evaluation's resamplers (``records[i]
+    ["resamplers"]``, from :func:`voxdiff.cli.evaluate.evaluate`), by a paired bootstrap (:func:`paired_ties`:
+    ``tie_rule`` "paired bootstrap", ``differences`` its intervals); else where the figure has standard errors,
+    those within one standard error (:func:`tied`; ``tie_rule`` "one standard error"). A figure with neither has no
+    ``tied``: its preference reads the values alone.
 
     Args:
         key: ``guidance_scale`` or ``autoguide_scale``.
@@ -81,6 +131,11 @@ def summarise(key: str, values: Sequence[float], records: Sequence[Mapping[str, 
                          "target": goal, "best": best}
         if all("se" in r["figures"][name] for r in records):  # a standard error at each: an effect's, a bootstrap's
             figures[name]["se"] = [float(r["figures"][name]["se"]) for r in records]
-            if best is not None:
-                figures[name]["tied"] = tied(values, series, figures[name]["se"], values.index(best), direction, goal)
+        paired = None if best is None or bootstrap is None else paired_ties(
+            name, values, records, values.index(best), direction, goal, bootstrap)
+        if paired is not None:
+            figures[name].update(tied=paired[0], differences=paired[1], tie_rule="paired bootstrap")
+        elif best is not None and "se" in figures[name]:
+            figures[name].update(tied=tied(values, series, figures[name]["se"], values.index(best), direction, goal),
+                                 tie_rule="one standard error")
     return {"swept": key, "values": list(values), "figures": figures}

@@ -187,6 +187,26 @@ def frechet_figure(extractor: FeatureExtractor, stats: Mapping[str, Any]) -> dic
             "extractor": extractor.name}
 
 
+class Drawn:
+    """The intervals of one evaluation's figures, and the :class:`~voxdiff.evaluation.uncertainty.Resampler` each
+    was drawn with (``resamplers``: a guidance sweep compares its evaluations on them,
+    :func:`voxdiff.evaluation.guidance_sweep.summarise`).
+
+    Args:
+        sizes: ``{"generated": N, "real": R}``, the volumes of each set.
+        bootstrap: the intervals' settings; None: the figures have none (their resamplers are still kept).
+    """
+
+    def __init__(self, sizes: Mapping[str, int], bootstrap: U.Bootstrap | None) -> None:
+        self.sizes, self.bootstrap = dict(sizes), bootstrap
+        self.resamplers: dict[str, U.Resampler] = {}
+
+    def with_interval(self, name: str, stats: Mapping[str, Any], resampler: U.Resampler) -> dict[str, Any]:
+        """``stats`` of the figure ``name`` with its interval (:func:`~voxdiff.evaluation.uncertainty.interval`)."""
+        self.resamplers[name] = resampler
+        return {**stats, **U.interval(resampler, self.sizes, self.bootstrap)}
+
+
 @dataclass
 class VolumeSet:
     """Volumes ``(N, 1, D, H, W)`` in [0, 1] with their masks, affines ``(N, 4, 4)`` and names."""
@@ -234,7 +254,7 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
                       extractors: Sequence[FeatureExtractor], bins: int = 64, device: str = "cpu",
                       ms_ssim: M.SSIMSettings = M.MS_SSIM_SETTINGS,
                       ventricles: Callable[[torch.Tensor], int] | None = None,
-                      diversity_pairs: int | None = None, seed: int = 0, bootstrap: U.Bootstrap | None = None,
+                      diversity_pairs: int | None = None, seed: int = 0, drawn: Drawn | None = None,
                       ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """All figures of a generated set against the real one.
 
@@ -251,33 +271,36 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
             not the evaluation's to import): the ventricle figures are added.
         diversity_pairs, seed: the diversity figures over at most this many pairs of each set, drawn with ``seed``
             (:func:`voxdiff.evaluation.metrics.ms_ssim_pairs`); None: every pair.
-        bootstrap: the intervals of the figures (:mod:`voxdiff.evaluation.uncertainty`); None: none.
+        drawn: the intervals of the figures, for sets of ``N`` generated and ``R`` real volumes (:class:`Drawn`, which
+            keeps each figure's resampler); None: none.
 
     Returns:
         ``(figures, absent)``: ``{name: figure}`` and ``{name: why it was not computed}``.
     """
     figures: dict[str, dict[str, Any]] = {}
     absent: dict[str, str] = {}
+    drawn = drawn or Drawn({"generated": len(generated), "real": len(real)}, None)
     reference = real.images if mode == "bravo" else real.masks  # what the generated volumes should look like
     paired = reference[list(sources)]
-    for name, volumes in (("diversity_ms_ssim_generated", generated), ("diversity_ms_ssim_real", reference)):
+    for of, volumes in (("generated", generated), ("real", reference)):
         if len(volumes) >= 2:
             pairs = M.ms_ssim_pairs(volumes, ms_ssim, diversity_pairs, seed)
-            figures[name] = figure(name, {**pairs.summary(), **U.diversity_interval(pairs, bootstrap)})
+            name = f"diversity_ms_ssim_{of}"
+            figures[name] = figure(name, drawn.with_interval(name, pairs.summary(), U.diversity_of(pairs, of)))
     if len(real) < 2:
         absent["diversity_ms_ssim_real"] = "the split has 1 subject: no pair of real volumes"
     if mode == "bravo":
         masks = real.masks[list(sources)]
         for name, per_sample in (("ssim", M.ssim(generated, paired)), ("psnr", M.psnr(generated, paired)),
                                  ("ms_ssim", M.ms_ssim(generated, paired, ms_ssim))):
-            figures[name] = figure(name, {**M.summary(per_sample), **U.mean_interval(per_sample, bootstrap)})
-        for name, images, of in (("lesion_contrast_generated", generated, masks),
-                                 ("lesion_contrast_real", real.images, real.masks)):
-            sums = M.intensity_sums(images, of)
-            stats = M.intensity_stats(images, of, sums)
-            figures[name] = figure(name, {"value": stats["contrast"], "n": len(images), "intensity": stats,
-                                          **U.contrast_interval(sums, bootstrap)})
-        figures.update(anatomy_figures(generated, real.images, ventricles, bootstrap))
+            figures[name] = figure(name, drawn.with_interval(name, M.summary(per_sample), U.mean_of(per_sample)))
+        for of, images, where in (("generated", generated, masks), ("real", real.images, real.masks)):
+            sums = M.intensity_sums(images, where)
+            stats = M.intensity_stats(images, where, sums)
+            name = f"lesion_contrast_{of}"
+            figures[name] = figure(name, drawn.with_interval(name, {"value": stats["contrast"], "n": len(images),
+                                                                    "intensity": stats}, U.contrast_of(sums, of)))
+        figures.update(anatomy_figures(generated, real.images, ventricles, drawn))
     else:
         absent["ssim/psnr/ms_ssim"] = "seg mode generates masks without a paired real image"
         absent["anatomy"] = "seg mode generates masks: no anatomy to measure"
@@ -295,33 +318,34 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
 
 
 def anatomy_figures(generated: torch.Tensor, real: torch.Tensor,
-                    ventricles: Callable[[torch.Tensor], int] | None = None, bootstrap: U.Bootstrap | None = None
+                    ventricles: Callable[[torch.Tensor], int] | None = None, drawn: Drawn | None = None
                     ) -> dict[str, dict[str, Any]]:
     """Is the anatomy drawn? Sharpness and tissue mix of generated ``(N, 1, D, H, W)`` against real
     ``(R, 1, D, H, W)`` images in [0, 1] (:func:`voxdiff.evaluation.metrics.anatomy_comparison`); with
     ``ventricles`` (the phantom's :func:`voxdiff.data.phantom.ventricle_voxels`), the ventricle counts too; each with
-    its interval where ``bootstrap`` is given."""
+    its interval where ``drawn`` has a bootstrap."""
+    drawn = drawn or Drawn({"generated": len(generated), "real": len(real)}, None)
     gen, ref = M.anatomy_stats(generated), M.anatomy_stats(real)
     c = M.anatomy_comparison(generated, real, (gen, ref))
     classes = {"fractions_generated": c["fractions_generated"], "fractions_real": c["fractions_real"]}
     out = {
-        "anatomy_sharpness": figure("anatomy_sharpness", {
+        "anatomy_sharpness": figure("anatomy_sharpness", drawn.with_interval("anatomy_sharpness", {
             "value": c["sharpness_ratio"], "n": len(generated), "generated": c["sharpness_generated"],
             "real": c["sharpness_real"], "head_voxels_generated": c["head_voxels_generated"],
-            "head_voxels_real": c["head_voxels_real"],
-            **U.ratio_interval(gen["sharpness"], ref["sharpness"], bootstrap)}),
-        "anatomy_tissue_distance": figure("anatomy_tissue_distance", {
-            "value": c["tissue_distance"], "n": len(generated), "dark_ratio": c["dark_ratio"], **classes,
-            **U.tissue_distance_interval(gen["fractions"], ref["fractions"], bootstrap)}),
+            "head_voxels_real": c["head_voxels_real"]}, U.ratio_of(gen["sharpness"], ref["sharpness"]))),
+        "anatomy_tissue_distance": figure("anatomy_tissue_distance", drawn.with_interval("anatomy_tissue_distance", {
+            "value": c["tissue_distance"], "n": len(generated), "dark_ratio": c["dark_ratio"], **classes},
+            U.tissue_distance_of(gen["fractions"], ref["fractions"]))),
     }
     if ventricles is not None:
         counts = {name: torch.tensor([ventricles(v) for v in volumes], dtype=torch.float64)
                   for name, volumes in (("generated", generated), ("real", real))}
         ratio = float(counts["generated"].mean() / counts["real"].mean()) if counts["real"].sum() > 0 else math.nan
-        for name, values in counts.items():
-            out[f"ventricle_voxels_{name}"] = figure(f"ventricle_voxels_{name}", {
-                **M.summary(values), **U.mean_interval(values, bootstrap), "per_volume": values.tolist(),
-                **({"ratio_to_real": ratio} if name == "generated" else {})})
+        for of, values in counts.items():
+            name = f"ventricle_voxels_{of}"
+            out[name] = figure(name, drawn.with_interval(name, {
+                **M.summary(values), "per_volume": values.tolist(),
+                **({"ratio_to_real": ratio} if of == "generated" else {})}, U.mean_of(values, of)))
     return out
 
 
@@ -368,8 +392,9 @@ def vqvae_figures(real: VolumeSet, recon: torch.Tensor, codes: torch.Tensor, num
     usage = M.codebook_usage(codes, num_embeddings)
     per_volume = {"reconstruction_ssim": M.ssim(recon, real.images), "reconstruction_psnr": M.psnr(recon, real.images),
                   "reconstruction_ms_ssim": M.ms_ssim(recon, real.images, ms_ssim)}
+    drawn = Drawn({"generated": len(recon)}, bootstrap)  # the reconstructions, each paired with its image
     return {
-        **{name: figure(name, {**M.summary(v), **U.mean_interval(v, bootstrap)}) for name, v in per_volume.items()},
+        **{name: figure(name, drawn.with_interval(name, M.summary(v), U.mean_of(v))) for name, v in per_volume.items()},
         "codebook_perplexity": figure("codebook_perplexity", {"value": usage["perplexity"], "n": len(real),
                                                               **usage}),
         "codebook_dead_codes": figure("codebook_dead_codes", {"value": usage["dead"], "n": len(real), **usage}),

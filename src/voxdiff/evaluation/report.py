@@ -254,9 +254,9 @@ def render_html(title: str, meta: Mapping[str, Any], figures: Mapping[str, Mappi
 def render_sweep_html(title: str, meta: Mapping[str, Any], summary: Mapping[str, Any],
                       reports: Sequence[str], png: bytes) -> str:
     """The page of a guidance sweep: a row per figure with its value at each scale (± its standard error where it
-    has one; the scale it prefers in bold, and any within one standard error of it: ``tied``), its direction and
-    target; the ranked figures plotted against the scale;
-    each scale's own report linked (``reports``: paths relative to the page, one per scale)."""
+    has one; the scale it prefers in bold, and those the evaluations cannot tell apart from it: ``tied``), its
+    direction and target; the ranked figures plotted against the scale; each scale's own report linked
+    (``reports``: paths relative to the page, one per scale)."""
     key, values = summary["swept"], summary["values"]
     head = "".join(f"<th><a href='{html.escape(r)}'>{html.escape(key)}={v:g}</a></th>" for v, r in zip(values, reports))
     rows = []
@@ -272,8 +272,10 @@ def render_sweep_html(title: str, meta: Mapping[str, Any], summary: Mapping[str,
     return "\n".join([
         *_page_head(title, meta),
         "<h2>Figures at each scale</h2><p class='note'>Bold: the scale a figure prefers (its direction; a figure "
-        "that should match the real set: the closest to its target), and where the figure has a standard error, "
-        "every scale within one standard error of it: the evaluation cannot tell those apart. The negative "
+        "that should match the real set: the closest to its target), and every scale the evaluations cannot tell "
+        "apart from it: where the figure has an interval, those whose paired bootstrap interval of the difference "
+        "holds 0 (each resample draws the same masks, noise and real volumes at every scale); else, where it has a "
+        "standard error, those within one standard error. The negative "
         "control's and the real set's "
         "figures are shown, not ranked. No scale is chosen for you: the figures disagree.</p>",
         f"<table id='metrics'><thead><tr><th>figure</th>{head}<th>target</th><th>direction</th></tr></thead><tbody>",

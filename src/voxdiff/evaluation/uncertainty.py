@@ -7,8 +7,10 @@ the figure is recomputed from the per-volume quantities it is made of, so no met
 resamples are seeded; the interval is SciPy's (``percentile`` by default; ``basic`` or ``BCa`` on request) and ``se``
 is the standard deviation of the resampled figures.
 
-Every statistic here is a function of index arrays ``(..., n)`` (one per set, a resample per leading index), so
-SciPy resamples the indices and each figure is computed for a whole batch of resamples at once.
+Every figure here is a :class:`Resampler`: a function of index arrays ``(..., n)`` (one per set, a resample per
+leading index), so SciPy resamples the indices and each figure is computed for a whole batch of resamples at once;
+the same function compares two evaluations drawn with the same masks and noise on the same resamples
+(:func:`paired_interval`, a guidance sweep's ties).
 
 What is not bootstrapped, and why, is :data:`NOT_BOOTSTRAPPED`.
 """
@@ -16,7 +18,7 @@ What is not bootstrapped, and why, is :data:`NOT_BOOTSTRAPPED`.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -75,63 +77,100 @@ class Bootstrap:
                 "not_bootstrapped": dict(NOT_BOOTSTRAPPED)}
 
 
-def interval(statistic: Callable[..., torch.Tensor], sizes: Sequence[int], settings: Bootstrap | None
-             ) -> dict[str, Any]:
-    """The interval of ``statistic`` over resamples of sets of ``sizes`` volumes.
+#: the sets a figure is computed from: the generated volumes (and anything drawn with the same masks and noise,
+#: such as a negative control's) and the real ones; each is resampled apart
+SETS = ("generated", "real")
 
-    Args:
-        statistic: ``statistic(*indices)`` with one int64 tensor ``(..., sizes[k])`` per set (the volumes drawn,
-            a resample per leading index) → the figure of each resample ``(...)``; on ``arange(sizes[k])`` each, it
-            is the figure itself.
-        sizes: volumes in each set (sets resampled independently).
-        settings: None or ``resamples=0``: no interval.
+
+@dataclass(frozen=True)
+class Resampler:
+    """A figure as a function of the volumes drawn.
+
+    ``statistic(*indices)`` takes one int64 tensor ``(..., n)`` per set of ``sets`` (in that order: the volumes each
+    resample drew from the set, a resample per leading index) and returns the figure of each resample ``(...)``; on
+    ``arange(n)`` for each set it is the figure itself. Two evaluations drawn with the same masks and noise (a
+    guidance sweep) share the indices of their generated volumes: volume ``i`` of one is the twin of volume ``i``
+    of the other (:func:`paired_interval`).
+    """
+
+    statistic: Callable[..., torch.Tensor]
+    sets: tuple[str, ...]
+
+    def __call__(self, indices: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.statistic(*(indices[s] for s in self.sets))
+
+
+def bootstrap_indices(function: Callable[[dict[str, torch.Tensor]], torch.Tensor], sizes: Mapping[str, int],
+                      settings: Bootstrap | None) -> dict[str, Any]:
+    """The interval of ``function`` over resamples of the sets ``sizes`` names (``{set: volumes}``), each resampled
+    apart: ``function({set: indices (..., n)})`` → ``(...)``.
 
     Returns:
-        ``{"ci": [low, high], "ci_level": level, "se": standard error}``; ``{}`` without settings or where a set holds fewer than
-        :data:`MIN_VOLUMES` volumes. A bound is NaN where resampled figures are (e.g. a ratio to a zero).
+        ``{"ci": [low, high], "ci_level": level, "se": standard error}``; ``{}`` without settings or where a set
+        holds fewer than :data:`MIN_VOLUMES` volumes. A bound is NaN where resampled figures are (a ratio to 0).
     """
-    # deferred: SciPy's stats module costs a second to import; an evaluation without intervals never needs it
+    # deferred: SciPy's stats module costs half a second to import; an evaluation without intervals never needs it
     from scipy.stats import bootstrap
 
-    if settings is None or settings.resamples == 0 or min(sizes) < MIN_VOLUMES:
+    if settings is None or settings.resamples == 0 or min(sizes.values()) < MIN_VOLUMES:
         return {}
+    names = list(sizes)
 
     def vectorised(*indices: np.ndarray, axis: int = -1) -> np.ndarray:
-        return statistic(*(torch.from_numpy(np.ascontiguousarray(ix)) for ix in indices)).numpy()
+        return function({k: torch.from_numpy(np.ascontiguousarray(ix)) for k, ix in zip(names, indices)}).numpy()
 
     with warnings.catch_warnings():  # a degenerate set (all volumes alike) warns; its interval is its value
         warnings.simplefilter("ignore")
-        result = bootstrap(tuple(np.arange(n) for n in sizes), vectorised, n_resamples=settings.resamples,
+        result = bootstrap(tuple(np.arange(sizes[k]) for k in names), vectorised, n_resamples=settings.resamples,
                            batch=BATCH, vectorized=True, paired=False, axis=-1, confidence_level=settings.level,
                            method=settings.method, rng=np.random.default_rng(settings.seed))
     low, high = (float(b) for b in (result.confidence_interval.low, result.confidence_interval.high))
     return {"ci": [low, high], "ci_level": settings.level, "se": float(result.standard_error)}
 
 
+def interval(resampler: Resampler, sizes: Mapping[str, int], settings: Bootstrap | None) -> dict[str, Any]:
+    """The interval of one figure (:func:`bootstrap_indices` over the sets it is computed from)."""
+    return bootstrap_indices(resampler, {k: sizes[k] for k in resampler.sets}, settings)
+
+
+def paired_interval(a: Resampler, b: Resampler, sizes: Mapping[str, int], settings: Bootstrap | None,
+                    score: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+                    goal: Resampler | None = None) -> dict[str, Any]:
+    """The interval of ``score(a) - score(b)`` for one figure of two evaluations drawn with the same masks and noise:
+    both are computed on the same resample (volume ``i`` of each set drawn in both), so what the two evaluations
+    share cancels. ``score(value, target)`` ranks a figure (lower is better), ``goal`` is the figure's target drawn
+    on the same resample (the real set's twin figure), or None."""
+    sets = tuple(dict.fromkeys((*a.sets, *b.sets, *(goal.sets if goal else ()))))
+
+    def difference(ix: dict[str, torch.Tensor]) -> torch.Tensor:
+        target = None if goal is None else goal(ix)
+        return score(a(ix), target) - score(b(ix), target)
+
+    return bootstrap_indices(difference, {k: sizes[k] for k in sets}, settings)
+
+
 # ------------------------------------------------------------------------------------------------ the figures
-def mean_interval(values: torch.Tensor, settings: Bootstrap | None) -> dict[str, Any]:
-    """The interval of the mean of per-volume figures ``(N,)`` (paired SSIM, PSNR, MS-SSIM; ventricle counts)."""
+def mean_of(values: torch.Tensor, of: str = "generated") -> Resampler:
+    """The mean of per-volume figures ``(N,)`` of the set ``of`` (paired SSIM, PSNR, MS-SSIM; ventricle counts)."""
     v = values.double().reshape(-1)
-    return interval(lambda ix: v[ix].mean(-1), [len(v)], settings)
+    return Resampler(lambda ix: v[ix].mean(-1), (of,))
 
 
-def ratio_interval(generated: torch.Tensor, real: torch.Tensor, settings: Bootstrap | None) -> dict[str, Any]:
-    """The interval of mean(generated) / mean(real) of per-volume figures ``(N,)`` and ``(R,)`` (sharpness)."""
+def ratio_of(generated: torch.Tensor, real: torch.Tensor) -> Resampler:
+    """mean(generated) / mean(real) of per-volume figures ``(N,)`` and ``(R,)`` (the sharpness)."""
     g, r = generated.double(), real.double()
-    return interval(lambda ig, ir: g[ig].mean(-1) / r[ir].mean(-1), [len(g), len(r)], settings)
+    return Resampler(lambda ig, ir: g[ig].mean(-1) / r[ir].mean(-1), SETS)
 
 
-def tissue_distance_interval(generated: torch.Tensor, real: torch.Tensor, settings: Bootstrap | None
-                             ) -> dict[str, Any]:
-    """The interval of :func:`~voxdiff.evaluation.metrics.tissue_distance` of per-volume class shares ``(N, K)``
-    and ``(R, K)``."""
-    return interval(lambda ig, ir: M.tissue_distance(generated[ig], real[ir]), [len(generated), len(real)], settings)
+def tissue_distance_of(generated: torch.Tensor, real: torch.Tensor) -> Resampler:
+    """:func:`~voxdiff.evaluation.metrics.tissue_distance` of per-volume class shares ``(N, K)`` and ``(R, K)``."""
+    return Resampler(lambda ig, ir: M.tissue_distance(generated[ig], real[ir]), SETS)
 
 
-def contrast_interval(sums: torch.Tensor, settings: Bootstrap | None) -> dict[str, Any]:
-    """The interval of :func:`~voxdiff.evaluation.metrics.lesion_contrast` of per-volume intensity sums
-    ``(N, 3, 3)`` (:func:`~voxdiff.evaluation.metrics.intensity_sums`)."""
-    return interval(lambda ix: M.lesion_contrast(sums[ix]), [len(sums)], settings)
+def contrast_of(sums: torch.Tensor, of: str = "generated") -> Resampler:
+    """:func:`~voxdiff.evaluation.metrics.lesion_contrast` of per-volume intensity sums ``(N, 3, 3)``
+    (:func:`~voxdiff.evaluation.metrics.intensity_sums`) of the set ``of``."""
+    return Resampler(lambda ix: M.lesion_contrast(sums[ix]), (of,))
 
 
 def resampled_diversity(pairs: M.Pairs, indices: torch.Tensor) -> torch.Tensor:
@@ -147,12 +186,12 @@ def resampled_diversity(pairs: M.Pairs, indices: torch.Tensor) -> torch.Tensor:
     return ((weights @ pairs.values.double()) / weights.sum(-1)).reshape(indices.shape[:-1])
 
 
-def diversity_interval(pairs: M.Pairs, settings: Bootstrap | None) -> dict[str, Any]:
-    """The interval of a set's diversity figure (:func:`resampled_diversity`)."""
-    return interval(lambda ix: resampled_diversity(pairs, ix), [pairs.n], settings)
+def diversity_of(pairs: M.Pairs, of: str = "generated") -> Resampler:
+    """A set's diversity figure (:func:`resampled_diversity`)."""
+    return Resampler(lambda ix: resampled_diversity(pairs, ix), (of,))
 
 
-def correlation_interval(x: Sequence[float], y: Sequence[float], settings: Bootstrap | None) -> dict[str, Any]:
-    """The interval of Pearson's r of paired sequences (:func:`~voxdiff.evaluation.metrics.correlation`)."""
+def correlation_of(x: Sequence[float], y: Sequence[float], of: str = "generated") -> Resampler:
+    """Pearson's r (:func:`~voxdiff.evaluation.metrics.correlation`) of paired sequences over the set ``of``."""
     a, b = torch.as_tensor(list(x), dtype=torch.float64), torch.as_tensor(list(y), dtype=torch.float64)
-    return interval(lambda ix: M.correlation(a[ix], b[ix]), [len(a)], settings)
+    return Resampler(lambda ix: M.correlation(a[ix], b[ix]), (of,))
