@@ -288,6 +288,10 @@ def test_the_loss_curve_comes_from_the_runs_csv(run, tmp_path):
     ("autoguide_scale=[1,-1]", "autoguide_scale"), ("autoguide_scale=[1.5]", "autoguide_scale"),
     ("guidance_scale=[1,2,1]", "guidance_scale"), ("guidance_scale=[1,x]", "guidance_scale"),
     ("autoguide_scale=[1,1.5] guidance_scale=[1,2]", "autoguide_scale"),
+    # a comparison: each checkpoint a file, at least two, one list at a time
+    ("ckpt_path=[/nonexistent/a.ckpt,/nonexistent/b.ckpt]", "ckpt_path"),
+    ("ckpt_path=[/nonexistent/a.ckpt]", "ckpt_path"),
+    ("autoguide_scale=[1,1.5] ckpt_path=[/a.ckpt,/b.ckpt]", "ckpt_path"),
     # the intervals: enough resamples for their tails, a level in (0, 1), SciPy's methods, no other setting
     ("bootstrap.resamples=10", "bootstrap.resamples"), ("bootstrap.resamples=-1", "bootstrap.resamples"),
     ("bootstrap.level=95", "bootstrap.level"), ("bootstrap.method=bayes", "bootstrap.method"),
@@ -306,6 +310,58 @@ def test_the_default_output_is_the_runs_eval_folder(run):
     run_dir = Path(cfg.paths.run_dir)
     assert run_dir.parent == out / "eval" and run_dir.name[:4].isdigit()
     assert compose("evaluate", [f"ckpt_path={last}", "out_dir=/tmp/x"]).paths.run_dir == "/tmp/x"
+    compared = Path(compose("evaluate", [f"ckpt_path=[{last},{last}]"]).paths.run_dir)  # two runs may be compared:
+    assert compared.parent.name == "evaluate" and compared.parent.parent != out  # under paths.log_dir, no run's
+
+
+def test_a_comparison_evaluates_each_checkpoint_on_the_same_masks_and_noise_and_reads_them_paired(run, tmp_path):
+    """``'ckpt_path=[early,late]'``: each checkpoint a whole evaluation in ``ckpt_<k>/`` with the same masks, noise
+    and real volumes; ``sweep.json`` names each by its run, file and step, ranks each figure, and ties by a paired
+    bootstrap: 38 more steps of training lift the PSNR by more than its paired interval (step 2's samples are
+    noise-like), so the late checkpoint is preferred and the early one not tied with it. The page renders."""
+    _, early, last = run
+    record = _evaluate(f"[{early},{last}]", tmp_path, "split=all", "n=6", "bootstrap.resamples=200")
+    assert record["swept"] == "ckpt_path" and record["checkpoint"] is None
+    first, second = record["values"]
+    assert first.startswith("1: ") and first.endswith("step002.ckpt, step 2")
+    assert second.startswith("2: ") and second.endswith("last.ckpt, step 40")
+    ones = [json.loads((tmp_path / f"ckpt_{k}" / "metrics.json").read_text()) for k in (1, 2)]
+    assert [o["checkpoint"]["sha256"] for o in ones] == [file_sha256(early), file_sha256(last)]
+    assert ones[0]["sampling"]["conditioned_on"] == ones[1]["sampling"]["conditioned_on"]
+    assert record["sampling"]["conditioned_on"] == ones[0]["sampling"]["conditioned_on"]
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    psnr = saved["figures"]["psnr"]
+    assert psnr["values"] == [o["figures"]["psnr"]["value"] for o in ones]
+    assert psnr["best"] == second and psnr["tie_rule"] == "paired bootstrap" and psnr["tied"] == []
+    assert psnr["differences"][first][0] > 0  # the early one's PSNR lower on every bootstrap draw but the tails
+    assert [e["checkpoint"]["path"] for e in saved["evaluations"]] == [str(early), str(last)]
+    page = render(tmp_path / "sweep.html", tmp_path / "sweep.png")
+    assert page["table_rows"] == len(saved["figures"]) and page["blank"] is False
+    html = (tmp_path / "sweep.html").read_text()
+    assert "href='ckpt_1/report.html'" in html and "href='ckpt_2/report.html'" in html
+
+
+def test_a_comparison_refuses_a_checkpoint_that_draws_other_subjects_before_it_samples(run, tmp_path):
+    """A checkpoint whose stored data settings split other subjects (here 8 phantom subjects, not 6) would be
+    evaluated on other masks: refused, naming it, before it samples; and a list that names one file twice."""
+    import torch
+
+    from voxdiff.checkpoint import CONFIG_KEY
+
+    _, _, last = run
+    other = tmp_path / "other" / "checkpoints" / "last.ckpt"
+    other.parent.mkdir(parents=True)
+    checkpoint = torch.load(last, map_location="cpu", weights_only=False)
+    checkpoint[CONFIG_KEY]["data"]["num_subjects"] = 8
+    torch.save(checkpoint, other)
+    with pytest.raises(ConfigError, match="draws its masks from other subjects") as e:
+        _evaluate(f"[{last},{other}]", tmp_path / "out", "split=all", "n=6")
+    assert e.value.key == "ckpt_path" and str(other) in str(e.value)
+    assert (tmp_path / "out" / "ckpt_1" / "metrics.json").is_file()  # the first was evaluated
+    assert not (tmp_path / "out" / "ckpt_2" / "samples").exists()  # the second sampled nothing
+    with pytest.raises(ConfigError, match="repeats a value") as e:
+        validate(compose("evaluate", [f"ckpt_path=[{last},{last}]"]))
+    assert e.value.key == "ckpt_path"
 
 
 def test_an_evaluation_above_its_memory_budget_is_refused_before_it_samples_and_auto_takes_the_largest_batch(

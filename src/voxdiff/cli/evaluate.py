@@ -26,7 +26,7 @@ import functools
 import math
 import time
 from pathlib import Path
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,7 @@ from voxdiff.cli.sample import (
     _datamodule,
     available_host_bytes,
     check_each,
+    checked,
     chunk_memory,
     measured_memory,
     ready,
@@ -93,7 +94,7 @@ from voxdiff.evaluation.report import (
     sweep_png,
     write_outputs,
 )
-from voxdiff.evaluation.guidance_sweep import summarise
+from voxdiff.evaluation.guidance_sweep import show, summarise
 from voxdiff.evaluation.uncertainty import METHODS, MIN_RESAMPLES, Bootstrap, correlation_of
 from voxdiff.viz import save_montage
 
@@ -103,7 +104,7 @@ def eval_dir(ckpt_path: Any, out_dir: Any, log_dir: Any, stamp: str) -> str:
     directory holds ``checkpoints/<ckpt>`` (else the checkpoint's folder), else ``<log_dir>/evaluate/<stamp>``."""
     if out_dir not in (None, ""):
         return str(out_dir)
-    if ckpt_path not in (None, ""):
+    if ckpt_path not in (None, "") and not OmegaConf.is_list(ckpt_path) and not isinstance(ckpt_path, list):
         parent = Path(str(ckpt_path)).parent
         run_dir = parent.parent if parent.name == "checkpoints" else parent
         return str(run_dir / "eval" / stamp)
@@ -117,18 +118,21 @@ if not OmegaConf.has_resolver("voxdiff.eval_dir"):
 def validate(cfg: DictConfig) -> None:
     """Static checks of an evaluation config (those of ``sample.py``, and the evaluation's own).
 
-    A guidance scale given as a list (a sweep, :func:`swept_scale`) is validated at each of its values.
+    A guidance scale or ``ckpt_path`` given as a list (a sweep, a comparison: :func:`swept`) is validated at each
+    of its values.
 
     Raises:
         ConfigError: naming the key, the value and a fix.
     """
-    sweep = swept_scale(cfg)
+    sweep = swept(cfg)
     if sweep is not None:
         key, values = sweep
         for value in values:
             validate(_at(cfg, key, value))
-        if len({float(v) for v in values}) != len(values):
-            raise ConfigError(key, values, "repeats a value: each scale is evaluated once",
+        same = (lambda v: Path(str(v)).resolve()) if key == COMPARED else float  # noqa: E731
+        if len({same(v) for v in values}) != len(values):
+            raise ConfigError(key, values, "repeats a value: each is evaluated once",
+                              f"list each once, e.g. {key}=[A.ckpt,B.ckpt]" if key == COMPARED else
                               f"list each scale once, e.g. {key}=[1,1.1,1.25]")
         return
     validate_sampling(cfg)
@@ -204,90 +208,128 @@ def _correlated(drawn: Drawn, name: str, series: tuple[Sequence[float], Sequence
 
 #: the sampling settings a list of values sweeps: one evaluation at each (``autoguide_scale=[1,1.1,1.25]``)
 SWEEPABLE = ("guidance_scale", "autoguide_scale")
+#: the checkpoints a list compares: one evaluation of each with the same masks, noise and covariates
+#: (``'ckpt_path=[a.ckpt,b.ckpt]'``)
+COMPARED = "ckpt_path"
 
 
-def swept_scale(cfg: DictConfig) -> tuple[str, list[Any]] | None:
-    """The guidance scale given as a list: ``(key, values)`` (None: no sweep).
+def swept(cfg: DictConfig) -> tuple[str, list[Any]] | None:
+    """The guidance scale (a sweep) or ``ckpt_path`` (a comparison) given as a list: ``(key, values)``; None: one
+    evaluation.
 
     Raises:
-        ConfigError: both scales given as lists, or fewer than two values.
+        ConfigError: two of them given as lists, or fewer than two values.
     """
-    lists = [k for k in SWEEPABLE if OmegaConf.is_list(cfg.get(k))]
+    lists = [k for k in (*SWEEPABLE, COMPARED) if OmegaConf.is_list(cfg.get(k))]
     if not lists:
         return None
     key = lists[0]
     if len(lists) > 1:
-        raise ConfigError(lists[1], plain(cfg.get(lists[1])), f"is swept beside {key}: one scale is swept at a time",
+        raise ConfigError(lists[1], plain(cfg.get(lists[1])), f"is swept beside {key}: one list at a time",
                           f"give {lists[1]} one value (or null), or sweep it alone")
     values = list(plain(cfg.get(key)))
     if len(values) < 2:
-        raise ConfigError(key, values, "a sweep needs at least two scales",
+        raise ConfigError(key, values, "a sweep or a comparison needs at least two values",
+                          "e.g. 'ckpt_path=[A.ckpt,B.ckpt]', or one without brackets" if key == COMPARED else
                           f"e.g. {key}=[1,1.1,1.25], or one value without brackets")
     return key, values
 
 
-def _at(cfg: DictConfig, key: str, value: Any, out: Path | None = None) -> DictConfig:
-    """The sweep's evaluation at ``key=value``: the command's config with that scale, written into
-    ``<out>/<key>_<value>`` (``out``: the sweep's folder; None: left as it is)."""
+def _at(cfg: DictConfig, key: str, value: Any, out: Path | None = None, index: int = 0) -> DictConfig:
+    """The sweep's evaluation at ``key=value``: the command's config with that value, written into
+    ``<out>/<key>_<value>`` (a checkpoint of a comparison: ``<out>/ckpt_<index + 1>``; ``out``: the sweep's folder;
+    None: left as it is)."""
     point = cfg.copy()
     with open_dict(point):
         point[key] = value
         if out is not None:
-            point.paths.output_dir = str(out / f"{key}_{float(value):g}")
+            point.paths.output_dir = str(out / (f"ckpt_{index + 1}" if key == COMPARED else f"{key}_{float(value):g}"))
     return point
 
 
+def _checkpoint_label(index: int, record: Mapping[str, Any]) -> str:
+    """How a comparison names its ``index``-th checkpoint: ``"<k>: <run dir>/<file>, step <step>"``."""
+    path = Path(record["checkpoint"]["path"])
+    run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return f"{index + 1}: {run.name}/{path.name}, step {record['checkpoint']['global_step']}"
+
+
 def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str, Any]:
-    """Evaluate ``cfg.ckpt_path`` at each of ``values`` of the guidance setting ``key``, with the same masks, noise
-    and covariates (the same ``seed``): every scale is checked as the model and its guide can take it before any is
-    sampled, then each is a whole evaluation in ``<out>/<key>_<value>/`` (``metrics.json``, ``report.html``,
-    samples), and ``sweep.json`` and ``sweep.html`` in ``<out>`` put their figures side by side
-    (:func:`voxdiff.evaluation.guidance_sweep.summarise`: the scale each figure prefers). Returns the sweep's record
-    plus ``{"json", "html"}`` paths.
+    """Evaluate ``cfg.ckpt_path`` at each of ``values`` of the guidance setting ``key`` (a sweep), or each checkpoint
+    of ``ckpt_path`` (``key`` :data:`COMPARED`: a comparison), with the same masks, noise and covariates (the same
+    ``seed``): every scale (every checkpoint) is checked as the model and its guide can take it before any is
+    sampled, then each is a whole evaluation in ``<out>/<key>_<value>/`` (a checkpoint: ``<out>/ckpt_<k>/``;
+    ``metrics.json``, ``report.html``, samples), and ``sweep.json`` and ``sweep.html`` in ``<out>`` put their figures
+    side by side (:func:`voxdiff.evaluation.guidance_sweep.summarise`: the scale or checkpoint each figure prefers,
+    and those a paired bootstrap cannot tell apart from it). A compared checkpoint samples as it was trained to,
+    but for what the command sets. Returns the sweep's record plus ``{"json", "html"}`` paths.
 
     Raises:
         ConfigError: not a diffusion checkpoint, a scale the checkpoint cannot sample with (both before anything is
-            sampled), or as :func:`evaluate`.
+            sampled), a compared checkpoint whose data split draws other subjects than the first's (before it
+            samples: its figures would not be of the same masks), or as :func:`evaluate`.
     """
-    header = load_file(Path(str(cfg.ckpt_path)), "ckpt_path", _CKPT_FIX, mmap=True)
-    kind = checkpoint_kind(header)
-    del header
-    if kind != "diffusion":
-        raise ConfigError(key, values, f"sweeps the guidance of a diffusion checkpoint, and ckpt_path is {KINDS[kind]}",
-                          f"give {key} one value (or none), or point ckpt_path at a diffusion run's checkpoint")
+    comparing = key == COMPARED
+    for path in values if comparing else [cfg.ckpt_path]:
+        header = load_file(Path(str(path)), "ckpt_path", _CKPT_FIX, mmap=True)
+        kind = checkpoint_kind(header)
+        del header
+        if kind != "diffusion" and comparing:
+            raise ConfigError(key, str(path), f"is {KINDS[kind]}; a comparison evaluates diffusion checkpoints",
+                              "list diffusion runs' checkpoints (evaluate a VQ-VAE alone)")
+        if kind != "diffusion":
+            raise ConfigError(key, values, f"sweeps the guidance of a diffusion checkpoint, and ckpt_path is "
+                              f"{KINDS[kind]}", f"give {key} one value (or none), or point ckpt_path at a diffusion "
+                              "run's checkpoint")
     out = Path(cfg.paths.output_dir)
-    points = [_at(cfg, key, v, out) for v in values]
+    points = [_at(cfg, key, v, out, i) for i, v in enumerate(values)]
     device = pick_device(cfg.device)
-    print(f"[voxdiff] sweep of {key}: checking {', '.join(f'{float(v):g}' for v in values)} against the checkpoint "
-          "before any is sampled", flush=True)
-    check_each(points, device)
+    what = "comparison" if comparing else f"sweep of {key}"
+    shown = [str(v) for v in values] if comparing else [f"{float(v):g}" for v in values]
+    print(f"[voxdiff] {what}: checking {', '.join(shown)} {'' if comparing else 'against the checkpoint '}before any "
+          "is sampled", flush=True)
+    if comparing:  # each its own checkpoint, read, checked and let go in turn
+        for point in points:
+            checked(point, device)
+    else:
+        check_each(points, device)
     records = []
-    for i, (value, point) in enumerate(zip(values, points, strict=True)):
-        print(f"[voxdiff] sweep of {key}: {key}={float(value):g} ({i + 1} of {len(values)}) into "
-              f"{point.paths.output_dir}", flush=True)
-        records.append(evaluate(point))
-    scales = [float(v) for v in values]
-    summary = summarise(key, scales, records, bootstrap_settings(cfg))  # the ties by a paired bootstrap
+    for i, (value, point) in enumerate(zip(shown, points, strict=True)):
+        print(f"[voxdiff] {what}: {key}={value} ({i + 1} of {len(values)}) into {point.paths.output_dir}", flush=True)
+        records.append(evaluate(point, subjects=records[0]["real_subjects"] if comparing and records else None))
+    labels = [_checkpoint_label(i, r) for i, r in enumerate(records)] if comparing else [float(v) for v in values]
+    summary = summarise(key, labels, records, bootstrap_settings(cfg))  # the ties by a paired bootstrap
     first = records[0]
-    record = {"checkpoint": first["checkpoint"], "evaluated_at": dt.datetime.now().isoformat(timespec="seconds"),
+    shared = ("seed", "conditioned_on", "covariates") if comparing else tuple(first["sampling"])
+    record = {"checkpoint": None if comparing else first["checkpoint"],
+              "evaluated_at": dt.datetime.now().isoformat(timespec="seconds"),
               "data": first["data"], "split": first["split"], "n_generated": first["n_generated"],
-              "sampling": {k: v for k, v in first["sampling"].items()
-                           if k not in (key, "autoguide_ckpt", "memory_gib")},  # what every scale shares
+              "sampling": {k: v for k, v in first["sampling"].items()  # what every evaluation shares
+                           if k in shared and k not in (key, "autoguide_ckpt", "memory_gib")},
               **summary,
-              "evaluations": [{key: v, "metrics": r["json"], "report": r["html"]} for v, r in zip(scales, records)]}
-    meta = {"checkpoint": f"{first['checkpoint']['path']} (step {first['checkpoint']['global_step']})",
-            "swept": f"{key} = {', '.join(f'{v:g}' for v in scales)}: the same masks, noise and covariates at each",
-            "sets": f"{first['n_generated']} generated at each scale, {first['n_real']} real (split={first['split']})"}
+              "evaluations": [{key: str(v) if comparing else v, **({"label": label} if comparing else {}),
+                               "checkpoint": r["checkpoint"], "metrics": r["json"], "report": r["html"]}
+                              for v, label, r in zip(values, labels, records)]}
+    if comparing:
+        meta = {"compared": "; ".join(f"{label} ({r['checkpoint']['path']})" for label, r in zip(labels, records)),
+                "sets": f"{first['n_generated']} generated by each checkpoint from the same masks, noise and "
+                        f"covariates, {first['n_real']} real (split={first['split']})"}
+    else:
+        meta = {"checkpoint": f"{first['checkpoint']['path']} (step {first['checkpoint']['global_step']})",
+                "swept": f"{key} = {', '.join(shown)}: the same masks, noise and covariates at each",
+                "sets": f"{first['n_generated']} generated at each scale, {first['n_real']} real "
+                        f"(split={first['split']})"}
     reports = [str(Path(r["html"]).relative_to(out)) for r in records]
-    page = render_sweep_html(f"voxdiff guidance sweep: {key}", meta, summary, reports, sweep_png(summary))
+    title = "voxdiff comparison of checkpoints" if comparing else f"voxdiff guidance sweep: {key}"
+    page = render_sweep_html(title, meta, summary, reports, sweep_png(summary))
     json_path, html_path = write_outputs(out, record, page, names=("sweep.json", "sweep.html"))
-    print(f"[voxdiff] sweep of {key}: wrote {json_path} and {html_path}", flush=True)
+    print(f"[voxdiff] {what}: wrote {json_path} and {html_path}", flush=True)
     for name, f in summary["figures"].items():
         if f["best"] is not None:
-            ties = (f"; not told apart from it ({f['tie_rule']}): {', '.join(f'{v:g}' for v in f['tied'])}"
+            ties = (f"; not told apart from it ({f['tie_rule']}): {', '.join(map(show, f['tied']))}"
                     if f.get("tied") else "")
-            print(f"[voxdiff]   {name}: " + "  ".join(f"{v:g}: {x:.4g}" for v, x in zip(scales, f["values"]))
-                  + f"  (prefers {f['best']:g}{ties})", flush=True)
+            print(f"[voxdiff]   {name}: " + "  ".join(f"{show(v)}: {x:.4g}" for v, x in zip(labels, f["values"]))
+                  + f"  (prefers {show(f['best'])}{ties})", flush=True)
     return {**record, "json": str(json_path), "html": str(html_path)}
 
 
@@ -639,7 +681,7 @@ def _probe_figures(name: str, axis: str, values: list[float], real_values: list[
     return figures, absent, [section]
 
 
-def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
+def _diffusion(cfg: DictConfig, device: Any, subjects: Sequence[str] | None = None) -> dict[str, Any]:
     system, sampler, guide, guide_path, saved, precision, weights, memory = ready(cfg, device)
     encoding = system.covariate_encoding
     requested = requested_covariates(cfg, encoding)
@@ -655,6 +697,12 @@ def _diffusion(cfg: DictConfig, device: Any) -> dict[str, Any]:
     cycle = _check_counterfactual(swept, int(cfg.n), len(dataset)) if cfg.get("counterfactual") else None
     check_host_memory(cfg, volume, min(int(cfg.n), len(dataset)))
     real = load_real(dataset, int(cfg.n))
+    if subjects is not None and real.subjects != list(subjects):
+        raise ConfigError("ckpt_path", str(cfg.ckpt_path), f"draws its masks from other subjects ({real.subjects[:3]}"
+                          f"...) than the comparison's first checkpoint ({list(subjects)[:3]}...): its data split "
+                          "differs, and its figures would not be of the same masks", "compare checkpoints of one run, "
+                          "or of runs with the same data settings (data.root, data.num_subjects, data.val_fraction, "
+                          "data.split_seed), or evaluate each alone")
     extractors, absent = build_extractors(cfg.get("random_features_seed"), cfg.get("stage1_ckpt"),
                                           plain(cfg.get("medicalnet")))
     sources = [i % len(real) for i in range(int(cfg.n))]
@@ -783,18 +831,20 @@ def _vqvae(cfg: DictConfig, device: Any) -> dict[str, Any]:
 _EVALUATIONS = {"diffusion": _diffusion, "stage1": _vqvae}
 
 
-def evaluate(cfg: DictConfig) -> dict[str, Any]:
+def evaluate(cfg: DictConfig, subjects: Sequence[str] | None = None) -> dict[str, Any]:
     """Evaluate ``cfg.ckpt_path``; returns the ``metrics.json`` record plus ``{"json", "html"}`` paths and, for a
     diffusion checkpoint, ``resamplers`` (each figure's :class:`~voxdiff.evaluation.uncertainty.Resampler`, which a
     sweep compares its evaluations on; not written).
 
-    A guidance scale given as a list is a sweep: :func:`evaluate_sweep`.
+    A guidance scale or ``ckpt_path`` given as a list is a sweep or a comparison: :func:`evaluate_sweep`.
+    ``subjects``: the real subjects a comparison's first checkpoint drew (a diffusion checkpoint whose split draws
+    others is refused before it samples).
 
     Raises:
         ConfigError: the checkpoint is not one of voxdiff's (of no kind in :data:`_EVALUATIONS`), or is refused
             when its system is rebuilt.
     """
-    sweep = swept_scale(cfg)
+    sweep = swept(cfg)
     if sweep is not None:
         return evaluate_sweep(cfg, *sweep)
 
@@ -813,7 +863,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     del header
     out_dir = Path(cfg.paths.output_dir)
     print(f"[voxdiff] evaluating {ckpt_path} (step {step}) into {out_dir}", flush=True)
-    result = _EVALUATIONS[kind](cfg, device)
+    result = _EVALUATIONS[kind](cfg, device, **({"subjects": subjects} if subjects is not None else {}))
     real = result.pop("real")
     run_dir = ckpt_path.parent.parent if ckpt_path.parent.name == "checkpoints" else ckpt_path.parent
     bootstrap = bootstrap_settings(cfg)

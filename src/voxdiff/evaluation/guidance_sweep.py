@@ -1,8 +1,9 @@
-"""A guidance-scale sweep read as one: every figure of the evaluations at each scale side by side, and the scale
-each figure prefers.
+"""A guidance-scale sweep (or a comparison of checkpoints) read as one: every figure of the evaluations at each
+scale side by side, and the scale each figure prefers.
 
 ``evaluate.py 'autoguide_scale=[1,1.1,1.25]'`` (or ``guidance_scale=[...]``) evaluates the checkpoint at each scale
-with the same masks, noise and covariates (:mod:`voxdiff.cli.evaluate`); :func:`summarise` puts their
+with the same masks, noise and covariates (:mod:`voxdiff.cli.evaluate`; ``'ckpt_path=[a.ckpt,b.ckpt]'`` each
+checkpoint, and a checkpoint takes the place of a scale below); :func:`summarise` puts their
 ``metrics.json`` records together. A figure is ranked where its direction says what is better
 (:data:`voxdiff.evaluation.pipeline.DEFINITIONS`): ``higher``, ``lower``, or ``match`` (closest to its target: the
 real set's twin figure, ``<name>_real`` for ``<name>_generated``, or 1 for a ratio to the real set). The negative
@@ -24,6 +25,21 @@ from voxdiff.evaluation import uncertainty as U
 
 #: the figures shown but not ranked: the negative control's (a diagnostic of the figure) and the real set's own
 UNRANKED = ("_control", "_real")
+
+
+def show(value: Any) -> str:
+    """A swept value as the page and the command print it: a scale as ``1.25``, a compared checkpoint's label as
+    it is."""
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)
+
+
+def paired(records: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the evaluations drew sample ``i`` from the same mask (``sampling.conditioned_on``) and the same real
+    volumes (``real_subjects``): a sweep's always, a comparison's where the checkpoints split their data alike."""
+    first = records[0]
+    return all(r.get("real_subjects") == first.get("real_subjects") and r.get("n_generated") == first.get(
+        "n_generated") and (r.get("sampling") or {}).get("conditioned_on") == (first.get("sampling") or {}).get(
+        "conditioned_on") for r in records)
 
 
 def twin(name: str) -> str | None:
@@ -72,6 +88,8 @@ def paired_ties(name: str, values: Sequence[float], records: Sequence[Mapping[st
         score better), or None where an evaluation has no resampler for the figure or a set is too small.
     """
     resamplers = [r.get("resamplers", {}).get(name) for r in records]
+    if not paired(records):
+        return None
     target = twin(name) if direction == "match" else None
     goal_resampler = records[best].get("resamplers", {}).get(target) if target else None
     if any(r is None for r in resamplers) or (target is not None and goal_resampler is None):
@@ -89,12 +107,12 @@ def paired_ties(name: str, values: Sequence[float], records: Sequence[Mapping[st
             d = U.paired_interval(resamplers[i], resamplers[best], sizes, bootstrap, score, goal_resampler)
             if not d:
                 return None
-            differences[f"{value:g}"] = d["ci"]
-    tied = [v for v in values if f"{v:g}" in differences and differences[f"{v:g}"][0] <= 0]
+            differences[show(value)] = d["ci"]
+    tied = [v for v in values if show(v) in differences and differences[show(v)][0] <= 0]
     return tied, differences
 
 
-def summarise(key: str, values: Sequence[float], records: Sequence[Mapping[str, Any]],
+def summarise(key: str, values: Sequence[Any], records: Sequence[Mapping[str, Any]],
               bootstrap: U.Bootstrap | None = None) -> dict[str, Any]:
     """The sweep's table: for each figure every evaluation has, its value at each of ``values`` (the ``key``'s
     scales, in the order run; ``se``: its standard error at each, where every evaluation gives one: an effect's over
@@ -103,13 +121,15 @@ def summarise(key: str, values: Sequence[float], records: Sequence[Mapping[str, 
     finite). ``tied`` lists the other scales the evaluations cannot tell apart from the preferred one, and the page
     and the command's summary say so: with ``bootstrap`` and each evaluation's resamplers (``records[i]
     ["resamplers"]``, from :func:`voxdiff.cli.evaluate.evaluate`), by a paired bootstrap (:func:`paired_ties`:
-    ``tie_rule`` "paired bootstrap", ``differences`` its intervals); else where the figure has standard errors,
+    ``tie_rule`` "paired bootstrap", ``differences`` its intervals; only where every evaluation drew the same masks
+    and real volumes, :func:`paired`); else where the figure has standard errors,
     those within one standard error (:func:`tied`; ``tie_rule`` "one standard error"). A figure with neither has no
     ``tied``: its preference reads the values alone.
 
     Args:
-        key: ``guidance_scale`` or ``autoguide_scale``.
-        values: the scales, one per record.
+        key: ``guidance_scale``, ``autoguide_scale`` or ``ckpt_path`` (a comparison).
+        values: the scales (a comparison: each checkpoint's label), one per record.
+        bootstrap: the intervals' settings of the evaluations (None: no paired ties).
         records: each evaluation's ``metrics.json`` record (``figures``: ``{name: {"value", "direction",
             "label", ...}}``).
     """
@@ -131,10 +151,10 @@ def summarise(key: str, values: Sequence[float], records: Sequence[Mapping[str, 
                          "target": goal, "best": best}
         if all("se" in r["figures"][name] for r in records):  # a standard error at each: an effect's, a bootstrap's
             figures[name]["se"] = [float(r["figures"][name]["se"]) for r in records]
-        paired = None if best is None or bootstrap is None else paired_ties(
+        ties = None if best is None or bootstrap is None else paired_ties(
             name, values, records, values.index(best), direction, goal, bootstrap)
-        if paired is not None:
-            figures[name].update(tied=paired[0], differences=paired[1], tie_rule="paired bootstrap")
+        if ties is not None:
+            figures[name].update(tied=ties[0], differences=ties[1], tie_rule="paired bootstrap")
         elif best is not None and "se" in figures[name]:
             figures[name].update(tied=tied(values, series, figures[name]["se"], values.index(best), direction, goal),
                                  tie_rule="one standard error")

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from voxdiff.evaluation.guidance_sweep import show
 from voxdiff.files import atomic_write
 
 #: ``direction`` values of a figure and how the table shows them
@@ -159,6 +160,8 @@ def sweep_png(summary: Mapping[str, Any]) -> bytes:
         ax.set_title(name, fontsize=8)
         ax.set_xlabel(summary["swept"], fontsize=8)
         ax.tick_params(labelsize=7)
+        if not all(isinstance(v, (int, float)) for v in summary["values"]):  # compared checkpoints: their labels
+            ax.tick_params(axis="x", labelrotation=20)
     fig.tight_layout()
     return png_bytes(fig)
 
@@ -258,7 +261,8 @@ def render_sweep_html(title: str, meta: Mapping[str, Any], summary: Mapping[str,
     direction and target; the ranked figures plotted against the scale; each scale's own report linked
     (``reports``: paths relative to the page, one per scale)."""
     key, values = summary["swept"], summary["values"]
-    head = "".join(f"<th><a href='{html.escape(r)}'>{html.escape(key)}={v:g}</a></th>" for v, r in zip(values, reports))
+    head = "".join(f"<th><a href='{html.escape(r)}'>{html.escape(key)}={html.escape(show(v))}</a></th>"
+                   for v, r in zip(values, reports))
     rows = []
     for name, f in summary["figures"].items():
         shown = [_fmt(v) + (f" ± {_fmt(e)}" if e is not None else "")
