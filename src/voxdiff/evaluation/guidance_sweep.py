@@ -74,8 +74,8 @@ def tied(values: Sequence[float], series: Sequence[float], se: Sequence[float], 
             and abs(at(series[i]) - at(series[best])) <= math.hypot(se[i], se[best])]
 
 
-def paired_ties(name: str, values: Sequence[float], records: Sequence[Mapping[str, Any]], best: int, direction: str,
-                goal: float | None, bootstrap: U.Bootstrap) -> tuple[list[float], dict[str, list[float]]] | None:
+def paired_ties(name: str, values: Sequence[Any], records: Sequence[Mapping[str, Any]], best: int, direction: str,
+                goal: float | None, bootstrap: U.Bootstrap) -> tuple[list[Any], dict[str, list[float]]] | None:
     """The scales the evaluations cannot tell apart from ``values[best]`` on the figure ``name``, by a paired
     bootstrap: every evaluation of a sweep draws sample ``i`` from the same mask and noise, so each resample draws
     the same samples (and the same real volumes) at every scale, and the interval of the difference in the figure's
@@ -85,11 +85,12 @@ def paired_ties(name: str, values: Sequence[float], records: Sequence[Mapping[st
 
     Returns:
         ``(tied, differences)`` (``differences``: ``{scale: [low, high]}`` of score(scale) − score(best), lower
-        score better), or None where an evaluation has no resampler for the figure or a set is too small.
+        score better), or None where the evaluations drew other masks or real volumes (:func:`paired`), an
+        evaluation has no resampler for the figure, or a set is too small for an interval.
     """
-    resamplers = [r.get("resamplers", {}).get(name) for r in records]
     if not paired(records):
         return None
+    resamplers = [r.get("resamplers", {}).get(name) for r in records]
     target = twin(name) if direction == "match" else None
     goal_resampler = records[best].get("resamplers", {}).get(target) if target else None
     if any(r is None for r in resamplers) or (target is not None and goal_resampler is None):
@@ -108,8 +109,7 @@ def paired_ties(name: str, values: Sequence[float], records: Sequence[Mapping[st
             if not d:
                 return None
             differences[show(value)] = d["ci"]
-    tied = [v for v in values if show(v) in differences and differences[show(v)][0] <= 0]
-    return tied, differences
+    return [v for v in values if show(v) in differences and differences[show(v)][0] <= 0], differences
 
 
 def summarise(key: str, values: Sequence[Any], records: Sequence[Mapping[str, Any]],
