@@ -3,6 +3,7 @@ self-contained report (rendered by a real headless Chromium), samples with the s
 the figures, a VQ-VAE checkpoint (the report follows the checkpoint's kind), and refused configs."""
 
 import json
+import re
 from pathlib import Path
 
 import nibabel as nib
@@ -339,6 +340,28 @@ def test_a_comparison_evaluates_each_checkpoint_on_the_same_masks_and_noise_and_
     assert page["table_rows"] == len(saved["figures"]) and page["blank"] is False
     html = (tmp_path / "sweep.html").read_text()
     assert "href='ckpt_1/report.html'" in html and "href='ckpt_2/report.html'" in html
+
+
+def test_a_sweep_of_guidance_intervals_evaluates_each_with_the_same_masks_and_noise(run, tmp_path):
+    """``'guidance_interval=[[0,1],[0,0.4]]'`` with autoguidance (the step-2 checkpoint as the guide): one evaluation
+    per interval in ``guidance_interval_<lo>-<hi>/``, each recording its interval; guided at 2 of the 5 DDIM steps
+    the samples differ from those guided at all 5; ``sweep.json`` holds both as ``[lo, hi]`` labels."""
+    _, early, last = run
+    record = _evaluate(last, tmp_path, "autoguide_scale=1.5", f"autoguide_ckpt={early}",
+                       "guidance_interval=[[0,1],[0,0.4]]")
+    assert record["swept"] == "guidance_interval" and record["values"] == ["[0, 1]", "[0, 0.4]"]
+    ones = [json.loads((tmp_path / f"guidance_interval_{v}" / "metrics.json").read_text()) for v in ("0-1", "0-0.4")]
+    assert [o["sampling"]["guidance_interval"] for o in ones] == [[0.0, 1.0], [0.0, 0.4]]
+    assert ones[0]["sampling"]["conditioned_on"] == ones[1]["sampling"]["conditioned_on"]
+    assert ones[0]["figures"]["psnr"]["value"] != ones[1]["figures"]["psnr"]["value"]
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    assert saved["figures"]["psnr"]["values"] == [o["figures"]["psnr"]["value"] for o in ones]
+    assert "guidance_interval=[0, 0.4]" in (tmp_path / "sweep.html").read_text()
+    for bad, why in (("[[0,1],[0,1]]", "repeats a value"), ("[[0,1]]", "at least two"), ("[[0,1],[0.5,0.2]]",
+                                                                                          "0 <= lo < hi <= 1")):
+        with pytest.raises(ConfigError, match=re.escape(why)) as e:
+            validate(compose("evaluate", [f"ckpt_path={last}", f"guidance_interval={bad}"]))
+        assert e.value.key == "guidance_interval"
 
 
 def test_a_comparison_refuses_a_checkpoint_that_draws_other_subjects_before_it_samples(run, tmp_path):

@@ -118,8 +118,8 @@ if not OmegaConf.has_resolver("voxdiff.eval_dir"):
 def validate(cfg: DictConfig) -> None:
     """Static checks of an evaluation config (those of ``sample.py``, and the evaluation's own).
 
-    A guidance scale or ``ckpt_path`` given as a list (a sweep, a comparison: :func:`swept`) is validated at each
-    of its values.
+    A guidance scale or interval or ``ckpt_path`` given as a list (a sweep, a comparison: :func:`swept`) is
+    validated at each of its values.
 
     Raises:
         ConfigError: naming the key, the value and a fix.
@@ -129,10 +129,10 @@ def validate(cfg: DictConfig) -> None:
         key, values = sweep
         for value in values:
             validate(_at(cfg, key, value))
-        same = (lambda v: Path(str(v)).resolve()) if key == COMPARED else float  # noqa: E731
-        if len({same(v) for v in values}) != len(values):
+        if len({_shown(key, Path(str(v)).resolve() if key == COMPARED else v) for v in values}) != len(values):
             raise ConfigError(key, values, "repeats a value: each is evaluated once",
                               f"list each once, e.g. {key}=[A.ckpt,B.ckpt]" if key == COMPARED else
+                              f"list each once, e.g. {key}=[[0,1],[0,0.2]]" if key == INTERVALS else
                               f"list each scale once, e.g. {key}=[1,1.1,1.25]")
         return
     validate_sampling(cfg)
@@ -208,19 +208,36 @@ def _correlated(drawn: Drawn, name: str, series: tuple[Sequence[float], Sequence
 
 #: the sampling settings a list of values sweeps: one evaluation at each (``autoguide_scale=[1,1.1,1.25]``)
 SWEEPABLE = ("guidance_scale", "autoguide_scale")
+#: the guidance interval a list of intervals sweeps (``'guidance_interval=[[0,1],[0,0.2]]'``)
+INTERVALS = "guidance_interval"
 #: the checkpoints a list compares: one evaluation of each with the same masks, noise and covariates
 #: (``'ckpt_path=[a.ckpt,b.ckpt]'``)
 COMPARED = "ckpt_path"
 
 
+def _is_swept(key: str, value: Any) -> bool:
+    """Whether ``key=value`` asks for one evaluation per value: a list (of intervals, for the guidance interval,
+    which is a list itself)."""
+    if not OmegaConf.is_list(value):
+        return False
+    return key != INTERVALS or (len(value) > 0 and all(OmegaConf.is_list(v) for v in value))
+
+
+def _shown(key: str, value: Any) -> str:
+    """A swept value as the sweep prints and names it: ``1.25``, ``[0, 0.2]``, a checkpoint's path."""
+    if key == INTERVALS:
+        return "[" + ", ".join(f"{float(v):g}" for v in value) + "]"
+    return str(value) if key == COMPARED else f"{float(value):g}"
+
+
 def swept(cfg: DictConfig) -> tuple[str, list[Any]] | None:
-    """The guidance scale (a sweep) or ``ckpt_path`` (a comparison) given as a list: ``(key, values)``; None: one
-    evaluation.
+    """A guidance scale or interval (a sweep) or ``ckpt_path`` (a comparison) given as a list: ``(key, values)``;
+    None: one evaluation.
 
     Raises:
         ConfigError: two of them given as lists, or fewer than two values.
     """
-    lists = [k for k in (*SWEEPABLE, COMPARED) if OmegaConf.is_list(cfg.get(k))]
+    lists = [k for k in (*SWEEPABLE, INTERVALS, COMPARED) if _is_swept(k, cfg.get(k))]
     if not lists:
         return None
     key = lists[0]
@@ -231,19 +248,23 @@ def swept(cfg: DictConfig) -> tuple[str, list[Any]] | None:
     if len(values) < 2:
         raise ConfigError(key, values, "a sweep or a comparison needs at least two values",
                           "e.g. 'ckpt_path=[A.ckpt,B.ckpt]', or one without brackets" if key == COMPARED else
+                          "e.g. 'guidance_interval=[[0,1],[0,0.2]]', or one interval [lo,hi]" if key == INTERVALS else
                           f"e.g. {key}=[1,1.1,1.25], or one value without brackets")
     return key, values
 
 
 def _at(cfg: DictConfig, key: str, value: Any, out: Path | None = None, index: int = 0) -> DictConfig:
     """The sweep's evaluation at ``key=value``: the command's config with that value, written into
-    ``<out>/<key>_<value>`` (a checkpoint of a comparison: ``<out>/ckpt_<index + 1>``; ``out``: the sweep's folder;
-    None: left as it is)."""
+    ``<out>/<key>_<value>`` (an interval ``[lo, hi]``: ``<key>_<lo>-<hi>``; a checkpoint of a comparison:
+    ``<out>/ckpt_<index + 1>``; ``out``: the sweep's folder; None: left as it is)."""
     point = cfg.copy()
     with open_dict(point):
         point[key] = value
         if out is not None:
-            point.paths.output_dir = str(out / (f"ckpt_{index + 1}" if key == COMPARED else f"{key}_{float(value):g}"))
+            folder = (f"ckpt_{index + 1}" if key == COMPARED else
+                      f"{key}_{'-'.join(f'{float(v):g}' for v in value)}" if key == INTERVALS else
+                      f"{key}_{float(value):g}")
+            point.paths.output_dir = str(out / folder)
     return point
 
 
@@ -285,7 +306,7 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
     points = [_at(cfg, key, v, out, i) for i, v in enumerate(values)]
     device = pick_device(cfg.device)
     what = "comparison" if comparing else f"sweep of {key}"
-    shown = [str(v) for v in values] if comparing else [f"{float(v):g}" for v in values]
+    shown = [_shown(key, v) for v in values]
     print(f"[voxdiff] {what}: checking {', '.join(shown)} {'' if comparing else 'against the checkpoint '}before any "
           "is sampled", flush=True)
     if comparing:  # each its own checkpoint, read, checked and let go in turn
@@ -297,7 +318,8 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
     for i, (value, point) in enumerate(zip(shown, points, strict=True)):
         print(f"[voxdiff] {what}: {key}={value} ({i + 1} of {len(values)}) into {point.paths.output_dir}", flush=True)
         records.append(evaluate(point, subjects=records[0]["real_subjects"] if comparing and records else None))
-    labels = [_checkpoint_label(i, r) for i, r in enumerate(records)] if comparing else [float(v) for v in values]
+    labels = ([_checkpoint_label(i, r) for i, r in enumerate(records)] if comparing else
+              shown if key == INTERVALS else [float(v) for v in values])
     summary = summarise(key, labels, records, bootstrap_settings(cfg))  # the ties by a paired bootstrap
     first = records[0]
     shared = ("seed", "conditioned_on", "covariates") if comparing else tuple(first["sampling"])
