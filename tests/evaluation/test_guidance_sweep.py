@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from voxdiff.evaluation.guidance_sweep import summarise, target
+from voxdiff.evaluation.uncertainty import Bootstrap
 
 
 def _record(**figures: tuple[float, str]) -> dict:
@@ -151,8 +152,6 @@ def test_a_paired_bootstrap_separates_scales_that_differ_in_every_sample_by_less
     that themselves spread by 1. Compared as two evaluations (one standard error each, 0.22) the scales are tied;
     paired, the difference is 0.05 on every resample: not tied. A scale whose samples move by ±0.2 at random about
     scale 1's is tied with the preferred one, paired too."""
-    from voxdiff.evaluation.uncertainty import Bootstrap
-
     rng = np.random.default_rng(0)
     x = rng.normal(0.0, 1.0, 20)
     noise = rng.normal(0.0, 0.2, 20)
@@ -170,8 +169,6 @@ def test_a_paired_match_figure_is_scored_against_its_real_twin_drawn_on_the_same
     """The generated figure should match the real one (mean 1.0 over 10 real volumes): scale 1.25 is 0.1 away in
     every sample, scale 1 0.4 away; paired, 1 is not tied with 1.25; a real set too small for an interval (4
     volumes) leaves the figure to the standard-error rule."""
-    from voxdiff.evaluation.uncertainty import Bootstrap
-
     rng = np.random.default_rng(1)
     x = rng.normal(0.0, 0.5, 12)
     real = rng.normal(1.0, 0.5, 10)
@@ -184,3 +181,26 @@ def test_a_paired_match_figure_is_scored_against_its_real_twin_drawn_on_the_same
     few = _drawn({"1": list(x - x.mean() + 0.6), "1.25": list(x - x.mean() + 0.9)}, real=real[:4])
     f = summarise("autoguide_scale", [1.0, 1.25], few, Bootstrap(resamples=1000))["figures"]["figure_generated"]
     assert f["tie_rule"] == "one standard error" and "differences" not in f
+
+
+def test_an_effect_keeps_its_own_standard_error_and_is_tied_paired_over_its_masks():
+    """An effect figure carries its standard error over masks (the one-standard-error rule's) and, resampled over
+    the masks every scale draws alike (``resample_sizes``), is compared paired: a gain of 0.3 on each of 8 masks
+    whose own slopes spread by 1 separates the scales paired, not by standard errors."""
+    import torch
+
+    from voxdiff.evaluation import uncertainty as U
+
+    rng = np.random.default_rng(2)
+    slopes = rng.normal(1.0, 1.0, 8)
+    records = []
+    for shift in (0.0, 0.3):
+        k = torch.from_numpy(slopes + shift)
+        records.append({"figures": {"effect": {"value": float(k.mean()), "se": float(k.std() / math.sqrt(8)),
+                                               "direction": "higher", "label": "e"}},
+                        "resamplers": {"effect": U.mean_of(k, "masks")}, "resample_sizes": {"masks": 8},
+                        "n_generated": 24, "n_real": 8})
+    by_se = summarise("autoguide_scale", [1.0, 1.25], records)["figures"]["effect"]
+    assert by_se["tied"] == [1.0] and by_se["tie_rule"] == "one standard error"
+    paired = summarise("autoguide_scale", [1.0, 1.25], records, Bootstrap(resamples=500))["figures"]["effect"]
+    assert paired["best"] == 1.25 and paired["tied"] == [] and paired["differences"]["1"] == pytest.approx([0.3, 0.3])

@@ -68,7 +68,7 @@ def test_a_row_with_a_bootstrap_interval_shows_it_with_its_level_and_the_page_sa
                "fd": {"value": 0.033, "n_generated": 8, "n_real": 8, "label": "fd"}}
     page = render_html("t", {}, figures, {}, [])
     rows = page.split("<tr><td>")[1:]
-    assert "<td class='num'>0.318</td><td class='num'>[0.2805, 0.3726] (95%)</td>" in rows[0]  # no ± se beside it
+    assert "<td class='num'>0.318 ± 0.023 (se)</td><td class='num'>[0.2805, 0.3726] (95%)</td>" in rows[0]
     assert "<td class='num'>0.033</td><td class='num'></td>" in rows[1]
     assert "Two evaluations whose intervals overlap widely" in page
     assert "overlap widely" not in render_html("t", {}, {"fd": figures["fd"]}, {}, [])  # no interval, no note

@@ -148,3 +148,25 @@ def test_the_correlation_is_pearson_s_r_on_every_row_and_its_interval_holds_it()
     assert math.isnan(M.pearson([1, 1, 1], [1, 2, 3])["value"])
     low, high = _one(U.correlation_of(x, y), 50)["ci"]
     assert low < np.corrcoef(x, y)[0, 1] < high and low > 0
+
+
+def test_an_effect_is_resampled_over_its_masks_and_a_slope_over_its_subjects():
+    """A counterfactual effect is the mean of each mask's slope: resampled over the masks (each mask's draws kept
+    together), and the real subjects' slope over the subjects; on every mask and subject, each is its figure."""
+    rng = np.random.default_rng(8)
+    ages = [50.0, 60.0, 70.0] * 6
+    groups = [i // 3 for i in range(18)]  # 6 masks, each drawn at the three ages
+    ventricles = [0.8 * a + 5 * g + rng.normal(0, 1) for a, g in zip(ages, groups)]
+    effect = M.paired_effect(ages, ventricles, groups)
+    slopes = M.group_slopes(ages, ventricles, groups)
+    assert slopes.shape == (6,) and float(slopes.mean()) == pytest.approx(effect["value"])
+    resampler = U.mean_of(slopes, "masks")
+    assert resampler.sets == ("masks",)
+    out = U.interval(resampler, {"masks": 6}, BOOT)
+    assert out["ci"][0] < effect["value"] < out["ci"][1] and 0.6 < out["ci"][0] and out["ci"][1] < 1.0
+    x = rng.uniform(20, 90, 30)
+    y = 0.5 * x + rng.normal(0, 3, 30)
+    assert float(M.least_squares_slope(torch.from_numpy(x), torch.from_numpy(y))) == pytest.approx(
+        M.slope(x, y)["value"])
+    low, high = U.interval(U.slope_of(x, y), {"real": 30}, BOOT)["ci"]
+    assert low < M.slope(x, y)["value"] < high

@@ -67,6 +67,7 @@ from voxdiff.evaluation.metrics import (
     check_volume_shape,
     describe,
     fit_probe,
+    group_slopes,
     paired_effect,
     pearson,
     slope,
@@ -95,7 +96,7 @@ from voxdiff.evaluation.report import (
     write_outputs,
 )
 from voxdiff.evaluation.guidance_sweep import show, summarise
-from voxdiff.evaluation.uncertainty import METHODS, MIN_RESAMPLES, Bootstrap, correlation_of
+from voxdiff.evaluation.uncertainty import METHODS, MIN_RESAMPLES, Bootstrap, correlation_of, mean_of, slope_of
 from voxdiff.viz import save_montage
 
 
@@ -499,16 +500,19 @@ def _training_pairs(saved: dict[str, Any], cfg: DictConfig, weights: str | None)
 
 
 def _effect_figures(key: str, series: dict[str, tuple[list[float], list[float]]], cycle: int,
-                    control_path: str, control_pairs: tuple[list[float], list[float]] | None = None
-                    ) -> dict[str, Any]:
+                    control_path: str, control_pairs: tuple[list[float], list[float]] | None = None,
+                    drawn: Drawn | None = None) -> dict[str, Any]:
     """The counterfactual figures of one covariate (``key``: ``covariate_<name>_<measure>``): the effect within each
     mask (sample ``i`` is mask ``i % cycle``) of the generated ``series`` and of the negative control's where it was
     drawn, and the real subjects' slope, with the generated effect's ratio to it; ``control_pairs`` (the values the
-    control's training images trained with, and their measures): the chance slope those pairs hold."""
+    control's training images trained with, and their measures): the chance slope those pairs hold. ``drawn``: each
+    effect's interval over the masks (the real slope's over the real subjects), its standard error kept."""
     out: dict[str, Any] = {}
+    drawn = drawn or Drawn({}, None)
     real = slope(*series["real"]) if "real" in series else None
     if real is not None:
-        out[f"{key}_effect_real"] = figure(f"{key}_effect_real", real)
+        out[f"{key}_effect_real"] = figure(f"{key}_effect_real", drawn.with_interval(
+            f"{key}_effect_real", real, slope_of(*series["real"])))
     if control_pairs is not None:
         out[f"{key}_effect_control_data"] = figure(f"{key}_effect_control_data", slope(*control_pairs),
                                                    checkpoint=control_path)
@@ -516,11 +520,13 @@ def _effect_figures(key: str, series: dict[str, tuple[list[float], list[float]]]
         if name not in series:
             continue
         values, measured = series[name]
-        effect = paired_effect(values, measured, [i % cycle for i in range(len(values))])
+        groups = [i % cycle for i in range(len(values))]
+        effect = paired_effect(values, measured, groups)
         if name == "generated" and real is not None and math.isfinite(real["value"]) and real["value"] != 0:
             effect["ratio_to_real"] = effect["value"] / real["value"]
-        out[f"{key}_effect_{tag}"] = figure(f"{key}_effect_{tag}", effect,
-                                            **({"checkpoint": control_path} if tag == "control" else {}))
+        out[f"{key}_effect_{tag}"] = figure(f"{key}_effect_{tag}", drawn.with_interval(
+            f"{key}_effect_{tag}", effect, mean_of(group_slopes(values, measured, groups), "masks")),
+            **({"checkpoint": control_path} if tag == "control" else {}))
     return out
 
 
@@ -607,7 +613,7 @@ def _covariate_figures(cfg: DictConfig, phantom: bool, system: Any, sampler: Any
         if counterfactuals:
             pairs = None if control_train is None else (
                 [coded(name, v[name]) for v in control_train[0]], [of(v) for v in control_train[1]])
-            figures.update(_effect_figures(key, series, cycle, str(control_path), pairs))
+            figures.update(_effect_figures(key, series, cycle, str(control_path), pairs, drawn))
             if control is not None and pairs is None:
                 absent[f"{key}_effect_control_data"] = ("the control was trained without covariates: its "
                                                         "training pairs hold no relation to read it against")
@@ -684,7 +690,7 @@ def _probe_figures(name: str, axis: str, values: list[float], real_values: list[
         return figures, {f"{key}_generated": why}, []
     series = {"generated": (values, probe(features("generated")).tolist()),
               "real": (real_values, list(probe.loo))}
-    drawn = drawn or Drawn({"generated": len(values), "real": len(real_values)}, None)
+    drawn = drawn or Drawn({}, None)
     figures[f"{key}_generated"] = labelled("generated", _correlated(drawn, f"{key}_generated", series["generated"]))
     absent = {}
     if control_path is None:
@@ -742,7 +748,8 @@ def _diffusion(cfg: DictConfig, device: Any, subjects: Sequence[str] | None = No
     print(f"[voxdiff] {len(generated)} samples in {t1 - t0:.1f} s; computing the figures", flush=True)
     # trained and evaluated on the built-in phantom: its ventricles can be counted
     phantom = is_phantom_data(saved.get("data")) and cfg.data.get("root") is None
-    drawn = Drawn({"generated": len(generated), "real": len(real)}, bootstrap_settings(cfg))  # the intervals
+    drawn = Drawn({"generated": len(generated), "real": len(real), **({"masks": cycle} if cycle else {})},
+                  bootstrap_settings(cfg))  # the intervals
     figures, more_absent = diffusion_figures(real, generated, sources, system.mode, extractors,
                                              bins=int(cfg.histogram_bins), device=str(device), ms_ssim=ms_ssim,
                                              ventricles=ventricle_voxels if phantom else None,
@@ -759,6 +766,7 @@ def _diffusion(cfg: DictConfig, device: Any, subjects: Sequence[str] | None = No
     return {
         "kind": "diffusion", "mode": system.mode, "figures": figures, "absent": {**absent, **more_absent},
         "sections": sections, "n_generated": len(generated), "real": real, "resamplers": drawn.resamplers,
+        "resample_sizes": drawn.sizes,
         "sampler": sampler,
         "sampling": {"sampler": sampler.sampler, "num_inference_steps": sampler.num_inference_steps,
                      "eta": sampler.eta, "guidance_scale": sampler.guidance_scale,
@@ -925,7 +933,8 @@ def evaluate(cfg: DictConfig, subjects: Sequence[str] | None = None) -> dict[str
     print(f"[voxdiff] wrote {json_path} and {html_path}", flush=True)
     for name, f in record["figures"].items():
         print(f"[voxdiff]   {name} = {f['value']:.6g}{interval_text(f)}", flush=True)
-    return {**record, "json": str(json_path), "html": str(html_path), "resamplers": result.get("resamplers", {})}
+    return {**record, "json": str(json_path), "html": str(html_path), "resamplers": result.get("resamplers", {}),
+            "resample_sizes": result.get("resample_sizes", {})}
 
 
 @hydra_main("evaluate")

@@ -95,7 +95,8 @@ def paired_ties(name: str, values: Sequence[Any], records: Sequence[Mapping[str,
     goal_resampler = records[best].get("resamplers", {}).get(target) if target else None
     if any(r is None for r in resamplers) or (target is not None and goal_resampler is None):
         return None
-    sizes = {"generated": int(records[0]["n_generated"]), "real": int(records[0]["n_real"])}
+    sizes = records[0].get("resample_sizes") or {"generated": int(records[0]["n_generated"]),
+                                                  "real": int(records[0]["n_real"])}
 
     def score(v: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
         if direction == "match":

@@ -527,13 +527,9 @@ def slope(x: Any, y: Any) -> dict[str, float | int]:
     return {"value": k, "se": se, "n": int(a.numel())}
 
 
-def paired_effect(x: Any, y: Any, groups: Any) -> dict[str, Any]:
-    """The effect of ``x`` on ``y`` within groups: each group's least-squares slope of ``y`` on ``x``, and their
-    mean with its standard error (the slopes' standard deviation / √groups) and ``t`` (mean / standard error).
-
-    A group is one condition drawn at several values of ``x`` with everything else held (a counterfactual: the same
-    mask and noise), so what varies between its members is ``x`` alone and the differences between groups cancel.
-    ``n`` is the number of groups; ``per_group`` their slopes.
+def group_slopes(x: Any, y: Any, groups: Any) -> torch.Tensor:
+    """Each group's least-squares slope of ``y`` on ``x`` (:func:`slope`), in the order the groups first appear:
+    ``(groups,)`` float64.
 
     Raises:
         ValueError: sequences of different lengths, or a group with fewer than 2 distinct values of ``x``.
@@ -549,7 +545,30 @@ def paired_effect(x: Any, y: Any, groups: Any) -> dict[str, Any]:
         if len({x[i] for i in idx}) < 2:
             raise ValueError(f"paired_effect: group {g!r} has fewer than 2 distinct values of x")
         slopes.append(slope([x[i] for i in idx], [y[i] for i in idx])["value"])
-    k = torch.tensor(slopes, dtype=torch.float64)
+    return torch.tensor(slopes, dtype=torch.float64)
+
+
+def least_squares_slope(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The least-squares slope of ``y`` on ``x`` along the last axis of float64 ``(..., N)`` tensors → ``(...)``;
+    NaN where ``x`` is constant."""
+    a, b = x - x.mean(-1, keepdim=True), y - y.mean(-1, keepdim=True)
+    sxx = (a * a).sum(-1)
+    return torch.where(sxx > 0, (a * b).sum(-1) / sxx, math.nan)
+
+
+def paired_effect(x: Any, y: Any, groups: Any) -> dict[str, Any]:
+    """The effect of ``x`` on ``y`` within groups: each group's least-squares slope of ``y`` on ``x``, and their
+    mean with its standard error (the slopes' standard deviation / √groups) and ``t`` (mean / standard error).
+
+    A group is one condition drawn at several values of ``x`` with everything else held (a counterfactual: the same
+    mask and noise), so what varies between its members is ``x`` alone and the differences between groups cancel.
+    ``n`` is the number of groups; ``per_group`` their slopes.
+
+    Raises:
+        ValueError: as :func:`group_slopes`.
+    """
+    k = group_slopes(x, y, groups)
+    slopes = k.tolist()
     se = float(k.std() / math.sqrt(len(k))) if len(k) > 1 else math.nan
     mean = float(k.mean())
     return {"value": mean, "se": se, "t": mean / se if se and se > 0 else math.nan, "n": len(k),

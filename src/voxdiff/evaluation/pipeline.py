@@ -193,7 +193,8 @@ class Drawn:
     :func:`voxdiff.evaluation.guidance_sweep.summarise`).
 
     Args:
-        sizes: ``{"generated": N, "real": R}``, the volumes of each set.
+        sizes: ``{"generated": N, "real": R}``, the volumes of each set (and ``"masks"``: the masks of a
+            counterfactual sweep, each drawn at every value).
         bootstrap: the intervals' settings; None: the figures have none (their resamplers are still kept).
     """
 
@@ -202,9 +203,12 @@ class Drawn:
         self.resamplers: dict[str, U.Resampler] = {}
 
     def with_interval(self, name: str, stats: Mapping[str, Any], resampler: U.Resampler) -> dict[str, Any]:
-        """``stats`` of the figure ``name`` with its interval (:func:`~voxdiff.evaluation.uncertainty.interval`)."""
+        """``stats`` of the figure ``name`` with its interval (:func:`~voxdiff.evaluation.uncertainty.interval`; a
+        standard error ``stats`` has of its own, an effect's over masks, is kept)."""
         self.resamplers[name] = resampler
-        return {**stats, **U.interval(resampler, self.sizes, self.bootstrap)}
+        if self.bootstrap is None:
+            return dict(stats)
+        return {**U.interval(resampler, self.sizes, self.bootstrap), **stats}
 
 
 @dataclass
@@ -279,7 +283,7 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
     """
     figures: dict[str, dict[str, Any]] = {}
     absent: dict[str, str] = {}
-    drawn = drawn or Drawn({"generated": len(generated), "real": len(real)}, None)
+    drawn = drawn or Drawn({}, None)
     reference = real.images if mode == "bravo" else real.masks  # what the generated volumes should look like
     paired = reference[list(sources)]
     for of, volumes in (("generated", generated), ("real", reference)):
@@ -324,7 +328,7 @@ def anatomy_figures(generated: torch.Tensor, real: torch.Tensor,
     ``(R, 1, D, H, W)`` images in [0, 1] (:func:`voxdiff.evaluation.metrics.anatomy_comparison`); with
     ``ventricles`` (the phantom's :func:`voxdiff.data.phantom.ventricle_voxels`), the ventricle counts too; each with
     its interval where ``drawn`` has a bootstrap."""
-    drawn = drawn or Drawn({"generated": len(generated), "real": len(real)}, None)
+    drawn = drawn or Drawn({}, None)
     gen, ref = M.anatomy_stats(generated), M.anatomy_stats(real)
     c = M.anatomy_comparison(generated, real, (gen, ref))
     classes = {"fractions_generated": c["fractions_generated"], "fractions_real": c["fractions_real"]}

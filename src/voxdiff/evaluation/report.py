@@ -221,7 +221,7 @@ def render_html(title: str, meta: Mapping[str, Any], figures: Mapping[str, Mappi
         elif "n_real" in f:
             n = f"{f['n_generated']} gen / {f['n_real']} real"
         value = _fmt(f["value"]) + (f" ± {_fmt(f['std'])}" if "std" in f else
-                                    f" ± {_fmt(f['se'])} (se)" if "se" in f and "ci" not in f else "")
+                                    f" ± {_fmt(f['se'])} (se)" if "se" in f else "")
         ci = f"{interval_text(f).strip()} ({f['ci_level']:.0%})" if "ci" in f else ""
         if "ratio_to_real" in f:
             value += f"; {_fmt(f['ratio_to_real'])}× real"

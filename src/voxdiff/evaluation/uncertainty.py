@@ -41,7 +41,7 @@ NOT_BOOTSTRAPPED = {
     "frechet_*": "a matrix square root per resample, and at small N its bias (it falls as N grows, Chong & Forsyth "
                  "2020) outweighs its spread: compare Fréchet distances at one N",
     "mmd_histogram": "the unbiased MMD² is no longer unbiased on a resample that repeats volumes",
-    "*_effect_*": "carries its own standard error over masks (se, t)",
+    "*_effect_control_data": "the control's training pairs: a set this evaluation does not draw",
     "covariate_*_probe_real": "a leave-one-out r: each resample would refit the probe",
     "codebook_*": "a count over every latent of the split, not a mean over volumes",
 }
@@ -78,7 +78,8 @@ class Bootstrap:
 
 
 #: the sets a figure is computed from: the generated volumes (and anything drawn with the same masks and noise,
-#: such as a negative control's) and the real ones; each is resampled apart
+#: such as a negative control's) and the real ones; each is resampled apart (and, for the counterfactual effects,
+#: the masks each drawn at every value of a covariate, ``"masks"``)
 SETS = ("generated", "real")
 
 
@@ -189,6 +190,13 @@ def resampled_diversity(pairs: M.Pairs, indices: torch.Tensor) -> torch.Tensor:
 def diversity_of(pairs: M.Pairs, of: str = "generated") -> Resampler:
     """A set's diversity figure (:func:`resampled_diversity`)."""
     return Resampler(lambda ix: resampled_diversity(pairs, ix), (of,))
+
+
+def slope_of(x: Sequence[float], y: Sequence[float], of: str = "real") -> Resampler:
+    """The least-squares slope of ``y`` on ``x`` (:func:`~voxdiff.evaluation.metrics.least_squares_slope`) over the
+    set ``of``."""
+    a, b = torch.as_tensor(list(x), dtype=torch.float64), torch.as_tensor(list(y), dtype=torch.float64)
+    return Resampler(lambda ix: M.least_squares_slope(a[ix], b[ix]), (of,))
 
 
 def correlation_of(x: Sequence[float], y: Sequence[float], of: str = "generated") -> Resampler:
