@@ -864,7 +864,7 @@ _EVALUATIONS = {"diffusion": _diffusion, "stage1": _vqvae}
 def evaluate(cfg: DictConfig, subjects: Sequence[str] | None = None) -> dict[str, Any]:
     """Evaluate ``cfg.ckpt_path``; returns the ``metrics.json`` record plus ``{"json", "html"}`` paths and, for a
     diffusion checkpoint, ``resamplers`` (each figure's :class:`~voxdiff.evaluation.uncertainty.Resampler`, which a
-    sweep compares its evaluations on; not written).
+    sweep compares its evaluations on) and ``resample_sizes`` (the sets they draw from); neither is written.
 
     A guidance scale or ``ckpt_path`` given as a list is a sweep or a comparison: :func:`evaluate_sweep`.
     ``subjects``: the real subjects a comparison's first checkpoint drew (a diffusion checkpoint whose split draws

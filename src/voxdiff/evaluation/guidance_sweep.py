@@ -81,7 +81,8 @@ def paired_ties(name: str, values: Sequence[Any], records: Sequence[Mapping[str,
     the same samples (and the same real volumes) at every scale, and the interval of the difference in the figure's
     score (:func:`voxdiff.evaluation.uncertainty.paired_interval`; ``match``: the distance to the real twin figure
     drawn on the same resample, or to ``goal``) holds 0 for a tied scale. Much tighter than comparing two intervals:
-    what the scales share (the masks, the noise, the real set) cancels.
+    what the scales share (the masks, the noise, the real set) cancels. The sets and their sizes are the records'
+    ``resample_sizes`` (else ``n_generated`` and ``n_real``).
 
     Returns:
         ``(tied, differences)`` (``differences``: ``{scale: [low, high]}`` of score(scale) − score(best), lower
