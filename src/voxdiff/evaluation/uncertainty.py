@@ -108,7 +108,9 @@ def bootstrap_indices(function: Callable[[dict[str, torch.Tensor]], torch.Tensor
 
     Returns:
         ``{"ci": [low, high], "ci_level": level, "se": standard error}``; ``{}`` without settings or where a set
-        holds fewer than :data:`MIN_VOLUMES` volumes. A bound is NaN where resampled figures are (a ratio to 0).
+        holds fewer than :data:`MIN_VOLUMES` volumes. Resamples whose figure is undefined (NaN: a correlation over
+        resampled values of one level, a ratio to 0) are counted in ``undefined_resamples`` and left out of a
+        percentile or basic interval and of ``se``; a BCa interval is NaN then, as SciPy computes it.
     """
     # deferred: SciPy's stats module costs half a second to import; an evaluation without intervals never needs it
     from scipy.stats import bootstrap
@@ -126,7 +128,18 @@ def bootstrap_indices(function: Callable[[dict[str, torch.Tensor]], torch.Tensor
                            batch=BATCH, vectorized=True, paired=False, axis=-1, confidence_level=settings.level,
                            method=settings.method, rng=np.random.default_rng(settings.seed))
     low, high = (float(b) for b in (result.confidence_interval.low, result.confidence_interval.high))
-    return {"ci": [low, high], "ci_level": settings.level, "se": float(result.standard_error)}
+    se = float(result.standard_error)
+    distribution = np.asarray(result.bootstrap_distribution, dtype=np.float64)
+    undefined = int(np.isnan(distribution).sum())
+    if undefined and undefined < len(distribution) and settings.method != "BCa":
+        # a few resamples without a figure (a correlation over a resample whose values are all one level): the
+        # interval of those that have one, and how many had none
+        tails = np.nanpercentile(distribution, [50 * (1 - settings.level), 50 * (1 + settings.level)])
+        low, high = (float(b) for b in (tails if settings.method == "percentile" else
+                                        2 * float(function({k: torch.arange(sizes[k]) for k in names})) - tails[::-1]))
+        se = float(np.nanstd(distribution, ddof=1))
+    return {"ci": [low, high], "ci_level": settings.level, "se": se,
+            **({"undefined_resamples": undefined} if undefined else {})}
 
 
 def interval(resampler: Resampler, sizes: Mapping[str, int], settings: Bootstrap | None) -> dict[str, Any]:
