@@ -515,13 +515,14 @@ def pearson(x: Any, y: Any) -> dict[str, float | int]:
 
 
 def slope(x: Any, y: Any) -> dict[str, float | int]:
-    """The least-squares slope of ``y`` on ``x`` (two equal-length sequences, float64), with its standard error
-    (from the residuals; NaN below 3 points) and N; the slope is NaN when ``x`` is constant."""
+    """The least-squares slope of ``y`` on ``x`` (:func:`least_squares_slope`; two equal-length sequences,
+    float64), with its standard error (from the residuals; NaN below 3 points) and N; the slope is NaN when ``x`` is
+    constant."""
     a, b = _centred(x, y, "slope")
     sxx = float(a @ a)
     if sxx == 0:
         return {"value": math.nan, "se": math.nan, "n": int(a.numel())}
-    k = float(a @ b) / sxx
+    k = float(least_squares_slope(a, b))
     residual = b - k * a
     se = math.sqrt(float(residual @ residual) / (a.numel() - 2) / sxx) if a.numel() > 2 else math.nan
     return {"value": k, "se": se, "n": int(a.numel())}
