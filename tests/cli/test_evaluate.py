@@ -31,19 +31,24 @@ TINY = [
 ]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """40 steps of a tiny bravo model; checkpoints at step 2 (early) and 40 (late), a CSV log."""
-    out = tmp_path_factory.mktemp("run")
+def _trained(out: Path, *overrides: str) -> tuple[Path, Path]:
+    """40 steps of the tiny model into ``out``: its step-2 checkpoint (``out/steps/step002.ckpt``) and its last."""
     report = train(compose("train", [
-        *TINY, f"paths.output_dir={out}",
+        *TINY, *overrides, f"paths.output_dir={out}",
         "+callbacks.early._target_=lightning.pytorch.callbacks.ModelCheckpoint", f"+callbacks.early.dirpath={out}/steps",
         "+callbacks.early.filename='step{step:03d}'", "+callbacks.early.auto_insert_metric_name=false",
         "+callbacks.early.every_n_train_steps=2", "+callbacks.early.monitor=step", "+callbacks.early.mode=min",
         "+callbacks.early.save_top_k=1"]))  # keeps the first: step 2
     early = out / "steps" / "step002.ckpt"
     assert early.is_file()
-    return out, early, Path(report["last_checkpoint"])
+    return early, Path(report["last_checkpoint"])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """40 steps of a tiny bravo model; checkpoints at step 2 (early) and 40 (late), a CSV log."""
+    out = tmp_path_factory.mktemp("run")
+    return out, *_trained(out)
 
 
 def _evaluate(ckpt, out, *overrides):
@@ -340,6 +345,51 @@ def test_a_comparison_evaluates_each_checkpoint_on_the_same_masks_and_noise_and_
     assert page["table_rows"] == len(saved["figures"]) and page["blank"] is False
     html = (tmp_path / "sweep.html").read_text()
     assert "href='ckpt_1/report.html'" in html and "href='ckpt_2/report.html'" in html
+
+
+@pytest.fixture(scope="module")
+def reseeded(tmp_path_factory):
+    """The run's recipe trained again with another seed: its step-2 and step-40 checkpoints."""
+    return _trained(tmp_path_factory.mktemp("reseeded"), "seed=1")
+
+
+def test_recipes_are_compared_by_the_mean_of_their_runs_each_evaluated_on_the_same_masks(run, reseeded, tmp_path):
+    """``'ckpt_path=[[a1,a2],[b1,b2]]'``: two "recipes" (2 and 40 steps), each trained with two seeds; every run a
+    whole evaluation in ``recipe_<g>/run_<k>/`` on the same masks and noise; a recipe's figure is its runs' mean,
+    each run's value kept; two runs a recipe are too few to resample, so the ties are within one standard error
+    over the runs and the page says what the intervals are over. 40 steps draw a higher PSNR in both seeds.
+    Refused before anything is evaluated: a recipe of one run, recipes mixed with checkpoints, a repeated run."""
+    from voxdiff.evaluation.guidance_sweep import RUNS_RULE
+
+    _, early, last = run
+    early_2, last_2 = reseeded
+    record = _evaluate(f"[[{early},{early_2}],[{last},{last_2}]]", tmp_path, "split=all", "n=6",
+                       "bootstrap.resamples=200")
+    assert record["values"] == ["1: 2 runs (steps, steps)", f"2: 2 runs ({last.parent.parent.name}, "
+                                                            f"{last_2.parent.parent.name})"]
+    ones = [[json.loads((tmp_path / f"recipe_{g}" / f"run_{k}" / "metrics.json").read_text()) for k in (1, 2)]
+            for g in (1, 2)]
+    assert [[o["checkpoint"]["sha256"] for o in g] for g in ones] == [
+        [file_sha256(early), file_sha256(early_2)], [file_sha256(last), file_sha256(last_2)]]
+    assert len({str(o["sampling"]["conditioned_on"]) for g in ones for o in g}) == 1
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    psnr = saved["figures"]["psnr"]
+    runs = [[o["figures"]["psnr"]["value"] for o in g] for g in ones]
+    assert psnr["runs"] == runs and psnr["values"] == pytest.approx([sum(r) / 2 for r in runs])
+    assert min(runs[1]) > max(runs[0]) and psnr["best"] == record["values"][1]
+    assert psnr["tie_rule"] == RUNS_RULE and saved["runs"] == [2, 2] and "fewer than 5" in saved["intervals_over"]
+    assert [e["recipe"] for e in saved["evaluations"]] == [record["values"][0]] * 2 + [record["values"][1]] * 2
+    page = render(tmp_path / "sweep.html", tmp_path / "sweep.png")
+    assert page["table_rows"] == len(saved["figures"]) and page["blank"] is False
+    html = (tmp_path / "sweep.html").read_text()
+    assert all(f"href='recipe_{g}/run_{k}/report.html'" in html for g in (1, 2) for k in (1, 2))
+    assert "training runs on these volumes" in html
+    for bad, why in ((f"[[{early}],[{last},{last_2}]]", "a recipe of 1 run"),
+                     (f"[[{early},{early_2}],{last}]", "mixes recipes"),
+                     (f"[[{early},{early_2}],[{last},{early_2}]]", "repeats a value")):
+        with pytest.raises(ConfigError, match=re.escape(why)) as e:
+            validate(compose("evaluate", [f"ckpt_path={bad}"]))
+        assert e.value.key == "ckpt_path"
 
 
 def test_a_sweep_of_guidance_intervals_evaluates_each_with_the_same_masks_and_noise(run, tmp_path):

@@ -204,3 +204,74 @@ def test_an_effect_keeps_its_own_standard_error_and_is_tied_paired_over_its_mask
     assert by_se["tied"] == [1.0] and by_se["tie_rule"] == "one standard error"
     paired = summarise("autoguide_scale", [1.0, 1.25], records, Bootstrap(resamples=500))["figures"]["effect"]
     assert paired["best"] == 1.25 and paired["tied"] == [] and paired["differences"]["1"] == pytest.approx([0.3, 0.3])
+
+
+def _recipe(x: np.ndarray, offsets: np.ndarray, shift: float, real: np.ndarray | None = None) -> list[dict]:
+    """A recipe's runs as ``evaluate()`` returns them: run k's sample i is ``x[i] + offsets[k] + shift`` (sample i
+    drawn from the same mask and noise by every run)."""
+    import torch
+
+    from voxdiff.evaluation import uncertainty as U
+
+    out = []
+    for o in offsets:
+        v = torch.from_numpy(x + o + shift)
+        out.append({"figures": {"figure": {"value": float(v.mean()), "direction": "higher", "label": "f",
+                                           "se": float(v.std() / math.sqrt(len(v)))}},
+                    "resamplers": {"figure": U.mean_of(v)}, "n_generated": len(x), "n_real": len(x),
+                    "real_subjects": ["s"], "sampling": {"conditioned_on": ["m"] * len(x)}})
+    return out
+
+
+def test_recipes_are_compared_over_their_runs_and_volumes_and_one_run_each_can_mislead():
+    """Two recipes, 6 runs each, whose runs spread alike about means 0.3 apart. Where runs of a recipe differ by
+    little (0.05 apart) the paired hierarchical bootstrap separates the recipes; where they differ by 0.6, it ties
+    them, though a comparison of one run of each (what ``'ckpt_path=[A,B]'`` reads) is sure of a winner, and which
+    recipe wins is the draw of the runs: a's first run loses to b's, a's last beats b's."""
+    from voxdiff.evaluation.guidance_sweep import recipes
+
+    x = np.random.default_rng(7).normal(0.0, 0.5, 16)
+    base = np.array([-1.5, -0.9, -0.3, 0.3, 0.9, 1.5])  # mean 0
+    labels = ["1: 6 runs (a)", "2: 6 runs (b)"]
+    for scale, tied in ((1 / 12, False), (1.0, True)):
+        a, b = _recipe(x, base * scale, 0.0), _recipe(x, base[::-1] * scale, 0.3)
+        f = recipes(labels, [a, b], Bootstrap(resamples=1000))["figures"]["figure"]
+        assert f["values"] == pytest.approx([float(np.mean(x)), float(np.mean(x)) + 0.3])
+        assert f["runs"] == [[r["figures"]["figure"]["value"] for r in g] for g in (a, b)]
+        assert f["best"] == labels[1] and f["tie_rule"] == "paired bootstrap" and len(f["ci"]) == 2
+        assert f["tied"] == ([labels[0]] if tied else []), (scale, f["differences"])
+    first = summarise("ckpt_path", ["a", "b"], [a[0], b[0]], Bootstrap(resamples=1000))["figures"]["figure"]
+    last = summarise("ckpt_path", ["a", "b"], [a[-1], b[-1]], Bootstrap(resamples=1000))["figures"]["figure"]
+    assert (first["best"], first["tied"], last["best"], last["tied"]) == ("b", [], "a", [])
+
+
+def test_recipes_of_fewer_than_five_runs_are_tied_within_one_standard_error_over_their_runs():
+    """Three runs a recipe are too few to resample: each recipe's standard error is its runs' over √3, the ties
+    within one of it, and the summary says what they are over; a recipe of one run is refused."""
+    from voxdiff.evaluation.guidance_sweep import RUNS_RULE, recipes
+
+    x = np.linspace(-1, 1, 10)
+    a, b = _recipe(x, np.array([0.0, 0.2, 0.4]), 0.0), _recipe(x, np.array([0.0, 0.2, 0.4]), 0.1)
+    out = recipes(["a", "b"], [a, b], Bootstrap(resamples=1000))
+    f = out["figures"]["figure"]
+    assert f["se"] == pytest.approx([0.2 / math.sqrt(3)] * 2)  # std of 0, 0.2, 0.4 is 0.2
+    assert f["best"] == "b" and f["tied"] == ["a"] and f["tie_rule"] == RUNS_RULE and "ci" not in f
+    assert out["runs"] == [3, 3] and "fewer than 5 runs" in out["intervals_over"]
+    b = _recipe(x, np.array([0.0, 0.2, 0.4]), 0.3)  # 0.3 apart: more than one standard error of the difference
+    assert recipes(["a", "b"], [a, b])["figures"]["figure"]["tied"] == []
+    with pytest.raises(ValueError):
+        recipes(["a", "b"], [a, b[:1]])
+
+
+def test_the_page_of_recipes_links_each_run_and_shows_its_value_under_the_recipe_s():
+    from voxdiff.evaluation.guidance_sweep import recipes
+    from voxdiff.evaluation.report import render_sweep_html
+
+    x = np.linspace(-1, 1, 10)
+    summary = recipes(["1: a", "2: b"], [_recipe(x, np.array([0.0, 0.2]), 0.0), _recipe(x, np.array([0.0, 0.2]), 1)])
+    page = render_sweep_html("recipes", {}, summary, [["recipe_1/run_1/report.html", "recipe_1/run_2/report.html"],
+                                                      ["recipe_2/run_1/report.html", "recipe_2/run_2/report.html"]],
+                             b"")
+    assert all(f"href='recipe_{g}/run_{k}/report.html'" in page for g in (1, 2) for k in (1, 2))
+    row = next(r for r in page.split("<tr>") if "<code>figure</code>" in r)
+    assert "<span class='note'>1, 1.2</span>" in row and "<b>1.1 ± 0.1" in row

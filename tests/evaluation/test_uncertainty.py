@@ -184,3 +184,50 @@ def test_resamples_without_a_figure_are_counted_and_left_out_of_the_interval(met
     assert math.isfinite(low) and math.isfinite(high) and math.isfinite(out["se"])
     r = M.pearson(sex, head)["value"]
     assert low < r < high  # basic: 2r minus the percentile bounds, which hold r here too
+
+
+def test_a_recipe_s_figure_is_its_runs_mean_and_a_resample_draws_runs_and_volumes_together():
+    """``runs_of``: on every volume and run once, the mean of the runs' figures; on a resample, the mean over the
+    runs it drew (with repeats) of each run's figure on the volumes it drew, the same volumes in every run; a
+    member over two sets (a ratio to the real set) takes the real resample too."""
+    rng = np.random.default_rng(5)
+    per_run = [torch.from_numpy(rng.normal(k, 1.0, 7)) for k in range(3)]
+    real = torch.from_numpy(rng.uniform(1.0, 2.0, 6))
+    recipe = U.runs_of([U.mean_of(v) for v in per_run], "runs_1")
+    assert recipe.sets == ("generated", "runs_1")
+    whole = {"generated": torch.arange(7), "runs_1": torch.arange(3)}
+    assert float(recipe(whole)) == pytest.approx(float(torch.stack([v.mean() for v in per_run]).mean()))
+    volumes = torch.tensor([[0, 0, 1, 2, 3, 3, 6], [5, 5, 5, 4, 4, 1, 0]])
+    drawn = torch.tensor([[2, 2, 0], [1, 1, 1]])
+    got = recipe({"generated": volumes, "runs_1": drawn})
+    for b in range(2):
+        want = sum(float(per_run[int(k)][volumes[b]].mean()) for k in drawn[b]) / 3
+        assert float(got[b]) == pytest.approx(want)
+    ratio = U.runs_of([U.ratio_of(v.abs() + 1, real) for v in per_run], "runs_2")
+    assert ratio.sets == ("generated", "real", "runs_2")
+    real_drawn = torch.tensor([[1, 1, 2, 3, 4, 5], [0, 0, 0, 0, 0, 0]])
+    got = ratio({"generated": volumes, "real": real_drawn, "runs_2": drawn})
+    for b in range(2):
+        want = sum(float((per_run[int(k)][volumes[b]].abs() + 1).mean() / real[real_drawn[b]].mean())
+                   for k in drawn[b]) / 3
+        assert float(got[b]) == pytest.approx(want)
+    with pytest.raises(ValueError):
+        U.runs_of([], "runs_1")
+
+
+def test_a_recipe_s_interval_holds_the_spread_of_its_runs_and_needs_five_of_them():
+    """Six runs of one recipe whose figures differ by a run offset (spread 1) far more than their volumes do
+    (spread 0.1): the recipe's interval is that of the offsets' mean (standard error about σ/√6, shrunk by the
+    bootstrap's √(5/6)), many times one run's interval over its volumes; with 4 runs, no interval (as a set of 4
+    volumes has none)."""
+    rng = np.random.default_rng(6)
+    x = rng.normal(0.0, 0.1, 20)
+    offsets = rng.normal(0.0, 1.0, 6)
+    members = [U.mean_of(torch.from_numpy(x + o)) for o in offsets]
+    out = U.interval(U.runs_of(members, "runs_1"), {"generated": 20, "runs_1": 6}, BOOT)
+    mean = float(np.mean(x) + offsets.mean())
+    assert out["ci"][0] < mean < out["ci"][1]
+    assert out["se"] == pytest.approx(offsets.std(ddof=1) / math.sqrt(6) * math.sqrt(5 / 6), rel=0.2)
+    one = _mean(torch.from_numpy(x + offsets[0]))
+    assert out["ci"][1] - out["ci"][0] > 10 * (one["ci"][1] - one["ci"][0])
+    assert U.interval(U.runs_of(members[:4], "runs_1"), {"generated": 20, "runs_1": 4}, BOOT) == {}

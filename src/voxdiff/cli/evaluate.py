@@ -95,7 +95,7 @@ from voxdiff.evaluation.report import (
     sweep_png,
     write_outputs,
 )
-from voxdiff.evaluation.guidance_sweep import show, summarise
+from voxdiff.evaluation.guidance_sweep import recipes, show, summarise
 from voxdiff.evaluation.uncertainty import METHODS, MIN_RESAMPLES, Bootstrap, correlation_of, mean_of, slope_of
 from voxdiff.viz import save_montage
 
@@ -128,6 +128,7 @@ def validate(cfg: DictConfig) -> None:
     sweep = swept(cfg)
     if sweep is not None:
         key, values = sweep
+        values = runs(values) if key == COMPARED else values  # recipes: each run of each
         for value in values:
             validate(_at(cfg, key, value))
         if len({_shown(key, Path(str(v)).resolve() if key == COMPARED else v) for v in values}) != len(values):
@@ -212,8 +213,19 @@ SWEEPABLE = ("guidance_scale", "autoguide_scale")
 #: the guidance interval a list of intervals sweeps (``'guidance_interval=[[0,1],[0,0.2]]'``)
 INTERVALS = "guidance_interval"
 #: the checkpoints a list compares: one evaluation of each with the same masks, noise and covariates
-#: (``'ckpt_path=[a.ckpt,b.ckpt]'``)
+#: (``'ckpt_path=[a.ckpt,b.ckpt]'``); a list of lists compares recipes, each trained several times
+#: (``'ckpt_path=[[a1.ckpt,a2.ckpt,a3.ckpt],[b1.ckpt,b2.ckpt,b3.ckpt]]'``)
 COMPARED = "ckpt_path"
+
+
+def is_recipes(values: Sequence[Any]) -> bool:
+    """Whether a comparison's ``ckpt_path`` lists recipes (lists of runs' checkpoints) rather than checkpoints."""
+    return any(isinstance(v, (list, tuple)) for v in values)
+
+
+def runs(values: Sequence[Any]) -> list[Any]:
+    """Every checkpoint a comparison evaluates: ``values`` as they are, or each recipe's runs in turn."""
+    return [run for v in values for run in v] if is_recipes(values) else list(values)
 
 
 def _is_swept(key: str, value: Any) -> bool:
@@ -246,6 +258,17 @@ def swept(cfg: DictConfig) -> tuple[str, list[Any]] | None:
         raise ConfigError(lists[1], plain(cfg.get(lists[1])), f"is swept beside {key}: one list at a time",
                           f"give {lists[1]} one value (or null), or sweep it alone")
     values = list(plain(cfg.get(key)))
+    if key == COMPARED and is_recipes(values):
+        if not all(isinstance(v, list) for v in values):
+            raise ConfigError(key, values, "mixes recipes (lists of runs) with single checkpoints",
+                              "give every recipe as a list of its runs' checkpoints, e.g. "
+                              "'ckpt_path=[[a1.ckpt,a2.ckpt],[b1.ckpt,b2.ckpt]]', or list checkpoints alone")
+        few = next((v for v in values if len(v) < 2), None)
+        if few is not None:
+            raise ConfigError(key, values, f"lists a recipe of {len(few)} run ({few}): a recipe's runs say how far "
+                              "training varies, which one run cannot", "train the recipe again with other seeds "
+                              "(train.py seed=1, 2, ...) and list each run's checkpoint, or compare the checkpoints "
+                              "alone: 'ckpt_path=[A.ckpt,B.ckpt]'")
     if len(values) < 2:
         raise ConfigError(key, values, "a sweep or a comparison needs at least two values",
                           "e.g. 'ckpt_path=[A.ckpt,B.ckpt]', or one without brackets" if key == COMPARED else
@@ -254,26 +277,38 @@ def swept(cfg: DictConfig) -> tuple[str, list[Any]] | None:
     return key, values
 
 
-def _at(cfg: DictConfig, key: str, value: Any, out: Path | None = None, index: int = 0) -> DictConfig:
+def _at(cfg: DictConfig, key: str, value: Any, out: Path | None = None, index: int = 0,
+        folder: str | None = None) -> DictConfig:
     """The sweep's evaluation at ``key=value``: the command's config with that value, written into
     ``<out>/<key>_<value>`` (an interval ``[lo, hi]``: ``<key>_<lo>-<hi>``; a checkpoint of a comparison:
-    ``<out>/ckpt_<index + 1>``; ``out``: the sweep's folder; None: left as it is)."""
+    ``<out>/ckpt_<index + 1>``, or ``<out>/<folder>`` where given; ``out``: the sweep's folder; None: left as it
+    is)."""
     point = cfg.copy()
     with open_dict(point):
         point[key] = value
         if out is not None:
-            folder = (f"ckpt_{index + 1}" if key == COMPARED else
-                      f"{key}_{'-'.join(f'{float(v):g}' for v in value)}" if key == INTERVALS else
-                      f"{key}_{float(value):g}")
+            folder = folder or (f"ckpt_{index + 1}" if key == COMPARED else
+                                f"{key}_{'-'.join(f'{float(v):g}' for v in value)}" if key == INTERVALS else
+                                f"{key}_{float(value):g}")
             point.paths.output_dir = str(out / folder)
     return point
+
+
+def _run_name(path: Any) -> str:
+    """A checkpoint's run directory's name (its folder's, where it is not in a ``checkpoints/`` folder)."""
+    parent = Path(str(path)).parent
+    return (parent.parent if parent.name == "checkpoints" else parent).name
 
 
 def _checkpoint_label(index: int, record: Mapping[str, Any]) -> str:
     """How a comparison names its ``index``-th checkpoint: ``"<k>: <run dir>/<file>, step <step>"``."""
     path = Path(record["checkpoint"]["path"])
-    run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-    return f"{index + 1}: {run.name}/{path.name}, step {record['checkpoint']['global_step']}"
+    return f"{index + 1}: {_run_name(path)}/{path.name}, step {record['checkpoint']['global_step']}"
+
+
+def _recipe_label(index: int, paths: Sequence[Any]) -> str:
+    """How a comparison of recipes names its ``index``-th recipe: ``"<k>: <n> runs (<run dir>, ...)"``."""
+    return f"{index + 1}: {len(paths)} runs ({', '.join(_run_name(p) for p in paths)})"
 
 
 def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str, Any]:
@@ -284,7 +319,9 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
     ``metrics.json``, ``report.html``, samples), and ``sweep.json`` and ``sweep.html`` in ``<out>`` put their figures
     side by side (:func:`voxdiff.evaluation.guidance_sweep.summarise`: the scale or checkpoint each figure prefers,
     and those a paired bootstrap cannot tell apart from it). A compared checkpoint samples as it was trained to,
-    but for what the command sets. Returns the sweep's record plus ``{"json", "html"}`` paths.
+    but for what the command sets. Recipes (``values`` lists of runs' checkpoints) are compared as
+    :func:`voxdiff.evaluation.guidance_sweep.recipes` says, each run in ``<out>/recipe_<g>/run_<k>/``.
+    Returns the sweep's record plus ``{"json", "html"}`` paths.
 
     Raises:
         ConfigError: not a diffusion checkpoint, a scale the checkpoint cannot sample with (both before anything is
@@ -292,7 +329,9 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
             samples: its figures would not be of the same masks), or as :func:`evaluate`.
     """
     comparing = key == COMPARED
-    for path in values if comparing else [cfg.ckpt_path]:
+    grouped = comparing and is_recipes(values)
+    groups = [list(v) for v in values] if grouped else []
+    for path in runs(values) if comparing else [cfg.ckpt_path]:
         header = load_file(Path(str(path)), "ckpt_path", _CKPT_FIX, mmap=True)
         kind = checkpoint_kind(header)
         del header
@@ -304,10 +343,13 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
                               f"{KINDS[kind]}", f"give {key} one value (or none), or point ckpt_path at a diffusion "
                               "run's checkpoint")
     out = Path(cfg.paths.output_dir)
-    points = [_at(cfg, key, v, out, i) for i, v in enumerate(values)]
+    recipe_of = [g for g, group in enumerate(groups) for _ in group]  # each run's recipe
+    folders = [f"recipe_{g + 1}/run_{k + 1}" for g, group in enumerate(groups) for k in range(len(group))]
+    flat = runs(values) if comparing else list(values)
+    points = [_at(cfg, key, v, out, i, folders[i] if grouped else None) for i, v in enumerate(flat)]
     device = pick_device(cfg.device)
-    what = "comparison" if comparing else f"sweep of {key}"
-    shown = [_shown(key, v) for v in values]
+    what = "comparison of recipes" if grouped else "comparison" if comparing else f"sweep of {key}"
+    shown = [_shown(key, v) for v in flat]
     print(f"[voxdiff] {what}: checking {', '.join(shown)} {'' if comparing else 'against the checkpoint '}before any "
           "is sampled", flush=True)
     if comparing:  # each its own checkpoint, read, checked and let go in turn
@@ -317,11 +359,16 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
         check_each(points, device)
     records = []
     for i, (value, point) in enumerate(zip(shown, points, strict=True)):
-        print(f"[voxdiff] {what}: {key}={value} ({i + 1} of {len(values)}) into {point.paths.output_dir}", flush=True)
+        print(f"[voxdiff] {what}: {key}={value} ({i + 1} of {len(flat)}) into {point.paths.output_dir}", flush=True)
         records.append(evaluate(point, subjects=records[0]["real_subjects"] if comparing and records else None))
-    labels = ([_checkpoint_label(i, r) for i, r in enumerate(records)] if comparing else
-              shown if key == INTERVALS else [float(v) for v in values])
-    summary = summarise(key, labels, records, bootstrap_settings(cfg))  # the ties by a paired bootstrap
+    run_labels = [_checkpoint_label(i, r) for i, r in enumerate(records)] if comparing else []
+    labels = ([_recipe_label(g, group) for g, group in enumerate(groups)] if grouped else run_labels if comparing
+              else shown if key == INTERVALS else [float(v) for v in values])
+    if grouped:  # each recipe's runs together: the mean of its runs, intervals over runs and volumes
+        starts = np.cumsum([0, *map(len, groups)])
+        summary = recipes(labels, [records[a:b] for a, b in zip(starts[:-1], starts[1:])], bootstrap_settings(cfg))
+    else:
+        summary = summarise(key, labels, records, bootstrap_settings(cfg))  # the ties by a paired bootstrap
     first = records[0]
     shared = ("seed", "conditioned_on", "covariates") if comparing else tuple(first["sampling"])
     record = {"checkpoint": None if comparing else first["checkpoint"],
@@ -331,9 +378,14 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
                            if k in shared and k not in (key, "autoguide_ckpt", "memory_gib")},
               **summary,
               "evaluations": [{key: str(v) if comparing else v, **({"label": label} if comparing else {}),
+                               **({"recipe": labels[recipe_of[i]]} if grouped else {}),
                                "checkpoint": r["checkpoint"], "metrics": r["json"], "report": r["html"]}
-                              for v, label, r in zip(values, labels, records)]}
-    if comparing:
+                              for i, (v, label, r) in enumerate(zip(flat, run_labels or labels, records))]}
+    if grouped:
+        meta = {"compared": "; ".join(labels), "intervals over": summary["intervals_over"],
+                "sets": f"{first['n_generated']} generated by each run from the same masks, noise and "
+                        f"covariates, {first['n_real']} real (split={first['split']})"}
+    elif comparing:
         meta = {"compared": "; ".join(f"{label} ({r['checkpoint']['path']})" for label, r in zip(labels, records)),
                 "sets": f"{first['n_generated']} generated by each checkpoint from the same masks, noise and "
                         f"covariates, {first['n_real']} real (split={first['split']})"}
@@ -342,8 +394,11 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
                 "swept": f"{key} = {', '.join(shown)}: the same masks, noise and covariates at each",
                 "sets": f"{first['n_generated']} generated at each scale, {first['n_real']} real "
                         f"(split={first['split']})"}
-    reports = [str(Path(r["html"]).relative_to(out)) for r in records]
-    title = "voxdiff comparison of checkpoints" if comparing else f"voxdiff guidance sweep: {key}"
+    reports: list[Any] = [str(Path(r["html"]).relative_to(out)) for r in records]
+    if grouped:  # a recipe's column links each of its runs' reports
+        reports = [reports[a:b] for a, b in zip(starts[:-1], starts[1:])]
+    title = ("voxdiff comparison of recipes" if grouped else "voxdiff comparison of checkpoints" if comparing else
+             f"voxdiff guidance sweep: {key}")
     page = render_sweep_html(title, meta, summary, reports, sweep_png(summary))
     json_path, html_path = write_outputs(out, record, page, names=("sweep.json", "sweep.html"))
     print(f"[voxdiff] {what}: wrote {json_path} and {html_path}", flush=True)

@@ -153,6 +153,8 @@ def summarise(key: str, values: Sequence[Any], records: Sequence[Mapping[str, An
                          "target": goal, "best": best}
         if all("se" in r["figures"][name] for r in records):  # a standard error at each: an effect's, a bootstrap's
             figures[name]["se"] = [float(r["figures"][name]["se"]) for r in records]
+        if all("ci" in r["figures"][name] for r in records):
+            figures[name]["ci"] = [[float(b) for b in r["figures"][name]["ci"]] for r in records]
         ties = None if best is None or bootstrap is None else paired_ties(
             name, values, records, values.index(best), direction, goal, bootstrap)
         if ties is not None:
@@ -161,3 +163,64 @@ def summarise(key: str, values: Sequence[Any], records: Sequence[Mapping[str, An
             figures[name].update(tied=tied(values, series, figures[name]["se"], values.index(best), direction, goal),
                                  tie_rule="one standard error")
     return {"swept": key, "values": list(values), "figures": figures}
+
+
+#: how recipes are told apart with fewer than :data:`voxdiff.evaluation.uncertainty.MIN_VOLUMES` runs each
+RUNS_RULE = "one standard error over runs"
+
+
+def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]],
+            bootstrap: U.Bootstrap | None = None) -> dict[str, Any]:
+    """A comparison of training recipes, each trained several times (``groups``: per recipe, its runs'
+    evaluations, all drawn from the same masks, noise and real volumes): :func:`summarise` of the recipes, where a
+    recipe's figure is the mean of its runs' (``runs``: each run's value) and its interval and ties are over both
+    the training runs and the volumes, by a hierarchical bootstrap
+    (:func:`voxdiff.evaluation.uncertainty.runs_of`: each recipe's runs resampled apart, the volumes shared).
+    With fewer than :data:`~voxdiff.evaluation.uncertainty.MIN_VOLUMES` runs in a recipe that bootstrap cannot
+    draw the runs' spread (a resample of 3 runs repeats one most of the time): then ``se`` is the standard error
+    of the mean over the runs (their spread on these masks: the volumes' own spread is left out) and the ties are
+    within one of it (``tie_rule`` :data:`RUNS_RULE`), as with evaluations drawn from other masks; so too for a
+    figure that has no resampler (a Fréchet distance).
+
+    Returns:
+        :func:`summarise`'s table plus ``runs`` (runs per recipe), ``intervals_over`` (what the intervals and
+        ties are over), and per figure ``runs`` (``[[value of each run] per recipe]``).
+    """
+    if len(labels) != len(groups) or any(len(g) < 2 for g in groups):
+        raise ValueError(f"recipes: {len(labels)} labels for {len(groups)} recipes, each of at least 2 runs")
+    every = [r for g in groups for r in g]
+    first = every[0]
+    hierarchical = bootstrap is not None and paired(every) and min(len(g) for g in groups) >= U.MIN_VOLUMES
+    sizes = dict(first.get("resample_sizes") or {"generated": int(first["n_generated"]),
+                                                  "real": int(first["n_real"])})
+    sizes.update({f"runs_{g + 1}": len(runs) for g, runs in enumerate(groups)})
+    virtual = []
+    for g, runs in enumerate(groups):
+        names = [n for n in runs[0]["figures"] if all(n in r["figures"] for r in runs)]
+        figures, resamplers = {}, {}
+        for name in names:
+            one = runs[0]["figures"][name]
+            values = [float(r["figures"][name]["value"]) for r in runs]
+            f: dict[str, Any] = {"value": sum(values) / len(values), "runs": values, "label": one.get("label", name),
+                                 "direction": one.get("direction", "info")}
+            if isinstance(one.get("generated"), Mapping) and isinstance(one.get("real"), Mapping):
+                f.update(generated=one["generated"], real=one["real"])  # a ratio to the real set: its target is 1
+            members = [r.get("resamplers", {}).get(name) for r in runs]
+            if hierarchical and all(m is not None for m in members):
+                resamplers[name] = U.runs_of(members, f"runs_{g + 1}")
+                f.update(U.interval(resamplers[name], sizes, bootstrap))
+            elif all(math.isfinite(v) for v in values):  # no resampler (a Fréchet distance), or few runs
+                mean = f["value"]
+                f["se"] = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
+            figures[name] = f
+        virtual.append({**{k: runs[0].get(k) for k in ("real_subjects", "n_generated", "n_real", "sampling")},
+                        "figures": figures, "resamplers": resamplers, "resample_sizes": sizes})
+    summary = summarise("ckpt_path", list(labels), virtual, bootstrap if hierarchical else None)
+    for name, f in summary["figures"].items():
+        f["runs"] = [v["figures"][name]["runs"] for v in virtual]
+        if f.get("tie_rule") == "one standard error":
+            f["tie_rule"] = RUNS_RULE
+    over = ("training runs and volumes (hierarchical bootstrap)" if hierarchical else
+            f"training runs on these volumes (standard error of the mean over runs: fewer than {U.MIN_VOLUMES} runs "
+            "a recipe, no bootstrap, or runs drawn from other masks)")
+    return {**summary, "runs": [len(g) for g in groups], "intervals_over": over}

@@ -145,7 +145,8 @@ def scatter_png(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], x
 
 def sweep_png(summary: Mapping[str, Any]) -> bytes:
     """A guidance sweep (:func:`voxdiff.evaluation.guidance_sweep.summarise`): each ranked figure against the scale,
-    a small panel each, its target dashed where it has one and the scale it prefers dotted."""
+    a small panel each, its target dashed where it has one and the scale it prefers dotted (recipes: each run's
+    value a grey dot)."""
     ranked = {n: f for n, f in summary["figures"].items() if f["best"] is not None}
     cols = min(4, max(1, len(ranked)))
     rows = max(1, math.ceil(len(ranked) / cols))
@@ -154,6 +155,8 @@ def sweep_png(summary: Mapping[str, Any]) -> bytes:
         ax = fig.add_subplot(rows, cols, k + 1)
         ax.errorbar(summary["values"], f["values"], yerr=f.get("se"), fmt="o-", color="tab:orange", markersize=4,
                     capsize=2)
+        for value, each in zip(summary["values"], f.get("runs", ())):  # recipes: each run's value beside the mean
+            ax.plot([value] * len(each), each, ".", color="grey", markersize=3)
         if f["target"] is not None:
             ax.axhline(f["target"], color="tab:blue", linestyle="--", linewidth=1)
         ax.axvline(f["best"], color="grey", linestyle=":", linewidth=1)
@@ -259,14 +262,24 @@ def render_sweep_html(title: str, meta: Mapping[str, Any], summary: Mapping[str,
     """The page of a guidance sweep: a row per figure with its value at each scale (± its standard error where it
     has one; the scale it prefers in bold, and those the evaluations cannot tell apart from it: ``tied``), its
     direction and target; the ranked figures plotted against the scale; each scale's own report linked
-    (``reports``: paths relative to the page, one per scale)."""
+    (``reports``: paths relative to the page, one per scale; a comparison of recipes: a list of its runs' reports
+    per recipe, and each run's value under the recipe's, ``runs``)."""
     key, values = summary["swept"], summary["values"]
-    head = "".join(f"<th><a href='{html.escape(r)}'>{html.escape(key)}={html.escape(show(v))}</a></th>"
-                   for v, r in zip(values, reports))
+
+    def header(value: Any, report: str | Sequence[str]) -> str:
+        if isinstance(report, str):
+            return f"<th><a href='{html.escape(report)}'>{html.escape(key)}={html.escape(show(value))}</a></th>"
+        links = " ".join(f"<a href='{html.escape(r)}'>{k + 1}</a>" for k, r in enumerate(report))
+        return f"<th>{html.escape(show(value))}<br><span class='note'>runs: {links}</span></th>"
+
+    head = "".join(header(v, r) for v, r in zip(values, reports))
     rows = []
     for name, f in summary["figures"].items():
         shown = [_fmt(v) + (f" ± {_fmt(e)}" if e is not None else "")
                  for v, e in zip(f["values"], f.get("se") or [None] * len(values))]
+        if "runs" in f:  # a recipe's figure is its runs' mean: each run's value under it
+            shown = [f"{text}<br><span class='note'>{', '.join(_fmt(x) for x in each)}</span>"
+                     for text, each in zip(shown, f["runs"])]
         bold = {f["best"], *f.get("tied", ())} - {None}
         cells = "".join(f"<td class='num'><b>{text}</b></td>" if scale in bold
                         else f"<td class='num'>{text}</td>" for scale, text in zip(values, shown))
@@ -278,8 +291,8 @@ def render_sweep_html(title: str, meta: Mapping[str, Any], summary: Mapping[str,
         "<h2>Figures at each scale</h2><p class='note'>Bold: the scale a figure prefers (its direction; a figure "
         "that should match the real set: the closest to its target), and every scale the evaluations cannot tell "
         "apart from it: where the figure has an interval, those whose paired bootstrap interval of the difference "
-        "holds 0 (each resample draws the same masks, noise and real volumes at every scale); else, where it has a "
-        "standard error, those within one standard error. The negative "
+        "holds 0 (each resample draws the same masks, noise and real volumes at every scale; recipes: their runs "
+        "resampled too); else, where it has a standard error, those within one standard error. The negative "
         "control's and the real set's "
         "figures are shown, not ranked. No scale is chosen for you: the figures disagree.</p>",
         f"<table id='metrics'><thead><tr><th>figure</th>{head}<th>target</th><th>direction</th></tr></thead><tbody>",

@@ -163,6 +163,29 @@ def paired_interval(a: Resampler, b: Resampler, sizes: Mapping[str, int], settin
     return bootstrap_indices(difference, {k: sizes[k] for k in sets}, settings)
 
 
+def runs_of(members: Sequence[Resampler], runs: str) -> Resampler:
+    """One figure of a recipe trained several times: the mean of its runs' figures (``members``, one per training
+    run, each evaluated on the same masks, noise and real volumes), resampled over both levels: the runs (the set
+    ``runs``, as many as ``members``: a resample draws runs with replacement) and, as every member is, the volumes
+    (the same indices in every run: volume ``i`` is drawn from the same mask and noise by each). A hierarchical
+    bootstrap: the interval holds how far other training runs and other volumes could move the recipe's figure,
+    and :func:`paired_interval` of two recipes' figures (each its own ``runs`` set, resampled apart) compares the
+    recipes rather than two trained models. With fewer than :data:`MIN_VOLUMES` runs it has no interval, as a set
+    of that few volumes has none."""
+    if not members:
+        raise ValueError("runs_of: a recipe needs at least one run")
+    sets = (*dict.fromkeys(s for m in members for s in m.sets), runs)
+
+    def statistic(*indices: torch.Tensor) -> torch.Tensor:
+        named = dict(zip(sets, indices, strict=True))
+        each = torch.stack(torch.broadcast_tensors(*(m(named) for m in members)), -1)  # (..., runs)
+        drawn = named[runs]  # (..., k): the runs each resample drew
+        lead = torch.broadcast_shapes(each.shape[:-1], drawn.shape[:-1])
+        return each.expand(*lead, each.shape[-1]).gather(-1, drawn.expand(*lead, drawn.shape[-1])).mean(-1)
+
+    return Resampler(statistic, sets)
+
+
 # ------------------------------------------------------------------------------------------------ the figures
 def mean_of(values: torch.Tensor, of: str = "generated") -> Resampler:
     """The mean of per-volume figures ``(N,)`` of the set ``of`` (paired SSIM, PSNR, MS-SSIM; ventricle counts)."""
