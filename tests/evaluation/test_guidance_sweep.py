@@ -225,7 +225,7 @@ def _recipe(x: np.ndarray, offsets: np.ndarray, shift: float, real: np.ndarray |
 
 def test_recipes_are_compared_over_their_runs_and_volumes_and_one_run_each_can_mislead():
     """Two recipes, 6 runs each, whose runs spread alike about means 0.3 apart. Where runs of a recipe differ by
-    little (0.05 apart) the paired hierarchical bootstrap separates the recipes; where they differ by 0.6, it ties
+    little (0.05 apart) the paired bootstrap of runs and volumes separates the recipes; where they differ by 0.6, it ties
     them, though a comparison of one run of each (what ``'ckpt_path=[A,B]'`` reads) is sure of a winner, and which
     recipe wins is the draw of the runs: a's first run loses to b's, a's last beats b's."""
     from voxdiff.evaluation.guidance_sweep import recipes

@@ -174,7 +174,7 @@ def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]]
     """A comparison of training recipes, each trained several times (``groups``: per recipe, its runs'
     evaluations, all drawn from the same masks, noise and real volumes): :func:`summarise` of the recipes, where a
     recipe's figure is the mean of its runs' (``runs``: each run's value) and its interval and ties are over both
-    the training runs and the volumes, by a hierarchical bootstrap
+    the training runs and the volumes, by a bootstrap of both
     (:func:`voxdiff.evaluation.uncertainty.runs_of`: each recipe's runs resampled apart, the volumes shared).
     With fewer than :data:`~voxdiff.evaluation.uncertainty.MIN_VOLUMES` runs in a recipe that bootstrap cannot
     draw the runs' spread (a resample of 3 runs repeats one most of the time): then ``se`` is the standard error
@@ -190,7 +190,7 @@ def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]]
         raise ValueError(f"recipes: {len(labels)} labels for {len(groups)} recipes, each of at least 2 runs")
     every = [r for g in groups for r in g]
     first = every[0]
-    hierarchical = bootstrap is not None and paired(every) and min(len(g) for g in groups) >= U.MIN_VOLUMES
+    crossed = bootstrap is not None and paired(every) and min(len(g) for g in groups) >= U.MIN_VOLUMES
     sizes = dict(first.get("resample_sizes") or {"generated": int(first["n_generated"]),
                                                   "real": int(first["n_real"])})
     sizes.update({f"runs_{g + 1}": len(runs) for g, runs in enumerate(groups)})
@@ -206,7 +206,7 @@ def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]]
             if isinstance(one.get("generated"), Mapping) and isinstance(one.get("real"), Mapping):
                 f.update(generated=one["generated"], real=one["real"])  # a ratio to the real set: its target is 1
             members = [r.get("resamplers", {}).get(name) for r in runs]
-            if hierarchical and all(m is not None for m in members):
+            if crossed and all(m is not None for m in members):
                 resamplers[name] = U.runs_of(members, f"runs_{g + 1}")
                 f.update(U.interval(resamplers[name], sizes, bootstrap))
             elif all(math.isfinite(v) for v in values):  # no resampler (a Fréchet distance), or few runs
@@ -215,12 +215,12 @@ def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]]
             figures[name] = f
         virtual.append({**{k: runs[0].get(k) for k in ("real_subjects", "n_generated", "n_real", "sampling")},
                         "figures": figures, "resamplers": resamplers, "resample_sizes": sizes})
-    summary = summarise("ckpt_path", list(labels), virtual, bootstrap if hierarchical else None)
+    summary = summarise("ckpt_path", list(labels), virtual, bootstrap if crossed else None)
     for name, f in summary["figures"].items():
         f["runs"] = [v["figures"][name]["runs"] for v in virtual]
         if f.get("tie_rule") == "one standard error":
             f["tie_rule"] = RUNS_RULE
-    over = ("training runs and volumes (hierarchical bootstrap)" if hierarchical else
+    over = ("training runs and volumes (a bootstrap of both, crossed)" if crossed else
             f"training runs on these volumes (standard error of the mean over runs: fewer than {U.MIN_VOLUMES} runs "
             "a recipe, no bootstrap, or runs drawn from other masks)")
     return {**summary, "runs": [len(g) for g in groups], "intervals_over": over}
