@@ -209,7 +209,8 @@ def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]]
             if crossed and all(m is not None for m in members):
                 resamplers[name] = U.runs_of(members, f"runs_{g + 1}")
                 f.update(U.interval(resamplers[name], sizes, bootstrap))
-            elif all(math.isfinite(v) for v in values):  # no resampler (a Fréchet distance), or few runs
+            if "se" not in f and all(math.isfinite(v) for v in values):  # no resampler (a Fréchet distance), a set
+                # too small for an interval, or few runs
                 mean = f["value"]
                 f["se"] = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
             figures[name] = f
