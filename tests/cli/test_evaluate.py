@@ -378,6 +378,8 @@ def test_recipes_are_compared_by_the_mean_of_their_runs_each_evaluated_on_the_sa
     assert psnr["runs"] == runs and psnr["values"] == pytest.approx([sum(r) / 2 for r in runs])
     assert min(runs[1]) > max(runs[0]) and psnr["best"] == record["values"][1]
     assert psnr["tie_rule"] == RUNS_RULE and saved["runs"] == [2, 2] and "fewer than 5" in saved["intervals_over"]
+    assert [[o["checkpoint"]["train_seed"] for o in g] for g in ones] == [[42, 1], [42, 1]]
+    assert saved["runs_paired_by_seed"] is True  # each recipe lists seed 42's run, then seed 1's
     assert [e["recipe"] for e in saved["evaluations"]] == [record["values"][0]] * 2 + [record["values"][1]] * 2
     page = render(tmp_path / "sweep.html", tmp_path / "sweep.png")
     assert page["table_rows"] == len(saved["figures"]) and page["blank"] is False

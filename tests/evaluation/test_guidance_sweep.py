@@ -206,9 +206,9 @@ def test_an_effect_keeps_its_own_standard_error_and_is_tied_paired_over_its_mask
     assert paired["best"] == 1.25 and paired["tied"] == [] and paired["differences"]["1"] == pytest.approx([0.3, 0.3])
 
 
-def _recipe(x: np.ndarray, offsets: np.ndarray, shift: float, real: np.ndarray | None = None) -> list[dict]:
+def _recipe(x: np.ndarray, offsets: np.ndarray, shift: float, seeds: list[int] | None = None) -> list[dict]:
     """A recipe's runs as ``evaluate()`` returns them: run k's sample i is ``x[i] + offsets[k] + shift`` (sample i
-    drawn from the same mask and noise by every run)."""
+    drawn from the same mask and noise by every run; run k trained with ``seeds[k]``, where given)."""
     import torch
 
     from voxdiff.evaluation import uncertainty as U
@@ -219,7 +219,8 @@ def _recipe(x: np.ndarray, offsets: np.ndarray, shift: float, real: np.ndarray |
         out.append({"figures": {"figure": {"value": float(v.mean()), "direction": "higher", "label": "f",
                                            "se": float(v.std() / math.sqrt(len(v)))}},
                     "resamplers": {"figure": U.mean_of(v)}, "n_generated": len(x), "n_real": len(x),
-                    "real_subjects": ["s"], "sampling": {"conditioned_on": ["m"] * len(x)}})
+                    "real_subjects": ["s"], "sampling": {"conditioned_on": ["m"] * len(x)},
+                    **({"checkpoint": {"train_seed": seeds[len(out)]}} if seeds else {})})
     return out
 
 
@@ -275,3 +276,23 @@ def test_the_page_of_recipes_links_each_run_and_shows_its_value_under_the_recipe
     assert all(f"href='recipe_{g}/run_{k}/report.html'" in page for g in (1, 2) for k in (1, 2))
     row = next(r for r in page.split("<tr>") if "<code>figure</code>" in r)
     assert "<span class='note'>1, 1.2</span>" in row and "<b>1.1 ± 0.1" in row
+
+
+def test_runs_of_the_same_seeds_are_paired_and_what_a_seed_does_to_every_recipe_cancels():
+    """Six seeds whose runs spread by 1 (the seed's doing: the same offset in both recipes), recipe b 0.1 above a
+    in every seed. Listed in the same seed order the runs are paired: the difference is 0.1 on every resample, not
+    tied. In another order (or without seeds) the recipes' runs are resampled apart and the seeds' spread ties
+    them."""
+    from voxdiff.evaluation.guidance_sweep import recipes
+
+    x = np.random.default_rng(8).normal(0.0, 0.5, 12)
+    offsets = np.array([-1.5, -0.9, -0.3, 0.3, 0.9, 1.5])
+    seeds = [42, 1, 2, 3, 4, 5]
+    a, b = _recipe(x, offsets, 0.0, seeds), _recipe(x, offsets, 0.1, seeds)
+    out = recipes(["a", "b"], [a, b], Bootstrap(resamples=1000))
+    f = out["figures"]["figure"]
+    assert out["runs_paired_by_seed"] and "paired by seed" in out["intervals_over"]
+    assert f["best"] == "b" and f["tied"] == [] and f["differences"]["a"] == pytest.approx([0.1, 0.1])
+    shuffled = _recipe(x, offsets, 0.1, seeds[::-1])
+    out = recipes(["a", "b"], [a, shuffled], Bootstrap(resamples=1000))
+    assert not out["runs_paired_by_seed"] and out["figures"]["figure"]["tied"] == ["a"]

@@ -838,7 +838,7 @@ def _diffusion(cfg: DictConfig, device: Any, subjects: Sequence[str] | None = No
                      **({"covariates": rows} if rows is not None else {})},
         "feature_extractors": {e.name: e.label for e in extractors},
         "seconds": {"generation": round(t1 - t0, 2), "figures": round(time.perf_counter() - t1, 2)},
-        "data": data, "stage1_weights": weights,
+        "data": data, "stage1_weights": weights, "train_seed": saved.get("seed"),
     }
 
 
@@ -961,7 +961,8 @@ def evaluate(cfg: DictConfig, subjects: Sequence[str] | None = None) -> dict[str
                 "to get one)", [])
     record = {
         "checkpoint": {"path": str(ckpt_path), "sha256": file_sha256(ckpt_path), "global_step": step,
-                       "epoch": epoch, "kind": result["kind"], "mode": result["mode"]},
+                       "epoch": epoch, "kind": result["kind"], "mode": result["mode"],
+                       "train_seed": result.get("train_seed")},  # a diffusion run's seed: recipes pair runs by it
         "evaluated_at": dt.datetime.now().isoformat(timespec="seconds"),
         "data": result["data"], "stage1_weights": result["stage1_weights"],
         "split": str(cfg.split), "n_generated": result["n_generated"], "n_real": len(real),

@@ -176,6 +176,10 @@ def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]]
     recipe's figure is the mean of its runs' (``runs``: each run's value) and its interval and ties are over both
     the training runs and the volumes, by a bootstrap of both
     (:func:`voxdiff.evaluation.uncertainty.runs_of`: each recipe's runs resampled apart, the volumes shared).
+    Where every recipe lists runs of the same training seeds in the same order (``checkpoint.train_seed`` of each
+    record), run ``k`` of each recipe started from the same initial weights and drew the same batches and noise,
+    so the runs are paired as the volumes are: a resample draws the same seeds for every recipe, and what a seed
+    does to every recipe alike cancels (``runs_paired_by_seed``).
     With fewer than :data:`~voxdiff.evaluation.uncertainty.MIN_VOLUMES` runs in a recipe that bootstrap cannot
     draw the runs' spread (a resample of 3 runs repeats one most of the time): then ``se`` is the standard error
     of the mean over the runs (their spread on these masks: the volumes' own spread is left out) and the ties are
@@ -183,8 +187,8 @@ def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]]
     figure that has no resampler (a Fréchet distance).
 
     Returns:
-        :func:`summarise`'s table plus ``runs`` (runs per recipe), ``intervals_over`` (what the intervals and
-        ties are over), and per figure ``runs`` (``[[value of each run] per recipe]``).
+        :func:`summarise`'s table plus ``runs`` (runs per recipe), ``runs_paired_by_seed``, ``intervals_over``
+        (what the intervals and ties are over), and per figure ``runs`` (``[[value of each run] per recipe]``).
     """
     if len(labels) != len(groups) or any(len(g) < 2 for g in groups):
         raise ValueError(f"recipes: {len(labels)} labels for {len(groups)} recipes, each of at least 2 runs")
@@ -193,7 +197,10 @@ def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]]
     crossed = bootstrap is not None and paired(every) and min(len(g) for g in groups) >= U.MIN_VOLUMES
     sizes = dict(first.get("resample_sizes") or {"generated": int(first["n_generated"]),
                                                   "real": int(first["n_real"])})
-    sizes.update({f"runs_{g + 1}": len(runs) for g, runs in enumerate(groups)})
+    seeds = [[(r.get("checkpoint") or {}).get("train_seed") for r in g] for g in groups]
+    by_seed = all(s == seeds[0] for s in seeds) and None not in seeds[0] and len(set(seeds[0])) == len(seeds[0])
+    run_sets = ["runs" if by_seed else f"runs_{g + 1}" for g in range(len(groups))]  # one set: paired by seed
+    sizes.update({name: len(runs) for name, runs in zip(run_sets, groups)})
     virtual = []
     for g, runs in enumerate(groups):
         names = [n for n in runs[0]["figures"] if all(n in r["figures"] for r in runs)]
@@ -207,7 +214,7 @@ def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]]
                 f.update(generated=one["generated"], real=one["real"])  # a ratio to the real set: its target is 1
             members = [r.get("resamplers", {}).get(name) for r in runs]
             if crossed and all(m is not None for m in members):
-                resamplers[name] = U.runs_of(members, f"runs_{g + 1}")
+                resamplers[name] = U.runs_of(members, run_sets[g])
                 f.update(U.interval(resamplers[name], sizes, bootstrap))
             if "se" not in f and all(math.isfinite(v) for v in values):  # no resampler (a Fréchet distance), a set
                 # too small for an interval, or few runs
@@ -221,7 +228,8 @@ def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]]
         f["runs"] = [v["figures"][name]["runs"] for v in virtual]
         if f.get("tie_rule") == "one standard error":
             f["tie_rule"] = RUNS_RULE
-    over = ("training runs and volumes (a bootstrap of both, crossed)" if crossed else
+    over = (f"training runs and volumes (a bootstrap of both, crossed{'; runs paired by seed' if by_seed else ''})"
+            if crossed else
             f"training runs on these volumes (standard error of the mean over runs: fewer than {U.MIN_VOLUMES} runs "
             "a recipe, no bootstrap, or runs drawn from other masks)")
-    return {**summary, "runs": [len(g) for g in groups], "intervals_over": over}
+    return {**summary, "runs": [len(g) for g in groups], "runs_paired_by_seed": by_seed, "intervals_over": over}
