@@ -278,6 +278,26 @@ def test_the_page_of_recipes_links_each_run_and_shows_its_value_under_the_recipe
     assert "<span class='note'>1, 1.2</span>" in row and "<b>1.1 ± 0.1" in row
 
 
+def test_the_plot_of_recipes_names_each_by_its_number_and_fits_long_labels():
+    """Recipes' labels name every run directory; the plot stands them at 1, 2, ... (the table's columns), so the
+    layout fits (a label as tick overflowed it: matplotlib warned "Tight layout not applied")."""
+    import io
+    import warnings
+
+    from PIL import Image
+
+    from voxdiff.evaluation.guidance_sweep import recipes
+    from voxdiff.evaluation.report import sweep_png
+
+    x = np.linspace(-1, 1, 10)
+    long = [f"{g}: 6 runs ({', '.join(f'2026-11-28_03-19-0{k}_recipe_{g}' for k in range(6))})" for g in (1, 2)]
+    summary = recipes(long, [_recipe(x, np.linspace(0, 0.5, 6), 0.0), _recipe(x, np.linspace(0, 0.5, 6), 1.0)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        png = sweep_png(summary)
+    assert Image.open(io.BytesIO(png)).size[0] > 0
+
+
 def test_runs_of_the_same_seeds_are_paired_and_what_a_seed_does_to_every_recipe_cancels():
     """Six seeds whose runs spread by 1 (the seed's doing: the same offset in both recipes), recipe b 0.1 above a
     in every seed. Listed in the same seed order the runs are paired: the difference is 0.1 on every resample, not

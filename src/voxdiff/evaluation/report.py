@@ -145,26 +145,32 @@ def scatter_png(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], x
 
 def sweep_png(summary: Mapping[str, Any]) -> bytes:
     """A guidance sweep (:func:`voxdiff.evaluation.guidance_sweep.summarise`): each ranked figure against the scale,
-    a small panel each, its target dashed where it has one and the scale it prefers dotted (recipes: each run's
-    value a grey dot)."""
+    a small panel each, its target dashed where it has one and the scale it prefers dotted. Compared checkpoints,
+    recipes or intervals stand at evenly spaced places named by their number (``k`` of a label ``"k: ..."``, the
+    table's column) or their interval; a recipe's runs are grey dots beside its mean."""
     ranked = {n: f for n, f in summary["figures"].items() if f["best"] is not None}
+    values = list(summary["values"])
+    numeric = all(isinstance(v, (int, float)) for v in values)
+    xs = values if numeric else list(range(len(values)))
+    names = None if numeric else [str(v).split(": ", 1)[0] for v in values]
     cols = min(4, max(1, len(ranked)))
     rows = max(1, math.ceil(len(ranked) / cols))
     fig = _figure(3.0 * cols, 2.4 * rows)
     for k, (name, f) in enumerate(ranked.items()):
         ax = fig.add_subplot(rows, cols, k + 1)
-        ax.errorbar(summary["values"], f["values"], yerr=f.get("se"), fmt="o-", color="tab:orange", markersize=4,
-                    capsize=2)
-        for value, each in zip(summary["values"], f.get("runs", ())):  # recipes: each run's value beside the mean
-            ax.plot([value] * len(each), each, ".", color="grey", markersize=3)
+        ax.errorbar(xs, f["values"], yerr=f.get("se"), fmt="o-", color="tab:orange", markersize=4, capsize=2)
+        for x, each in zip(xs, f.get("runs", ())):  # recipes: each run's value beside the mean
+            ax.plot([x - 0.12] * len(each), each, ".", color="grey", markersize=3)
         if f["target"] is not None:
             ax.axhline(f["target"], color="tab:blue", linestyle="--", linewidth=1)
-        ax.axvline(f["best"], color="grey", linestyle=":", linewidth=1)
+        ax.axvline(xs[values.index(f["best"])], color="grey", linestyle=":", linewidth=1)
         ax.set_title(name, fontsize=8)
-        ax.set_xlabel(summary["swept"], fontsize=8)
+        ax.set_xlabel("recipe" if "runs" in f else "checkpoint" if summary["swept"] == "ckpt_path" else
+                      summary["swept"], fontsize=8)
         ax.tick_params(labelsize=7)
-        if not all(isinstance(v, (int, float)) for v in summary["values"]):  # compared checkpoints: their labels
-            ax.tick_params(axis="x", labelrotation=20)
+        if names is not None:
+            ax.set_xticks(xs, names)
+            ax.set_xlim(-0.5, len(xs) - 0.5)
     fig.tight_layout()
     return png_bytes(fig)
 
