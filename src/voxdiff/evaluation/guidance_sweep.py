@@ -177,8 +177,9 @@ def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]]
     the training runs and the volumes, by a bootstrap of both
     (:func:`voxdiff.evaluation.uncertainty.runs_of`: each recipe's runs resampled apart, the volumes shared).
     Where every recipe lists runs of the same training seeds in the same order (``checkpoint.train_seed`` of each
-    record), run ``k`` of each recipe started from the same initial weights and drew the same batches and noise,
-    so the runs are paired as the volumes are: a resample draws the same seeds for every recipe, and what a seed
+    record), run ``k`` of each recipe started from the same initial weights and the same first epoch of batches
+    (a recipe that draws more random numbers parts from the others' noise), so the runs are paired as the volumes
+    are: a resample draws the same seeds for every recipe, and what a seed
     does to every recipe alike cancels (``runs_paired_by_seed``).
     With fewer than :data:`~voxdiff.evaluation.uncertainty.MIN_VOLUMES` runs in a recipe that bootstrap cannot
     draw the runs' spread (a resample of 3 runs repeats one most of the time): then ``se`` is the standard error
