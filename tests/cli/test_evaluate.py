@@ -357,9 +357,10 @@ def test_recipes_are_compared_by_the_mean_of_their_runs_each_evaluated_on_the_sa
     """``'ckpt_path=[[a1,a2],[b1,b2]]'``: two "recipes" (2 and 40 steps), each trained with two seeds; every run a
     whole evaluation in ``recipe_<g>/run_<k>/`` on the same masks and noise; a recipe's figure is its runs' mean,
     each run's value kept; two runs a recipe are too few to resample, so the ties are within one standard error
-    over the runs and the page says what the intervals are over. 40 steps draw a higher PSNR in both seeds.
+    of the per-seed differences (each recipe lists seed 42's run, then seed 1's) and the page says what the
+    intervals are over. 40 steps draw a higher PSNR in both seeds.
     Refused before anything is evaluated: a recipe of one run, recipes mixed with checkpoints, a repeated run."""
-    from voxdiff.evaluation.guidance_sweep import RUNS_RULE
+    from voxdiff.evaluation.guidance_sweep import SEEDS_RULE
 
     _, early, last = run
     early_2, last_2 = reseeded
@@ -377,7 +378,7 @@ def test_recipes_are_compared_by_the_mean_of_their_runs_each_evaluated_on_the_sa
     runs = [[o["figures"]["psnr"]["value"] for o in g] for g in ones]
     assert psnr["runs"] == runs and psnr["values"] == pytest.approx([sum(r) / 2 for r in runs])
     assert min(runs[1]) > max(runs[0]) and psnr["best"] == record["values"][1]
-    assert psnr["tie_rule"] == RUNS_RULE and saved["runs"] == [2, 2] and "fewer than 5" in saved["intervals_over"]
+    assert psnr["tie_rule"] == SEEDS_RULE and saved["runs"] == [2, 2] and "fewer than 5" in saved["intervals_over"]
     assert [[o["checkpoint"]["train_seed"] for o in g] for g in ones] == [[42, 1], [42, 1]]
     assert saved["runs_paired_by_seed"] is True  # each recipe lists seed 42's run, then seed 1's
     assert [e["recipe"] for e in saved["evaluations"]] == [record["values"][0]] * 2 + [record["values"][1]] * 2

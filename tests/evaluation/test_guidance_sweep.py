@@ -316,3 +316,18 @@ def test_runs_of_the_same_seeds_are_paired_and_what_a_seed_does_to_every_recipe_
     shuffled = _recipe(x, offsets, 0.1, seeds[::-1])
     out = recipes(["a", "b"], [a, shuffled], Bootstrap(resamples=1000))
     assert not out["runs_paired_by_seed"] and out["figures"]["figure"]["tied"] == ["a"]
+
+
+def test_three_runs_paired_by_seed_are_tied_by_the_spread_of_their_per_seed_differences():
+    """Three seeds whose runs spread by 0.2 (the seed's doing, alike in both recipes), b 0.1 above a in every seed:
+    too few runs to resample, so paired by seed the tie is judged on the per-seed differences (0.1 each, no spread:
+    not tied); listed in other seed orders, on the runs' own spread (0.2/√3 each: tied)."""
+    from voxdiff.evaluation.guidance_sweep import RUNS_RULE, SEEDS_RULE, recipes
+
+    x = np.linspace(-1, 1, 10)
+    offsets, seeds = np.array([0.0, 0.2, 0.4]), [7, 8, 9]
+    a = _recipe(x, offsets, 0.0, seeds)
+    f = recipes(["a", "b"], [a, _recipe(x, offsets, 0.1, seeds)], Bootstrap(resamples=1000))["figures"]["figure"]
+    assert f["best"] == "b" and f["tied"] == [] and f["tie_rule"] == SEEDS_RULE
+    f = recipes(["a", "b"], [a, _recipe(x, offsets, 0.1, seeds[::-1])])["figures"]["figure"]
+    assert f["tied"] == ["a"] and f["tie_rule"] == RUNS_RULE

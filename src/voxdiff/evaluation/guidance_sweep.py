@@ -167,6 +167,26 @@ def summarise(key: str, values: Sequence[Any], records: Sequence[Mapping[str, An
 
 #: how recipes are told apart with fewer than :data:`voxdiff.evaluation.uncertainty.MIN_VOLUMES` runs each
 RUNS_RULE = "one standard error over runs"
+#: the same, where the runs are paired by seed: the standard error of the per-seed differences
+SEEDS_RULE = "one standard error of the per-seed differences"
+
+
+def seed_ties(runs: Sequence[Sequence[float]], best: int, direction: str, goal: float | None) -> list[int]:
+    """The recipes (indices) whose runs, paired by seed with those of recipe ``best`` (run ``k`` of each), score
+    within one standard error of the per-seed differences of it: the mean of ``score(run k) − score(best's run k)``
+    at most its standard error (``score``: the figure's value, its negative for ``higher``, its distance to ``goal``
+    for ``match``; lower is better)."""
+    def score(v: float) -> float:
+        return abs(v - goal) if direction == "match" and goal is not None else -v if direction == "higher" else v
+
+    out = []
+    for g, each in enumerate(runs):
+        if g != best:
+            d = [score(x) - score(y) for x, y in zip(each, runs[best], strict=True)]
+            mean = sum(d) / len(d)
+            if mean <= math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)):
+                out.append(g)
+    return out
 
 
 def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]],
@@ -186,6 +206,9 @@ def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]]
     of the mean over the runs (their spread on these masks: the volumes' own spread is left out) and the ties are
     within one of it (``tie_rule`` :data:`RUNS_RULE`), as with evaluations drawn from other masks; so too for a
     figure that has no resampler (a Fréchet distance).
+
+    Runs paired by seed but too few to resample are tied by the per-seed differences instead (:func:`seed_ties`,
+    ``tie_rule`` :data:`SEEDS_RULE`).
 
     Returns:
         :func:`summarise`'s table plus ``runs`` (runs per recipe), ``runs_paired_by_seed``, ``intervals_over``
@@ -229,8 +252,13 @@ def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]]
         f["runs"] = [v["figures"][name]["runs"] for v in virtual]
         if f.get("tie_rule") == "one standard error":
             f["tie_rule"] = RUNS_RULE
+            if by_seed:  # paired by seed: the per-seed differences' spread, not the runs'
+                f["tied"] = [labels[g] for g in seed_ties(f["runs"], list(labels).index(f["best"]), f["direction"],
+                                                          f["target"])]
+                f["tie_rule"] = SEEDS_RULE
     over = (f"training runs and volumes (a bootstrap of both, crossed{'; runs paired by seed' if by_seed else ''})"
             if crossed else
             f"training runs on these volumes (standard error of the mean over runs: fewer than {U.MIN_VOLUMES} runs "
-            "a recipe, no bootstrap, or runs drawn from other masks)")
+            "a recipe, no bootstrap, or runs drawn from other masks"
+            f"{'; ties by the per-seed differences' if by_seed else ''})")
     return {**summary, "runs": [len(g) for g in groups], "runs_paired_by_seed": by_seed, "intervals_over": over}
