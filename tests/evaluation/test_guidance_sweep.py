@@ -207,21 +207,14 @@ def test_an_effect_keeps_its_own_standard_error_and_is_tied_paired_over_its_mask
 
 
 def _recipe(x: np.ndarray, offsets: np.ndarray, shift: float, seeds: list[int] | None = None) -> list[dict]:
-    """A recipe's runs as ``evaluate()`` returns them: run k's sample i is ``x[i] + offsets[k] + shift`` (sample i
-    drawn from the same mask and noise by every run; run k trained with ``seeds[k]``, where given)."""
-    import torch
-
-    from voxdiff.evaluation import uncertainty as U
-
-    out = []
-    for o in offsets:
-        v = torch.from_numpy(x + o + shift)
-        out.append({"figures": {"figure": {"value": float(v.mean()), "direction": "higher", "label": "f",
-                                           "se": float(v.std() / math.sqrt(len(v)))}},
-                    "resamplers": {"figure": U.mean_of(v)}, "n_generated": len(x), "n_real": len(x),
-                    "real_subjects": ["s"], "sampling": {"conditioned_on": ["m"] * len(x)},
-                    **({"checkpoint": {"train_seed": seeds[len(out)]}} if seeds else {})})
-    return out
+    """A recipe's runs as ``evaluate()`` returns them (:func:`_drawn`, a run in place of a scale): run k's sample i
+    is ``x[i] + offsets[k] + shift`` (sample i drawn from the same mask and noise by every run; run k trained with
+    ``seeds[k]``, where given)."""
+    runs = _drawn({str(k): list(x + o + shift) for k, o in enumerate(offsets)})
+    for k, run in enumerate(runs):
+        if seeds:
+            run["checkpoint"] = {"train_seed": seeds[k]}
+    return runs
 
 
 def test_recipes_are_compared_over_their_runs_and_volumes_and_one_run_each_can_mislead():

@@ -68,9 +68,9 @@ from voxdiff.evaluation.metrics import (
     describe,
     fit_probe,
     group_slopes,
-    paired_effect,
     pearson,
     slope,
+    slopes_effect,
 )
 from voxdiff.evaluation.pipeline import (
     DEFINITIONS,
@@ -575,12 +575,12 @@ def _effect_figures(key: str, series: dict[str, tuple[list[float], list[float]]]
         if name not in series:
             continue
         values, measured = series[name]
-        groups = [i % cycle for i in range(len(values))]
-        effect = paired_effect(values, measured, groups)
+        slopes = group_slopes(values, measured, [i % cycle for i in range(len(values))])  # each mask's
+        effect = slopes_effect(slopes)
         if name == "generated" and real is not None and math.isfinite(real["value"]) and real["value"] != 0:
             effect["ratio_to_real"] = effect["value"] / real["value"]
         out[f"{key}_effect_{tag}"] = figure(f"{key}_effect_{tag}", drawn.with_interval(
-            f"{key}_effect_{tag}", effect, mean_of(group_slopes(values, measured, groups), "masks")),
+            f"{key}_effect_{tag}", effect, mean_of(slopes, "masks")),
             **({"checkpoint": control_path} if tag == "control" else {}))
     return out
 

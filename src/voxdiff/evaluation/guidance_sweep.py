@@ -25,6 +25,8 @@ from voxdiff.evaluation import uncertainty as U
 
 #: the figures shown but not ranked: the negative control's (a diagnostic of the figure) and the real set's own
 UNRANKED = ("_control", "_real")
+#: how evaluations without a paired bootstrap are told apart: within one standard error
+SE_RULE = "one standard error"
 
 
 def show(value: Any) -> str:
@@ -57,6 +59,25 @@ def target(name: str, figures: Mapping[str, Mapping[str, Any]]) -> float | None:
     if isinstance(figures[name].get("generated"), Mapping) and isinstance(figures[name].get("real"), Mapping):
         return 1.0
     return None
+
+
+def _score(direction: str, goal: float | None):
+    """How a figure of ``direction`` is ranked, lower better: its value (``lower``), its negative (``higher``), or
+    its distance to ``goal`` (``match``)."""
+    return {"higher": lambda v: -v, "lower": lambda v: v, "match": lambda v: abs(v - goal)}[direction]
+
+
+def _sizes(record: Mapping[str, Any]) -> dict[str, int]:
+    """The sets an evaluation's resamplers draw from and their sizes: its ``resample_sizes``, else ``n_generated``
+    and ``n_real``."""
+    return dict(record.get("resample_sizes") or {"generated": int(record["n_generated"]),
+                                                 "real": int(record["n_real"])})
+
+
+def _standard_error(values: Sequence[float]) -> float:
+    """The standard error of the mean of ``values`` (at least 2): their sample standard deviation over √N."""
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
 
 
 def _ranked(name: str, direction: str) -> bool:
@@ -96,8 +117,7 @@ def paired_ties(name: str, values: Sequence[Any], records: Sequence[Mapping[str,
     goal_resampler = records[best].get("resamplers", {}).get(target) if target else None
     if any(r is None for r in resamplers) or (target is not None and goal_resampler is None):
         return None
-    sizes = records[0].get("resample_sizes") or {"generated": int(records[0]["n_generated"]),
-                                                  "real": int(records[0]["n_real"])}
+    sizes = _sizes(records[0])
 
     def score(v: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
         if direction == "match":
@@ -147,7 +167,7 @@ def summarise(key: str, values: Sequence[Any], records: Sequence[Mapping[str, An
         best = None
         if _ranked(name, direction) and all(math.isfinite(v) for v in series) and (direction != "match"
                                                                                     or goal is not None):
-            score = {"higher": lambda v: -v, "lower": lambda v: v, "match": lambda v: abs(v - goal)}[direction]
+            score = _score(direction, goal)
             best = values[min(range(len(series)), key=lambda i: score(series[i]))]
         figures[name] = {"label": first.get("label", name), "direction": direction, "values": series,
                          "target": goal, "best": best}
@@ -161,7 +181,7 @@ def summarise(key: str, values: Sequence[Any], records: Sequence[Mapping[str, An
             figures[name].update(tied=ties[0], differences=ties[1], tie_rule="paired bootstrap")
         elif best is not None and "se" in figures[name]:
             figures[name].update(tied=tied(values, series, figures[name]["se"], values.index(best), direction, goal),
-                                 tie_rule="one standard error")
+                                 tie_rule=SE_RULE)
     return {"swept": key, "values": list(values), "figures": figures}
 
 
@@ -176,15 +196,12 @@ def seed_ties(runs: Sequence[Sequence[float]], best: int, direction: str, goal: 
     within one standard error of the per-seed differences of it: the mean of ``score(run k) − score(best's run k)``
     at most its standard error (``score``: the figure's value, its negative for ``higher``, its distance to ``goal``
     for ``match``; lower is better)."""
-    def score(v: float) -> float:
-        return abs(v - goal) if direction == "match" and goal is not None else -v if direction == "higher" else v
-
+    score = _score(direction, goal)
     out = []
     for g, each in enumerate(runs):
         if g != best:
             d = [score(x) - score(y) for x, y in zip(each, runs[best], strict=True)]
-            mean = sum(d) / len(d)
-            if mean <= math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)):
+            if sum(d) / len(d) <= _standard_error(d):
                 out.append(g)
     return out
 
@@ -219,8 +236,7 @@ def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]]
     every = [r for g in groups for r in g]
     first = every[0]
     crossed = bootstrap is not None and paired(every) and min(len(g) for g in groups) >= U.MIN_VOLUMES
-    sizes = dict(first.get("resample_sizes") or {"generated": int(first["n_generated"]),
-                                                  "real": int(first["n_real"])})
+    sizes = _sizes(first)
     seeds = [[(r.get("checkpoint") or {}).get("train_seed") for r in g] for g in groups]
     by_seed = all(s == seeds[0] for s in seeds) and None not in seeds[0] and len(set(seeds[0])) == len(seeds[0])
     run_sets = ["runs" if by_seed else f"runs_{g + 1}" for g in range(len(groups))]  # one set: paired by seed
@@ -242,15 +258,14 @@ def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]]
                 f.update(U.interval(resamplers[name], sizes, bootstrap))
             if "se" not in f and all(math.isfinite(v) for v in values):  # no resampler (a Fréchet distance), a set
                 # too small for an interval, or few runs
-                mean = f["value"]
-                f["se"] = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
+                f["se"] = _standard_error(values)
             figures[name] = f
         virtual.append({**{k: runs[0].get(k) for k in ("real_subjects", "n_generated", "n_real", "sampling")},
                         "figures": figures, "resamplers": resamplers, "resample_sizes": sizes})
     summary = summarise("ckpt_path", list(labels), virtual, bootstrap if crossed else None)
     for name, f in summary["figures"].items():
         f["runs"] = [v["figures"][name]["runs"] for v in virtual]
-        if f.get("tie_rule") == "one standard error":
+        if f.get("tie_rule") == SE_RULE:
             f["tie_rule"] = RUNS_RULE
             if by_seed:  # paired by seed: the per-seed differences' spread, not the runs'
                 f["tied"] = [labels[g] for g in seed_ties(f["runs"], list(labels).index(f["best"]), f["direction"],

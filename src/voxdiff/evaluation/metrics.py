@@ -568,7 +568,11 @@ def paired_effect(x: Any, y: Any, groups: Any) -> dict[str, Any]:
     Raises:
         ValueError: as :func:`group_slopes`.
     """
-    k = group_slopes(x, y, groups)
+    return slopes_effect(group_slopes(x, y, groups))
+
+
+def slopes_effect(k: torch.Tensor) -> dict[str, Any]:
+    """:func:`paired_effect` of the groups' slopes ``k`` ``(groups,)`` (:func:`group_slopes`)."""
     slopes = k.tolist()
     se = float(k.std() / math.sqrt(len(k))) if len(k) > 1 else math.nan
     mean = float(k.mean())
