@@ -357,19 +357,19 @@ def test_recipes_are_compared_by_the_mean_of_their_runs_each_evaluated_on_the_sa
     """``'ckpt_path=[[a1,a2],[b1,b2]]'``: two "recipes" (2 and 40 steps), each trained with two seeds; every run a
     whole evaluation in ``recipe_<g>/run_<k>/`` on the same masks and noise; a recipe's figure is its runs' mean,
     each run's value kept; two runs a recipe are too few to resample, so the ties are within one standard error
-    of the per-seed differences (each recipe lists seed 42's run, then seed 1's) and the page says what the
-    intervals are over. 40 steps draw a higher PSNR in both seeds.
+    of the per-seed differences (the second recipe lists seed 1's run first, and is put in the first's seed
+    order: 42, 1) and the page says what the intervals are over. 40 steps draw a higher PSNR in both seeds.
     Refused before anything is evaluated: a recipe of one run, recipes mixed with checkpoints, a repeated run."""
     from voxdiff.evaluation.guidance_sweep import SEEDS_RULE
 
     _, early, last = run
     early_2, last_2 = reseeded
-    record = _evaluate(f"[[{early},{early_2}],[{last},{last_2}]]", tmp_path, "split=all", "n=6",
+    record = _evaluate(f"[[{early},{early_2}],[{last_2},{last}]]", tmp_path, "split=all", "n=6",
                        "bootstrap.resamples=200")
     assert record["values"] == ["1: 2 runs (steps, steps)", f"2: 2 runs ({last.parent.parent.name}, "
-                                                            f"{last_2.parent.parent.name})"]
-    ones = [[json.loads((tmp_path / f"recipe_{g}" / f"run_{k}" / "metrics.json").read_text()) for k in (1, 2)]
-            for g in (1, 2)]
+                                                            f"{last_2.parent.parent.name})"]  # seed order
+    ones = [[json.loads((tmp_path / f"recipe_{g}" / f"run_{k}" / "metrics.json").read_text()) for k in order]
+            for g, order in ((1, (1, 2)), (2, (2, 1)))]  # recipe 2's run_1 is seed 1's, as listed
     assert [[o["checkpoint"]["sha256"] for o in g] for g in ones] == [
         [file_sha256(early), file_sha256(early_2)], [file_sha256(last), file_sha256(last_2)]]
     assert len({str(o["sampling"]["conditioned_on"]) for g in ones for o in g}) == 1
@@ -380,12 +380,14 @@ def test_recipes_are_compared_by_the_mean_of_their_runs_each_evaluated_on_the_sa
     assert min(runs[1]) > max(runs[0]) and psnr["best"] == record["values"][1]
     assert psnr["tie_rule"] == SEEDS_RULE and saved["runs"] == [2, 2] and "fewer than 5" in saved["intervals_over"]
     assert [[o["checkpoint"]["train_seed"] for o in g] for g in ones] == [[42, 1], [42, 1]]
-    assert saved["runs_paired_by_seed"] is True  # each recipe lists seed 42's run, then seed 1's
+    assert saved["runs_paired_by_seed"] is True  # both recipes' runs in seed order: 42's, then 1's
     assert [e["recipe"] for e in saved["evaluations"]] == [record["values"][0]] * 2 + [record["values"][1]] * 2
+    assert [e["checkpoint"]["train_seed"] for e in saved["evaluations"]] == [42, 1, 42, 1]
     page = render(tmp_path / "sweep.html", tmp_path / "sweep.png")
     assert page["table_rows"] == len(saved["figures"]) and page["blank"] is False
     html = (tmp_path / "sweep.html").read_text()
     assert all(f"href='recipe_{g}/run_{k}/report.html'" in html for g in (1, 2) for k in (1, 2))
+    assert html.index("href='recipe_2/run_2/report.html'") < html.index("href='recipe_2/run_1/report.html'")
     assert "training runs on these volumes" in html
     for bad, why in ((f"[[{early}],[{last},{last_2}]]", "a recipe of 1 run"),
                      (f"[[{early},{early_2}],{last}]", "mixes recipes"),
@@ -393,6 +395,45 @@ def test_recipes_are_compared_by_the_mean_of_their_runs_each_evaluated_on_the_sa
         with pytest.raises(ConfigError, match=re.escape(why)) as e:
             validate(compose("evaluate", [f"ckpt_path={bad}"]))
         assert e.value.key == "ckpt_path"
+
+
+def test_a_guidance_scale_swept_over_one_recipe_s_runs_evaluates_every_run_at_every_scale(run, reseeded, tmp_path):
+    """``'ckpt_path=[[a1,a2]]' 'autoguide_scale=[1,1.5]'``: each of the recipe's two runs (seeds 42 and 1) at each
+    scale, in ``autoguide_scale_<s>/run_<k>/``, on the same masks and noise; a scale's figure is the mean of its
+    runs', the same runs at both (paired run by run: with two runs the ties are by the per-run differences); the page
+    links every run's report under its scale and renders. Refused before anything is sampled: one recipe swept over
+    nothing, a recipe of one run, two recipes swept, a run listed twice."""
+    from voxdiff.evaluation.guidance_sweep import RUN_PAIRS_RULE
+
+    _, early, last = run
+    _, last_2 = reseeded
+    record = _evaluate(f"[[{last},{last_2}]]", tmp_path, "autoguide_scale=[1,1.5]", f"autoguide_ckpt={early}",
+                       "bootstrap.resamples=200")
+    assert record["swept"] == "autoguide_scale" and record["values"] == [1.0, 1.5] and record["same_runs"] is True
+    ones = [[json.loads((tmp_path / f"autoguide_scale_{s}" / f"run_{k}" / "metrics.json").read_text())
+             for k in (1, 2)] for s in ("1", "1.5")]
+    assert [[o["checkpoint"]["sha256"] for o in at] for at in ones] == [[file_sha256(last), file_sha256(last_2)]] * 2
+    assert [[o["sampling"]["autoguide_scale"] for o in at] for at in ones] == [[1.0, 1.0], [1.5, 1.5]]
+    assert len({str(o["sampling"]["conditioned_on"]) for at in ones for o in at}) == 1
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    psnr = saved["figures"]["psnr"]
+    runs = [[o["figures"]["psnr"]["value"] for o in at] for at in ones]
+    assert psnr["runs"] == runs and psnr["values"] == pytest.approx([sum(r) / 2 for r in runs])
+    assert runs[0] != runs[1] and psnr["tie_rule"] == RUN_PAIRS_RULE and saved["checkpoint"] is None
+    assert [(e["autoguide_scale"], e["run"]) for e in saved["evaluations"]] == [(1.0, 1), (1.0, 2), (1.5, 1), (1.5, 2)]
+    page = render(tmp_path / "sweep.html", tmp_path / "sweep.png")
+    assert page["table_rows"] == len(saved["figures"]) and page["blank"] is False
+    html = (tmp_path / "sweep.html").read_text()
+    assert all(f"href='autoguide_scale_{s}/run_{k}/report.html'" in html for s in ("1", "1.5") for k in (1, 2))
+    assert "autoguide_scale=1.5" in html and "the same runs at every value" in html
+    for ckpt, extra, key, why in ((f"[[{last},{last_2}]]", [], "ckpt_path", "lists one recipe and sweeps nothing"),
+                                  (f"[[{last}]]", ["autoguide_scale=[1,1.5]"], "ckpt_path", "a recipe of 1 run"),
+                                  (f"[[{early},{last}],[{early},{last_2}]]", ["autoguide_scale=[1,1.5]"], "ckpt_path",
+                                   "one list at a time"),
+                                  (f"[[{last},{last}]]", ["autoguide_scale=[1,1.5]"], "ckpt_path", "repeats a value")):
+        with pytest.raises(ConfigError, match=re.escape(why)) as e:
+            validate(compose("evaluate", [f"ckpt_path={ckpt}", *extra]))
+        assert e.value.key == key
 
 
 def test_a_sweep_of_guidance_intervals_evaluates_each_with_the_same_masks_and_noise(run, tmp_path):

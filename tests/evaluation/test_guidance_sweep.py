@@ -324,3 +324,41 @@ def test_three_runs_paired_by_seed_are_tied_by_the_spread_of_their_per_seed_diff
     assert f["best"] == "b" and f["tied"] == [] and f["tie_rule"] == SEEDS_RULE
     f = recipes(["a", "b"], [a, _recipe(x, offsets, 0.1, seeds[::-1])])["figures"]["figure"]
     assert f["tied"] == ["a"] and f["tie_rule"] == RUNS_RULE
+
+
+def test_a_setting_swept_over_one_recipe_s_runs_pairs_them_run_by_run_whatever_their_seeds():
+    """A guidance scale swept over the same six runs (no seeds recorded): scale 1.2 scores 0.1 above 1 in every run,
+    the runs spread by 1. Swept over the runs (``swept``), each resample draws the same runs at both scales: not
+    tied; read as two recipes of unpaired runs, the runs' spread ties them. With three runs, the per-run
+    differences (no spread) separate them."""
+    from voxdiff.evaluation.guidance_sweep import RUN_PAIRS_RULE, RUNS_RULE, recipes
+
+    x = np.random.default_rng(8).normal(0.0, 0.5, 12)
+    offsets = np.array([-1.5, -0.9, -0.3, 0.3, 0.9, 1.5])
+    at_1, at_12 = _recipe(x, offsets, 0.0), _recipe(x, offsets, 0.1)
+    out = recipes([1.0, 1.2], [at_1, at_12], Bootstrap(resamples=1000), swept="guidance_scale")
+    f = out["figures"]["figure"]
+    assert out["swept"] == "guidance_scale" and out["values"] == [1.0, 1.2] and out["same_runs"]
+    assert not out["runs_paired_by_seed"] and "the same runs at every value" in out["intervals_over"]
+    assert f["best"] == 1.2 and f["tied"] == [] and f["differences"]["1"] == pytest.approx([0.1, 0.1])
+    assert f["runs"] == [pytest.approx(list(x.mean() + offsets)), pytest.approx(list(x.mean() + offsets + 0.1))]
+    unpaired = recipes([1.0, 1.2], [at_1, at_12], Bootstrap(resamples=1000))
+    assert not unpaired["same_runs"] and unpaired["figures"]["figure"]["tied"] == [1.0]
+    three = recipes([1.0, 1.2], [_recipe(x, offsets[:3], 0.0), _recipe(x, offsets[:3], 0.1)], swept="guidance_scale")
+    f = three["figures"]["figure"]
+    assert f["tie_rule"] == RUN_PAIRS_RULE and f["tied"] == [] and "per-run differences" in three["intervals_over"]
+    f = recipes([1.0, 1.2], [_recipe(x, offsets[:3], 0.0), _recipe(x, offsets[:3], 0.1)])["figures"]["figure"]
+    assert f["tie_rule"] == RUNS_RULE and f["tied"] == [1.0]
+
+
+def test_each_recipe_s_runs_are_put_in_the_first_recipe_s_seed_order_where_they_hold_the_same_seeds():
+    from voxdiff.evaluation.guidance_sweep import seed_order
+
+    def group(*seeds):
+        return [{"checkpoint": {"train_seed": s}} for s in seeds]
+
+    assert seed_order([group(42, 1, 2), group(2, 42, 1), group(42, 1, 2)]) == [[0, 1, 2], [1, 2, 0], [0, 1, 2]]
+    assert seed_order([group(42, 1), group(1, 3)]) is None  # seed 42 has no run in the second
+    assert seed_order([group(1, 1), group(1, 1)]) is None  # a seed twice: which run pairs with which?
+    assert seed_order([group(1, 2), group(1, 2, 3)]) is None
+    assert seed_order([[{"checkpoint": {}}, {}], group(1, 2)]) is None  # no seed recorded

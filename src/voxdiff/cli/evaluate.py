@@ -95,7 +95,7 @@ from voxdiff.evaluation.report import (
     sweep_png,
     write_outputs,
 )
-from voxdiff.evaluation.guidance_sweep import recipes, show, summarise
+from voxdiff.evaluation.guidance_sweep import recipes, seed_order, show, summarise
 from voxdiff.evaluation.uncertainty import METHODS, MIN_RESAMPLES, Bootstrap, correlation_of, mean_of, slope_of
 from voxdiff.viz import save_montage
 
@@ -128,14 +128,16 @@ def validate(cfg: DictConfig) -> None:
     sweep = swept(cfg)
     if sweep is not None:
         key, values = sweep
+        recipe = swept_recipe(cfg)
+        if recipe is not None:  # a sweep over one recipe's runs: each run swept in turn
+            for run in recipe:
+                validate(_at(cfg, COMPARED, run))
+            _once(COMPARED, recipe)
+            return
         values = runs(values) if key == COMPARED else values  # recipes: each run of each
         for value in values:
             validate(_at(cfg, key, value))
-        if len({_shown(key, Path(str(v)).resolve() if key == COMPARED else v) for v in values}) != len(values):
-            raise ConfigError(key, values, "repeats a value: each is evaluated once",
-                              f"list each once, e.g. {key}=[A.ckpt,B.ckpt]" if key == COMPARED else
-                              f"list each once, e.g. {key}=[[0,1],[0,0.2]]" if key == INTERVALS else
-                              f"list each scale once, e.g. {key}=[1,1.1,1.25]")
+        _once(key, values)
         return
     validate_sampling(cfg)
     one_value_each(cfg)
@@ -218,6 +220,31 @@ INTERVALS = "guidance_interval"
 COMPARED = "ckpt_path"
 
 
+def _once(key: str, values: Sequence[Any]) -> None:
+    """Refuse a sweep or a comparison that lists a value (a checkpoint) twice."""
+    if len({_shown(key, Path(str(v)).resolve() if key == COMPARED else v) for v in values}) != len(values):
+        raise ConfigError(key, values, "repeats a value: each is evaluated once",
+                          f"list each once, e.g. {key}=[A.ckpt,B.ckpt]" if key == COMPARED else
+                          f"list each once, e.g. {key}=[[0,1],[0,0.2]]" if key == INTERVALS else
+                          f"list each scale once, e.g. {key}=[1,1.1,1.25]")
+
+
+def swept_recipe(cfg: DictConfig) -> list[Any] | None:
+    """``ckpt_path=[[a1,a2,...]]``, one recipe's runs, which a guidance setting given as a list is swept over
+    (each run evaluated at each value); None for any other ``ckpt_path``."""
+    value = cfg.get(COMPARED)
+    if OmegaConf.is_list(value) and len(value) == 1 and OmegaConf.is_list(value[0]):
+        return list(plain(value[0]))
+    return None
+
+
+def _one_run_refused(key: str, values: Sequence[Any], few: Sequence[Any]) -> ConfigError:
+    return ConfigError(key, values, f"lists a recipe of {len(few)} run ({list(few)}): a recipe's runs say how far "
+                       "training varies, which one run cannot", "train the recipe again with other seeds "
+                       "(train.py seed=1, 2, ...) and list each run's checkpoint, or compare the checkpoints "
+                       "alone: 'ckpt_path=[A.ckpt,B.ckpt]'")
+
+
 def is_recipes(values: Sequence[Any]) -> bool:
     """Whether a comparison's ``ckpt_path`` lists recipes (lists of runs' checkpoints) rather than checkpoints."""
     return any(isinstance(v, (list, tuple)) for v in values)
@@ -253,10 +280,21 @@ def swept(cfg: DictConfig) -> tuple[str, list[Any]] | None:
     lists = [k for k in (*SWEEPABLE, INTERVALS, COMPARED) if _is_swept(k, cfg.get(k))]
     if not lists:
         return None
+    recipe = swept_recipe(cfg)
+    if recipe is not None and len(lists) > 1:  # a guidance setting swept over one recipe's runs
+        lists.remove(COMPARED)
+        if len(recipe) < 2:
+            raise _one_run_refused(COMPARED, plain(cfg.get(COMPARED)), recipe)
+    elif recipe is not None:
+        raise ConfigError(COMPARED, plain(cfg.get(COMPARED)), "lists one recipe and sweeps nothing: a recipe is "
+                          "compared with another, or a guidance setting is swept over its runs",
+                          "add another recipe ('ckpt_path=[[a1,a2],[b1,b2]]'), or sweep a setting over this one "
+                          "(e.g. 'guidance_scale=[1,1.2]')")
     key = lists[0]
     if len(lists) > 1:
         raise ConfigError(lists[1], plain(cfg.get(lists[1])), f"is swept beside {key}: one list at a time",
-                          f"give {lists[1]} one value (or null), or sweep it alone")
+                          f"give {lists[1]} one value (or null), or sweep it alone" if lists[1] != COMPARED else
+                          f"sweep {key} over one checkpoint, or over one recipe's runs ('{COMPARED}=[[a1,a2,...]]')")
     values = list(plain(cfg.get(key)))
     if key == COMPARED and is_recipes(values):
         if not all(isinstance(v, list) for v in values):
@@ -265,10 +303,7 @@ def swept(cfg: DictConfig) -> tuple[str, list[Any]] | None:
                               "'ckpt_path=[[a1.ckpt,a2.ckpt],[b1.ckpt,b2.ckpt]]', or list checkpoints alone")
         few = next((v for v in values if len(v) < 2), None)
         if few is not None:
-            raise ConfigError(key, values, f"lists a recipe of {len(few)} run ({few}): a recipe's runs say how far "
-                              "training varies, which one run cannot", "train the recipe again with other seeds "
-                              "(train.py seed=1, 2, ...) and list each run's checkpoint, or compare the checkpoints "
-                              "alone: 'ckpt_path=[A.ckpt,B.ckpt]'")
+            raise _one_run_refused(key, values, few)
     if len(values) < 2:
         raise ConfigError(key, values, "a sweep or a comparison needs at least two values",
                           "e.g. 'ckpt_path=[A.ckpt,B.ckpt]', or one without brackets" if key == COMPARED else
@@ -287,11 +322,14 @@ def _at(cfg: DictConfig, key: str, value: Any, out: Path | None = None, index: i
     with open_dict(point):
         point[key] = value
         if out is not None:
-            folder = folder or (f"ckpt_{index + 1}" if key == COMPARED else
-                                f"{key}_{'-'.join(f'{float(v):g}' for v in value)}" if key == INTERVALS else
-                                f"{key}_{float(value):g}")
+            folder = folder or (f"ckpt_{index + 1}" if key == COMPARED else _folder(key, value))
             point.paths.output_dir = str(out / folder)
     return point
+
+
+def _folder(key: str, value: Any) -> str:
+    """The folder of a sweep's evaluation at ``key=value``: ``<key>_<value>``, an interval's ``<key>_<lo>-<hi>``."""
+    return (f"{key}_{'-'.join(f'{float(v):g}' for v in value)}" if key == INTERVALS else f"{key}_{float(value):g}")
 
 
 def _run_name(path: Any) -> str:
@@ -320,7 +358,12 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
     side by side (:func:`voxdiff.evaluation.guidance_sweep.summarise`: the scale or checkpoint each figure prefers,
     and those a paired bootstrap cannot tell apart from it). A compared checkpoint samples as it was trained to,
     but for what the command sets. Recipes (``values`` lists of runs' checkpoints) are compared as
-    :func:`voxdiff.evaluation.guidance_sweep.recipes` says, each run in ``<out>/recipe_<g>/run_<k>/``.
+    :func:`voxdiff.evaluation.guidance_sweep.recipes` says, each run in ``<out>/recipe_<g>/run_<k>/``, each
+    recipe's runs listed in the first recipe's seed order where they hold the same seeds
+    (:func:`~voxdiff.evaluation.guidance_sweep.seed_order`). A sweep over one recipe's runs
+    (``ckpt_path=[[a1,a2,...]]``, :func:`swept_recipe`) evaluates every run at every value, each in
+    ``<out>/<key>_<value>/run_<k>/``: a value's figure is the mean of its runs', its intervals and ties over the
+    runs (the same at every value) and the volumes.
     Returns the sweep's record plus ``{"json", "html"}`` paths.
 
     Raises:
@@ -329,58 +372,80 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
             samples: its figures would not be of the same masks), or as :func:`evaluate`.
     """
     comparing = key == COMPARED
+    recipe = None if comparing else swept_recipe(cfg)  # a sweep over one recipe's runs
     grouped = comparing and is_recipes(values)
     groups = [list(v) for v in values] if grouped else []
-    for path in runs(values) if comparing else [cfg.ckpt_path]:
+    for path in runs(values) if comparing else recipe or [cfg.ckpt_path]:
         header = load_file(Path(str(path)), "ckpt_path", _CKPT_FIX, mmap=True)
         kind = checkpoint_kind(header)
         del header
-        if kind != "diffusion" and comparing:
-            raise ConfigError(key, str(path), f"is {KINDS[kind]}; a comparison evaluates diffusion checkpoints",
+        if kind != "diffusion" and (comparing or recipe):
+            raise ConfigError(COMPARED, str(path), f"is {KINDS[kind]}; a comparison evaluates diffusion checkpoints",
                               "list diffusion runs' checkpoints (evaluate a VQ-VAE alone)")
         if kind != "diffusion":
             raise ConfigError(key, values, f"sweeps the guidance of a diffusion checkpoint, and ckpt_path is "
                               f"{KINDS[kind]}", f"give {key} one value (or none), or point ckpt_path at a diffusion "
                               "run's checkpoint")
     out = Path(cfg.paths.output_dir)
-    recipe_of = [g for g, group in enumerate(groups) for _ in group]  # each run's recipe
-    folders = [f"recipe_{g + 1}/run_{k + 1}" for g, group in enumerate(groups) for k in range(len(group))]
-    flat = runs(values) if comparing else list(values)
-    points = [_at(cfg, key, v, out, i, folders[i] if grouped else None) for i, v in enumerate(flat)]
+    if recipe is not None:  # every run at every value: value i's runs are points[i * R:(i + 1) * R]
+        points = [_at(_at(cfg, COMPARED, run), key, v, out, folder=f"{_folder(key, v)}/run_{k + 1}")
+                  for v in values for k, run in enumerate(recipe)]
+        flat = [v for v in values for _ in recipe]
+    else:
+        folders = [f"recipe_{g + 1}/run_{k + 1}" for g, group in enumerate(groups) for k in range(len(group))]
+        flat = runs(values) if comparing else list(values)
+        points = [_at(cfg, key, v, out, i, folders[i] if grouped else None) for i, v in enumerate(flat)]
     device = pick_device(cfg.device)
-    what = "comparison of recipes" if grouped else "comparison" if comparing else f"sweep of {key}"
+    what = ("comparison of recipes" if grouped else "comparison" if comparing else
+            f"sweep of {key} over {len(recipe)} runs" if recipe else f"sweep of {key}")
     shown = [_shown(key, v) for v in flat]
-    print(f"[voxdiff] {what}: checking {', '.join(shown)} {'' if comparing else 'against the checkpoint '}before any "
-          "is sampled", flush=True)
+    print(f"[voxdiff] {what}: checking {', '.join(dict.fromkeys(shown))} "
+          f"{'' if comparing else 'against the checkpoint ' if not recipe else 'against each run '}before any is "
+          "sampled", flush=True)
     if comparing:  # each its own checkpoint, read, checked and let go in turn
         for point in points:
             checked(point, device)
+    elif recipe:  # each run's checkpoint read once, checked at every value
+        for k in range(len(recipe)):
+            check_each(points[k::len(recipe)], device)
     else:
         check_each(points, device)
     records = []
     for i, (value, point) in enumerate(zip(shown, points, strict=True)):
         print(f"[voxdiff] {what}: {key}={value} ({i + 1} of {len(flat)}) into {point.paths.output_dir}", flush=True)
-        records.append(evaluate(point, subjects=records[0]["real_subjects"] if comparing and records else None))
+        records.append(evaluate(point, subjects=records[0]["real_subjects"] if (comparing or recipe) and records
+                                else None))
+    if grouped:  # each recipe's runs together, listed in the first recipe's seed order where they pair by it
+        starts = np.cumsum([0, *map(len, groups)])
+        by_group = [records[a:b] for a, b in zip(starts[:-1], starts[1:])]
+        order = seed_order(by_group)
+        if order is not None:
+            by_group = [[g[k] for k in each] for g, each in zip(by_group, order)]
+            groups = [[g[k] for k in each] for g, each in zip(groups, order)]
+            records, flat = [r for g in by_group for r in g], runs(groups)
+    elif recipe:
+        by_group = [records[i * len(recipe):(i + 1) * len(recipe)] for i in range(len(values))]
     run_labels = [_checkpoint_label(i, r) for i, r in enumerate(records)] if comparing else []
     labels = ([_recipe_label(g, group) for g, group in enumerate(groups)] if grouped else run_labels if comparing
-              else shown if key == INTERVALS else [float(v) for v in values])
-    if grouped:  # each recipe's runs together: the mean of its runs, intervals over runs and volumes
-        starts = np.cumsum([0, *map(len, groups)])
-        summary = recipes(labels, [records[a:b] for a, b in zip(starts[:-1], starts[1:])], bootstrap_settings(cfg))
+              else [_shown(key, v) for v in values] if key == INTERVALS else [float(v) for v in values])
+    if grouped or recipe:  # a figure is the mean of its runs', its intervals and ties over runs and volumes
+        summary = recipes(labels, by_group, bootstrap_settings(cfg), swept=None if comparing else key)
     else:
         summary = summarise(key, labels, records, bootstrap_settings(cfg))  # the ties by a paired bootstrap
     first = records[0]
     shared = ("seed", "conditioned_on", "covariates") if comparing else tuple(first["sampling"])
-    record = {"checkpoint": None if comparing else first["checkpoint"],
+    group_of = [labels[g] for g, group in enumerate(by_group) for _ in group] if grouped or recipe else []
+    record = {"checkpoint": None if comparing or recipe else first["checkpoint"],
               "evaluated_at": dt.datetime.now().isoformat(timespec="seconds"),
               "data": first["data"], "split": first["split"], "n_generated": first["n_generated"],
               "sampling": {k: v for k, v in first["sampling"].items()  # what every evaluation shares
                            if k in shared and k not in (key, "autoguide_ckpt", "memory_gib")},
               **summary,
               "evaluations": [{key: str(v) if comparing else v, **({"label": label} if comparing else {}),
-                               **({"recipe": labels[recipe_of[i]]} if grouped else {}),
+                               **({"recipe": group_of[i]} if grouped else {"run": i % len(recipe) + 1} if recipe
+                                  else {}),
                                "checkpoint": r["checkpoint"], "metrics": r["json"], "report": r["html"]}
-                              for i, (v, label, r) in enumerate(zip(flat, run_labels or labels, records))]}
+                              for i, (v, label, r) in enumerate(zip(flat, run_labels or flat, records))]}
     if grouped:
         meta = {"compared": "; ".join(labels), "intervals over": summary["intervals_over"],
                 "sets": f"{first['n_generated']} generated by each run from the same masks, noise and "
@@ -389,16 +454,22 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
         meta = {"compared": "; ".join(f"{label} ({r['checkpoint']['path']})" for label, r in zip(labels, records)),
                 "sets": f"{first['n_generated']} generated by each checkpoint from the same masks, noise and "
                         f"covariates, {first['n_real']} real (split={first['split']})"}
+    elif recipe:
+        meta = {"recipe": _recipe_label(0, recipe).split(": ", 1)[1],
+                "swept": f"{key} = {', '.join(dict.fromkeys(shown))}: every run at each, with the same masks, noise "
+                         "and covariates", "intervals over": summary["intervals_over"],
+                "sets": f"{first['n_generated']} generated by each run at each value, {first['n_real']} real "
+                        f"(split={first['split']})"}
     else:
         meta = {"checkpoint": f"{first['checkpoint']['path']} (step {first['checkpoint']['global_step']})",
                 "swept": f"{key} = {', '.join(shown)}: the same masks, noise and covariates at each",
                 "sets": f"{first['n_generated']} generated at each scale, {first['n_real']} real "
                         f"(split={first['split']})"}
     reports: list[Any] = [str(Path(r["html"]).relative_to(out)) for r in records]
-    if grouped:  # a recipe's column links each of its runs' reports
-        reports = [reports[a:b] for a, b in zip(starts[:-1], starts[1:])]
+    if grouped or recipe:  # a column links each of its runs' reports
+        reports = [[str(Path(r["html"]).relative_to(out)) for r in group] for group in by_group]
     title = ("voxdiff comparison of recipes" if grouped else "voxdiff comparison of checkpoints" if comparing else
-             f"voxdiff guidance sweep: {key}")
+             f"voxdiff guidance sweep over a recipe's runs: {key}" if recipe else f"voxdiff guidance sweep: {key}")
     page = render_sweep_html(title, meta, summary, reports, sweep_png(summary))
     json_path, html_path = write_outputs(out, record, page, names=("sweep.json", "sweep.html"))
     print(f"[voxdiff] {what}: wrote {json_path} and {html_path}", flush=True)

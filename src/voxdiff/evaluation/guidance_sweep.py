@@ -189,6 +189,8 @@ def summarise(key: str, values: Sequence[Any], records: Sequence[Mapping[str, An
 RUNS_RULE = "one standard error over runs"
 #: the same, where the runs are paired by seed: the standard error of the per-seed differences
 SEEDS_RULE = "one standard error of the per-seed differences"
+#: the same, where every value of a sweep was sampled by the same runs: the per-run differences
+RUN_PAIRS_RULE = "one standard error of the per-run differences"
 
 
 def seed_ties(runs: Sequence[Sequence[float]], best: int, direction: str, goal: float | None) -> list[int]:
@@ -206,8 +208,20 @@ def seed_ties(runs: Sequence[Sequence[float]], best: int, direction: str, goal: 
     return out
 
 
-def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]],
-            bootstrap: U.Bootstrap | None = None) -> dict[str, Any]:
+def seed_order(groups: Sequence[Sequence[Mapping[str, Any]]]) -> list[list[int]] | None:
+    """How to list each recipe's runs (``groups``: per recipe, its runs' evaluations) in the first recipe's seed
+    order (``checkpoint.train_seed``): per recipe, the index of its run of each of the first recipe's seeds in turn;
+    None where the recipes do not each hold one run of every seed of the first (a seed missing, repeated or not
+    recorded): their runs cannot be paired by seed."""
+    seeds = [[(r.get("checkpoint") or {}).get("train_seed") for r in g] for g in groups]
+    first = seeds[0]
+    if None in first or len(set(first)) != len(first) or any(sorted(s) != sorted(first) for s in seeds):
+        return None
+    return [[each.index(seed) for seed in first] for each in seeds]
+
+
+def recipes(labels: Sequence[Any], groups: Sequence[Sequence[Mapping[str, Any]]],
+            bootstrap: U.Bootstrap | None = None, swept: str | None = None) -> dict[str, Any]:
     """A comparison of training recipes, each trained several times (``groups``: per recipe, its runs'
     evaluations, all drawn from the same masks, noise and real volumes): :func:`summarise` of the recipes, where a
     recipe's figure is the mean of its runs' (``runs``: each run's value) and its interval and ties are over both
@@ -227,6 +241,10 @@ def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]]
     Runs paired by seed but too few to resample are tied by the per-seed differences instead (:func:`seed_ties`,
     ``tie_rule`` :data:`SEEDS_RULE`).
 
+    ``swept``: a guidance setting swept over one recipe's runs (``labels`` its values, ``groups`` the same runs
+    sampled at each): the runs are paired run by run whatever their seeds (``same_runs`` in the record; the ties of
+    few runs by the per-run differences, :data:`RUN_PAIRS_RULE`); None: recipes compared (``ckpt_path``).
+
     Returns:
         :func:`summarise`'s table plus ``runs`` (runs per recipe), ``runs_paired_by_seed``, ``intervals_over``
         (what the intervals and ties are over), and per figure ``runs`` (``[[value of each run] per recipe]``).
@@ -239,7 +257,9 @@ def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]]
     sizes = _sizes(first)
     seeds = [[(r.get("checkpoint") or {}).get("train_seed") for r in g] for g in groups]
     by_seed = all(s == seeds[0] for s in seeds) and None not in seeds[0] and len(set(seeds[0])) == len(seeds[0])
-    run_sets = ["runs" if by_seed else f"runs_{g + 1}" for g in range(len(groups))]  # one set: paired by seed
+    same_runs = swept is not None
+    paired_runs = by_seed or same_runs
+    run_sets = ["runs" if paired_runs else f"runs_{g + 1}" for g in range(len(groups))]  # one set: paired runs
     sizes.update({name: len(runs) for name, runs in zip(run_sets, groups)})
     virtual = []
     for g, runs in enumerate(groups):
@@ -262,18 +282,21 @@ def recipes(labels: Sequence[str], groups: Sequence[Sequence[Mapping[str, Any]]]
             figures[name] = f
         virtual.append({**{k: runs[0].get(k) for k in ("real_subjects", "n_generated", "n_real", "sampling")},
                         "figures": figures, "resamplers": resamplers, "resample_sizes": sizes})
-    summary = summarise("ckpt_path", list(labels), virtual, bootstrap if crossed else None)
+    summary = summarise(swept or "ckpt_path", list(labels), virtual, bootstrap if crossed else None)
     for name, f in summary["figures"].items():
         f["runs"] = [v["figures"][name]["runs"] for v in virtual]
         if f.get("tie_rule") == SE_RULE:
             f["tie_rule"] = RUNS_RULE
-            if by_seed:  # paired by seed: the per-seed differences' spread, not the runs'
+            if paired_runs:  # paired by seed (the same runs): the per-seed differences' spread, not the runs'
                 f["tied"] = [labels[g] for g in seed_ties(f["runs"], list(labels).index(f["best"]), f["direction"],
                                                           f["target"])]
-                f["tie_rule"] = SEEDS_RULE
-    over = (f"training runs and volumes (a bootstrap of both, crossed{'; runs paired by seed' if by_seed else ''})"
+                f["tie_rule"] = RUN_PAIRS_RULE if same_runs else SEEDS_RULE
+    pairing = "the same runs at every value" if same_runs else "runs paired by seed"
+    over = (f"training runs and volumes (a bootstrap of both, crossed{'; ' + pairing if paired_runs else ''})"
             if crossed else
             f"training runs on these volumes (standard error of the mean over runs: fewer than {U.MIN_VOLUMES} runs "
             "a recipe, no bootstrap, or runs drawn from other masks"
-            f"{'; ties by the per-seed differences' if by_seed else ''})")
-    return {**summary, "runs": [len(g) for g in groups], "runs_paired_by_seed": by_seed, "intervals_over": over}
+            + ("; ties by the per-run differences, the same runs at every value" if same_runs else
+               "; ties by the per-seed differences" if by_seed else "") + ")")
+    return {**summary, "runs": [len(g) for g in groups], "runs_paired_by_seed": by_seed, "same_runs": same_runs,
+            "intervals_over": over}

@@ -147,11 +147,13 @@ def sweep_png(summary: Mapping[str, Any]) -> bytes:
     """A guidance sweep (:func:`voxdiff.evaluation.guidance_sweep.summarise`): each ranked figure against the scale,
     a small panel each, its target dashed where it has one and the scale it prefers dotted. Compared checkpoints,
     recipes or intervals stand at evenly spaced places named by their number (``k`` of a label ``"k: ..."``, the
-    table's column) or their interval; a recipe's runs are grey dots beside its mean."""
+    table's column) or their interval; a recipe's runs (a value's, swept over one recipe's runs) are grey dots beside
+    its mean."""
     ranked = {n: f for n, f in summary["figures"].items() if f["best"] is not None}
     values = list(summary["values"])
     numeric = all(isinstance(v, (int, float)) for v in values)
     xs = values if numeric else list(range(len(values)))
+    shift = 0.12 * (min(b - a for a, b in zip(sorted(xs), sorted(xs)[1:])) if numeric and len(xs) > 1 else 1)
     names = None if numeric else [str(v).split(": ", 1)[0] for v in values]
     cols = min(4, max(1, len(ranked)))
     rows = max(1, math.ceil(len(ranked) / cols))
@@ -160,13 +162,13 @@ def sweep_png(summary: Mapping[str, Any]) -> bytes:
         ax = fig.add_subplot(rows, cols, k + 1)
         ax.errorbar(xs, f["values"], yerr=f.get("se"), fmt="o-", color="tab:orange", markersize=4, capsize=2)
         for x, each in zip(xs, f.get("runs", ())):  # recipes: each run's value beside the mean
-            ax.plot([x - 0.12] * len(each), each, ".", color="grey", markersize=3)
+            ax.plot([x - shift] * len(each), each, ".", color="grey", markersize=3)
         if f["target"] is not None:
             ax.axhline(f["target"], color="tab:blue", linestyle="--", linewidth=1)
         ax.axvline(xs[values.index(f["best"])], color="grey", linestyle=":", linewidth=1)
         ax.set_title(name, fontsize=8)
-        ax.set_xlabel("recipe" if "runs" in f else "checkpoint" if summary["swept"] == "ckpt_path" else
-                      summary["swept"], fontsize=8)
+        ax.set_xlabel(summary["swept"] if summary["swept"] != "ckpt_path" else "recipe" if "runs" in f else
+                      "checkpoint", fontsize=8)
         ax.tick_params(labelsize=7)
         if names is not None:
             ax.set_xticks(xs, names)
@@ -269,14 +271,15 @@ def render_sweep_html(title: str, meta: Mapping[str, Any], summary: Mapping[str,
     has one; the scale it prefers in bold, and those the evaluations cannot tell apart from it: ``tied``), its
     direction and target; the ranked figures plotted against the scale; each scale's own report linked
     (``reports``: paths relative to the page, one per scale; a comparison of recipes: a list of its runs' reports
-    per recipe, and each run's value under the recipe's, ``runs``)."""
+    per recipe (per value, swept over one recipe's runs), and each run's value under the recipe's, ``runs``)."""
     key, values = summary["swept"], summary["values"]
 
     def header(value: Any, report: str | Sequence[str]) -> str:
         if isinstance(report, str):
             return f"<th><a href='{html.escape(report)}'>{html.escape(key)}={html.escape(show(value))}</a></th>"
         links = " ".join(f"<a href='{html.escape(r)}'>{k + 1}</a>" for k, r in enumerate(report))
-        return f"<th>{html.escape(show(value))}<br><span class='note'>runs: {links}</span></th>"
+        name = show(value) if key == "ckpt_path" else f"{key}={show(value)}"  # a recipe, or a value swept over one
+        return f"<th>{html.escape(name)}<br><span class='note'>runs: {links}</span></th>"
 
     head = "".join(header(v, r) for v, r in zip(values, reports))
     rows = []
