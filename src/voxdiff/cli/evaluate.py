@@ -272,10 +272,12 @@ def _shown(key: str, value: Any) -> str:
 
 def swept(cfg: DictConfig) -> tuple[str, list[Any]] | None:
     """A guidance scale or interval (a sweep) or ``ckpt_path`` (a comparison) given as a list: ``(key, values)``;
-    None: one evaluation.
+    None: one evaluation. With ``ckpt_path`` one recipe (:func:`swept_recipe`), the guidance setting given as a list
+    is swept over its runs: ``(key, values)`` of that setting.
 
     Raises:
-        ConfigError: two of them given as lists, or fewer than two values.
+        ConfigError: two of them given as lists (but one recipe and a setting), fewer than two values, one recipe
+            and nothing swept, a recipe of one run.
     """
     lists = [k for k in (*SWEEPABLE, INTERVALS, COMPARED) if _is_swept(k, cfg.get(k))]
     if not lists:

@@ -246,8 +246,9 @@ def recipes(labels: Sequence[Any], groups: Sequence[Sequence[Mapping[str, Any]]]
     few runs by the per-run differences, :data:`RUN_PAIRS_RULE`); None: recipes compared (``ckpt_path``).
 
     Returns:
-        :func:`summarise`'s table plus ``runs`` (runs per recipe), ``runs_paired_by_seed``, ``intervals_over``
-        (what the intervals and ties are over), and per figure ``runs`` (``[[value of each run] per recipe]``).
+        :func:`summarise`'s table plus ``runs`` (runs per recipe), ``runs_paired_by_seed``, ``same_runs``,
+        ``intervals_over`` (what the intervals and ties are over), and per figure ``runs`` (``[[value of each run]
+        per recipe]``).
     """
     if len(labels) != len(groups) or any(len(g) < 2 for g in groups):
         raise ValueError(f"recipes: {len(labels)} labels for {len(groups)} recipes, each of at least 2 runs")
