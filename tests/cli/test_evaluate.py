@@ -366,8 +366,8 @@ def test_recipes_are_compared_by_the_mean_of_their_runs_each_evaluated_on_the_sa
     early_2, last_2 = reseeded
     record = _evaluate(f"[[{early},{early_2}],[{last_2},{last}]]", tmp_path, "split=all", "n=6",
                        "bootstrap.resamples=200")
-    assert record["values"] == ["1: 2 runs (steps, steps)", f"2: 2 runs ({last.parent.parent.name}, "
-                                                            f"{last_2.parent.parent.name})"]  # seed order
+    assert record["values"] == ["1: 2 runs (steps, steps; seeds 42, 1)", f"2: 2 runs ({last.parent.parent.name}, "
+                                f"{last_2.parent.parent.name}; seeds 42, 1)"]  # in seed order, named with them
     ones = [[json.loads((tmp_path / f"recipe_{g}" / f"run_{k}" / "metrics.json").read_text()) for k in order]
             for g, order in ((1, (1, 2)), (2, (2, 1)))]  # recipe 2's run_1 is seed 1's, as listed
     assert [[o["checkpoint"]["sha256"] for o in g] for g in ones] == [
@@ -425,7 +425,7 @@ def test_a_guidance_scale_swept_over_one_recipe_s_runs_evaluates_every_run_at_ev
     assert page["table_rows"] == len(saved["figures"]) and page["blank"] is False
     html = (tmp_path / "sweep.html").read_text()
     assert all(f"href='autoguide_scale_{s}/run_{k}/report.html'" in html for s in ("1", "1.5") for k in (1, 2))
-    assert "autoguide_scale=1.5" in html and "the same runs at every value" in html
+    assert "autoguide_scale=1.5" in html and "the same runs at every value" in html and "seeds 42, 1" in html
     for ckpt, extra, key, why in ((f"[[{last},{last_2}]]", [], "ckpt_path", "lists one recipe and sweeps nothing"),
                                   (f"[[{last}]]", ["autoguide_scale=[1,1.5]"], "ckpt_path", "a recipe of 1 run"),
                                   (f"[[{early},{last}],[{early},{last_2}]]", ["autoguide_scale=[1,1.5]"], "ckpt_path",
