@@ -320,13 +320,19 @@ def test_the_default_output_is_the_runs_eval_folder(run):
     assert compared.parent.name == "evaluate" and compared.parent.parent != out  # under paths.log_dir, no run's
 
 
-def test_a_comparison_evaluates_each_checkpoint_on_the_same_masks_and_noise_and_reads_them_paired(run, tmp_path):
+def test_a_comparison_evaluates_each_checkpoint_on_the_same_masks_and_noise_and_reads_them_paired(run, tmp_path,
+                                                                                                  capsys):
     """``'ckpt_path=[early,late]'``: each checkpoint a whole evaluation in ``ckpt_<k>/`` with the same masks, noise
     and real volumes; ``sweep.json`` names each by its run, file and step, ranks each figure, and ties by a paired
     bootstrap: 38 more steps of training lift the PSNR by more than its paired interval (step 2's samples are
-    noise-like), so the late checkpoint is preferred and the early one not tied with it. The page renders."""
+    noise-like), so the late checkpoint is preferred and the early one not tied with it. The page renders. The
+    command's summary prints each label once and names the checkpoints by their numbers."""
     _, early, last = run
     record = _evaluate(f"[{early},{last}]", tmp_path, "split=all", "n=6", "bootstrap.resamples=200")
+    printed = capsys.readouterr().out
+    psnr = next(line for line in printed.splitlines() if line.startswith("[voxdiff]   psnr: "))
+    assert psnr.endswith("(prefers 2)") and " 1: " in psnr and "step002" not in psnr
+    assert all(f"[voxdiff]   {label}\n" in printed for label in record["values"])
     assert record["swept"] == "ckpt_path" and record["checkpoint"] is None
     first, second = record["values"]
     assert first.startswith("1: ") and first.endswith("step002.ckpt, step 2")

@@ -480,12 +480,19 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
     page = render_sweep_html(title, meta, summary, reports, sweep_png(summary))
     json_path, html_path = write_outputs(out, record, page, names=("sweep.json", "sweep.html"))
     print(f"[voxdiff] {what}: wrote {json_path} and {html_path}", flush=True)
+    if comparing:  # the labels once; the figures name each checkpoint (recipe) by its number
+        for label in labels:
+            print(f"[voxdiff]   {label}", flush=True)
+
+    def short(value: Any) -> str:
+        return str(value).split(": ", 1)[0] if comparing else show(value)
+
     for name, f in summary["figures"].items():
         if f["best"] is not None:
-            ties = (f"; not told apart from it ({f['tie_rule']}): {', '.join(map(show, f['tied']))}"
+            ties = (f"; not told apart from it ({f['tie_rule']}): {', '.join(map(short, f['tied']))}"
                     if f.get("tied") else "")
-            print(f"[voxdiff]   {name}: " + "  ".join(f"{show(v)}: {x:.4g}" for v, x in zip(labels, f["values"]))
-                  + f"  (prefers {show(f['best'])}{ties})", flush=True)
+            print(f"[voxdiff]   {name}: " + "  ".join(f"{short(v)}: {x:.4g}" for v, x in zip(labels, f["values"]))
+                  + f"  (prefers {short(f['best'])}{ties})", flush=True)
     return {**record, "json": str(json_path), "html": str(html_path)}
 
 
