@@ -442,6 +442,23 @@ def test_a_guidance_scale_swept_over_one_recipe_s_runs_evaluates_every_run_at_ev
         assert e.value.key == key
 
 
+def test_a_sweep_of_sampling_steps_evaluates_each_with_the_same_masks_and_noise(run, tmp_path):
+    """``num_inference_steps=[2,5]``: one evaluation per step count in ``num_inference_steps_<n>/``, each recording
+    its steps, from the same masks (the samples differ: 2 DDIM steps against 5); a repeated count refused, naming
+    the key and a step-count example."""
+    _, _, last = run
+    record = _evaluate(last, tmp_path, "num_inference_steps=[2,5]")
+    assert record["swept"] == "num_inference_steps" and record["values"] == [2.0, 5.0]
+    ones = [json.loads((tmp_path / f"num_inference_steps_{n}" / "metrics.json").read_text()) for n in (2, 5)]
+    assert [o["sampling"]["num_inference_steps"] for o in ones] == [2, 5]
+    assert ones[0]["sampling"]["conditioned_on"] == ones[1]["sampling"]["conditioned_on"]
+    assert ones[0]["figures"]["psnr"]["value"] != ones[1]["figures"]["psnr"]["value"]
+    assert "num_inference_steps=5" in (tmp_path / "sweep.html").read_text()
+    with pytest.raises(ConfigError, match=re.escape("num_inference_steps=[10,25,50]")) as e:
+        validate(compose("evaluate", [f"ckpt_path={last}", "num_inference_steps=[5,5]"]))
+    assert e.value.key == "num_inference_steps"
+
+
 def test_a_sweep_of_guidance_intervals_evaluates_each_with_the_same_masks_and_noise(run, tmp_path):
     """``'guidance_interval=[[0,1],[0,0.4]]'`` with autoguidance (the step-2 checkpoint as the guide): one evaluation
     per interval in ``guidance_interval_<lo>-<hi>/``, each recording its interval; guided at 2 of the 5 DDIM steps

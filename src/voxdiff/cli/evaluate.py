@@ -210,8 +210,10 @@ def _correlated(drawn: Drawn, name: str, series: tuple[Sequence[float], Sequence
     return drawn.with_interval(name, pearson(*series), correlation_of(*series, of))
 
 
-#: the sampling settings a list of values sweeps: one evaluation at each (``autoguide_scale=[1,1.1,1.25]``)
-SWEEPABLE = ("guidance_scale", "autoguide_scale")
+#: the sampling settings a list of values sweeps: one evaluation at each (``autoguide_scale=[1,1.1,1.25]``,
+#: ``num_inference_steps=[10,25,50]``)
+SWEEPABLE = ("guidance_scale", "autoguide_scale", "num_inference_steps")
+_EXAMPLES = {"num_inference_steps": "[10,25,50]"}  # a sweep's example where a scale's is not one
 #: the guidance interval a list of intervals sweeps (``'guidance_interval=[[0,1],[0,0.2]]'``)
 INTERVALS = "guidance_interval"
 #: the checkpoints a list compares: one evaluation of each with the same masks, noise and covariates
@@ -226,7 +228,7 @@ def _once(key: str, values: Sequence[Any]) -> None:
         raise ConfigError(key, values, "repeats a value: each is evaluated once",
                           f"list each once, e.g. {key}=[A.ckpt,B.ckpt]" if key == COMPARED else
                           f"list each once, e.g. {key}=[[0,1],[0,0.2]]" if key == INTERVALS else
-                          f"list each scale once, e.g. {key}=[1,1.1,1.25]")
+                          f"list each value once, e.g. {key}={_EXAMPLES.get(key, '[1,1.1,1.25]')}")
 
 
 def swept_recipe(cfg: DictConfig) -> list[Any] | None:
@@ -310,7 +312,7 @@ def swept(cfg: DictConfig) -> tuple[str, list[Any]] | None:
         raise ConfigError(key, values, "a sweep or a comparison needs at least two values",
                           "e.g. 'ckpt_path=[A.ckpt,B.ckpt]', or one without brackets" if key == COMPARED else
                           "e.g. 'guidance_interval=[[0,1],[0,0.2]]', or one interval [lo,hi]" if key == INTERVALS else
-                          f"e.g. {key}=[1,1.1,1.25], or one value without brackets")
+                          f"e.g. {key}={_EXAMPLES.get(key, '[1,1.1,1.25]')}, or one value without brackets")
     return key, values
 
 
@@ -389,7 +391,7 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
             raise ConfigError(COMPARED, str(path), f"is {KINDS[kind]}; a comparison evaluates diffusion checkpoints",
                               "list diffusion runs' checkpoints (evaluate a VQ-VAE alone)")
         if kind != "diffusion":
-            raise ConfigError(key, values, f"sweeps the guidance of a diffusion checkpoint, and ckpt_path is "
+            raise ConfigError(key, values, f"sweeps how a diffusion checkpoint samples, and ckpt_path is "
                               f"{KINDS[kind]}", f"give {key} one value (or none), or point ckpt_path at a diffusion "
                               "run's checkpoint")
     out = Path(cfg.paths.output_dir)
@@ -470,7 +472,7 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
     else:
         meta = {"checkpoint": f"{first['checkpoint']['path']} (step {first['checkpoint']['global_step']})",
                 "swept": f"{key} = {', '.join(shown)}: the same masks, noise and covariates at each",
-                "sets": f"{first['n_generated']} generated at each scale, {first['n_real']} real "
+                "sets": f"{first['n_generated']} generated at each value, {first['n_real']} real "
                         f"(split={first['split']})"}
     reports: list[Any] = [str(Path(r["html"]).relative_to(out)) for r in records]
     if grouped or recipe:  # a column links each of its runs' reports
