@@ -35,6 +35,17 @@ def show(value: Any) -> str:
     return f"{value:g}" if isinstance(value, (int, float)) else str(value)
 
 
+def label_number(label: Any) -> str:
+    """What a compared checkpoint's or recipe's label ``"<k>: ..."`` is called for short (the table's column,
+    the plot's tick): ``k``."""
+    return str(label).split(": ", 1)[0]
+
+
+def train_seeds(records: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """The training seed of each evaluated checkpoint (``checkpoint.train_seed``; None where not recorded)."""
+    return [(r.get("checkpoint") or {}).get("train_seed") for r in records]
+
+
 def paired(records: Sequence[Mapping[str, Any]]) -> bool:
     """Whether the evaluations drew sample ``i`` from the same mask (``sampling.conditioned_on``) and the same real
     volumes (``real_subjects``): a sweep's always, a comparison's where the checkpoints split their data alike."""
@@ -213,7 +224,7 @@ def seed_order(groups: Sequence[Sequence[Mapping[str, Any]]]) -> list[list[int]]
     order (``checkpoint.train_seed``): per recipe, the index of its run of each of the first recipe's seeds in turn;
     None where the recipes do not each hold one run of every seed of the first (a seed missing, repeated or not
     recorded): their runs cannot be paired by seed."""
-    seeds = [[(r.get("checkpoint") or {}).get("train_seed") for r in g] for g in groups]
+    seeds = [train_seeds(g) for g in groups]
     first = seeds[0]
     if None in first or len(set(first)) != len(first) or any(sorted(s) != sorted(first) for s in seeds):
         return None
@@ -256,7 +267,7 @@ def recipes(labels: Sequence[Any], groups: Sequence[Sequence[Mapping[str, Any]]]
     first = every[0]
     crossed = bootstrap is not None and paired(every) and min(len(g) for g in groups) >= U.MIN_VOLUMES
     sizes = _sizes(first)
-    seeds = [[(r.get("checkpoint") or {}).get("train_seed") for r in g] for g in groups]
+    seeds = [train_seeds(g) for g in groups]
     by_seed = all(s == seeds[0] for s in seeds) and None not in seeds[0] and len(set(seeds[0])) == len(seeds[0])
     same_runs = swept is not None
     paired_runs = by_seed or same_runs

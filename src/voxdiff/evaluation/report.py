@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from voxdiff.evaluation.guidance_sweep import show
+from voxdiff.evaluation.guidance_sweep import label_number, show
 from voxdiff.files import atomic_write
 
 #: ``direction`` values of a figure and how the table shows them
@@ -154,7 +154,7 @@ def sweep_png(summary: Mapping[str, Any]) -> bytes:
     numeric = all(isinstance(v, (int, float)) for v in values)
     xs = values if numeric else list(range(len(values)))
     shift = 0.12 * (min(b - a for a, b in zip(sorted(xs), sorted(xs)[1:])) if numeric and len(xs) > 1 else 1)
-    names = None if numeric else [str(v).split(": ", 1)[0] for v in values]
+    names = None if numeric else [label_number(v) for v in values]
     cols = min(4, max(1, len(ranked)))
     rows = max(1, math.ceil(len(ranked) / cols))
     fig = _figure(3.0 * cols, 2.4 * rows)
