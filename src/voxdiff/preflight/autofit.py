@@ -371,11 +371,12 @@ def layout_note(channels_last: bool) -> str:
     channels-last run's are NCDHW's (the time model was fitted to NCDHW steps:
     :data:`~voxdiff.preflight.resources.STEP_THROUGHPUT`), and the layout is not among the candidates. Its GPU figures
     (``reference/README.md``): whole compiled steps at batch 1 (exp11 0.96x the NCDHW step's time on an H100,
-    session 15; exp9_ldm_8x_bravo at most 0.94x on an H200, session 26), the convolutions alone above it
-    (``bench/bench_convs.py``, session 25: 0.758x and 0.816x)."""
-    measured = ("compiled channels-last steps measured at batch 1 ran 0.96x (exp11, H100) and at most 0.94x "
-                "(exp9_ldm_8x_bravo, H200) the NCDHW step's time; above batch 1 only the convolutions alone, "
-                "0.76-0.82x at exp11's batch 32 and exp9_ldm_4x_bravo's batch 2, bench/bench_convs.py")
+    session 15, 0.97x on an H200, session 31; exp9_ldm_8x_bravo at most 0.94x on an H200, session 26) and at exp11's
+    batch 32 (1.01x on an H200, session 31), where the convolutions alone took 0.758x (``bench/bench_convs.py``,
+    session 25; exp9_ldm_4x_bravo's at batch 2 0.816x)."""
+    measured = ("compiled channels-last steps measured at batch 1 ran 0.96-0.97x (exp11, H100 and H200) and at "
+                "most 0.94x (exp9_ldm_8x_bravo, H200) the NCDHW step's time, at exp11's batch 32 1.01x (H200), "
+                "although its convolutions alone took 0.76x (bench/bench_convs.py)")
     if channels_last:
         return f"channels-last (model.channels_last): the step times above are {CHANNELS_LAST_TIME} ({measured})"
     return f"not searched: model.channels_last ({measured})"

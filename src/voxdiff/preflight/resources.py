@@ -505,10 +505,10 @@ def step_kind(compiled: bool, cuda_graphs: bool) -> str:
 
 #: what a predicted step time is for a channels-last run (``model.channels_last``, ``auto`` on a compiled GPU run):
 #: every row of :data:`STEP_THROUGHPUT` was measured in NCDHW (the whole channels-last steps measured,
-#: exp11 at batch 1 in session 15 and exp9_ldm_8x_bravo in session 26, are not among them; README, "Channels-last"),
-#: and those ran faster than NCDHW's
+#: exp11 at batch 1 in sessions 15 and 31, at batch 32 in session 31, exp9_ldm_8x_bravo in session 26, are not among
+#: them; README, "Channels-last"), and those ran 0.94-1.01x NCDHW's time
 CHANNELS_LAST_TIME = ("NCDHW's: the time model was fitted to NCDHW steps only, and compiled channels-last steps "
-                      "measured faster")
+                      "measured 0.94-1.01x their time")
 
 
 @dataclass(frozen=True)
