@@ -117,18 +117,20 @@ def test_each_figure_of_volumes_carries_its_bootstrap_interval_where_both_sets_a
         f = figures[name]
         low, high = f["ci"]
         assert low <= high and f["ci_level"] == 0.95 and f["se"] >= 0, name
+        assert f["ci_expanded_by"] > 1.1, name  # sets of 6: √(6/5) and t with 5 to 10 df, 1.24-1.44
         if name not in ("anatomy_tissue_distance",):  # a distance's resamples lie above it when the sets are alike
             assert low <= f["value"] <= high, name
     assert not any("ci" in figures[name] for name in set(figures) - WITH_INTERVAL)
     settings = record["metric_settings"]["bootstrap"]
     assert (settings["resamples"], settings["level"], settings["method"], settings["seed"]) == (200, 0.95,
                                                                                                "percentile", 0)
+    assert settings["expand"] is True and "Welch-Satterthwaite" in settings["expanded"]
     assert "mmd_histogram" in settings["not_bootstrapped"] and "frechet_*" in settings["not_bootstrapped"]
     again = _evaluate(last, tmp_path / "b", "split=all", "n=6", "bootstrap.resamples=200", "seed=0")
     assert again["figures"]["psnr"]["ci"] == figures["psnr"]["ci"]
     psnr = figures["psnr"]
     page = Path(record["html"]).read_text()
-    assert "interval (bootstrap over volumes)" in page
+    assert "interval (bootstrap over volumes)" in page and "widened for the sets' sizes" in page
     assert f"[{psnr['ci'][0]:.4g}, {psnr['ci'][1]:.4g}] (95%)" in page
     assert render(Path(record["html"]), tmp_path / "page.png")["table_rows"] == len(figures)
     plain = late[0]
@@ -301,7 +303,7 @@ def test_the_loss_curve_comes_from_the_runs_csv(run, tmp_path):
     # the intervals: enough resamples for their tails, a level in (0, 1), SciPy's methods, no other setting
     ("bootstrap.resamples=10", "bootstrap.resamples"), ("bootstrap.resamples=-1", "bootstrap.resamples"),
     ("bootstrap.level=95", "bootstrap.level"), ("bootstrap.method=bayes", "bootstrap.method"),
-    ("+bootstrap.seed=3", "bootstrap.seed"),
+    ("+bootstrap.seed=3", "bootstrap.seed"), ("bootstrap.expand=yes", "bootstrap.expand"),
 ])
 def test_bad_evaluation_configs_are_refused(run, override, key):
     _, _, last = run

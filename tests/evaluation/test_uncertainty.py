@@ -233,11 +233,12 @@ def test_a_recipe_s_interval_holds_the_spread_of_its_runs_and_needs_five_of_them
     assert U.interval(U.runs_of(members[:4], "runs_1"), {"generated": 20, "runs_1": 4}, BOOT) == {}
 
 
-def test_a_recipe_s_interval_covers_its_mean_less_often_than_its_level_with_few_runs():
+@pytest.mark.parametrize("expand", [False, True])
+def test_a_recipe_s_interval_covers_its_mean_as_often_as_its_level_only_when_expanded(expand):
     """What the README says of a recipe's 95% interval when its runs' spread dominates (run offsets N(0, 1), the
-    volumes' spread 0.1 about a fixed mean): a bootstrap over 5 runs is too narrow (it spreads by √(4/5) of the
-    runs' spread and by normal, not t, quantiles), covering the mean in about 85% of draws; with 10 runs, about
-    91%."""
+    volumes' spread 0.1 about a fixed mean): SciPy's bootstrap over 5 runs is too narrow (it spreads by √(4/5) of the
+    runs' spread and by normal, not t, quantiles), covering the mean in about 85% of draws, with 10 runs about 91%;
+    expanded (the default), the runs' share of the variance sets the degrees of freedom and both cover about 95%."""
     def coverage(k: int, trials: int = 300) -> float:
         hits = 0
         for t in range(trials):
@@ -245,9 +246,75 @@ def test_a_recipe_s_interval_covers_its_mean_less_often_than_its_level_with_few_
             x = rng.normal(0.0, 0.1, 8)
             members = [U.mean_of(torch.from_numpy(x - x.mean() + o)) for o in rng.normal(0.0, 1.0, k)]
             low, high = U.interval(U.runs_of(members, "runs_1"), {"generated": 8, "runs_1": k},
-                                   U.Bootstrap(resamples=1000, seed=t))["ci"]
+                                   U.Bootstrap(resamples=1000, seed=t, expand=expand))["ci"]
             hits += low <= 0.0 <= high
         return hits / trials
 
     five, ten = coverage(5), coverage(10)
-    assert 0.78 <= five <= 0.90 and 0.86 <= ten <= 0.95 and ten > five
+    if expand:
+        assert 0.91 <= five <= 0.99 and 0.91 <= ten <= 0.99
+    else:
+        assert 0.78 <= five <= 0.90 and 0.86 <= ten <= 0.95 and ten > five
+
+
+@pytest.mark.parametrize("expand", [False, True])
+def test_an_interval_of_eight_volumes_covers_as_often_as_its_level_only_when_expanded(expand):
+    """A percentile interval of the mean of 8 normal volumes covers about 91% unexpanded (√(7/8) and z for t(7));
+    expanded by 1.29 about 95%."""
+    hits, trials = 0, 400
+    for t in range(trials):
+        values = torch.from_numpy(np.random.default_rng(5000 + t).normal(0.0, 1.0, 8))
+        low, high = _mean(values, U.Bootstrap(resamples=1000, seed=t, expand=expand))["ci"]
+        hits += low <= 0.0 <= high
+    assert (0.92 <= hits / trials <= 0.99) if expand else (0.83 <= hits / trials <= 0.92)
+
+
+def test_the_expansion_is_hesterberg_s_for_one_set_and_follows_the_set_that_spreads():
+    from scipy.stats import norm, t
+
+    z = norm.ppf(0.975)
+    for n in (5, 8, 40):
+        assert U.expansion({"generated": 2.0}, {"generated": n}, 0.95) == pytest.approx(
+            math.sqrt(n / (n - 1)) * t.ppf(0.975, n - 1) / z)
+    one = U.expansion({"generated": 1.0}, {"generated": 8, "runs_1": 5}, 0.95)
+    assert U.expansion({"generated": 1.0, "runs_1": 0.0}, {"generated": 8, "runs_1": 5}, 0.95) == pytest.approx(one)
+    runs = U.expansion({"runs_1": 1.0}, {"generated": 8, "runs_1": 5}, 0.95)
+    mixed = U.expansion({"generated": 1e-4, "runs_1": 1.0}, {"generated": 8, "runs_1": 5}, 0.95)
+    assert runs > one and mixed == pytest.approx(runs, rel=1e-3)
+    # two like sets of 8 pool their degrees of freedom: wider than 40 volumes, narrower than 8
+    both = U.expansion({"generated": 1.0, "real": 1.0}, {"generated": 8, "real": 8}, 0.95)
+    assert U.expansion({"g": 1.0}, {"g": 40}, 0.95) < both < one
+    assert U.expansion({"generated": 0.0}, {"generated": 8}, 0.95) == 1.0
+
+
+def test_each_set_s_share_of_a_crossed_mean_s_variance_adds_up_to_the_whole():
+    """Runs offset N(0, 1) crossed with 20 volumes N(0, 0.5): resampling the runs alone spreads the mean by the
+    runs' plug-in variance over 6, the volumes alone by theirs over 20, and the two add up to the bootstrap's."""
+    rng = np.random.default_rng(9)
+    x, offsets = rng.normal(0.0, 0.5, 20), rng.normal(0.0, 1.0, 6)
+    members = [U.mean_of(torch.from_numpy(x + o)) for o in offsets]
+    figure = U.runs_of(members, "runs_1")
+    sizes = {"generated": 20, "runs_1": 6}
+    shares = U.component_variances(figure, sizes, U.Bootstrap(resamples=2000, seed=1))
+    assert shares["runs_1"] == pytest.approx(offsets.var() / 6, rel=0.15)
+    assert shares["generated"] == pytest.approx(x.var() / 20, rel=0.15)
+    whole = U.interval(figure, sizes, U.Bootstrap(resamples=2000, seed=1, expand=False))["se"] ** 2
+    assert sum(shares.values()) == pytest.approx(whole, rel=0.15)
+    out = U.interval(figure, sizes, U.Bootstrap(resamples=2000, seed=1))
+    plain = U.interval(figure, sizes, U.Bootstrap(resamples=2000, seed=1, expand=False))
+    assert out["ci_expanded_by"] == pytest.approx(U.expansion(shares, sizes, 0.95))
+    assert out["ci_drawn_at"] == pytest.approx(U.drawn_level(0.95, out["ci_expanded_by"])) and out["ci_level"] == 0.95
+    assert out["se"] == plain["se"]  # the standard error is the bootstrap's; only the interval widens
+    # the same resamples' quantiles at the wider level: SciPy's interval there, within the resampled range
+    wider = U.interval(figure, sizes, U.Bootstrap(resamples=2000, seed=1, level=out["ci_drawn_at"], expand=False))
+    assert out["ci"] == wider["ci"] and out["ci"][0] < plain["ci"][0] and out["ci"][1] > plain["ci"][1]
+
+
+def test_an_expanded_interval_stays_within_what_the_figure_can_take():
+    """A correlation's interval over 6 volumes, expanded by 1.44, keeps to [-1, 1] (its quantiles are drawn at a
+    wider level, not stretched past the resampled figures)."""
+    x = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    y = [0.1, 1.0, 2.2, 2.9, 4.1, 5.0]  # r = 0.997
+    out = U.interval(U.correlation_of(x, y), {"generated": 6}, BOOT)
+    assert out["ci_expanded_by"] == pytest.approx(U.expansion({"generated": 1.0}, {"generated": 6}, 0.95))
+    assert -1.0 <= out["ci"][0] < out["ci"][1] <= 1.0 + 1e-12  # widened about its centre: 1.0016

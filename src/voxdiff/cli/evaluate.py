@@ -57,7 +57,7 @@ from voxdiff.cli.sample import (
 from voxdiff.cli.sample import validate as validate_sampling
 from voxdiff.config import is_phantom_data, plain
 from voxdiff.data.phantom import COVARIATE_EFFECTS, ventricle_voxels
-from voxdiff.errors import ConfigError, integer, number, one_of
+from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 from voxdiff.units import GiB
 from voxdiff.files import check_output
 from voxdiff.files import load_file
@@ -181,18 +181,18 @@ def validate(cfg: DictConfig) -> None:
 
 
 def bootstrap_settings(cfg: DictConfig) -> Bootstrap | None:
-    """The figures' intervals as ``cfg.bootstrap`` asks (``resamples``, ``level``, ``method``; seeded by ``seed``);
-    None for ``bootstrap.resamples=0``.
+    """The figures' intervals as ``cfg.bootstrap`` asks (``resamples``, ``level``, ``method``, ``expand``; seeded by
+    ``seed``); None for ``bootstrap.resamples=0``.
 
     Raises:
         ConfigError: naming the ``bootstrap.*`` key, its value and a fix.
     """
     values = dict(plain(cfg.get("bootstrap")) or {})
     default = Bootstrap()
-    unknown = sorted(set(values) - {"resamples", "level", "method"})
+    unknown = sorted(set(values) - {"resamples", "level", "method", "expand"})
     if unknown:
         raise ConfigError(f"bootstrap.{unknown[0]}", values[unknown[0]], "is not a bootstrap setting",
-                          "remove it; the settings are level, method, resamples (seeded by seed)")
+                          "remove it; the settings are expand, level, method, resamples (seeded by seed)")
     resamples = integer("bootstrap.resamples", values.get("resamples", default.resamples), minimum=0,
                         fix="e.g. bootstrap.resamples=1000, or 0 for no intervals")
     if 0 < resamples < MIN_RESAMPLES:
@@ -201,7 +201,10 @@ def bootstrap_settings(cfg: DictConfig) -> Bootstrap | None:
     level = number("bootstrap.level", values.get("level", default.level), lo=0, hi=1, lo_open=True, hi_open=True,
                    example=0.95)
     method = one_of("bootstrap.method", values.get("method", default.method), METHODS)
-    return Bootstrap(resamples, level, method, int(cfg.seed)) if resamples else None
+    expand = boolean("bootstrap.expand", values.get("expand", default.expand),
+                     "bootstrap.expand=true widens each interval for its sets' sizes (the default); false gives "
+                     "SciPy's interval as it is")
+    return Bootstrap(resamples, level, method, int(cfg.seed), expand) if resamples else None
 
 
 def _correlated(drawn: Drawn, name: str, series: tuple[Sequence[float], Sequence[float]], of: str = "generated"

@@ -28,6 +28,9 @@ from voxdiff.files import atomic_write
 #: ``direction`` values of a figure and how the table shows them
 DIRECTIONS = {"higher": "↑ higher is better", "lower": "↓ lower is better",
               "match": "≈ closer to the real figure is better", "info": "—"}
+#: the report's word on an interval widened for its sets' sizes (``uncertainty.Bootstrap.expand``)
+EXPANDED_NOTE = ("; widened for the sets' sizes, as a t interval is wider than a normal one (the expanded percentile "
+                 "bootstrap: a resample of few volumes spreads less than a new draw would)")
 
 
 # ------------------------------------------------------------------------------------------------ pictures
@@ -247,7 +250,8 @@ def render_html(title: str, meta: Mapping[str, Any], figures: Mapping[str, Mappi
         "error)</th><th>interval (bootstrap over volumes)</th><th>N</th><th>direction</th><th>definition</th></tr>"
         "</thead><tbody>", *rows, "</tbody></table>",
         "<p class='note'>Interval: where the volumes drawn alone could move the figure (each set resampled with "
-        "replacement, the figure recomputed; settings in metrics.json, metric_settings.bootstrap). Two evaluations "
+        "replacement, the figure recomputed; settings in metrics.json, metric_settings.bootstrap)"
+        f"{EXPANDED_NOTE if any('ci_expanded_by' in f for f in figures.values()) else ''}. Two evaluations "
         "whose intervals overlap widely cannot be told apart on these volumes.</p>" if any("ci" in f for f in
                                                                                               figures.values()) else "",
     ]
