@@ -154,6 +154,25 @@ def gpu_run(monkeypatch):
     monkeypatch.setenv("VOXDIFF_TARGET", "gpu")
 
 
+def test_samples_a_run_autoguides_in_training_are_predicted_with_the_guide_beside_the_step(gpu_run) -> None:
+    """exp11 whose commands autoguide (``system.sampling.autoguide_scale=1.5``) with a guide snapshot after step 100
+    of 1000: its in-training samples autoguide too (``DiffusionSystem.sampling_guide``), so its sampling phase holds
+    the guide's UNet beside the training step's tensors: one fp32 copy of the weights more; a snapshot at the last
+    step is never used for a sample, and adds nothing."""
+    from voxdiff.preflight.memory import diffusion_run, training_autoguide
+
+    base = ["experiment=exp11", "trainer.max_steps=1000", "system.sampling.autoguide_scale=1.5"]
+    plain = predict_phases(compose("preflight", ["experiment=exp11", "trainer.max_steps=1000"]))
+    guided_cfg = compose("preflight", [*base, "callbacks.guide.step=100"])
+    guided = predict_phases(guided_cfg)
+    late = predict_phases(compose("preflight", [*base, "callbacks.guide.step=1000"]))
+    weights = plain.training_report.param_bytes
+    assert guided.sampling - plain.sampling == pytest.approx(weights, rel=0.02)
+    assert late.sampling == plain.sampling and guided.training == plain.training
+    assert any("autoguided (scale 1.5)" in n for n in guided.notes) and not any("autoguided" in n for n in late.notes)
+    assert training_autoguide(diffusion_run(guided_cfg)) == 1.5
+
+
 def test_exp11_phases_and_the_ema_swap(gpu_run) -> None:
     """On the real exp11 (meta, seconds): every phase is predicted; without an EMA, validation holds one fp32 copy of
     the weights less (the average; its swap adds no copy: only its largest parameter)."""

@@ -44,7 +44,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from voxdiff.config import check_kind, plain
 from voxdiff.data.covariates import CovariateEncoding
 from voxdiff.diffusion import build_process, encoded_range
-from voxdiff.lightning.callbacks import ProgressBar
+from voxdiff.lightning.callbacks import GuideSnapshot, ProgressBar
 from voxdiff.lightning.distributed import ema_checkpoint_state, shard_system
 from voxdiff.lightning.optim import lightning_optimizers, unscale_before_clipping
 from voxdiff.lightning.resume import check_weights_fit
@@ -363,8 +363,37 @@ class DiffusionSystem(L.LightningModule):
                 if len(self._val_cache) >= self.sampling.num_masks:
                     break
 
+    def sampling_guide(self) -> tuple[torch.nn.Module | None, float]:
+        """``(guide, scale)`` of the samples drawn in training: the run's own autoguidance
+        (``system.sampling.autoguide_scale``, the default of its ``sample.py`` and ``evaluate.py``) once its guide
+        snapshot is written (:class:`~voxdiff.lightning.callbacks.GuideSnapshot`, ``callbacks.guide.step``): the
+        snapshot's UNet with its EMA weights written in (as ``sample.py`` loads it; the raw weights without an EMA),
+        frozen, on this module's device, where the preflight's sampling phase counts it. ``(None, 1.0)``: the scale
+        is 1, the run takes no snapshot or has not reached it, or the model is sharded (FSDP; the log says why)."""
+        scale = float(self.sampling.autoguide_scale)
+        snapshot = next((c for c in getattr(self.trainer, "callbacks", []) if isinstance(c, GuideSnapshot)), None)
+        if scale == 1.0 or snapshot is None or snapshot.path is None:
+            return None, 1.0
+        if self.global_step < snapshot.step or not snapshot.path.is_file():
+            log.info("samples at step %d drawn without autoguidance: its guide snapshot is taken after step %d",
+                     self.global_step, snapshot.step)
+            return None, 1.0
+        if is_sharded(self.model):
+            log.warning("samples drawn without autoguidance: the model is sharded (FSDP) and its guide is not; "
+                        "sample.py autoguides with %s", snapshot.path)
+            return None, 1.0
+        state = torch.load(snapshot.path, map_location="cpu", weights_only=True)
+        weights = {k[len("model."):]: v for k, v in state["state_dict"].items() if k.startswith("model.")}
+        if self.ema is not None and "ema" in state:
+            weights.update(state["ema"]["shadow"])
+        guide = build_unet_from_spec(self.spec)
+        guide.load_state_dict(weights)
+        log.info("samples autoguided at scale %g by %s", scale, snapshot.path)
+        return guide.requires_grad_(False).eval().to(self.device), scale
+
     def write_samples(self, tag: str) -> list[Path]:
-        """Sample from the cached validation masks (EMA weights, DDIM), save NIfTI + montage, log the montage.
+        """Sample from the cached validation masks (EMA weights, DDIM; autoguided as the run's commands sample once
+        its guide snapshot exists: :meth:`sampling_guide`), save NIfTI + montage, log the montage.
         Rank 0 writes; under FSDP every rank runs the sharded UNet with it (each forward gathers from all ranks)."""
         if not self.sampling.num_masks or not (self.trainer.is_global_zero or is_sharded(self.model)):
             return []
@@ -381,8 +410,11 @@ class DiffusionSystem(L.LightningModule):
         # the phase a failure is reported in (voxdiff.lightning.callbacks.FailurePoint, called after the exception
         # has left this frame): left True when sampling raises
         self.sampling_now = True
+        guide, autoguide = self.sampling_guide()
         with self.trainer.precision_plugin.forward_context():
-            generated = self.generate(masks, generator=self._generator(1_000_000), covariates=covariates).cpu()
+            generated = self.generate(masks, generator=self._generator(1_000_000), covariates=covariates,
+                                      guide=guide, autoguide_scale=autoguide).cpu()
+        del guide  # off the device before training goes on
         self.sampling_now = False
         if not self.trainer.is_global_zero:
             return []

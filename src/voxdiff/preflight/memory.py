@@ -832,6 +832,14 @@ class PhasesReport:
                 f"peak {self.peak_allocated / GiB:.2f} GiB set by {self.peak_phase} on {self.gpu}")
 
 
+def training_autoguide(run: RunSpec) -> float:
+    """The autoguidance scale of the samples ``run`` draws in training (``DiffusionSystem.sampling_guide``): its
+    commands' (``system.sampling.autoguide_scale``) where it takes a guide snapshot (``callbacks.guide.step``)
+    before its last step (or has no step limit), else 1 (none)."""
+    scale, step, last = float(run.sampling.autoguide_scale), run.resources.guide_step, run.resources.max_steps
+    return scale if scale != 1.0 and step is not None and (last < 0 or step < last) else 1.0
+
+
 def predict_phases(run: RunSpec | DictConfig, training: MemoryReport | None = None) -> PhasesReport:
     """Predict the peaks of training, validation and sampling of a diffusion run on one GPU, without one.
 
@@ -883,9 +891,18 @@ def predict_phases(run: RunSpec | DictConfig, training: MemoryReport | None = No
     validation = trace_validation(step, val_batch, val_timesteps, attention=attention, resident=resident)
     sampling = run.sampling
     mask_shape = (max(min(num_masks, sampling.batch_size), 1), 1, *run.shapes.volume)
+    autoguide = training_autoguide(run)
+    guide = None
+    if autoguide != 1.0:  # DiffusionSystem.sampling_guide: the snapshot's UNet beside the training step's tensors
+        with torch.device("meta"):
+            guide = traced_unet(run).requires_grad_(False)
+        notes.append(f"samples in training autoguided (scale {autoguide:g}) once the guide snapshot is taken "
+                     f"(callbacks.guide.step={run.resources.guide_step}): its UNet traced beside the model")
+    guide_tensors = [*guide.parameters(), *guide.buffers()] if guide is not None else []
     sample = trace_sampling(step, mask_shape, run.unet.out_channels, min(steps, MAX_TRACED_DDIM_STEPS),
-                            attention=attention, resident=resident, guidance_scale=float(sampling.guidance_scale),
-                            covariate_dim=run.unet.covariate_dim)
+                            attention=attention, resident=[*resident, *guide_tensors],
+                            guidance_scale=float(sampling.guidance_scale), covariate_dim=run.unet.covariate_dim,
+                            guide=guide, autoguide_scale=autoguide)
 
     ws = 2 * gpu.cublas_workspace_bytes  # both cuBLAS handles exist once training has run a backward
     parts = {k: v + ws for k, v in sample.peaks.items()}

@@ -1,0 +1,95 @@
+"""Samples drawn during training autoguide as the run's commands do (``system.sampling.autoguide_scale``) once the
+run's guide snapshot is written (``DiffusionSystem.sampling_guide``), so the montages a run writes show what
+``sample.py`` and ``evaluate.py`` of it draw."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+
+from voxdiff.checkpoint import guide_checkpoint_name
+from voxdiff.cli.train import train
+from voxdiff.config import compose
+from voxdiff.lightning.callbacks import GuideSnapshot
+from voxdiff.lightning.diffusion import DiffusionSystem
+
+#: a tiny demo run of 3 steps whose guide snapshot is taken after step 1, sampling one mask at the end in 2 steps
+#: (every step guided: the demo's [0, 0.2] holds neither of 2 steps), the EMA averaging from step 0
+GUIDED = ["callbacks.guide.step=1", "trainer.max_steps=3", "system.sampling.final=true", "system.sampling.num_masks=1",
+          "system.sampling.num_inference_steps=2", "system.sampling.guidance_interval=[0,1]", "system.ema.start_step=0"]
+
+
+def _run(tiny_demo, out: Path, scale: float) -> Path:
+    report = train(compose("train", [*tiny_demo, *GUIDED, f"system.sampling.autoguide_scale={scale}",
+                                     f"paths.output_dir={out}"]))
+    return Path(report["last_checkpoint"])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_demo):
+    """The same run (one seed: the same weights at every step) with the run's autoguidance at 1.5 and at 1 (none);
+    the log of the guided one."""
+    handler = _Records()
+    logger = logging.getLogger("voxdiff.lightning.diffusion")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        guided = _run(tiny_demo, tmp_path_factory.mktemp("guided"), 1.5)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    plain = _run(tiny_demo, tmp_path_factory.mktemp("plain"), 1.0)
+    return guided, plain, handler.messages
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _final(ckpt: Path) -> np.ndarray:
+    files = sorted((ckpt.parent.parent / "samples").glob("final_step0000003_*_generated.nii.gz"))
+    assert len(files) == 1, files
+    return np.asarray(nib.load(files[0]).dataobj)
+
+
+def test_the_final_samples_of_a_run_that_autoguides_are_drawn_with_its_guide_snapshot(runs):
+    guided, plain, messages = runs
+    snapshot = guided.parent / guide_checkpoint_name(1)
+    assert snapshot.is_file()
+    assert f"samples autoguided at scale 1.5 by {snapshot}" in messages
+    weights = [torch.load(c, map_location="cpu", weights_only=True)["state_dict"] for c in (guided, plain)]
+    assert all(torch.equal(v, weights[1][k]) for k, v in weights[0].items())  # autoguidance does not train
+    a, b = _final(guided), _final(plain)
+    assert a.shape == b.shape and np.abs(a - b).max() > 1e-3  # the same weights, masks and noise: the guide differs
+
+
+def test_the_guide_is_the_snapshot_s_ema_weights_and_none_before_it(runs):
+    guided, _, _ = runs
+    system = DiffusionSystem.load_from_checkpoint(guided, weights_only=True, map_location="cpu")
+    snapshot = GuideSnapshot(guided.parent, 1)
+    system._trainer = SimpleNamespace(callbacks=[snapshot], global_step=3)
+    guide, scale = system.sampling_guide()
+    assert scale == 1.5 and guide is not None and not any(p.requires_grad for p in guide.parameters())
+    shadow = torch.load(snapshot.path, map_location="cpu", weights_only=True)["ema"]["shadow"]
+    state = guide.state_dict()
+    assert shadow and all(torch.equal(state[k], v) for k, v in shadow.items())
+    raw = torch.load(snapshot.path, map_location="cpu", weights_only=True)["state_dict"]
+    assert any(not torch.equal(state[k], raw[f"model.{k}"]) for k in shadow)  # the EMA's, not the raw weights
+    last = system.model.state_dict()
+    assert any(not torch.equal(state[k], last[k]) for k in shadow)  # the step-1 model, not the trained one
+    system._trainer = SimpleNamespace(callbacks=[snapshot], global_step=0)
+    assert system.sampling_guide() == (None, 1.0)  # before the snapshot is taken
+    system._trainer = SimpleNamespace(callbacks=[GuideSnapshot(guided.parent, None)], global_step=3)
+    assert system.sampling_guide() == (None, 1.0)  # a run that takes none
