@@ -83,12 +83,14 @@ def test_the_preflight_builds_the_encoding_once_and_the_unet_once_per_use(monkey
     monkeypatch.setattr(run_spec_module, "build_encoding", counting("encoding", config.build_encoding))
     monkeypatch.setattr(config, "build_encoding", counting("encoding", config.build_encoding))
     monkeypatch.setattr(memory, "build_unet_from_spec", counting("unet", memory.build_unet_from_spec))
-    result = check.run_preflight(compose("preflight", ["experiment=demo", "preflight.disk_free_gib=1000"]),
-                                 compile=False, suggest=False)
-    assert result.ok and result.phases is not None
-    # one encoding; one meta UNet for the parameter count and the checkpoint's bytes, one traced training step, one
-    # model for validation and sampling
-    assert built == {"encoding": 1, "unet": 3}
+    for overrides, unets in ([], 4), (["system.sampling.autoguide_scale=1"], 3):
+        built.update(encoding=0, unet=0)
+        result = check.run_preflight(compose("preflight", ["experiment=demo", "preflight.disk_free_gib=1000",
+                                                           *overrides]), compile=False, suggest=False)
+        assert result.ok and result.phases is not None
+        # one encoding; one meta UNet for the parameter count and the checkpoint's bytes, one traced training step,
+        # one model for validation and sampling, and the demo's guide (its samples in training autoguide) beside it
+        assert built == {"encoding": 1, "unet": unets}, overrides
 
 
 def _hyper_parameters(cfg) -> dict:
