@@ -5,6 +5,7 @@ run's guide snapshot is written (``DiffusionSystem.sampling_guide``), so the mon
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -80,7 +81,9 @@ def test_the_guide_is_the_snapshot_s_ema_weights_and_none_before_it(runs):
     system = DiffusionSystem.load_from_checkpoint(guided, weights_only=True, map_location="cpu")
     snapshot = GuideSnapshot(guided.parent, 1)
     system._trainer = SimpleNamespace(callbacks=[snapshot], global_step=3)
+    rng = torch.get_rng_state()
     guide, scale = system.sampling_guide()
+    assert torch.equal(torch.get_rng_state(), rng)  # nothing initialised: the training's random stream goes on as is
     assert scale == 1.5 and guide is not None and not any(p.requires_grad for p in guide.parameters())
     shadow = torch.load(snapshot.path, map_location="cpu", weights_only=True)["ema"]["shadow"]
     state = guide.state_dict()
@@ -89,6 +92,11 @@ def test_the_guide_is_the_snapshot_s_ema_weights_and_none_before_it(runs):
     assert any(not torch.equal(state[k], raw[f"model.{k}"]) for k in shadow)  # the EMA's, not the raw weights
     last = system.model.state_dict()
     assert any(not torch.equal(state[k], last[k]) for k in shadow)  # the step-1 model, not the trained one
+    weight = next(p for p in guide.parameters() if p.dim() == 5)
+    assert not weight.is_contiguous(memory_format=torch.channels_last_3d)  # this CPU run's layout
+    system.spec = replace(system.spec, channels_last=True)  # a channels-last model's guide keeps its layout
+    weight = next(p for p in system.sampling_guide()[0].parameters() if p.dim() == 5)
+    assert weight.is_contiguous(memory_format=torch.channels_last_3d)
     system._trainer = SimpleNamespace(callbacks=[snapshot], global_step=0)
     assert system.sampling_guide() == (None, 1.0)  # before the snapshot is taken
     system._trainer = SimpleNamespace(callbacks=[GuideSnapshot(guided.parent, None)], global_step=3)

@@ -382,14 +382,20 @@ class DiffusionSystem(L.LightningModule):
             log.warning("samples drawn without autoguidance: the model is sharded (FSDP) and its guide is not; "
                         "sample.py autoguides with %s", snapshot.path)
             return None, 1.0
-        state = torch.load(snapshot.path, map_location="cpu", weights_only=True)
+        # mapped, not read: only the weights are paged in (not the snapshot's optimizer state), and they become the
+        # guide's own (built on the meta device: no initialisation, so no draw from the global RNG and no host copy)
+        state = torch.load(snapshot.path, map_location="cpu", weights_only=True, mmap=True)
         weights = {k[len("model."):]: v for k, v in state["state_dict"].items() if k.startswith("model.")}
         if self.ema is not None and "ema" in state:
             weights.update(state["ema"]["shadow"])
-        guide = build_unet_from_spec(self.spec)
-        guide.load_state_dict(weights)
+        with torch.device("meta"):
+            guide = build_unet_from_spec(self.spec)
+        guide.load_state_dict(weights, assign=True)
+        guide = guide.requires_grad_(False).eval().to(self.device)
+        if self.spec.channels_last:  # the loaded weights are contiguous; the model's layout, as the spec asks
+            guide.to(memory_format=torch.channels_last_3d)
         log.info("samples autoguided at scale %g by %s", scale, snapshot.path)
-        return guide.requires_grad_(False).eval().to(self.device), scale
+        return guide, scale
 
     def write_samples(self, tag: str) -> list[Path]:
         """Sample from the cached validation masks (EMA weights, DDIM; autoguided as the run's commands sample once
