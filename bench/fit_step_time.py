@@ -21,7 +21,8 @@ fitted with four terms (non-negative least squares on the relative error): the F
 convolutions' weight bytes (``StepCost.conv_weight_bytes``: a fixed cost per convolution call) and the bytes the
 operators touch (``StepCost.tensor_bytes``: the traffic, which grows with the batch). It prints the two-term fit of
 the same rows beside it (the model before session 24), each row's error and leave-one-out error under both, and the
-error of the four-term constants on the rows of :data:`H200_ROWS` (measured on an H200, not fitted). Paste the
+error of the four-term constants on the rows of :data:`H200_ROWS` (measured on an H200, not fitted) and of
+:data:`H200_CHANNELS_LAST_ROWS` (the same step channels-last, the default of a compiled GPU run). Paste the
 ``cudagraphs`` constants into ``STEP_THROUGHPUT`` (the H200's entry takes the same).
 
     python bench/fit_step_time.py --runs logs/exp11/2026-11-27_10-00-00 [more run directories or measured.json]
@@ -127,6 +128,16 @@ H200_ROWS = [
     ("reference/h200_bench_gpu_step_v2.csv", "I_e11_b32", "exp11", EMA_BYTES_PER_PARAM / 10, NORM_BYTES,
      ["data.batch_size=32", "model.gradient_checkpointing=none"]),
     ("reference/h200_bench_gpu_step_v2.csv", "K_e11_b1", "exp11", EMA_BYTES_PER_PARAM / 10, NORM_BYTES),
+]
+
+#: the same step channels-last (``model.channels_last=auto`` on a compiled GPU run since session 26) on an H200: not
+#: fitted (the model was fitted to NCDHW steps, and counts a channels-last step as NCDHW); its error on them
+H200_CHANNELS_LAST_ROWS = [
+    ("reference/h200_bench_gpu_step_v3.csv", "B_e98_cl", "exp9_ldm_8x_bravo", EMA_BYTES_PER_PARAM / 10, NORM_BYTES),
+    ("reference/h200_bench_gpu_step_v4.csv", "E11_b1", "exp11", EMA_BYTES_PER_PARAM / 10, NORM_BYTES),
+    ("reference/h200_bench_gpu_step_v4.csv", "E111_b1", "exp11_1", EMA_BYTES_PER_PARAM / 10, NORM_BYTES),
+    ("reference/h200_bench_gpu_step_v4.csv", "F_e11_b32", "exp11", EMA_BYTES_PER_PARAM / 10, NORM_BYTES,
+     ["data.batch_size=32", "model.gradient_checkpointing=none"]),
 ]
 
 
@@ -311,10 +322,11 @@ def main() -> None:
               f"{c.tensor_bytes / 1e9:6.1f} GB  measured {total * 1e3:6.1f} ms (weight passes {passes * 1e3:4.1f})  "
               f"fit {(gpu_s(table, c) + passes) / total - 1:+6.1%}  leave-one-out "
               f"{(gpu_s(loo, c) + passes) / total - 1:+6.1%}")
-    print("\nH200 rows (not fitted) under these constants, the weight passes at H100_BANDWIDTH:")
-    for name, c, _, total, passes in cudagraph_points(H200_ROWS):
-        print(f"  {name:40s} {c.tflop:7.2f} TFLOP  measured {total * 1e3:6.1f} ms  predicted "
-              f"{(gpu_s(table, c) + passes) / total - 1:+6.1%}")
+    for title, rows in (("H200 rows", H200_ROWS), ("H200 channels-last rows", H200_CHANNELS_LAST_ROWS)):
+        print(f"\n{title} (not fitted) under these constants, the weight passes at H100_BANDWIDTH:")
+        for name, c, _, total, passes in cudagraph_points(rows):
+            print(f"  {name:40s} {c.tflop:7.2f} TFLOP  measured {total * 1e3:6.1f} ms  predicted "
+                  f"{(gpu_s(table, c) + passes) / total - 1:+6.1%}")
     runs = run_points(args.runs)
     if args.runs:
         print(f"\nruns: {len(runs)} of {len(args.runs)} timed on a CUDA GPU")

@@ -77,6 +77,11 @@ def test_the_fit_runs_and_reproduces_the_constants_in_the_code(tmp_path, tiny_de
     assert len(re.findall(r"leave-one-out", out.stdout)) >= 25
     h200 = out.stdout.split("H200 rows (not fitted)")[1].splitlines()[1:5]
     assert all(re.search(r"h200_bench_gpu_step(_v2)?\.csv\).* predicted +[+-][\d.]+%$", ln) for ln in h200), h200
+    # and the four channels-last H200 rows (sessions 26 and 31), among them exp11 at batch 32 within 2%
+    cl = out.stdout.split("H200 channels-last rows (not fitted)")[1].splitlines()[1:5]
+    assert all(re.search(r"h200_bench_gpu_step_v[34]\.csv\).* predicted +[+-][\d.]+%$", ln) for ln in cl), cl
+    b32 = next(ln for ln in cl if ln.strip().startswith("F_e11_b32"))
+    assert abs(float(b32.rsplit(" ", 1)[1].rstrip("%"))) < 2.0, b32
 
 
 def test_the_four_term_fit_recovers_the_constants_that_made_its_points():

@@ -400,7 +400,8 @@ def _notes(report: AutofitReport, effective: int | None, world: int, first_misfi
         notes.append("step times from the time model (README: its errors). The CUDA-graph step's: fitted to eleven "
                      "H100 rows, two above batch 1 (exp11 at batch 32: -7.6%, -17.7% leave-one-out; exp9_ldm_4x_bravo "
                      "at batch 2: +3.1%, +5.3%), and checked on four H200 rows it was not fitted to (+1.7% to +17.8%; "
-                     "exp9_ldm_4x_bravo at batch 4 +5.8%). The "
+                     "exp9_ldm_4x_bravo at batch 4 +5.8%) and four channels-last ones (exp11 at batch 32 +0.9%, at "
+                     "batch 1 +18.1% to +27.4%: predicted long). The "
                      "eager and compiled steps': FLOPs and operator calls fitted at batch 1 only, so their large "
                      "batches are predicted short. Each GPU run writes its own to measured.json "
                      "(bench/fit_step_time.py --runs)")

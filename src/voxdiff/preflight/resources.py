@@ -488,7 +488,8 @@ STEP_THROUGHPUT: dict[tuple[str, str], Throughput] = {
     # the H100's constants, checked (not fitted) on the four rows of the same step measured on an H200
     # (reference/h200_bench_gpu_step.csv, _v2.csv): exp9_ldm_4x_bravo at batch 1 +4.5% and at batch 4 +5.8%, exp11 at
     # batch 32 +1.7% and at batch 1 +17.8% (predicted long: the H200's faster memory is not modelled, nor its copy
-    # rate measured: H100_BANDWIDTH)
+    # rate measured: H100_BANDWIDTH); and on four channels-last rows (h200_bench_gpu_step_v3.csv, _v4.csv; counted
+    # as NCDHW steps): exp11 at batch 32 +0.9%, at batch 1 exp11 +21.4%, exp11_1 +18.1%, exp9_ldm_8x_bravo +27.4%
     ("H200", "cudagraphs"): Throughput(989.4, 8.1, "the H100's constants for voxdiff's step compiled with CUDA graphs, "
                                                    "checked on four H200 rows (h200_bench_gpu_step.csv, _v2.csv)",
                                        H100_BANDWIDTH, conv_weight_rate=327.4e9, tensor_rate=2140.6e9),
