@@ -37,13 +37,15 @@ def _fsdp(repo, tiny_demo, run_dir, *extra, launcher=()):
 @pytest.fixture(scope="module")
 def fsdp_run(repo, tiny_demo, tmp_path_factory):
     """Two steps under FSDP (2 processes started by Lightning), then a resume under FSDP to step 3 (2 processes
-    started by torchrun, as a cluster's launcher starts them) that samples at the end; and the same 3 steps in this
+    started by torchrun, as a cluster's launcher starts them) that samples at the end (the demo's autoguidance asked
+    for, its guide snapshot taken after step 1: a sharded model samples without it); and the same 3 steps in this
     process with both subjects in each step (gradient accumulation over 2 micro-batches)."""
     run_dir = tmp_path_factory.mktemp("fsdp") / "run"
-    _fsdp(repo, tiny_demo, run_dir, "trainer.max_steps=2")
+    _fsdp(repo, tiny_demo, run_dir, "trainer.max_steps=2", "callbacks.guide.step=1")
     first = load_file(run_dir / "checkpoints" / "last.ckpt", "ckpt_path", "")
     log = _fsdp(repo, tiny_demo, run_dir, "trainer.max_steps=3", "ckpt_path=auto", "system.sampling.final=true",
-                "system.sampling.num_masks=1", "system.sampling.num_inference_steps=2",
+                "system.sampling.num_masks=1", "system.sampling.num_inference_steps=2", "callbacks.guide.step=1",
+                "system.sampling.guidance_interval=[0,1]",
                 launcher=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"))
     single = train(compose("train", [*tiny_demo, *SETTINGS, "trainer.max_steps=3", "trainer.accumulate_grad_batches=2",
                                      f"paths.output_dir={tmp_path_factory.mktemp('single')}"]))
@@ -73,6 +75,8 @@ def test_fsdp_trains_validates_resumes_and_equals_one_process(fsdp_run):
         val = [float(r["val/loss"]) for r in csv.DictReader(f) if r.get("val/loss")]
     assert len(val) >= 3 and all(v == v for v in val)
     assert list((run_dir / "samples").glob("final_step0000003*.png"))  # sampled by both ranks, written by rank 0
+    assert (run_dir / "checkpoints" / "guide-step0000001.ckpt").is_file()  # the guide, gathered and written once
+    assert "samples drawn without autoguidance: the model is sharded (FSDP)" in log  # and sample.py guides with it
     sidecars = list((run_dir / "samples").glob("final_step0000003*_covariates.json"))  # the age each was drawn at
     assert sidecars and all(20 <= json.loads(p.read_text())["covariates"]["age"] <= 90 for p in sidecars)
 
