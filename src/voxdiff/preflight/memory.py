@@ -832,6 +832,14 @@ class PhasesReport:
                 f"peak {self.peak_allocated / GiB:.2f} GiB set by {self.peak_phase} on {self.gpu}")
 
 
+def meta_guide(run: RunSpec) -> tuple[nn.Module, list[torch.Tensor]]:
+    """The guide of autoguidance as the preflight traces it: the run's UNet on the meta device, frozen (as the
+    commands and ``DiffusionSystem.sampling_guide`` hold it), and its tensors, resident beside the model."""
+    with torch.device("meta"):
+        guide = traced_unet(run).requires_grad_(False)
+    return guide, [*guide.parameters(), *guide.buffers()]
+
+
 def training_autoguide(run: RunSpec) -> float:
     """The autoguidance scale of the samples ``run`` draws in training (``DiffusionSystem.sampling_guide``): its
     commands' (``system.sampling.autoguide_scale``) where it takes a guide snapshot (``callbacks.guide.step``)
@@ -892,13 +900,10 @@ def predict_phases(run: RunSpec | DictConfig, training: MemoryReport | None = No
     sampling = run.sampling
     mask_shape = (max(min(num_masks, sampling.batch_size), 1), 1, *run.shapes.volume)
     autoguide = training_autoguide(run)
-    guide = None
-    if autoguide != 1.0:  # DiffusionSystem.sampling_guide: the snapshot's UNet beside the training step's tensors
-        with torch.device("meta"):
-            guide = traced_unet(run).requires_grad_(False)
+    guide, guide_tensors = meta_guide(run) if autoguide != 1.0 else (None, [])
+    if guide is not None:  # DiffusionSystem.sampling_guide: the snapshot's UNet beside the training step's tensors
         notes.append(f"samples in training autoguided (scale {autoguide:g}) once the guide snapshot is taken "
                      f"(callbacks.guide.step={run.resources.guide_step}): its UNet traced beside the model")
-    guide_tensors = [*guide.parameters(), *guide.buffers()] if guide is not None else []
     sample = trace_sampling(step, mask_shape, run.unet.out_channels, min(steps, MAX_TRACED_DDIM_STEPS),
                             attention=attention, resident=[*resident, *guide_tensors],
                             guidance_scale=float(sampling.guidance_scale), covariate_dim=run.unet.covariate_dim,
@@ -1008,15 +1013,13 @@ def predict_sampling(
         notes.append(note)
         ae = attach_meta_autoencoder(encoding, spec).autoencoder
         resident = [*ae.parameters(), *ae.buffers()]
-    guided = float(autoguide_scale) != 1.0
     with torch.device("meta"):
         model = traced_unet(run).requires_grad_(False)  # frozen, as TrainStep.fold_ema leaves them
-        guide = traced_unet(run).requires_grad_(False) if guided else None
+    guide, guide_tensors = meta_guide(run) if float(autoguide_scale) != 1.0 else (None, [])
     recipe = replace(run.recipe, ema=None)  # the commands write the EMA into the weights before they move
     process = build_process(recipe.diffusion, clip_range=encoded_range(encoding))
     step = TrainStep(model, recipe, encoding=encoding, mode=run.mode, process=process,
                      precision=emulated_precision(run.precision.name), device_type=PREDICTED_DEVICE)
-    guide_tensors = [*guide.parameters(), *guide.buffers()] if guide is not None else []
     steps = num_inference_steps or run.sampling.num_inference_steps or recipe.diffusion.num_inference_steps
     trace = trace_sampling(step, (batch_size, 1, *run.shapes.volume), run.unet.out_channels,
                            min(steps, MAX_TRACED_DDIM_STEPS),
