@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import nibabel as nib
+import numpy as np
 import pytest
 import torch
 
@@ -64,7 +66,7 @@ def test_sample_and_evaluate_take_a_guidance_scale(rflow_run, tmp_path) -> None:
     evaluate(cfg)
     saved = json.loads((out / "metrics.json").read_text())["sampling"]
     assert (saved["sampler"], saved["num_inference_steps"], saved["eta"], saved["guidance_scale"]) == (
-        "Euler", 3, None, 1.5)
+        "Euler", 3, 0.0, 1.5)
     assert "Euler 3 steps, guidance scale 1.5" in (out / "report.html").read_text()
 
 
@@ -82,8 +84,29 @@ def test_guided_and_unguided_samples_differ_and_scale_1_is_the_plain_sample(rflo
     assert not torch.equal(draw(1.0), draw(2.0))
 
 
-def test_sample_refuses_an_eta_for_rectified_flow(rflow_run, tmp_path) -> None:
-    cfg = compose("sample", [f"ckpt_path={rflow_run}", "n=1", "eta=0.5", f"paths.output_dir={tmp_path}"])
-    validate(cfg)
-    with pytest.raises(ConfigError, match="eta=0.5: rectified flow"):
+def test_sample_takes_an_eta_for_rectified_flow(rflow_run, tmp_path) -> None:
+    """eta > 0 draws other volumes than the deterministic steps from the same noise; eta above 1 is refused."""
+    drawn = {}
+    for eta in (0, 0.5):
+        out = tmp_path / f"eta{eta}"
+        cfg = compose("sample", [f"ckpt_path={rflow_run}", "n=1", f"eta={eta}", "seed=0", f"paths.output_dir={out}"])
+        validate(cfg)
         sample(cfg)
+        [nifti] = (out / "samples").glob("*_generated.nii.gz")
+        drawn[eta] = nib.load(nifti).get_fdata()
+    assert np.isfinite(drawn[0.5]).all() and not np.allclose(drawn[0], drawn[0.5], atol=1e-3)
+    with pytest.raises(ConfigError, match="eta=1.5"):
+        validate(compose("sample", [f"ckpt_path={rflow_run}", "eta=1.5", f"paths.output_dir={tmp_path}"]))
+
+
+def test_the_demo_recipe_on_rectified_flow_trains_x_prediction_and_samples_stochastically(tiny_demo, tmp_path) -> None:
+    """``experiment=demo diffusion=rflow`` keeps the demo's x0 prediction, eta 1 and lesion weight on rectified flow:
+    the run trains, records them, and samples at the end."""
+    report = train(compose("train", [*tiny_demo, "diffusion=rflow", "diffusion.num_inference_steps=3",
+                                     "system.sampling.num_inference_steps=null", "system.sampling.final=true",
+                                     "system.sampling.num_masks=1", f"paths.output_dir={tmp_path}"]))
+    hp = torch.load(report["last_checkpoint"], map_location="cpu", weights_only=True)["hyper_parameters"]
+    d = hp["diffusion"]
+    assert (d["process"], d["prediction_type"], d["eta"], d["mask_weight"]) == ("rflow", "sample", 1.0, 20.0)
+    [nifti] = (Path(report["last_checkpoint"]).parents[1] / "samples").glob("final_step*_generated.nii.gz")
+    assert np.isfinite(nib.load(nifti).get_fdata()).all()

@@ -1,5 +1,6 @@
-"""Rectified flow on MONAI's RFlowScheduler: the settings it refuses, its interpolation and velocity target, its
-timesteps, and Euler sampling that reaches the data along straight lines."""
+"""Rectified flow on MONAI's RFlowScheduler: the settings it refuses, its interpolation and velocity target (predicted
+as the velocity or as x0), its timesteps, Euler sampling that reaches the data along straight lines, and the
+stochastic steps (eta) that keep the data's distribution."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from voxdiff.config import compose, plain
 from voxdiff.diffusion import RectifiedFlow, RFlowSettings, build_process, diffusion_settings
+from voxdiff.diffusion.rflow import flow_step
 from voxdiff.errors import ConfigError
 
 
@@ -21,7 +23,7 @@ def test_the_config_group_builds_rectified_flow_with_30_steps() -> None:
 @pytest.mark.parametrize(("key", "value", "says"), [
     ("min_snr_gamma", 5.0, "no SNR weighting"),
     ("schedule", "cosine", "no beta schedule"),
-    ("eta", 1.0, "no DDIM eta"),
+    ("eta", 1.5, r"in \[0, 1\]"),
     ("clip_sample", True, "x0 to clip"),
     ("prediction_type", "epsilon", "predicts the velocity"),
     ("timestep_sampling", "gaussian", "is not one of"),
@@ -102,7 +104,68 @@ def test_euler_sampling_with_the_exact_velocity_reaches_the_data(transform) -> N
     assert len(seen) == 7 and seen[0] == 1000 and seen == sorted(seen, reverse=True)
 
 
-def test_rectified_flow_takes_no_eta() -> None:
+def test_an_eta_outside_0_to_1_is_refused_and_a_run_configured_without_one_samples_deterministically() -> None:
     p = RectifiedFlow(RFlowSettings())
-    with pytest.raises(ValueError, match="eta"):
-        p.sample(lambda x, timesteps: x, (1, 1, 4, 4, 4), eta=1.0)
+    with pytest.raises(ValueError, match="eta=1.5"):
+        p.sample(lambda x, timesteps: x, (1, 1, 4, 4, 4), eta=1.5)
+    old = plain(compose("train", ["diffusion=rflow"]).diffusion)
+    assert diffusion_settings({**old, "eta": None}).eta == 0.0  # checkpoints of runs from before rflow took an eta
+
+
+def _exact_gaussian(prediction_type: str, sd: float):
+    """The exact prediction for data drawn from N(0, sd²) per element, E[x0 | x_s] = (1 − s)·sd²·x_s/((1 − s)²·sd² +
+    s²), as x0 (``sample``) or as the velocity x0 − ε (``velocity``)."""
+    def model(x, timesteps):
+        s = timesteps.float().view(-1, 1, 1, 1, 1) / 1000
+        x0 = (1 - s) * sd ** 2 / ((1 - s) ** 2 * sd ** 2 + s ** 2) * x
+        return x0 if prediction_type == "sample" else x0 - (x - (1 - s) * x0) / s
+    return model
+
+
+@pytest.mark.parametrize("prediction_type", ["velocity", "sample"])
+@pytest.mark.parametrize("eta", [0.0, 1.0])
+def test_sampling_with_the_exact_prediction_draws_the_datas_spread(prediction_type, eta) -> None:
+    """With the exact denoiser of Gaussian data, many steps draw samples of the data's spread, deterministic or
+    ancestral (a step that injected the whole s' of fresh noise instead of the posterior's spread draws 0.35)."""
+    p = RectifiedFlow(RFlowSettings(prediction_type=prediction_type, timestep_transform=False))
+    out = p.sample(_exact_gaussian(prediction_type, 0.5), (2, 1, 16, 16, 16), num_inference_steps=500, eta=eta,
+                   generator=torch.Generator().manual_seed(0))
+    assert float(out.std()) == pytest.approx(0.5, rel=0.02)
+
+
+def test_the_two_predictions_sample_alike_and_eta_0_is_monais_euler_step() -> None:
+    """x-prediction converted to its velocity takes the same steps as velocity prediction; eta = 0 is the Euler step
+    ``x + v·(t − t')/T`` (MONAI's), eta > 0 draws other samples from the same start."""
+    shape, g = (1, 1, 8, 8, 8), lambda: torch.Generator().manual_seed(3)
+    v = RectifiedFlow(RFlowSettings()).sample(_exact_gaussian("velocity", 0.5), shape, num_inference_steps=6,
+                                              generator=g())
+    x = RectifiedFlow(RFlowSettings(prediction_type="sample")).sample(_exact_gaussian("sample", 0.5), shape,
+                                                                      num_inference_steps=6, generator=g())
+    torch.testing.assert_close(v, x, atol=1e-5, rtol=0)
+    p = RectifiedFlow(RFlowSettings(eta=0.5))
+    assert not torch.allclose(p.sample(_exact_gaussian("velocity", 0.5), shape, num_inference_steps=6, generator=g()),
+                              v, atol=1e-3)
+    z = torch.randn(shape, generator=g())
+    euler = flow_step(torch.ones(shape), z, 0.5, 0.3, eta=0.0)
+    torch.testing.assert_close(euler, z + 0.2)
+    torch.testing.assert_close(flow_step(torch.ones(shape), z, 0.5, 0.0, eta=1.0), z + 0.5)  # s' = 0: x̂0
+
+
+def test_x_prediction_is_trained_on_its_velocity_held_near_the_data() -> None:
+    """An x0-predicting UNet that returns x0 has zero loss; one that returns 0 has ‖x0‖²/s² with s held at 0.05."""
+    p = RectifiedFlow(RFlowSettings(prediction_type="sample"))
+    g = torch.Generator().manual_seed(1)
+    x0, noise = torch.randn(3, 2, 4, 4, 4, generator=g), torch.randn(3, 2, 4, 4, 4, generator=g)
+    t = torch.tensor([0.0, 20.0, 500.0])  # s = 0 and 0.02 (held at 0.05), 0.5
+
+    def oracle(x, timesteps):
+        return x0
+
+    assert float(p.loss(oracle, x0, timesteps=t, noise=noise)[0]) == 0.0
+    loss, stats = p.loss(lambda x, timesteps: torch.zeros_like(x), x0, timesteps=t, noise=noise)
+    per_sample = (x0 ** 2).mean(dim=(1, 2, 3, 4)) / torch.tensor([0.05, 0.05, 0.5]) ** 2
+    torch.testing.assert_close(loss, per_sample.mean())
+    torch.testing.assert_close(stats["mse"], per_sample.mean())
+    # where s >= 0.05 that is the MSE of its velocity (x̂0 − x_t)/s against x0 − noise
+    x_t = 0.5 * x0[2] + 0.5 * noise[2]
+    torch.testing.assert_close(per_sample[2], (((0 - x_t) / 0.5 - (x0[2] - noise[2])) ** 2).mean())

@@ -17,14 +17,16 @@ def test_as_trained_unless_the_command_says_otherwise() -> None:
     choice = sampler_choice(DDPM, trained, "bravo", 0.1)
     assert (choice.sampler, choice.num_inference_steps, choice.eta, choice.guidance_scale) == ("DDIM", 20, 0.5, 2.0)
     choice = sampler_choice(RFLOW, sampling_settings({}), "bravo", 0.1, guidance_scale=3, num_inference_steps=8)
-    assert (choice.sampler, choice.num_inference_steps, choice.eta, choice.guidance_scale) == ("Euler", 8, None, 3.0)
+    assert (choice.sampler, choice.num_inference_steps, choice.eta, choice.guidance_scale) == ("Euler", 8, 0.0, 3.0)
     assert choice.describe() == "Euler 8 steps, guidance scale 3"
     assert sampler_choice(RFLOW, sampling_settings({}), "bravo", 0.0).num_inference_steps == 30  # rflow's default
 
 
-def test_rectified_flow_refuses_an_eta() -> None:
-    with pytest.raises(ConfigError, match="eta=0.5: rectified flow"):
-        sampler_choice(RFLOW, sampling_settings({}), "bravo", 0.0, eta=0.5)
+def test_rectified_flow_takes_an_eta_as_ddim_does() -> None:
+    choice = sampler_choice(RFLOW, sampling_settings({}), "bravo", 0.0, eta=0.5)
+    assert choice.eta == 0.5 and choice.describe() == "Euler 30 steps, eta 0.5"
+    trained = diffusion_settings({"process": "rflow", "eta": 1.0})
+    assert sampler_choice(trained, sampling_settings({}), "bravo", 0.0).eta == 1.0
 
 
 def test_a_scale_the_model_was_not_trained_for_is_refused() -> None:

@@ -79,7 +79,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.get("guidance_scale") is not None:  # what this model can do is checked once it is loaded
         number("guidance_scale", cfg.guidance_scale, lo=0, fix="e.g. guidance_scale=2, 1 for none, or null as trained")
     if cfg.get("eta") is not None:
-        number("eta", cfg.eta, lo=0, hi=1, fix="use eta=0 (deterministic DDIM) to 1, or null as trained")
+        number("eta", cfg.eta, lo=0, hi=1, fix="use eta=0 (deterministic DDIM or Euler) to 1, or null as trained")
     if cfg.get("autoguide_scale") is not None:  # what this run can do is checked once it is loaded
         check_autoguide_scale("autoguide_scale", cfg.autoguide_scale, null=True)
     check_guidance_interval("guidance_interval", plain(cfg.get("guidance_interval")), null=True)

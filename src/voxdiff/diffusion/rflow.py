@@ -1,19 +1,28 @@
 """Rectified flow (Liu et al. 2023; Esser et al. 2024), on MONAI's ``RFlowScheduler``: ``diffusion=rflow``.
 
-MONAI's convention, used throughout (``monai.networks.schedulers.rectified_flow``), with ``t ∈ [0, T]``::
+MONAI's convention, used throughout (``monai.networks.schedulers.rectified_flow``), with ``t ∈ [0, T]``, ``s = t/T``::
 
-    x_t = (1 − t/T)·x₀ + (t/T)·ε          (t = T: pure noise; t → 0: the data)
-    v   = x₀ − ε                           the velocity the UNet is trained to predict (plain MSE)
+    x_t = (1 − s)·x₀ + s·ε                 (t = T: pure noise; t → 0: the data)
+    v   = x₀ − ε = (x₀ − x_t)/s            the velocity; the loss is its MSE
     x_{t'} = x_t + v̂·(t − t')/T           one Euler step towards the data (t' < t)
+
+The UNet predicts the velocity (``prediction_type: velocity``, MONAI's and MAISI's) or the clean encoding
+(``sample``: x-prediction, Li & He 2025, "Back to Basics: Let Denoising Generative Models Denoise"), whose velocity
+``(x̂₀ − x_t)/s`` is what the loss compares and the sampler steps along; the loss's ``1/s²`` is held at
+``1/X0_MIN_S²`` near the data, where it would grow without bound (the paper's clip). A network that predicts the
+data keeps to the data's low-dimensional structure where one predicting ``x₀ − ε`` must also carry the noise; on a
+short run it draws a coarse head early, as DDPM's x₀-prediction does (``docs/demo_recipe.md``).
 
 Training timesteps are drawn uniformly or logit-normally (Esser et al. 2024, "Scaling Rectified Flow
 Transformers"), rounded to MONAI's discrete grid, then — with ``timestep_transform`` — shifted by MONAI's
 resolution-dependent transform towards the noisy end for encodings with more voxels than ``base_numel`` (a volume
 of more voxels keeps its structure under more noise; MAISI v2 trains so). Sampling takes MONAI's Euler steps over
-``num_inference_steps`` (30 by default, as MAISI v2) on the same transformed grid.
+``num_inference_steps`` (30 by default, as MAISI v2) on the same transformed grid; with ``eta > 0`` each step
+instead draws from the path's Gaussian posterior ``q(x_{t'} | x_t, x̂₀)`` with ``eta`` times its spread, DDIM's
+``eta`` on the flow's path (0: the Euler step exactly, 1: ancestral sampling; :func:`flow_step`).
 
-The settings of DDPM that mean nothing here (``min_snr_gamma``, the beta schedule, ``eta``, ``clip_sample``, a
-prediction type other than the velocity) are refused with the fix, not silently ignored.
+The settings of DDPM that mean nothing here (``min_snr_gamma``, the beta schedule, ``clip_sample``, the prediction
+types ``epsilon`` and ``v_prediction``) are refused with the fix, not silently ignored.
 """
 
 from __future__ import annotations
@@ -32,6 +41,10 @@ from voxdiff.diffusion.guidance import step_denoisers
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
 TIMESTEP_SAMPLING = ("uniform", "logit-normal")
+PREDICTION_TYPES = ("velocity", "sample")
+#: the smallest ``s = t/T`` the x-prediction loss divides by (its weight ``1/s²`` held at 400 nearer the data: Li & He
+#: 2025 clip the same denominator at 0.05)
+X0_MIN_S = 0.05
 #: DDPM's settings, and why each means nothing for rectified flow (``configs/diffusion/rflow.yaml`` holds them as
 #: null, so that ``diffusion.<key>=...`` on the command line reaches this message)
 NOT_FOR_RFLOW = {
@@ -39,7 +52,6 @@ NOT_FOR_RFLOW = {
     "schedule": "rectified flow interpolates linearly between data and noise; there is no beta schedule",
     "beta_start": "rectified flow interpolates linearly between data and noise; there are no betas",
     "beta_end": "rectified flow interpolates linearly between data and noise; there are no betas",
-    "eta": "rectified flow samples with deterministic Euler steps; there is no DDIM eta",
     "clip_sample": "rectified flow's Euler steps do not predict x0 to clip",
 }
 
@@ -50,13 +62,14 @@ class RFlowSettings:
 
     process: str = "rflow"
     num_train_timesteps: int = 1000  # T: the timestep range [0, T] the UNet's embedding sees
-    prediction_type: str = "velocity"  # v = x0 − ε, the only target of rectified flow
+    prediction_type: str = "velocity"  # what the UNet predicts: velocity (v = x0 − ε) | sample (x0); the loss: v's MSE
     timestep_sampling: str = "logit-normal"  # uniform | logit-normal (sigmoid of N(loc, scale))
     logit_normal_loc: float = 0.0
     logit_normal_scale: float = 1.0
     timestep_transform: bool = True  # MONAI's resolution-dependent shift of the timesteps
     base_numel: int = 32 * 32 * 32  # the voxel count of the encoding at which the transform is the identity
     num_inference_steps: int = 30  # Euler steps when sampling
+    eta: float = 0.0  # 0: deterministic Euler; up to 1: each step draws eta x the path's posterior spread
     mask_weight: float = 0.0  # the loss counts 1 + this where the mask is (voxdiff.diffusion.batch.mask_loss_weights)
 
     def as_dict(self) -> dict[str, Any]:
@@ -70,6 +83,8 @@ def rflow_settings(cfg: Mapping[str, Any] | None = None, **overrides: Any) -> RF
         ConfigError: an unknown key, a DDPM setting that is set (:data:`NOT_FOR_RFLOW`), or a value that cannot work.
     """
     values = {**dict(cfg or {}), **overrides}
+    if values.get("eta", 0.0) is None:  # a run configured before rectified flow took an eta: deterministic Euler
+        values["eta"] = 0.0
     for key, why in NOT_FOR_RFLOW.items():
         if values.pop(key, None) is not None:
             raise ConfigError(f"diffusion.{key}", cfg.get(key) if cfg else overrides.get(key), why,
@@ -79,11 +94,11 @@ def rflow_settings(cfg: Mapping[str, Any] | None = None, **overrides: Any) -> RF
     if unknown:
         raise ConfigError(f"diffusion.{unknown[0]}", values[unknown[0]], "is not a rectified-flow setting",
                           f"remove it; the settings are {', '.join(sorted(known))}")
-    if values.get("prediction_type", "velocity") != "velocity":
+    if values.get("prediction_type", "velocity") not in PREDICTION_TYPES:
         raise ConfigError("diffusion.prediction_type", values["prediction_type"],
-                          "rectified flow predicts the velocity x0 − noise, nothing else",
-                          "use diffusion.prediction_type=velocity, or diffusion=ddpm for epsilon, v_prediction or "
-                          "sample")
+                          "rectified flow's UNet predicts the velocity x0 − noise or the clean encoding x0",
+                          "use diffusion.prediction_type=velocity or sample, or diffusion=ddpm for epsilon or "
+                          "v_prediction")
     s = RFlowSettings(**values)
     one_of("diffusion.process", s.process, ("rflow",))
     t = integer("diffusion.num_train_timesteps", s.num_train_timesteps, minimum=1, example=1000)
@@ -96,6 +111,8 @@ def rflow_settings(cfg: Mapping[str, Any] | None = None, **overrides: Any) -> RF
     if steps > t:
         raise ConfigError("diffusion.num_inference_steps", steps,
                           f"cannot take more Euler steps than the {t} training timesteps", f"use at most {t} (e.g. 30)")
+    number("diffusion.eta", s.eta, lo=0, hi=1,
+           fix="use diffusion.eta=0 (deterministic Euler) up to 1 (ancestral: the posterior's whole spread)")
     check_mask_weight(s.mask_weight)
     return s
 
@@ -162,7 +179,9 @@ class RectifiedFlow(nn.Module):
         weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The training loss of one batch, as :meth:`voxdiff.diffusion.DiffusionProcess.loss` (same arguments and
-        returns): the MSE of the predicted velocity against ``x0 − noise`` in fp32.
+        returns): the MSE of the predicted velocity against ``x0 − noise`` in fp32. With ``prediction_type: sample``
+        the UNet's ``x̂₀`` gives the velocity ``(x̂₀ − x_t)/s``, so the MSE is ``‖x̂₀ − x₀‖²/s²`` (``s`` held at
+        :data:`X0_MIN_S` or above); ``stats["mse"]`` is the velocity's MSE either way.
 
         ``timesteps`` given (the validation loss's fixed grid) are used as they are, untransformed.
         """
@@ -174,8 +193,12 @@ class RectifiedFlow(nn.Module):
         x_t = self.scheduler.add_noise(x0, noise, t)  # (1 − t/T)·x0 + (t/T)·ε, (B, C_out, d, h, w)
         x_in = x_t if cond is None else torch.cat([x_t, cond.to(x_t.dtype)], dim=1)  # (B, C_out + C_cond, ...)
         pred = model(x_in, timesteps=t).float()
-        target = x0 - noise
-        per_sample, weighted = per_sample_mses(pred, target, weights)  # (B,), (B,)
+        if self.settings.prediction_type == "sample":  # x̂0: the velocity's error is x̂0's over s
+            per_sample, weighted = per_sample_mses(pred, x0, weights)  # (B,), (B,)
+            scale = (t / self.num_train_timesteps).clamp(min=X0_MIN_S) ** -2  # (B,)
+            per_sample, weighted = per_sample * scale, weighted * scale
+        else:
+            per_sample, weighted = per_sample_mses(pred, x0 - noise, weights)  # (B,), (B,)
         loss = weighted.mean()
         return loss, {"mse": per_sample.detach().mean(), "timesteps": t.detach()}
 
@@ -202,23 +225,51 @@ class RectifiedFlow(nn.Module):
         guidance_interval: tuple[float, float] | None = None,
     ) -> torch.Tensor:
         """Generate encodings with MONAI's Euler steps from Gaussian noise (arguments as
-        :meth:`voxdiff.diffusion.DiffusionProcess.sample`; ``eta`` must be None or 0: the steps are deterministic).
+        :meth:`voxdiff.diffusion.DiffusionProcess.sample`; ``eta`` None: the configured one; above 0, each step
+        draws from the path's posterior instead, :func:`flow_step`, with noise from ``generator``).
 
         Returns:
             ``(B, C_out, d, h, w)`` float32 generated x₀ in model range.
         """
-        if eta:
-            raise ValueError(f"rectified flow samples deterministically: eta={eta} means nothing here")
+        eta = self.settings.eta if eta is None else eta
+        if not 0 <= eta <= 1:
+            raise ValueError(f"eta={eta}: rectified flow's eta is 0 (Euler) to 1 (ancestral)")
         steps = num_inference_steps or self.settings.num_inference_steps
         device = torch.device(device) if device is not None else (cond.device if cond is not None else "cpu")
         x = torch.randn(tuple(shape), generator=generator, device=device, dtype=torch.float32)
         times = self.sampling_timesteps(steps, _numel(x))
         denoisers = step_denoisers(model, cond, guidance_scale, covariates, times, self.num_train_timesteps,
                                    guidance_interval)
+        T = self.num_train_timesteps
         for t, t_next, denoise in zip(times, [*times[1:], 0], denoisers, strict=True):
-            v = denoise(x, torch.full((x.shape[0],), float(t), device=device))
-            x, _ = self.scheduler.step(v, t, x, t_next)
+            out = denoise(x, torch.full((x.shape[0],), float(t), device=device))
+            # the velocity of an x̂0 (guidance combined the x̂0s, which is combining their velocities: affine in x̂0)
+            v = (out.float() - x) / (t / T) if self.settings.prediction_type == "sample" else out
+            if eta:
+                x = flow_step(v, x, t / T, t_next / T, eta, generator)
+            else:
+                x, _ = self.scheduler.step(v, t, x, t_next)
         return x
+
+
+def flow_step(v: torch.Tensor, x: torch.Tensor, s: float, s_next: float, eta: float,
+              generator: torch.Generator | None = None) -> torch.Tensor:
+    """One step of the flow's path from ``x`` at ``s = t/T`` to ``s_next < s`` given the predicted velocity ``v``
+    (both ``(B, C, d, h, w)``), DDIM's update with ``eta`` (Song et al. 2021) on the path ``x_s = (1 − s)·x₀ + s·ε``.
+
+    ``x̂₀ = x + s·v`` and ``ε̂ = x − (1 − s)·v``; the next state is ``(1 − s')·x̂₀ + √(s'² − c²)·ε̂ + c·z`` with fresh
+    noise ``z`` and ``c = eta·σ``, where ``σ² = s'²·(1 − ((1 − s)·s' / ((1 − s')·s))²)`` is the variance of the
+    path's posterior ``q(x_{s'} | x_s, x₀)``. ``eta = 0`` is the Euler step ``x + (s − s')·v``; ``eta = 1`` draws from
+    the posterior (ancestral sampling). ``s' = 0`` returns ``x̂₀``.
+    """
+    x0 = x + s * v
+    if s_next <= 0:
+        return x0
+    eps = x - (1 - s) * v
+    ratio = (1 - s) * s_next / ((1 - s_next) * s)  # < 1 for s' < s
+    c = eta * s_next * max(0.0, 1 - ratio ** 2) ** 0.5
+    z = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+    return (1 - s_next) * x0 + (s_next ** 2 - c ** 2) ** 0.5 * eps + c * z
 
 
 def _numel(x: torch.Tensor) -> int:

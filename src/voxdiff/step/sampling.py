@@ -74,7 +74,7 @@ class SamplerChoice:
 
     sampler: str  # DDIM (ddpm) | Euler (rflow)
     num_inference_steps: int
-    eta: float | None  # DDIM's; None for Euler
+    eta: float  # DDIM's, or rectified flow's (0: Euler's deterministic steps)
     guidance_scale: float  # 1: none
     autoguide_scale: float = 1.0  # autoguidance by the run's guide snapshot (voxdiff.diffusion.guidance.autoguided)
     guidance_interval: tuple[float, float] = FULL_INTERVAL  # t / T of the steps either guidance runs at
@@ -85,7 +85,7 @@ class SamplerChoice:
         return self.guidance_scale != 1.0 or self.autoguide_scale != 1.0
 
     def describe(self) -> str:
-        eta = f", eta {self.eta:g}" if self.eta is not None else ""
+        eta = f", eta {self.eta:g}" if self.eta or self.sampler == "DDIM" else ""
         guide = f", guidance scale {self.guidance_scale:g}" if self.guidance_scale != 1.0 else ""
         auto = f", autoguidance scale {self.autoguide_scale:g}" if self.autoguide_scale != 1.0 else ""
         lo, hi = self.guidance_interval
@@ -110,12 +110,9 @@ def sampler_choice(
     the run's diffusion settings, mode and condition dropout.
 
     Raises:
-        ConfigError: naming the command's key (``eta`` for rectified flow, a guidance scale the model cannot do).
+        ConfigError: naming the command's key (a guidance scale the model cannot do).
     """
     rflow = diffusion.process == "rflow"
-    if rflow and eta is not None:
-        raise ConfigError("eta", eta, "rectified flow samples with deterministic Euler steps; there is no eta",
-                          "leave eta unset (null)")
     steps = num_inference_steps or sampling.num_inference_steps or diffusion.num_inference_steps
     scale = check_guidance_scale("guidance_scale", sampling.guidance_scale if guidance_scale is None else guidance_scale,
                                  mode, drop_prob)
@@ -127,7 +124,7 @@ def sampler_choice(
         auto = check_autoguide_scale("autoguide_scale", autoguide_scale, null=True)
     interval = check_guidance_interval("guidance_interval", plain(guidance_interval), null=True)
     return SamplerChoice(sampler="Euler" if rflow else "DDIM", num_inference_steps=int(steps),
-                         eta=None if rflow else float(diffusion.eta if eta is None else eta), guidance_scale=scale,
+                         eta=float(diffusion.eta if eta is None else eta), guidance_scale=scale,
                          autoguide_scale=float(auto),
                          guidance_interval=sampling.guidance_interval if interval is None else interval)
 

@@ -346,7 +346,7 @@ class TrainStep:
             out_channels: channels the UNet predicts (those of the image encoding in bravo mode).
             num_inference_steps: sampling steps (None: the diffusion's).
             generator: generator of the initial noise (on ``mask``'s device), drawn from chunk by chunk.
-            eta: DDIM stochasticity (None: the diffusion's; rectified flow takes none).
+            eta: DDIM's (or rectified flow's) stochasticity (None: the diffusion's).
             use_ema: sample with the EMA weights (swapped in once for all chunks, and restored).
             probe: told where the ``condition`` (encoding the masks), ``sampling`` (the sampler's loop) and
                 ``decode`` phases begin and end (the preflight's memory probe).
