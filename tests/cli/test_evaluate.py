@@ -461,6 +461,21 @@ def test_a_sweep_of_sampling_steps_evaluates_each_with_the_same_masks_and_noise(
     assert e.value.key == "num_inference_steps"
 
 
+def test_a_sweep_of_eta_evaluates_each_sampler_with_the_same_masks_and_noise(run, tmp_path):
+    """``eta=[0,1]``: deterministic and ancestral DDIM from the same masks and noise, each recorded; an eta above 1
+    in the list refused, naming the key."""
+    _, _, last = run
+    record = _evaluate(last, tmp_path, "eta=[0,1]")
+    assert record["swept"] == "eta" and record["values"] == [0.0, 1.0]
+    ones = [json.loads((tmp_path / f"eta_{e}" / "metrics.json").read_text()) for e in (0, 1)]
+    assert [o["sampling"]["eta"] for o in ones] == [0.0, 1.0]
+    assert ones[0]["sampling"]["conditioned_on"] == ones[1]["sampling"]["conditioned_on"]
+    assert ones[0]["figures"]["psnr"]["value"] != ones[1]["figures"]["psnr"]["value"]
+    with pytest.raises(ConfigError, match=re.escape("eta=1.5")) as e:
+        validate(compose("evaluate", [f"ckpt_path={last}", "eta=[0,1.5]"]))
+    assert e.value.key == "eta"
+
+
 def test_a_sweep_of_guidance_intervals_evaluates_each_with_the_same_masks_and_noise(run, tmp_path):
     """``'guidance_interval=[[0,1],[0,0.4]]'`` with autoguidance (the step-2 checkpoint as the guide): one evaluation
     per interval in ``guidance_interval_<lo>-<hi>/``, each recording its interval; guided at 2 of the 5 DDIM steps

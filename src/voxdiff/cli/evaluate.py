@@ -214,9 +214,9 @@ def _correlated(drawn: Drawn, name: str, series: tuple[Sequence[float], Sequence
 
 
 #: the sampling settings a list of values sweeps: one evaluation at each (``autoguide_scale=[1,1.1,1.25]``,
-#: ``num_inference_steps=[10,25,50]``)
-SWEEPABLE = ("guidance_scale", "autoguide_scale", "num_inference_steps")
-_EXAMPLES = {"num_inference_steps": "[10,25,50]"}  # a sweep's example where a scale's is not one
+#: ``num_inference_steps=[10,25,50]``, ``eta=[0,1]``)
+SWEEPABLE = ("guidance_scale", "autoguide_scale", "num_inference_steps", "eta")
+_EXAMPLES = {"num_inference_steps": "[10,25,50]", "eta": "[0,0.5,1]"}  # a sweep's example where a scale's is not one
 #: the guidance interval a list of intervals sweeps (``'guidance_interval=[[0,1],[0,0.2]]'``)
 INTERVALS = "guidance_interval"
 #: the checkpoints a list compares: one evaluation of each with the same masks, noise and covariates
