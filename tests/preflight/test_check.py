@@ -99,6 +99,22 @@ def test_the_step_predicted_is_the_one_the_gpu_run_compiles(tiny_cfg, override, 
     assert predict_memory(tiny_cfg(override)).model_step == want
 
 
+def test_a_rectified_flow_step_is_predicted_compiled_with_its_float_timesteps(tiny_cfg):
+    """Rectified flow calls the UNet with float32 timesteps, DDPM with int64: the compiled profile is traced for the
+    process's own (traced for int64, the rflow step fell back to the eager upper bound)."""
+    import torch
+
+    from voxdiff.diffusion import RectifiedFlow, RFlowSettings
+    from voxdiff.diffusion.processes import timestep_dtype
+
+    report = predict_memory(tiny_cfg("model.compile=true", "diffusion=rflow"))
+    assert report.model_step == "compiled" and not any("could not be predicted" in n for n in report.notes)
+    seen = []
+    RectifiedFlow(RFlowSettings()).loss(lambda x, timesteps: seen.append(timesteps.dtype) or x[:, :1],
+                                        torch.zeros(2, 1, 4, 4, 4))
+    assert seen == [timestep_dtype(RFlowSettings())] == [torch.float32]
+
+
 @pytest.mark.parametrize("value", ["yes", 1])
 def test_a_compile_setting_that_means_nothing_is_refused(tiny_cfg, value):
     problems = run_preflight(tiny_cfg(f"model.compile={value}"), suggest=False).problems

@@ -110,6 +110,9 @@ class DiffusionProcess(nn.Module):
             False`` turns clipping off.
     """
 
+    #: the dtype of the ``(B,)`` training timesteps the UNet is called with (what a compiled step is traced for)
+    timestep_dtype = torch.int64
+
     def __init__(self, settings: DiffusionSettings | None = None, clip_range: float | None = None) -> None:
         super().__init__()
         self.settings = settings if settings is not None else DiffusionSettings()

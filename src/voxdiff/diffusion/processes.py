@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Union
 
+import torch
+
 from voxdiff.diffusion.process import DiffusionProcess, DiffusionSettings, ddpm_settings
 from voxdiff.diffusion.rflow import RectifiedFlow, RFlowSettings, rflow_settings
 from voxdiff.errors import one_of
@@ -33,6 +35,12 @@ def diffusion_settings(cfg: Mapping[str, Any] | None = None, **overrides: Any) -
     values = {**dict(cfg or {}), **overrides}
     name = one_of("diffusion.process", values.get("process", "ddpm"), tuple(PROCESSES))
     return PROCESSES[name][0](values)
+
+
+def timestep_dtype(settings: AnySettings | None) -> torch.dtype:
+    """The dtype of the training timesteps the UNet is called with for ``settings`` (None: the seed recipe's loss,
+    int64 as DDPM's)."""
+    return PROCESSES[settings.process][1].timestep_dtype if settings is not None else torch.int64
 
 
 def build_process(settings: AnySettings, clip_range: float | None = None) -> Process:

@@ -127,6 +127,9 @@ class RectifiedFlow(nn.Module):
         clip_range: unused (rectified flow does not clip); accepted so that every process is built alike.
     """
 
+    #: the dtype of the ``(B,)`` training timesteps (continuous after MONAI's transform; DDPM's are int64)
+    timestep_dtype = torch.float32
+
     def __init__(self, settings: RFlowSettings | None = None, clip_range: float | None = None) -> None:
         super().__init__()
         self.settings = settings if settings is not None else RFlowSettings()

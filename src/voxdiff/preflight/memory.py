@@ -76,6 +76,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from voxdiff.diffusion import Process, build_process, encoded_range
+from voxdiff.diffusion.processes import timestep_dtype
 from voxdiff.encodings.base import Encoding, LearnedEncoding
 from voxdiff.errors import ConfigError
 from voxdiff.models.unet import UNetSpec, build_unet_from_spec
@@ -414,7 +415,8 @@ def predict_step_memory(
                 if attention == "flash" and not gpu_spec.flash_attention:
                     raise CompiledTraceError(f"the compiled plan assumes FlashAttention-2, which {gpu_spec.name} "
                                              f"(sm{gpu_spec.capability[0]}{gpu_spec.capability[1]}) does not run")
-                inputs = [(shape, torch.float32), ((shape[0],), torch.int64)]  # x (B, C_in, *spatial), t (B,)
+                t_dtype = process.timestep_dtype if process is not None else timestep_dtype(recipe.diffusion)
+                inputs = [(shape, torch.float32), ((shape[0],), t_dtype)]  # x (B, C_in, *spatial), t (B,)
                 profile = compiled_profile(model, inputs, dtype)
                 traced_step = traced(CompiledModule(model, profile))  # DDP wraps the stand-in as it would the model
                 model_step, attention_path = "compiled", profile.attention_path(attention)
