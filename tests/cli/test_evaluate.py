@@ -444,36 +444,26 @@ def test_a_guidance_scale_swept_over_one_recipe_s_runs_evaluates_every_run_at_ev
         assert e.value.key == key
 
 
-def test_a_sweep_of_sampling_steps_evaluates_each_with_the_same_masks_and_noise(run, tmp_path):
-    """``num_inference_steps=[2,5]``: one evaluation per step count in ``num_inference_steps_<n>/``, each recording
-    its steps, from the same masks (the samples differ: 2 DDIM steps against 5); a repeated count refused, naming
-    the key and a step-count example."""
+@pytest.mark.parametrize(("key", "values", "refused", "says"), [
+    ("num_inference_steps", [2, 5], "[5,5]", "num_inference_steps=[10,25,50]"),  # a repeated count: an example
+    ("eta", [0, 1], "[0,1.5]", "eta=1.5"),  # deterministic and ancestral DDIM; an eta above 1
+])  # fmt: skip
+def test_a_sweep_of_a_sampler_setting_evaluates_each_with_the_same_masks_and_noise(run, tmp_path, key, values,
+                                                                                   refused, says):
+    """``num_inference_steps=[2,5]`` or ``eta=[0,1]``: one evaluation per value in ``<key>_<value>/``, each recording
+    its value, from the same masks (the samples differ: 2 DDIM steps against 5, deterministic against ancestral); a
+    list with a value that cannot be swept refused, naming the key."""
     _, _, last = run
-    record = _evaluate(last, tmp_path, "num_inference_steps=[2,5]")
-    assert record["swept"] == "num_inference_steps" and record["values"] == [2.0, 5.0]
-    ones = [json.loads((tmp_path / f"num_inference_steps_{n}" / "metrics.json").read_text()) for n in (2, 5)]
-    assert [o["sampling"]["num_inference_steps"] for o in ones] == [2, 5]
+    record = _evaluate(last, tmp_path, f"{key}=[{','.join(map(str, values))}]")
+    assert record["swept"] == key and record["values"] == [float(v) for v in values]
+    ones = [json.loads((tmp_path / f"{key}_{v}" / "metrics.json").read_text()) for v in values]
+    assert [o["sampling"][key] for o in ones] == values
     assert ones[0]["sampling"]["conditioned_on"] == ones[1]["sampling"]["conditioned_on"]
     assert ones[0]["figures"]["psnr"]["value"] != ones[1]["figures"]["psnr"]["value"]
-    assert "num_inference_steps=5" in (tmp_path / "sweep.html").read_text()
-    with pytest.raises(ConfigError, match=re.escape("num_inference_steps=[10,25,50]")) as e:
-        validate(compose("evaluate", [f"ckpt_path={last}", "num_inference_steps=[5,5]"]))
-    assert e.value.key == "num_inference_steps"
-
-
-def test_a_sweep_of_eta_evaluates_each_sampler_with_the_same_masks_and_noise(run, tmp_path):
-    """``eta=[0,1]``: deterministic and ancestral DDIM from the same masks and noise, each recorded; an eta above 1
-    in the list refused, naming the key."""
-    _, _, last = run
-    record = _evaluate(last, tmp_path, "eta=[0,1]")
-    assert record["swept"] == "eta" and record["values"] == [0.0, 1.0]
-    ones = [json.loads((tmp_path / f"eta_{e}" / "metrics.json").read_text()) for e in (0, 1)]
-    assert [o["sampling"]["eta"] for o in ones] == [0.0, 1.0]
-    assert ones[0]["sampling"]["conditioned_on"] == ones[1]["sampling"]["conditioned_on"]
-    assert ones[0]["figures"]["psnr"]["value"] != ones[1]["figures"]["psnr"]["value"]
-    with pytest.raises(ConfigError, match=re.escape("eta=1.5")) as e:
-        validate(compose("evaluate", [f"ckpt_path={last}", "eta=[0,1.5]"]))
-    assert e.value.key == "eta"
+    assert f"{key}={values[-1]}" in (tmp_path / "sweep.html").read_text()
+    with pytest.raises(ConfigError, match=re.escape(says)) as e:
+        validate(compose("evaluate", [f"ckpt_path={last}", f"{key}={refused}"]))
+    assert e.value.key == key
 
 
 def test_a_sweep_of_guidance_intervals_evaluates_each_with_the_same_masks_and_noise(run, tmp_path):
