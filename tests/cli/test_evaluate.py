@@ -3,6 +3,7 @@ self-contained report (rendered by a real headless Chromium), samples with the s
 the figures, a VQ-VAE checkpoint (the report follows the checkpoint's kind), and refused configs."""
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -80,7 +81,8 @@ def test_metrics_json_has_every_figure_with_n_and_the_checkpoint_identity(run, l
     expected = {"diversity_ms_ssim_generated", "diversity_ms_ssim_real", "ssim", "psnr", "ms_ssim",
                 "lesion_contrast_generated", "lesion_contrast_real", "mmd_histogram", "frechet_random_resnet10",
                 "anatomy_sharpness", "anatomy_tissue_distance", "ventricle_voxels_generated",
-                "ventricle_voxels_real"}
+                "ventricle_voxels_real", "nearest_training_generated", "nearest_training_real",
+                "nearest_training_copies"}
     assert set(saved["figures"]) == expected
     for name, f in saved["figures"].items():
         assert np.isfinite(f["value"]), name
@@ -92,6 +94,9 @@ def test_metrics_json_has_every_figure_with_n_and_the_checkpoint_identity(run, l
     assert len(saved["figures"]["ventricle_voxels_real"]["per_volume"]) == 2  # the phantom's: real ventricles
     assert saved["figures"]["ventricle_voxels_real"]["value"] > 0
     assert saved["n_generated"] == 4 and saved["n_real"] == 2  # 6 phantom subjects: 2 validation
+    nearest = saved["figures"]["nearest_training_real"]  # each held-out image's nearest of the 4 training images
+    assert nearest["measure"] == "pearson" and nearest["training_volumes"] == 4
+    assert not set(nearest["subjects"]) & set(saved["real_subjects"]) and len(set(nearest["subjects"])) >= 1
     assert saved["sampling"]["num_inference_steps"] == 5 and saved["sampling"]["use_ema"] is True
     assert "never downloads" in saved["absent"]["medicalnet"]
     assert saved["metric_settings"]["ms_ssim"]["kernel_size"] == 5
@@ -121,6 +126,7 @@ def test_each_figure_of_volumes_carries_its_bootstrap_interval_where_both_sets_a
         if name not in ("anatomy_tissue_distance",):  # a distance's resamples lie above it when the sets are alike
             assert low <= f["value"] <= high, name
     assert not any("ci" in figures[name] for name in set(figures) - WITH_INTERVAL)
+    assert "split=all" in record["absent"]["nearest_training"]  # every subject is in the real set: none held out
     settings = record["metric_settings"]["bootstrap"]
     assert (settings["resamples"], settings["level"], settings["method"], settings["seed"]) == (200, 0.95,
                                                                                                "percentile", 0)
@@ -188,6 +194,42 @@ def test_figures_move_the_right_way_from_an_early_to_a_late_checkpoint(early, la
     assert abs(l["lesion_contrast_generated"]["value"] - real) < abs(e["lesion_contrast_generated"]["value"] - real)
     assert l["mmd_histogram"]["value"] < e["mmd_histogram"]["value"]
     assert l["frechet_random_resnet10"]["value"] < e["frechet_random_resnet10"]["value"]
+
+
+@pytest.fixture(scope="module")
+def seg_run(tmp_path_factory):
+    """40 steps of the tiny model drawing masks alone (``mode=seg``)."""
+    out = tmp_path_factory.mktemp("seg")
+    return Path(train(compose("train", [*TINY, "mode=seg", f"paths.output_dir={out}"]))["last_checkpoint"])
+
+
+def test_a_mask_model_is_evaluated_on_its_lesions_and_their_nearest_training_masks(seg_run, tmp_path):
+    """A mask model's evaluation: the lesions of its masks against the real ones (count, load, size, placement) and
+    each mask's nearest training mask by Dice, beside the distribution figures; no paired or
+    anatomy figure (no image). The real masks' counts are the phantom's 1-4 lesions; the page renders each figure."""
+    record = _evaluate(seg_run, tmp_path)
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    figures = saved["figures"]
+    lesions = {f"lesion_{k}_{of}" for k in ("count", "load", "size", "outside_head") for of in ("generated", "real")}
+    assert set(figures) == {"diversity_ms_ssim_generated", "diversity_ms_ssim_real", "mmd_histogram",
+                            "frechet_random_resnet10", "nearest_training_generated",
+                            "nearest_training_real", "nearest_training_copies", *lesions}
+    assert saved["checkpoint"]["mode"] == "seg" and "anatomy" in saved["absent"]
+    assert all(1 <= c <= 4 for c in figures["lesion_count_real"]["per_mask"])
+    assert figures["lesion_load_real"]["value"] > 0 and figures["lesion_outside_head_real"]["value"] == 0
+    counts = figures["lesion_count_generated"]["per_mask"]  # an undertrained model may draw empty masks
+    assert len(counts) == 4 and figures["lesion_count_generated"]["value"] == pytest.approx(sum(counts) / 4)
+    assert math.isnan(figures["lesion_size_generated"]["value"]) == (sum(counts) == 0)  # no lesion: no size
+    assert [math.isnan(v) for v in figures["nearest_training_generated"]["per_volume"]] == [c == 0 for c in counts]
+    nearest = figures["nearest_training_real"]
+    assert nearest["measure"] == "dice" and nearest["training_volumes"] == 4 and 0 <= nearest["value"] <= 1
+    assert not set(nearest["subjects"]) & set(saved["real_subjects"])  # held out: never its own subject
+    assert render(Path(record["html"]), tmp_path / "page.png")["table_rows"] == len(figures)
+    off = _evaluate(seg_run, tmp_path / "off", "nearest_training=false")
+    assert not any(name.startswith("nearest_training") for name in off["figures"])
+    assert "nearest_training=false" in off["absent"]["nearest_training"]
+    drawn = off["figures"]["lesion_count_generated"]  # the same masks drawn: the same lesions
+    assert drawn["per_mask"] == figures["lesion_count_generated"]["per_mask"]
 
 
 @pytest.fixture(scope="module")
@@ -304,6 +346,7 @@ def test_the_loss_curve_comes_from_the_runs_csv(run, tmp_path):
     ("bootstrap.resamples=10", "bootstrap.resamples"), ("bootstrap.resamples=-1", "bootstrap.resamples"),
     ("bootstrap.level=95", "bootstrap.level"), ("bootstrap.method=bayes", "bootstrap.method"),
     ("+bootstrap.seed=3", "bootstrap.seed"), ("bootstrap.expand=yes", "bootstrap.expand"),
+    ("nearest_training=maybe", "nearest_training"),
 ])
 def test_bad_evaluation_configs_are_refused(run, override, key):
     _, _, last = run

@@ -172,6 +172,30 @@ def test_an_effect_is_resampled_over_its_masks_and_a_slope_over_its_subjects():
     assert low < M.slope(x, y)["value"] < high
 
 
+def test_a_share_is_the_ratio_of_the_resample_s_sums_and_a_present_mean_leaves_nan_out():
+    """``share_of``: the parts over the wholes, each summed over the volumes drawn (a volume drawn twice counts twice;
+    NaN where the wholes sum to 0); ``present_mean_of``: the mean of the values drawn that are not NaN."""
+    parts, wholes = torch.tensor([1.0, 0.0, 3.0]), torch.tensor([2.0, 0.0, 4.0])
+    share = U.share_of(parts, wholes)
+    assert share.sets == ("generated",)
+    drawn = torch.tensor([[0, 1, 2], [2, 2, 0], [1, 1, 1]])
+    assert share.statistic(drawn)[:2].tolist() == pytest.approx([4 / 6, 7 / 10]) and share.statistic(drawn)[2].isnan()
+    values = torch.tensor([0.2, math.nan, 0.6])
+    mean = U.present_mean_of(values, "real").statistic(drawn)
+    assert mean[:2].tolist() == pytest.approx([0.4, (0.6 + 0.6 + 0.2) / 3]) and mean[2].isnan()
+
+
+def test_beyond_counts_the_generated_values_above_every_real_one_drawn():
+    """``beyond_of``: the share of the generated values drawn (NaN ones left out) above the greatest real value
+    drawn; a resample that leaves out the greatest real value lowers the bar."""
+    generated, real = torch.tensor([0.9, 0.5, math.nan, 0.7]), torch.tensor([0.6, 0.8])
+    beyond = U.beyond_of(generated, real)
+    assert beyond.sets == ("generated", "real")
+    everything = beyond.statistic(torch.arange(4), torch.arange(2))
+    assert float(everything) == pytest.approx(1 / 3)  # 0.9 of 0.9, 0.5, 0.7: above 0.8
+    assert float(beyond.statistic(torch.arange(4), torch.tensor([0, 0]))) == pytest.approx(2 / 3)  # above 0.6
+
+
 @pytest.mark.parametrize("method", ["percentile", "basic"])
 def test_resamples_without_a_figure_are_counted_and_left_out_of_the_interval(method):
     """r(sex, head size) over 8 subjects, 2 of one sex: about 1 resample in 10 draws one sex only, where r is

@@ -161,6 +161,11 @@ def validate(cfg: DictConfig) -> None:
     if stage1 is not None and not Path(str(stage1)).is_file():
         raise ConfigError("stage1_ckpt", stage1, "no such checkpoint file",
                           "point it at a VQ-VAE run's checkpoints/last.ckpt, or stage1_ckpt=null")
+    nearest = cfg.get("nearest_training", True)
+    if not isinstance(nearest, bool):
+        raise ConfigError("nearest_training", nearest, "must be true or false",
+                          "use nearest_training=true (each volume's nearest training volume: the memorisation "
+                          "check) or nearest_training=false (the training split is not read)")
     counterfactual = cfg.get("counterfactual", False)
     if not isinstance(counterfactual, bool):
         raise ConfigError("counterfactual", counterfactual, "must be true or false",
@@ -640,6 +645,35 @@ def _check_counterfactual(column: Any, n: int, masks: int) -> int:
     return masks
 
 
+#: training volumes compared at once by the nearest-training figures
+NEAREST_CHUNK = 8
+
+
+def _training_volumes(cfg: DictConfig, dm: Any, mode: str) -> tuple[Any, str | None]:
+    """``(chunks, None)``: the training split of ``dm`` streamed for
+    :func:`~voxdiff.evaluation.pipeline.nearest_figures` as ``(volumes (m, 1, D, H, W), subjects)`` of at most
+    :data:`NEAREST_CHUNK` (masks for ``seg``, images for ``bravo``), read once when iterated; ``(None, why)`` where
+    the figures are not computed."""
+    import torch
+
+    if not cfg.get("nearest_training", True):
+        return None, "nearest_training=false: the training split was not read"
+    if str(cfg.split) != "val":
+        return None, f"split={cfg.split}: the real volumes include the training subjects, so none is held out"
+    dataset, key = dm.train_dataset, "mask" if mode == "seg" else "image"
+    if len(dataset) == 0:
+        return None, "the training split holds no subject"
+    if key not in dataset[0]:
+        return None, f"the training split's samples carry no {key} volume (latents): nothing to compare in voxels"
+
+    def chunks() -> Any:
+        for start in range(0, len(dataset), NEAREST_CHUNK):
+            items = [dataset[i] for i in range(start, min(start + NEAREST_CHUNK, len(dataset)))]
+            yield torch.stack([item[key] for item in items]).float(), [str(item["subject"]) for item in items]
+
+    return chunks(), None
+
+
 def _training_pairs(saved: dict[str, Any], cfg: DictConfig, weights: str | None) -> tuple[list[dict[str, str]], Any]:
     """The training split of the run whose stored config is ``saved`` (built as the command builds its data
     module): the covariate values each of its subjects trained with (``covariate_trained_values``: another
@@ -904,11 +938,14 @@ def _diffusion(cfg: DictConfig, device: Any, subjects: Sequence[str] | None = No
     phantom = is_phantom_data(saved.get("data")) and cfg.data.get("root") is None
     drawn = Drawn({"generated": len(generated), "real": len(real), **({"masks": cycle} if cycle else {})},
                   bootstrap_settings(cfg))  # the intervals
+    training, not_nearest = _training_volumes(cfg, dm, system.mode)
     figures, more_absent = diffusion_figures(real, generated, sources, system.mode, extractors,
                                              bins=int(cfg.histogram_bins), device=str(device), ms_ssim=ms_ssim,
                                              ventricles=ventricle_voxels if phantom else None,
                                              diversity_pairs=cfg.get("diversity_pairs"), seed=int(cfg.seed),
-                                             drawn=drawn)
+                                             drawn=drawn, training=training)
+    if not_nearest is not None:
+        more_absent["nearest_training"] = not_nearest
     cov_figures, cov_absent, cov_sections = _covariate_figures(cfg, phantom, system, sampler, real, generated, rows,
                                                                table, device, precision, drawn, cycle, extractors)
     figures.update(cov_figures)

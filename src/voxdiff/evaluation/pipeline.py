@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from voxdiff.evaluation import lesions as L
 from voxdiff.evaluation import metrics as M
 from voxdiff.evaluation import uncertainty as U
 from voxdiff.evaluation.features import FeatureExtractor
@@ -68,6 +69,45 @@ DEFINITIONS: dict[str, tuple[str, str, str]] = {
         "central box that holds the ventricles); phantom runs only. 0: no ventricle drawn. ratio_to_real beside it."),
     "ventricle_voxels_real": ("Ventricles: CSF-dark voxels in the central box, real", "info",
                               "The same count for the real phantom images of the split."),
+    "lesion_count_generated": (
+        "Masks: lesions per mask, generated", "match",
+        "Mean over generated masks of their lesions: 26-connected components of the mask above 0.5 "
+        "(voxdiff.evaluation.lesions). Compare with the real figure: a model that draws one merged blob, or "
+        "speckle, misses it."),
+    "lesion_count_real": ("Masks: lesions per mask, real", "info", "The same count for the real masks of the split."),
+    "lesion_load_generated": (
+        "Masks: lesion voxels per mask, generated", "match",
+        "Mean over generated masks of their voxels above 0.5 (the lesion load). Compare with the real figure."),
+    "lesion_load_real": ("Masks: lesion voxels per mask, real", "info",
+                         "The same figure for the real masks of the split."),
+    "lesion_size_generated": (
+        "Masks: voxels per lesion, generated", "match",
+        "The generated masks' lesion voxels over their lesions (both summed over the masks): how large a lesion is "
+        "drawn (NaN: no lesion drawn). Compare with the real figure."),
+    "lesion_size_real": ("Masks: voxels per lesion, real", "info", "The same figure for the real masks."),
+    "lesion_outside_head_generated": (
+        "Masks: share of lesion voxels outside the heads", "lower",
+        "Lesion voxels (above 0.5) of the generated masks that lie outside the population's head (the voxels inside "
+        "at least half of the real images' heads, voxdiff.evaluation.metrics.head_mask), over all their lesion "
+        "voxels (NaN: none): lesions drawn where no brain is. Meaningful for aligned volumes (the phantom, a "
+        "registered data set); read it against the real masks' own share."),
+    "lesion_outside_head_real": ("Masks: share of lesion voxels outside the heads, real", "info",
+                                 "The same share for the real masks of the split."),
+    "nearest_training_generated": (
+        "Nearest training volume: similarity, generated", "match",
+        "Mean over generated volumes of their greatest similarity to any volume of the training split (seg: Dice "
+        "of the masks above 0.5, masks without lesion left out: NaN if every one is empty; bravo: Pearson's r of "
+        "the images). A model that copies its training data scores above the real figure; one that draws unlike "
+        "any subject, below it."),
+    "nearest_training_real": (
+        "Nearest training volume: similarity, real held out", "info",
+        "The same figure for the real volumes of the split, which training never saw: how near an unseen "
+        "subject of the data comes to a training subject."),
+    "nearest_training_copies": (
+        "Nearest training volume: share nearer than any held-out volume", "lower",
+        "The share of generated volumes more similar to a training volume than the most similar held-out real "
+        "volume is (Akbar et al. 2023, Dar et al. 2023 measure memorisation so): near 0 for a model that does not "
+        "copy; the training volume each is nearest to is in metrics.json (nearest_training_generated.subjects)."),
     "mmd_histogram": (
         "MMD² of intensity histograms", "lower",
         "Unbiased MMD² with a linear kernel (MONAI MMDMetric) between 64-bin intensity histograms of generated "
@@ -259,6 +299,7 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
                       ms_ssim: M.SSIMSettings = M.MS_SSIM_SETTINGS,
                       ventricles: Callable[[torch.Tensor], int] | None = None,
                       diversity_pairs: int | None = None, seed: int = 0, drawn: Drawn | None = None,
+                      training: Iterable[tuple[torch.Tensor, Sequence[str]]] | None = None,
                       ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """All figures of a generated set against the real one.
 
@@ -277,13 +318,15 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
             (:func:`voxdiff.evaluation.metrics.ms_ssim_pairs`); None: every pair.
         drawn: the intervals of the figures, for sets of ``N`` generated and ``R`` real volumes (:class:`Drawn`, which
             keeps each figure's resampler); None: none.
+        training: the training split's volumes in chunks with their subjects (:func:`nearest_figures`: masks for
+            ``seg``, images for ``bravo``); None: no nearest-training figures.
 
     Returns:
         ``(figures, absent)``: ``{name: figure}`` and ``{name: why it was not computed}``.
     """
     figures: dict[str, dict[str, Any]] = {}
     absent: dict[str, str] = {}
-    drawn = drawn or Drawn({}, None)
+    drawn = drawn or Drawn({"generated": len(generated), "real": len(real)}, None)
     reference = real.images if mode == "bravo" else real.masks  # what the generated volumes should look like
     paired = reference[list(sources)]
     for of, volumes in (("generated", generated), ("real", reference)):
@@ -308,6 +351,9 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
     else:
         absent["ssim/psnr/ms_ssim"] = "seg mode generates masks without a paired real image"
         absent["anatomy"] = "seg mode generates masks: no anatomy to measure"
+        figures.update(mask_figures(generated, real, drawn))
+    if training is not None:
+        figures.update(nearest_figures(generated, real, mode, training, drawn))
     h_gen, h_real = M.histograms(generated, bins), M.histograms(reference, bins)
     if min(len(generated), len(real)) >= 2:
         figures["mmd_histogram"] = figure("mmd_histogram", M.mmd(h_gen, h_real))
@@ -319,6 +365,68 @@ def diffusion_figures(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
             f"{len(real)} real volume(s): a distribution figure needs at least 2 per set (n=2 or more, and a split "
             "with 2 or more subjects)")
     return figures, absent
+
+
+def _resampled(drawn: Drawn, name: str, resampler: U.Resampler, **stats: Any) -> dict[str, Any]:
+    """The figure ``name`` with its value computed by its ``resampler`` on every volume of its sets, ``stats`` beside
+    it and its interval where ``drawn`` has a bootstrap."""
+    value = float(resampler({s: torch.arange(drawn.sizes[s]) for s in resampler.sets}))
+    return figure(name, drawn.with_interval(name, {"value": value, **stats}, resampler))
+
+
+def mask_figures(generated: torch.Tensor, real: VolumeSet, drawn: Drawn | None = None) -> dict[str, dict[str, Any]]:
+    """What generated masks ``(N, 1, D, H, W)`` in [0, 1] (``mode=seg``) are made of against the real masks of
+    ``real``: lesions per mask, lesion voxels per mask, voxels per lesion and the share of lesion voxels outside the
+    population's head (:func:`voxdiff.evaluation.lesions.population_head` of the real images); each with its
+    interval where ``drawn`` has a bootstrap."""
+    drawn = drawn or Drawn({"generated": len(generated), "real": len(real)}, None)
+    head = L.population_head(real.images)
+    tables = {"generated": L.lesion_table(generated, head), "real": L.lesion_table(real.masks, head)}
+    out: dict[str, dict[str, Any]] = {}
+    for of, t in tables.items():
+        out[f"lesion_count_{of}"] = _resampled(drawn, f"lesion_count_{of}", U.mean_of(t.lesions, of), n=len(t),
+                                               per_mask=[int(v) for v in t.lesions.tolist()])
+        out[f"lesion_load_{of}"] = _resampled(drawn, f"lesion_load_{of}", U.mean_of(t.voxels, of), n=len(t))
+        out[f"lesion_size_{of}"] = _resampled(drawn, f"lesion_size_{of}", U.share_of(t.voxels, t.lesions, of),
+                                              n=len(t), lesions=int(t.lesions.sum()))
+        out[f"lesion_outside_head_{of}"] = _resampled(
+            drawn, f"lesion_outside_head_{of}", U.share_of(t.outside, t.voxels, of), n=len(t),
+            head_voxels=int(head.sum()))
+    for name in ("lesion_count", "lesion_load", "lesion_size"):
+        real_value = out[f"{name}_real"]["value"]
+        if real_value:
+            out[f"{name}_generated"]["ratio_to_real"] = out[f"{name}_generated"]["value"] / real_value
+    return out
+
+
+def nearest_figures(generated: torch.Tensor, real: VolumeSet, mode: str,
+                    training: Iterable[tuple[torch.Tensor, Sequence[str]]], drawn: Drawn | None = None
+                    ) -> dict[str, dict[str, Any]]:
+    """How near the generated volumes ``(N, 1, D, H, W)`` and the held-out real ones of ``real`` come to the training
+    split, streamed as chunks ``(volumes (m, 1, D, H, W), their subjects)`` (masks for ``seg``, images for
+    ``bravo``): :func:`voxdiff.evaluation.lesions.nearest_similarity` of each set (Dice of masks, Pearson's r of
+    images), and the share of generated volumes nearer than any held-out one (memorisation)."""
+    drawn = drawn or Drawn({"generated": len(generated), "real": len(real)}, None)
+    measure = "dice" if mode == "seg" else "pearson"
+    held_out = real.masks if mode == "seg" else real.images
+    names: list[str] = []
+
+    def volumes() -> Iterable[torch.Tensor]:
+        for chunk, subjects in training:
+            names.extend(subjects)
+            yield chunk
+
+    nearest, index, seen = L.nearest_similarity(torch.cat([generated, held_out]), volumes(), measure)
+    n = len(generated)
+    out: dict[str, dict[str, Any]] = {}
+    for of, values, at in (("generated", nearest[:n], index[:n]), ("real", nearest[n:], index[n:])):
+        out[f"nearest_training_{of}"] = _resampled(
+            drawn, f"nearest_training_{of}", U.present_mean_of(values, of), n=int((~values.isnan()).sum()),
+            measure=measure, training_volumes=seen, per_volume=[round(v, 6) for v in values.tolist()],
+            subjects=[names[i] if i >= 0 else None for i in at.tolist()])
+    out["nearest_training_copies"] = _resampled(drawn, "nearest_training_copies", U.beyond_of(nearest[:n], nearest[n:]),
+                                                n=int((~nearest[:n].isnan()).sum()), measure=measure)
+    return out
 
 
 def anatomy_figures(generated: torch.Tensor, real: torch.Tensor,

@@ -284,6 +284,38 @@ def mean_of(values: torch.Tensor, of: str = "generated") -> Resampler:
     return Resampler(lambda ix: v[ix].mean(-1), (of,))
 
 
+def present_mean_of(values: torch.Tensor, of: str = "generated") -> Resampler:
+    """The mean of the per-volume figures ``(N,)`` of the set ``of`` that are not NaN (a nearest-training Dice: none
+    for an empty mask); NaN for a resample that drew none."""
+    v = values.double().reshape(-1)
+    return Resampler(lambda ix: v[ix].nanmean(-1), (of,))
+
+
+def share_of(parts: torch.Tensor, wholes: torch.Tensor, of: str = "generated") -> Resampler:
+    """``sum(parts) / sum(wholes)`` of per-volume counts ``(N,)`` of the set ``of`` (lesion voxels outside the head
+    of all lesion voxels); NaN for a resample whose wholes sum to 0."""
+    p, w = parts.double().reshape(-1), wholes.double().reshape(-1)
+
+    def statistic(ix: torch.Tensor) -> torch.Tensor:
+        total = w[ix].sum(-1)
+        return torch.where(total > 0, p[ix].sum(-1) / total.clamp(min=1e-300), torch.nan)
+
+    return Resampler(statistic, (of,))
+
+
+def beyond_of(generated: torch.Tensor, real: torch.Tensor) -> Resampler:
+    """The share of the generated volumes' figures ``(N,)`` above the greatest of the real ones ``(R,)`` (NaN: none
+    counted): generated volumes nearer to the training set than every held-out real volume."""
+    g, r = generated.double(), real.double()
+
+    def statistic(ig: torch.Tensor, ir: torch.Tensor) -> torch.Tensor:
+        values, ceiling = g[ig], r[ir].nan_to_num(-torch.inf).amax(-1, keepdim=True)
+        present = ~values.isnan()
+        return (present & (values > ceiling)).sum(-1).double() / present.sum(-1)
+
+    return Resampler(statistic, SETS)
+
+
 def ratio_of(generated: torch.Tensor, real: torch.Tensor) -> Resampler:
     """mean(generated) / mean(real) of per-volume figures ``(N,)`` and ``(R,)`` (the sharpness)."""
     g, r = generated.double(), real.double()
