@@ -173,6 +173,26 @@ def test_samples_a_run_autoguides_in_training_are_predicted_with_the_guide_besid
     assert training_autoguide(diffusion_run(guided_cfg)) == 1.5
 
 
+def test_an_fsdp_run_s_samples_in_training_are_predicted_without_the_guide(gpu_run) -> None:
+    """An FSDP run's in-training samples are drawn without autoguidance (``DiffusionSystem.sampling_guide``: the
+    guide would be a whole unsharded UNet beside the shards), so its sampling phase holds no guide: the same as
+    without autoguidance, where a DDP run's holds one copy of the weights more."""
+    from voxdiff.preflight.memory import diffusion_run, training_autoguide
+
+    guided = ["experiment=exp11", "trainer.max_steps=1000", "system.sampling.autoguide_scale=1.5",
+              "callbacks.guide.step=100", "trainer.devices=2"]
+    fsdp_cfg = compose("preflight", [*guided, "trainer=fsdp"])
+    fsdp = predict_phases(fsdp_cfg)
+    fsdp_plain = predict_phases(compose("preflight", ["experiment=exp11", "trainer.max_steps=1000", "trainer=fsdp",
+                                                      "trainer.devices=2"]))
+    ddp = predict_phases(compose("preflight", [*guided, "trainer=ddp"]))
+    ddp_plain = predict_phases(compose("preflight", ["experiment=exp11", "trainer.max_steps=1000", "trainer=ddp",
+                                                     "trainer.devices=2"]))
+    assert training_autoguide(diffusion_run(fsdp_cfg)) == 1.0 and fsdp.sampling == fsdp_plain.sampling
+    assert not any("autoguided" in n for n in fsdp.notes)
+    assert ddp.sampling - ddp_plain.sampling == pytest.approx(ddp.training_report.param_bytes, rel=0.02)
+
+
 def test_exp11_phases_and_the_ema_swap(gpu_run) -> None:
     """On the real exp11 (meta, seconds): every phase is predicted; without an EMA, validation holds one fp32 copy of
     the weights less (the average; its swap adds no copy: only its largest parameter)."""

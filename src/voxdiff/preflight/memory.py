@@ -845,8 +845,11 @@ def meta_guide(run: RunSpec) -> tuple[nn.Module, list[torch.Tensor]]:
 def training_autoguide(run: RunSpec) -> float:
     """The autoguidance scale of the samples ``run`` draws in training (``DiffusionSystem.sampling_guide``): its
     commands' (``system.sampling.autoguide_scale``) where it takes a guide snapshot (``callbacks.guide.step``)
-    before its last step (or has no step limit), else 1 (none)."""
+    before its last step (or has no step limit), else 1 (none). An FSDP run's samples are drawn without the guide
+    (its UNet is sharded and the guide would not be), so 1 for it too."""
     scale, step, last = float(run.sampling.autoguide_scale), run.resources.guide_step, run.resources.max_steps
+    if run.parallel.strategy == "fsdp":
+        return 1.0
     return scale if scale != 1.0 and step is not None and (last < 0 or step < last) else 1.0
 
 
