@@ -5,7 +5,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
-from voxdiff.viz import lesion_centre, mid_planes, save_montage, save_nifti
+from voxdiff.viz import lesion_centre, mid_planes, projections, save_montage, save_nifti
 
 SHAPE = (16, 24, 20)
 
@@ -65,6 +65,23 @@ def test_the_planes_pass_through_the_largest_lesion():
     planes = mid_planes(mask, lesion_centre(mask))
     assert planes["axial"].sum() == planes["coronal"].sum() == planes["sagittal"].sum() == 25
     assert mid_planes(mask)["axial"].sum() == 0  # the mid-planes miss both lesions
+
+
+def test_projections_show_every_lesion_wherever_it_lies(tmp_path):
+    """The maximum-intensity projections of a mask hold both of its lesions, off every mid-plane, in the panels
+    where the planes would show them; a projected montage draws them (the mid-planes' montage is blank)."""
+    mask = np.zeros((20, 24, 28), np.float32)
+    mask[2:4, 3:5, 4:6] = 1
+    mask[12:17, 15:20, 20:25] = 1
+    p = projections(mask)
+    assert {k: v.shape for k, v in p.items()} == {k: v.shape for k, v in mid_planes(mask).items()}
+    assert p["axial"][3, 2] == 1 and p["axial"][17, 14] == 1  # (h, d): each lesion's axial footprint
+    assert p["coronal"].sum() == 2 * 2 + 5 * 5 and p["sagittal"].sum() == 2 * 2 + 5 * 5
+    white = {}  # the share of white pixels: the column's name in both, the lesions in the projected montage only
+    for project in (False, True):
+        path = save_montage(tmp_path / f"{project}.png", {"mask": mask}, project=project)
+        white[project] = (mpimg.imread(str(path))[..., :3].min(-1) > 0.9).mean()
+    assert white[True] > 2 * white[False]
 
 
 @pytest.mark.parametrize("suffix", [".nii.gz", ".nii"])

@@ -5,7 +5,9 @@ axis 0 left→right, axis 1 posterior→anterior, axis 2 inferior→superior. Th
 axial (fixed axis 2), coronal (fixed axis 1) and sagittal (fixed axis 0) planes in neurological convention (the
 subject's right on the picture's right, anterior/superior up), assuming isotropic voxels: the mid-planes, or the
 planes through a given voxel — the samples' montages cut through the largest lesion of their mask
-(:func:`lesion_centre`), so that a reader sees whether the lesion was drawn where the mask puts it.
+(:func:`lesion_centre`), so that a reader sees whether the lesion was drawn where the mask puts it — or the
+maximum-intensity projections along the same axes (:func:`projections`), where every lesion of a mask shows: the
+montages of generated masks (``mode=seg``), whose lesions no single plane holds.
 """
 
 from __future__ import annotations
@@ -59,6 +61,14 @@ def mid_planes(volume: np.ndarray | torch.Tensor,
     }
 
 
+def projections(volume: np.ndarray | torch.Tensor) -> dict[str, np.ndarray]:
+    """The maximum-intensity projections of a volume along the axes :func:`mid_planes` fixes, oriented as its planes
+    (``{"axial": (H, D), "coronal": (W, D), "sagittal": (W, H)}`` float32): every voxel above the background shows
+    in each, wherever it lies (a mask's every lesion)."""
+    v = _as_volume(volume, "volume")
+    return {"axial": v.max(axis=2).T, "coronal": v.max(axis=1).T, "sagittal": v.max(axis=0).T}
+
+
 def lesion_centre(mask: np.ndarray | torch.Tensor) -> tuple[int, int, int] | None:
     """The voxel at the centre of mass of the largest connected lesion of a mask (None for an empty mask).
 
@@ -81,9 +91,11 @@ def save_montage(
     columns: Mapping[str, np.ndarray | torch.Tensor],
     title: str | None = None,
     centre: tuple[int, int, int] | None = None,
+    project: bool = False,
 ) -> Path:
     """Write a PNG montage: one column per volume, rows = axial, coronal, sagittal planes (through ``centre``, a
-    ``(d, h, w)`` voxel of every column's volume; None: the mid-planes).
+    ``(d, h, w)`` voxel of every column's volume; None: the mid-planes), or with ``project`` the maximum-intensity
+    projections along those axes (:func:`projections`; ``centre`` is then not used).
 
     Every panel uses the grey colour map with a fixed [0, 1] window (images are in [0, 1], masks in {0, 1}),
     so columns and successive montages are comparable; values outside are clipped by the display only.
@@ -103,7 +115,8 @@ def save_montage(
 
     if not columns:
         raise ValueError("save_montage needs at least one column")
-    planes = {name: mid_planes(_as_volume(vol, name), centre) for name, vol in columns.items()}
+    planes = {name: projections(_as_volume(vol, name)) if project else mid_planes(_as_volume(vol, name), centre)
+              for name, vol in columns.items()}
     n = len(planes)
     # size each row by its tallest panel, each column by its widest (planes keep their voxel aspect)
     col_w = [max(p[k].shape[1] for k in PLANES) for p in planes.values()]

@@ -3,8 +3,8 @@
 Used by the system's validation sampling and by ``sample.py``, so both write the same files:
 
 * ``<tag>_<subject>_generated.nii.gz``: the generated image (bravo) or mask (seg), float32, the source affine;
-* ``<tag>_<subject>.png``: three mid-planes per column, ``mask | real | generated`` (bravo) or
-  ``real mask | generated mask`` (seg);
+* ``<tag>_<subject>.png``: three planes per column, ``mask | real | generated`` through the mask's largest lesion
+  (bravo), or the three maximum-intensity projections of ``real mask | generated mask`` (seg: every lesion shows);
 * ``<tag>_<subject>_covariates.json`` (a model trained with covariates): the covariate values it was sampled at.
 """
 
@@ -67,9 +67,11 @@ def save_samples(
         else:
             columns = {"real mask": masks[i, 0], "generated mask": generated[i, 0]}
         columns = {k: v.float().cpu() for k, v in columns.items() if v is not None}
-        # bravo: the planes through the mask's largest lesion, where the generated one should be
+        # bravo: the planes through the mask's largest lesion, where the generated one should be; seg: projections,
+        # where every lesion of both masks shows (the generated mask's lie anywhere)
         centre = lesion_centre(masks[i, 0]) if mode == "bravo" else None
-        where = "through the largest lesion" if centre is not None else "mid-planes"
+        where = ("maximum-intensity projections" if mode != "bravo" else
+                 "through the largest lesion" if centre is not None else "mid-planes")
         pngs.append(save_montage(out / f"{stem}.png", columns, title=f"{tag}  {subjects[i]}  ({mode}, {where})",
-                                 centre=centre))
+                                 centre=centre, project=mode != "bravo"))
     return pngs
