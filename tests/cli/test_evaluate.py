@@ -203,11 +203,14 @@ def seg_run(tmp_path_factory):
     return Path(train(compose("train", [*TINY, "mode=seg", f"paths.output_dir={out}"]))["last_checkpoint"])
 
 
-def test_a_mask_model_is_evaluated_on_its_lesions_and_their_nearest_training_masks(seg_run, tmp_path):
+def test_a_mask_model_is_evaluated_on_its_lesions_and_their_nearest_training_masks(seg_run, tmp_path, capsys):
     """A mask model's evaluation: the lesions of its masks against the real ones (count, load, size, placement) and
     each mask's nearest training mask by Dice, beside the distribution figures; no paired or
     anatomy figure (no image). The real masks' counts are the phantom's 1-4 lesions; the page renders each figure."""
     record = _evaluate(seg_run, tmp_path)
+    # the read of the training split is announced with its time at the phantom loader's measured rate
+    out = capsys.readouterr().out
+    assert re.search(r"reading the 4 subjects of the training split, about \d+ s at the measured", out), out
     saved = json.loads((tmp_path / "metrics.json").read_text())
     figures = saved["figures"]
     lesions = {f"lesion_{k}_{of}" for k in ("count", "load", "size", "outside_head") for of in ("generated", "real")}

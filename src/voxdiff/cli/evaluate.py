@@ -655,6 +655,10 @@ def _training_volumes(cfg: DictConfig, dm: Any, mode: str) -> tuple[Any, str | N
     :data:`NEAREST_CHUNK` (masks for ``seg``, images for ``bravo``), read once when iterated; ``(None, why)`` where
     the figures are not computed."""
     import torch
+    from tqdm.auto import tqdm
+
+    # deferred: the preflight package costs a third of a second at start-up, which a refused config should not pay
+    from voxdiff.preflight.resources import loader_rate
 
     if not cfg.get("nearest_training", True):
         return None, "nearest_training=false: the training split was not read"
@@ -663,11 +667,19 @@ def _training_volumes(cfg: DictConfig, dm: Any, mode: str) -> tuple[Any, str | N
     dataset, key = dm.train_dataset, "mask" if mode == "seg" else "image"
     if len(dataset) == 0:
         return None, "the training split holds no subject"
-    if key not in dataset[0]:
+    first = dataset[0]
+    if key not in first:
         return None, f"the training split's samples carry no {key} volume (latents): nothing to compare in voxels"
+    # how long the reads take, from the loader's measured rate (voxdiff.preflight.resources): a real data set's
+    # training split read uncached is minutes at 160x256x256
+    data = {"_target_": type(dm).__name__, "root": getattr(dm, "root", None), "cache": getattr(dm, "cache", "none")}
+    rate = loader_rate(data, 0, tuple(first[key].shape[1:]))
+    expected = f", about {len(dataset) / rate:.0f} s at the measured {rate:.3g} volumes/s" if rate else ""
+    print(f"[voxdiff] nearest training volume: reading the {len(dataset)} subjects of the training split{expected} "
+          "(nearest_training=false skips it)", flush=True)
 
     def chunks() -> Any:
-        for start in range(0, len(dataset), NEAREST_CHUNK):
+        for start in tqdm(range(0, len(dataset), NEAREST_CHUNK), desc="[voxdiff] training split", unit="chunk"):
             items = [dataset[i] for i in range(start, min(start + NEAREST_CHUNK, len(dataset)))]
             yield torch.stack([item[key] for item in items]).float(), [str(item["subject"]) for item in items]
 
