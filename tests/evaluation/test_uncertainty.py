@@ -185,6 +185,21 @@ def test_a_share_is_the_ratio_of_the_resample_s_sums_and_a_present_mean_leaves_n
     assert mean[:2].tolist() == pytest.approx([0.4, (0.6 + 0.6 + 0.2) / 3]) and mean[2].isnan()
 
 
+def test_an_expanded_interval_says_how_few_resamples_lie_beyond_its_bounds_and_how_many_steady_them():
+    """8 volumes, 1000 resamples: the expanded 95% interval is drawn at about 98.9%, so each bound has about 5.7
+    resamples beyond it, which ``thin_tails`` names with the resamples that give 20 (4000); unexpanded, 25 each;
+    10000 resamples, expanded: 57, nothing to say."""
+    values = torch.tensor([0.3, 0.5, 0.4, 0.8, 0.6, 0.2, 0.7, 0.45])
+    expanded = _mean(values)
+    assert expanded["ci_tail_resamples"] == pytest.approx(1000 * (1 - expanded["ci_drawn_at"]) / 2, abs=0.05)
+    assert 4 < expanded["ci_tail_resamples"] < 8
+    note = U.thin_tails([expanded["ci_tail_resamples"], 30.0], 1000)
+    assert note.startswith("1 interval(s) rest on as few as") and "bootstrap.resamples=4000" in note
+    assert _mean(values, U.Bootstrap(resamples=1000, expand=False))["ci_tail_resamples"] == 25.0
+    steady = _mean(values, U.Bootstrap(resamples=10000))["ci_tail_resamples"]
+    assert steady > 20 and U.thin_tails([steady], 10000) is None
+
+
 def test_beyond_counts_the_generated_values_above_every_real_one_drawn():
     """``beyond_of``: the share of the generated values drawn (NaN ones left out) above the greatest real value
     drawn; a resample that leaves out the greatest real value lowers the bar."""

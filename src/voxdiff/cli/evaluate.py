@@ -96,7 +96,15 @@ from voxdiff.evaluation.report import (
     write_outputs,
 )
 from voxdiff.evaluation.guidance_sweep import label_number, recipes, seed_order, show, summarise, train_seeds
-from voxdiff.evaluation.uncertainty import METHODS, MIN_RESAMPLES, Bootstrap, correlation_of, mean_of, slope_of
+from voxdiff.evaluation.uncertainty import (
+    METHODS,
+    MIN_RESAMPLES,
+    Bootstrap,
+    correlation_of,
+    mean_of,
+    slope_of,
+    thin_tails,
+)
 from voxdiff.viz import save_montage
 
 
@@ -512,7 +520,16 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
                     if f.get("tied") else "")
             print(f"[voxdiff]   {name}: " + "  ".join(f"{short(v)}: {x:.4g}" for v, x in zip(labels, f["values"]))
                   + f"  (prefers {short(f['best'])}{ties})", flush=True)
+    _say_thin_tails([t for f in summary["figures"].values() for t in f.get("ci_tail_resamples", []) if t is not None],
+                    cfg)
     return {**record, "json": str(json_path), "html": str(html_path)}
+
+
+def _say_thin_tails(tails: Sequence[float], cfg: DictConfig) -> None:
+    """Print :func:`voxdiff.evaluation.uncertainty.thin_tails`'s note of intervals drawn from few resamples."""
+    note = thin_tails(tails, int(cfg.bootstrap.resamples)) if tails else None
+    if note:
+        print(f"[voxdiff] note: {note}", flush=True)
 
 
 def _split(dm: Any, split: str):
@@ -1137,6 +1154,7 @@ def evaluate(cfg: DictConfig, subjects: Sequence[str] | None = None) -> dict[str
     print(f"[voxdiff] wrote {json_path} and {html_path}", flush=True)
     for name, f in record["figures"].items():
         print(f"[voxdiff]   {name} = {f['value']:.6g}{interval_text(f)}", flush=True)
+    _say_thin_tails([f["ci_tail_resamples"] for f in record["figures"].values() if "ci_tail_resamples" in f], cfg)
     return {**record, "json": str(json_path), "html": str(html_path), "resamplers": result.get("resamplers", {}),
             "resample_sizes": result.get("resample_sizes", {})}
 

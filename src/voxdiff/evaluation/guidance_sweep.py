@@ -186,6 +186,7 @@ def summarise(key: str, values: Sequence[Any], records: Sequence[Mapping[str, An
             figures[name]["se"] = [float(r["figures"][name]["se"]) for r in records]
         if all("ci" in r["figures"][name] for r in records):
             figures[name]["ci"] = [[float(b) for b in r["figures"][name]["ci"]] for r in records]
+            figures[name]["ci_tail_resamples"] = [r["figures"][name].get("ci_tail_resamples") for r in records]
         ties = None if best is None or bootstrap is None else paired_ties(
             name, values, records, values.index(best), direction, goal, bootstrap)
         if ties is not None:

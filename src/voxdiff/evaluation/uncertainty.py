@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -45,6 +45,8 @@ MIN_VOLUMES = 5
 MIN_RESAMPLES = 100
 #: resamples computed at once (index arrays of this many rows per set)
 BATCH = 200
+#: the fewest resamples beyond each bound for a steady interval (:func:`thin_tails`)
+MIN_TAIL = 20
 
 #: the figures that carry no interval, and why (``metrics.json``: ``metric_settings.bootstrap``)
 NOT_BOOTSTRAPPED = {
@@ -167,8 +169,22 @@ def bootstrap_indices(function: Callable[[dict[str, torch.Tensor]], torch.Tensor
         low, high = (float(b) for b in (tails if settings.method == "percentile" else
                                         2 * float(function({k: torch.arange(sizes[k]) for k in names})) - tails[::-1]))
         se = float(np.nanstd(distribution, ddof=1))
-    return {"ci": [low, high], "ci_level": settings.level, "se": se, **widened,
+    # each bound is a quantile with this many resamples beyond it: few at an expanded level of few volumes or runs
+    tail = round(settings.resamples * (1 - level) / 2, 1)
+    return {"ci": [low, high], "ci_level": settings.level, "se": se, **widened, "ci_tail_resamples": tail,
             **({"undefined_resamples": undefined} if undefined else {})}
+
+
+def thin_tails(tails: Iterable[float], resamples: int) -> str | None:
+    """What to say of intervals whose bounds rest on fewer than :data:`MIN_TAIL` resamples each (``tails``: their
+    ``ci_tail_resamples``, drawn from ``resamples``), with the resamples that would give every one of them
+    :data:`MIN_TAIL`; None where none is that thin."""
+    thin = [t for t in tails if t < MIN_TAIL]
+    if not thin:
+        return None
+    needed = math.ceil(MIN_TAIL * resamples / max(min(thin), 0.1) / 1000) * 1000
+    return (f"{len(thin)} interval(s) rest on as few as {min(thin):g} resamples beyond a bound (an interval widened "
+            f"for few volumes or runs is drawn far into the tails): bootstrap.resamples={needed} steadies them")
 
 
 def component_variances(function: Callable[[dict[str, torch.Tensor]], torch.Tensor], sizes: Mapping[str, int],
