@@ -101,3 +101,25 @@ def test_the_guide_is_the_snapshot_s_ema_weights_and_none_before_it(runs):
     assert system.sampling_guide() == (None, 1.0)  # before the snapshot is taken
     system._trainer = SimpleNamespace(callbacks=[GuideSnapshot(guided.parent, None)], global_step=3)
     assert system.sampling_guide() == (None, 1.0)  # a run that takes none
+
+
+def test_a_mask_model_logs_the_lesions_of_the_masks_it_samples_in_training(tmp_path, tiny_demo):
+    """A ``mode=seg`` run's final samples: their lesions and lesion voxels a mask, and the validation masks', in the
+    run's CSV; the generated figures are those of the masks it wrote (counted again from the NIfTI files), the real
+    ones the phantom's (1-4 lesions a mask)."""
+    import csv
+
+    from voxdiff.evaluation.lesions import lesion_table
+
+    train(compose("train", [*tiny_demo, "mode=seg", "system.sampling.final=true", "system.sampling.num_masks=1",
+                            "system.sampling.num_inference_steps=2", "system.sampling.autoguide_scale=1",
+                            f"paths.output_dir={tmp_path}"]))
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    (row,) = [r for r in rows if r.get("samples/lesions_per_mask")]
+    written = sorted((tmp_path / "samples").glob("*_generated.nii.gz"))
+    masks = torch.stack([torch.from_numpy(np.asarray(nib.load(p).dataobj, dtype=np.float32))[None] for p in written])
+    drawn = lesion_table(masks)
+    assert float(row["samples/lesions_per_mask"]) == pytest.approx(float(drawn.lesions.mean()))
+    assert float(row["samples/lesion_voxels_per_mask"]) == pytest.approx(float(drawn.voxels.mean()))
+    assert 1 <= float(row["samples/real_lesions_per_mask"]) <= 4
+    assert float(row["samples/real_lesion_voxels_per_mask"]) > 0

@@ -44,6 +44,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from voxdiff.config import check_kind, plain
 from voxdiff.data.covariates import CovariateEncoding
 from voxdiff.diffusion import build_process, encoded_range
+from voxdiff.evaluation.lesions import lesion_table
 from voxdiff.lightning.callbacks import GuideSnapshot, ProgressBar
 from voxdiff.lightning.distributed import ema_checkpoint_state, shard_system
 from voxdiff.lightning.optim import lightning_optimizers, unscale_before_clipping
@@ -430,11 +431,28 @@ class DiffusionSystem(L.LightningModule):
                             covariates=values)  # with covariates, the values each sample was drawn at beside it
         self._last_sampled_step = self.global_step
         log.info("samples written to %s", out_dir)
+        if self.mode == "seg":
+            self._log_lesions(generated, masks.cpu())
         for logger in self.loggers:
             if hasattr(logger, "log_image"):
                 logger.log_image(key="samples", images=[str(p) for p in pngs], step=self.global_step,
                                  caption=[p.stem for p in pngs])
         return pngs
+
+    def _log_lesions(self, generated: torch.Tensor, masks: torch.Tensor) -> None:
+        """A mask model's samples ``(B, 1, D, H, W)`` against the validation masks ``(B, 1, D, H, W)`` they stand
+        beside: lesions and lesion voxels a mask of each (:func:`voxdiff.evaluation.lesions.lesion_table`), logged as
+        ``samples/...`` and printed, so that a run drawing empty masks, or far too much lesion, shows it while it
+        trains (``evaluate.py`` measures it in full)."""
+        drawn, shown = lesion_table(generated), lesion_table(masks)
+        metrics = {"samples/lesions_per_mask": float(drawn.lesions.mean()),
+                   "samples/lesion_voxels_per_mask": float(drawn.voxels.mean()),
+                   "samples/real_lesions_per_mask": float(shown.lesions.mean()),
+                   "samples/real_lesion_voxels_per_mask": float(shown.voxels.mean())}
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step=self.global_step)
+        log.info("samples at step %d: %.2f lesions of %.1f voxels a mask (the validation masks: %.2f of %.1f)",
+                 self.global_step, *metrics.values())
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
