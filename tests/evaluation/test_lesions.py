@@ -86,3 +86,5 @@ def test_the_nearest_training_volume_streamed_in_chunks_is_the_nearest_of_the_wh
     assert math.isnan(best[3]) and index[3] == -1
     with pytest.raises(ValueError, match="no volume"):
         nearest_similarity(queries, iter([]), "dice")
+    with pytest.raises(ValueError, match="training volumes"):
+        nearest_similarity(queries, iter([training[..., :6]]), "dice")

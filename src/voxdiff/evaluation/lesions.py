@@ -94,7 +94,11 @@ def similarity(queries: torch.Tensor, others: torch.Tensor, measure: str) -> tor
         raise ValueError(f"similarity: measure {measure!r} is not one of {MEASURES}")
     if tuple(queries.shape[1:]) != tuple(others.shape[1:]):
         raise ValueError(f"similarity: volumes {tuple(queries.shape[1:])} against {tuple(others.shape[1:])}")
-    q, o = _flat(queries, measure), _flat(others, measure)
+    return _flat_similarity(_flat(queries, measure), _flat(others, measure), measure)
+
+
+def _flat_similarity(q: torch.Tensor, o: torch.Tensor, measure: str) -> torch.Tensor:
+    """:func:`similarity` of rows ``(Q, V)`` and ``(M, V)`` made by :func:`_flat`."""
     dots = (q @ o.T).double()  # (Q, M): exact for masks (float32 holds every count up to 2^24 voxels)
     if measure == "pearson":
         return dots.clamp(-1.0, 1.0)
@@ -113,11 +117,16 @@ def nearest_similarity(queries: torch.Tensor, training: Iterable[torch.Tensor], 
     Raises:
         ValueError: no training volume.
     """
+    if measure not in MEASURES:
+        raise ValueError(f"nearest_similarity: measure {measure!r} is not one of {MEASURES}")
     best = torch.full((queries.shape[0],), -torch.inf, dtype=torch.float64)
     index = torch.full((queries.shape[0],), -1, dtype=torch.int64)
-    seen = 0
+    q, seen = _flat(queries, measure), 0  # the queries' rows once, for every chunk
     for chunk in training:
-        s = similarity(queries, chunk, measure)  # (Q, m)
+        if tuple(chunk.shape[1:]) != tuple(queries.shape[1:]):
+            raise ValueError(f"nearest_similarity: training volumes {tuple(chunk.shape[1:])} against "
+                             f"{tuple(queries.shape[1:])}")
+        s = _flat_similarity(q, _flat(chunk, measure), measure)  # (Q, m)
         value, at = s.max(1)
         better = value > best
         best, index = torch.where(better, value, best), torch.where(better, at + seen, index)
