@@ -527,7 +527,7 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
 
 def _say_thin_tails(tails: Sequence[float], cfg: DictConfig) -> None:
     """Print :func:`voxdiff.evaluation.uncertainty.thin_tails`'s note of intervals drawn from few resamples."""
-    note = thin_tails(tails, int(cfg.bootstrap.resamples)) if tails else None
+    note = thin_tails(tails, int(cfg.bootstrap.resamples))
     if note:
         print(f"[voxdiff] note: {note}", flush=True)
 
@@ -671,12 +671,6 @@ def _training_volumes(cfg: DictConfig, dm: Any, mode: str) -> tuple[Any, str | N
     :func:`~voxdiff.evaluation.pipeline.nearest_figures` as ``(volumes (m, 1, D, H, W), subjects)`` of at most
     :data:`NEAREST_CHUNK` (masks for ``seg``, images for ``bravo``), read once when iterated; ``(None, why)`` where
     the figures are not computed."""
-    import torch
-    from tqdm.auto import tqdm
-
-    # deferred: the preflight package costs a third of a second at start-up, which a refused config should not pay
-    from voxdiff.preflight.resources import loader_rate
-
     if not cfg.get("nearest_training", True):
         return None, "nearest_training=false: the training split was not read"
     if str(cfg.split) != "val":
@@ -687,6 +681,12 @@ def _training_volumes(cfg: DictConfig, dm: Any, mode: str) -> tuple[Any, str | N
     first = dataset[0]
     if key not in first:
         return None, f"the training split's samples carry no {key} volume (latents): nothing to compare in voxels"
+    import torch
+    from tqdm.auto import tqdm
+
+    # deferred: the preflight package costs a third of a second at start-up, which a refused config should not pay
+    from voxdiff.preflight.resources import loader_rate
+
     # how long the reads take, from the loader's measured rate (voxdiff.preflight.resources): a real data set's
     # training split read uncached is minutes at 160x256x256
     data = {"_target_": type(dm).__name__, "root": getattr(dm, "root", None), "cache": getattr(dm, "cache", "none")}
@@ -697,7 +697,8 @@ def _training_volumes(cfg: DictConfig, dm: Any, mode: str) -> tuple[Any, str | N
 
     def chunks() -> Any:
         for start in tqdm(range(0, len(dataset), NEAREST_CHUNK), desc="[voxdiff] training split", unit="chunk"):
-            items = [dataset[i] for i in range(start, min(start + NEAREST_CHUNK, len(dataset)))]
+            # the first subject was read above (its shape): not read again
+            items = [first if i == 0 else dataset[i] for i in range(start, min(start + NEAREST_CHUNK, len(dataset)))]
             yield torch.stack([item[key] for item in items]).float(), [str(item["subject"]) for item in items]
 
     return chunks(), None
