@@ -5,7 +5,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
-from voxdiff.viz import lesion_centre, mid_planes, projections, save_montage, save_nifti
+from voxdiff.viz import label_lesions, lesion_centre, mid_planes, projections, save_montage, save_nifti
 
 SHAPE = (16, 24, 20)
 
@@ -65,6 +65,20 @@ def test_the_planes_pass_through_the_largest_lesion():
     planes = mid_planes(mask, lesion_centre(mask))
     assert planes["axial"].sum() == planes["coronal"].sum() == planes["sagittal"].sum() == 25
     assert mid_planes(mask)["axial"].sum() == 0  # the mid-planes miss both lesions
+
+
+def test_a_lesion_is_one_definition_for_the_montages_and_the_lesion_figures():
+    """Two blocks touching at a corner are one lesion (26-connected) for both the montage's planes and the lesion
+    count of evaluate.py: the plane goes through their joint centre, not the larger block's alone."""
+    from voxdiff.evaluation.lesions import lesion_table
+
+    mask = np.zeros((12, 12, 12), np.float32)
+    mask[1:4, 1:4, 1:4] = 1  # 27 voxels
+    mask[4:8, 4:8, 4:8] = 1  # 64, touching the first at the corner (3, 3, 3)-(4, 4, 4) only
+    assert label_lesions(mask > 0.5)[1] == 1
+    centre = np.argwhere(mask > 0).mean(0)  # (4.46, ...): both blocks, where the larger block's own is 5.5
+    assert lesion_centre(mask) == tuple(int(round(c)) for c in centre) == (4, 4, 4)
+    assert lesion_table(torch.from_numpy(mask)[None, None]).lesions.tolist() == [1.0]
 
 
 def test_projections_show_every_lesion_wherever_it_lies(tmp_path):

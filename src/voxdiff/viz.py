@@ -69,16 +69,26 @@ def projections(volume: np.ndarray | torch.Tensor) -> dict[str, np.ndarray]:
     return {"axial": v.max(axis=2).T, "coronal": v.max(axis=1).T, "sagittal": v.max(axis=0).T}
 
 
+def label_lesions(lesion: np.ndarray) -> tuple[np.ndarray, int]:
+    """``(labels, n)``: the lesions of a binarised mask ``(D, H, W)`` bool, each a 26-connected component (voxels
+    touching by a face, an edge or a corner), numbered 1..n in ``labels`` (SciPy's ``ndimage.label``). The one
+    definition of a lesion: the montages' planes (:func:`lesion_centre`) and the lesion figures
+    (:func:`voxdiff.evaluation.lesions.lesion_table`) both count by it."""
+    from scipy import ndimage  # deferred: only masks need it
+
+    return ndimage.label(lesion, structure=ndimage.generate_binary_structure(3, 3))
+
+
 def lesion_centre(mask: np.ndarray | torch.Tensor) -> tuple[int, int, int] | None:
-    """The voxel at the centre of mass of the largest connected lesion of a mask (None for an empty mask).
+    """The voxel at the centre of mass of the largest lesion of a mask (:func:`label_lesions`; None for an empty
+    mask).
 
     Args:
         mask: ``(D, H, W)`` or ``(1, D, H, W)``, lesion where > 0.5.
     """
     from scipy import ndimage  # deferred: only montages of masks need it
 
-    m = _as_volume(mask, "mask") > 0.5
-    labels, n = ndimage.label(m)
+    labels, n = label_lesions(_as_volume(mask, "mask") > 0.5)
     if n == 0:
         return None
     sizes = np.bincount(labels.ravel())[1:]

@@ -1,7 +1,8 @@
 """What a set of lesion masks is made of, and how near generated volumes come to the training set.
 
 Mask figures (``mode=seg``: the model draws masks): masks ``(N, 1, D, H, W)`` in [0, 1] are binarised at
-:data:`MASK_THRESHOLD`; a lesion is a 26-connected component of the binarised voxels (SciPy's ``ndimage.label``).
+:data:`MASK_THRESHOLD`; a lesion is a 26-connected component of the binarised voxels
+(:func:`voxdiff.viz.label_lesions`).
 Per mask, :func:`lesion_table` counts its lesions, their voxels and the voxels outside the real heads; the
 evaluation's figures are means over masks and shares of sums over them, generated against real
 (:mod:`voxdiff.evaluation.pipeline`). Generated masks come thresholded to {0, 1}
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from voxdiff.evaluation.metrics import head_mask
+from voxdiff.viz import label_lesions
 
 #: a mask voxel is lesion where the generated (or real) mask is above this
 MASK_THRESHOLD = 0.5
@@ -52,15 +54,12 @@ class LesionTable:
 def lesion_table(masks: torch.Tensor, head: torch.Tensor | None = None) -> LesionTable:
     """:class:`LesionTable` of ``masks`` ``(N, 1, D, H, W)`` in [0, 1]; ``head`` ``(D, H, W)`` bool: the population's
     head (:func:`population_head`), whose outside counts as misplaced lesion (None: nothing counted outside)."""
-    from scipy.ndimage import generate_binary_structure, label
-
     if masks.ndim != 5 or masks.shape[1] != 1:
         raise ValueError(f"lesion_table needs masks (N, 1, D, H, W), got {tuple(masks.shape)}")
     if head is not None and tuple(head.shape) != tuple(masks.shape[2:]):
         raise ValueError(f"lesion_table: head {tuple(head.shape)} is not the masks' {tuple(masks.shape[2:])}")
     binary = masks[:, 0] > MASK_THRESHOLD  # (N, D, H, W)
-    structure = generate_binary_structure(3, 3)  # 26-connectivity
-    lesions = torch.tensor([float(label(b.numpy(), structure=structure)[1]) for b in binary], dtype=torch.float64)
+    lesions = torch.tensor([float(label_lesions(b.numpy())[1]) for b in binary], dtype=torch.float64)
     return LesionTable(
         lesions=lesions,
         voxels=binary.flatten(1).sum(1).double(),
