@@ -103,3 +103,77 @@ def test_weighted_mse_is_the_plain_one_without_a_mask_and_leans_on_the_masked_er
     torch.testing.assert_close(weighted, expected)
     torch.testing.assert_close(plain_again, plain)  # the plain figure does not depend on the weights
     torch.testing.assert_close(plain, err.mean(dim=(1, 2, 3, 4)))
+
+
+# ---------------------------------------------------------------- a seg model's mask weight undone while sampling
+def _block_masks(n: int, grid: tuple[int, int, int], factor: int, rate: float, seed: int) -> torch.Tensor:
+    """``(n, 1, D, H, W)`` masks in {0, 1} whose every ``factor³`` block is lesion with probability ``rate``."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = (torch.rand((n, 1, *grid), generator=g) < rate).float()
+    for axis in (2, 3, 4):
+        blocks = blocks.repeat_interleave(factor, dim=axis)
+    return blocks
+
+
+def _oracle(encoding, noisy_scale, rate: float, mask_weight: float):
+    """The exact minimiser of the weighted loss for masks of independent all-or-nothing blocks, each lesion with
+    probability ``rate`` (a model trained to convergence with ``diffusion.mask_weight``): ``model(x, timesteps=t)``
+    predicting x₀. A block's encoding is ``±c`` (``c`` the encoding of an all-lesion block), so the noisy block's
+    log-odds of lesion are ``2·a·<x, c>/σ²`` plus the prior's, and the weight multiplies the lesion odds by 1 + w."""
+    c = encoding.encode(torch.ones(1, 1, encoding.factor, encoding.factor, encoding.factor))  # (1, C, 1, 1, 1)
+    prior = math.log(rate / (1 - rate)) + math.log1p(mask_weight)
+
+    def model(x, timesteps):
+        a, sigma = noisy_scale(float(timesteps[0]))
+        logit = 2 * a * (x * c).sum(dim=1, keepdim=True) / sigma**2 + prior  # (B, 1, d, h, w)
+        return (2 * torch.sigmoid(logit) - 1) * c  # E_w[x0 | x]: the block's encoding times 2p − 1
+
+    return model
+
+
+@pytest.mark.parametrize("process_name", ["ddpm", "rflow"])
+@pytest.mark.parametrize("enc", [Identity(), HaarWavelet()], ids=["identity", "haar"])
+def test_undoing_the_mask_weight_draws_masks_at_the_data_rate(process_name, enc):
+    """A converged mask model trained with mask_weight 10 predicts lesion odds 11x too high: sampled as it is it
+    draws several times the real lesion rate; unweighted (what TrainStep.generate does for seg runs) it draws the
+    data's rate. The model here is the weighted loss's exact minimiser for a known mask distribution."""
+    from voxdiff.diffusion import build_process, diffusion_settings
+    from voxdiff.diffusion.batch import unweighted_mask_prediction
+
+    rate, weight, f = 0.05, 10.0, enc.factor
+    settings = diffusion_settings({"process": process_name, "prediction_type": "sample", "num_inference_steps": 50,
+                                   **({"timestep_transform": False} if process_name == "rflow" else {})})
+    process = build_process(settings, clip_range=encoded_range(enc))
+    if process_name == "ddpm":
+        abar = process.alphas_cumprod.double()
+        scale = lambda t: (float(abar[int(t)]) ** 0.5, float(1 - abar[int(t)]) ** 0.5)  # noqa: E731
+    else:
+        scale = lambda t: (1 - t / 1000, t / 1000)  # noqa: E731
+    model = _oracle(enc, scale, rate, weight)
+    grid = (8, 16, 16)
+    real = _block_masks(4, grid, f, rate, seed=0).mean().item()
+    drawn = {}
+    for unweight in (False, True):
+        x0_map = (lambda x0: unweighted_mask_prediction(x0, enc, weight)) if unweight else None
+        z = process.sample(model, (4, enc.encoded_channels(1), *grid), generator=torch.Generator().manual_seed(1),
+                           eta=0.0, x0_map=x0_map)
+        drawn[unweight] = decode_volume(enc, z, "mask").mean().item()
+    weighted_rate = rate * (1 + weight) / (1 + weight * rate)  # 0.367: the odds 11x
+    assert drawn[False] > 4 * real and abs(drawn[False] - weighted_rate) < 0.1, drawn
+    assert abs(drawn[True] - real) < 0.02, (drawn, real)
+
+
+def test_unweighting_refuses_a_learned_encoding_and_keeps_what_is_certain():
+    from voxdiff.diffusion.batch import unweighted_mask_prediction
+    from voxdiff.encodings import VQVAELatent
+
+    latent = object.__new__(VQVAELatent)  # only its kind matters: refused before anything is decoded
+    with pytest.raises(ValueError, match="mask_weight=0"):
+        unweighted_mask_prediction(torch.zeros(1, 3, 2, 2, 2), latent, 10.0)
+    enc = HaarWavelet()
+    certain = _block_masks(1, (2, 2, 2), 2, 0.5, seed=3) * 2 - 1  # blocks certain lesion or certain background
+    z = enc.encode(certain)
+    assert torch.allclose(unweighted_mask_prediction(z, enc, 20.0), z, atol=1e-5)  # p̂ 0 or 1 stays as it is
+    half = enc.encode(torch.zeros(1, 1, 4, 4, 4))  # p̂ = 0.5 everywhere → p = 0.5 / (1 + 20 · 0.5) = 1/22
+    back = decode_volume(enc, unweighted_mask_prediction(half, enc, 20.0), "image")  # (v + 1) / 2 = p
+    assert torch.allclose(back, torch.full_like(back, 1 / 22), atol=1e-5)

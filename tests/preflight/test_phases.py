@@ -23,15 +23,17 @@ VOLUME = (16, 32, 32)
 
 
 
-def _trained_step(encoding, c_in: int, c_out: int, batch: dict, ema: bool = True) -> TrainStep:
+def _trained_step(encoding, c_in: int, c_out: int, batch: dict, ema: bool = True, mode: str = "bravo",
+                  mask_weight: float = 0.0) -> TrainStep:
     """The system's step of a tiny UNet on real CPU tensors, after one optimizer step (AdamW state, EMA exist)."""
     torch.manual_seed(0)
     model = DiffusionModelUNet(spatial_dims=3, in_channels=c_in, out_channels=c_out, channels=(8, 16),
                                attention_levels=(False, True), num_res_blocks=1, num_head_channels=8,
                                norm_num_groups=4)
-    recipe = system_recipe({"lr": 1e-3}, {"decay": 0.9} if ema else False, {"num_inference_steps": 2})
+    recipe = system_recipe({"lr": 1e-3}, {"decay": 0.9} if ema else False,
+                           {"num_inference_steps": 2, "mask_weight": mask_weight}, mode=mode)
     step = TrainStep(model, recipe, encoding=encoding, process=DiffusionProcess(recipe.diffusion, clip_range=1.0),
-                     precision=EmulatedPrecision(CudaAutocastEmulator(device_type="cpu", enabled=False)))
+                     precision=EmulatedPrecision(CudaAutocastEmulator(device_type="cpu", enabled=False)), mode=mode)
     step.configure_optimizer()
     step.run({k: torch.rand(s) for k, s in batch.items()})
     return step
@@ -68,6 +70,19 @@ def test_sampling_and_vqvae_decode_match_cpu_allocator(one_thread) -> None:
     trace, op_peak = _profiled(lambda: trace_sampling(step, (2, 1, *VOLUME), 4, 2, device_type="cpu"))
     assert set(trace.peaks) == {"condition", "sampling", "decode"}
     assert trace.peak - trace.start_bytes == pytest.approx(op_peak, rel=0.05)
+
+
+def test_a_mask_models_unweighted_sampling_matches_cpu_allocator(one_thread) -> None:
+    """A mask model trained with diffusion.mask_weight decodes and re-encodes each step's x0 to undo the weight
+    (TrainStep.unweights_samples): the trace runs the same code, so its peak = the allocator's within 5 % with the
+    weight undone and without."""
+    batch = {"mask": (2, 1, *VOLUME)}
+    step = _trained_step(SpaceToDepth(2), 8, 8, batch, mode="seg", mask_weight=10.0)
+    assert step.unweights_samples
+    for unweight in (True, False):
+        trace, op_peak = _profiled(lambda: trace_sampling(step, (2, 1, *VOLUME), 8, 2, device_type="cpu",
+                                                          unweight=unweight))
+        assert trace.peak - trace.start_bytes == pytest.approx(op_peak, rel=0.05)
 
 
 def test_autoguided_sampling_outside_training_matches_cpu_allocator(one_thread) -> None:

@@ -65,3 +65,20 @@ def test_an_interval_must_hold_one_of_the_steps_the_sampler_takes() -> None:
     check_interval_steps("k", (0.0, 0.1), 5, shifted, small)
     with pytest.raises(ConfigError, match=r"k=\[0.0, 0.1\]: holds none of the 5 sampling steps"):
         check_interval_steps("k", (0.0, 0.1), 5, shifted, large)
+
+
+def test_a_mask_models_weight_is_undone_unless_the_command_says_not() -> None:
+    """mode=seg with diffusion.mask_weight: each step's x0 is unweighted by default (described, so the report and
+    the console say so); unweight=false samples the weighted model; nothing to undo in bravo mode or without a
+    weight; a learned encoding's weight cannot be undone, which unweight=true is told."""
+    weighted = diffusion_settings({"mask_weight": 20.0})
+    choice = sampler_choice(weighted, sampling_settings({}), "seg", 0.0)
+    assert choice.mask_weight_undone == 20.0 and choice.describe().endswith(", mask weight 20 undone")
+    assert sampler_choice(weighted, sampling_settings({}), "seg", 0.0, unweight=False).mask_weight_undone == 0.0
+    assert sampler_choice(weighted, sampling_settings({}), "bravo", 0.0).mask_weight_undone == 0.0
+    assert sampler_choice(DDPM, sampling_settings({}), "seg", 0.0, unweight=True).mask_weight_undone == 0.0
+    assert sampler_choice(weighted, sampling_settings({}), "seg", 0.0, weight_free=False).mask_weight_undone == 0.0
+    with pytest.raises(ConfigError, match="unweight=true: cannot undo diffusion.mask_weight=20 .* learned encoding"):
+        sampler_choice(weighted, sampling_settings({}), "seg", 0.0, unweight=True, weight_free=False)
+    with pytest.raises(ConfigError, match="unweight=yes: must be true or false"):
+        sampler_choice(weighted, sampling_settings({}), "seg", 0.0, unweight="yes")

@@ -202,6 +202,41 @@ def test_the_mask_weight_reaches_the_loss(process):
         system_recipe({}, False, {"process": process, "mask_weight": -1})
 
 
+class _Sure(torch.nn.Module):
+    """A mask model predicting x0 = 0.6 everywhere: lesion with p̂ = 0.8 under the weighted loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, x, timesteps):
+        return torch.full_like(x, 0.6)
+
+
+@pytest.mark.parametrize("process", ["ddpm", "rflow"])
+def test_a_mask_model_trained_with_a_mask_weight_samples_with_it_undone(process):
+    """TrainStep.generate of a seg model trained with mask_weight 10 undoes the weight at each step by default: a
+    prediction of p̂ = 0.8 is p = 0.8 / (1 + 10 · 0.2) = 0.27 unweighted, so every voxel is drawn background, where
+    the weighted model as it is (unweight=False) draws every voxel lesion. A bravo model or one trained without the
+    weight has nothing to undo."""
+    from voxdiff.diffusion import build_process
+    from voxdiff.encodings import Identity
+
+    mask = torch.zeros(2, 1, 4, 4, 4)
+    drawn = {}
+    for mode, weight in (("seg", 10.0), ("seg", 0.0), ("bravo", 10.0)):
+        recipe = system_recipe({}, False, {"process": process, "mask_weight": weight, "prediction_type": "sample",
+                                          "num_inference_steps": 3}, mode=mode)
+        step = TrainStep(_Sure(), recipe, encoding=Identity(), mode=mode, process=build_process(recipe.diffusion))
+        assert step.unweights_samples == (mode == "seg" and weight > 0)
+        if mode == "seg":
+            for unweight in (True, False):
+                drawn[weight, unweight] = step.generate(mask, 1, generator=torch.Generator().manual_seed(0),
+                                                        use_ema=False, unweight=unweight)
+    assert drawn[10.0, True].sum() == 0 and drawn[10.0, False].min() == 1
+    assert torch.equal(drawn[0.0, True], drawn[0.0, False]) and drawn[0.0, True].min() == 1
+
+
 def test_fold_ema_leaves_one_copy_of_the_weights_that_samples_as_the_ema_swap_does():
     """What sample.py and evaluate.py hold (``fold_ema`` before the model goes to the device): the EMA's weights
     written into the model (``use_ema``) or the raw ones kept, and no EMA copy; sampling then gives bit for bit what

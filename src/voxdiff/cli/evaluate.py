@@ -567,7 +567,8 @@ def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any
                                 guidance_scale=sampler.guidance_scale, batch_size=int(cfg.batch_size),
                                 covariates=covariate_vectors(system.covariate_encoding, used), guide=guide,
                                 autoguide_scale=sampler.autoguide_scale,
-                                guidance_interval=sampler.guidance_interval).float().cpu()
+                                guidance_interval=sampler.guidance_interval,
+                                unweight=sampler.mask_weight_undone > 0).float().cpu()
         generated[idx[0]:idx[-1] + 1] = x
         names = [f"{real.subjects[s]}_s{i:03d}" for s, i in zip(src, idx)]
         pngs += save_samples(out, tag, system.mode, x, real.masks[src], real.images[src], real.affines[src], names,
@@ -993,6 +994,7 @@ def _diffusion(cfg: DictConfig, device: Any, subjects: Sequence[str] | None = No
                      "eta": sampler.eta, "guidance_scale": sampler.guidance_scale,
                      "autoguide_scale": sampler.autoguide_scale,
                      "guidance_interval": list(sampler.guidance_interval),
+                     "mask_weight_undone": sampler.mask_weight_undone,
                      **({"autoguide_ckpt": str(guide_path)} if guide_path is not None else {}),
                      "use_ema": bool(cfg.use_ema), "seed": int(cfg.seed), "batch_size": int(cfg.batch_size),
                      "counterfactual": cycle is not None,  # each mask's noise the same at every swept value

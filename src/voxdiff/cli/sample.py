@@ -241,7 +241,7 @@ def check_memory(cfg: DictConfig, device: Any, spec: Any, system: Any, sampler: 
     def traced(batch: int, autoguide: float) -> Any:
         return predict_sampling(spec, batch, guidance_scale=sampler.guidance_scale, autoguide_scale=autoguide,
                                 num_inference_steps=sampler.num_inference_steps, encoding=system.encoding,
-                                device_type=torch.device(device).type)
+                                device_type=torch.device(device).type, unweight=sampler.mask_weight_undone > 0)
 
     def predict(batch: int, autoguide: float = sampler.autoguide_scale) -> Any:
         return traced(batch, float(autoguide))
@@ -382,7 +382,7 @@ def checked(cfg: DictConfig, device: Any, requested: bool = True, sampler: Any =
     system = loaded.system
     if sampler is None:
         sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"),
-                                 cfg.get("autoguide_scale"), cfg.get("guidance_interval"))
+                                 cfg.get("autoguide_scale"), cfg.get("guidance_interval"), cfg.get("unweight"))
     guide, sampler, path = _guide(cfg, device, system, sampler, guides)
     if sampler.guided:
         check_interval_steps("guidance_interval" if cfg.get("guidance_interval") is not None
@@ -486,7 +486,8 @@ def sample(cfg: DictConfig) -> list[Path]:
                                             guidance_scale=sampler.guidance_scale, batch_size=int(cfg.batch_size),
                                             covariates=covariate_vectors(encoding, rows), guide=guide,
                                             autoguide_scale=sampler.autoguide_scale,
-                                            guidance_interval=sampler.guidance_interval)
+                                            guidance_interval=sampler.guidance_interval,
+                                            unweight=sampler.mask_weight_undone > 0)
             pngs += save_samples(out_dir, f"sample_{suffix}" if suffix else "sample", system.mode, generated.cpu(),
                                  batch["mask"], batch.get("image"), batch["affine"], batch["subject"], covariates=rows)
             print(f"[voxdiff] {len(pngs)}/{n * len(points)}: {pngs[-1]}", flush=True)

@@ -157,6 +157,43 @@ def mask_loss_weights(batch: Mapping[str, Any], x0: torch.Tensor, mask_weight: f
     return 1.0 + mask_weight * (m > 0.5).float()
 
 
+def unweighted_mask_prediction(x0: torch.Tensor, encoding: Encoding, mask_weight: float) -> torch.Tensor:
+    """A seg model's predicted clean mask encoding ``x0 (B, C, d, h, w)`` (weight-free encoding, model range),
+    trained with ``diffusion.mask_weight`` ``w > 0``, turned into the prediction of the unweighted loss.
+
+    Why: the loss counts a block of voxels ``1 + w`` times where it touches the mask (:func:`mask_loss_weights`),
+    and in seg mode that weight is set by the target itself, so the weighted MSE's minimiser is not the posterior
+    mean but ``E[W·x₀ | x_t] / E[W | x_t]``: lesion outcomes counted ``1 + w`` times. For a voxel that is lesion
+    with probability ``p`` in a block touched with probability ``q``, the model predicts (in mask units, [0, 1])
+    ``p̂ = (1 + w)·p / (1 + w·q)`` — at ``w = 20`` a voxel with ``p = q = 0.01`` reads 0.175 — and the sampler
+    draws masks with many times the real lesion load (``docs/demo_recipe.md``, "Mask generation"). The weight is
+    shared by the block's channels and the encoding is linear in each block, so the decoded voxels carry the same
+    bias, and it is inverted per voxel: ``p = p̂ / (1 + w·(1 − q̂))``, with the block's ``q`` taken as its most
+    likely voxel's (``q̂ = max p̂``; exact where the block is one voxel, the identity encoding, and where a
+    block's lesion voxels are nested events; otherwise ``q`` ≥ that, so lesions are, if anything, still
+    over-drawn). Predictions are clamped to [0, 1] first.
+
+    Returns:
+        ``(B, C, d, h, w)`` float32: the corrected x₀ encoding. In bravo mode the weight comes from the condition,
+        which the model sees, so its minimiser is unbiased and nothing needs undoing.
+
+    Raises:
+        ValueError: a learned encoding (its decoder is not linear: the bias cannot be undone voxel by voxel).
+    """
+    if _learned(encoding):
+        raise ValueError("a learned encoding's prediction cannot be unweighted voxel by voxel (its decoder is not "
+                         "linear): train its mask model with diffusion.mask_weight=0")
+    with torch.no_grad():
+        u = ((encoding.decode(x0.float()).float() + 1.0) / 2.0).clamp(0.0, 1.0)  # (B, 1, D, H, W): p̂ per voxel
+        full, grid = u.shape[2:], x0.shape[2:]
+        kernel = tuple(f // g for f, g in zip(full, grid))
+        top = F.max_pool3d(u, kernel_size=kernel, stride=kernel) if kernel != (1, 1, 1) else u  # (B, 1, d, h, w)
+        for axis, k in enumerate(kernel, start=2):
+            top = top.repeat_interleave(k, dim=axis)  # back to (B, 1, D, H, W): each voxel its block's q̂
+        p = u / (1.0 + mask_weight * (1.0 - top))
+        return encoding.encode(p * 2.0 - 1.0).float()
+
+
 def encoded_range(encoding: Encoding) -> float | None:
     """The largest absolute value an encoding of a volume in [-1, 1] can take; None for learned encodings.
 

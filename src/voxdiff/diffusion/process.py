@@ -132,6 +132,7 @@ class DiffusionProcess(nn.Module):
         alphas_cumprod = self.train_scheduler.alphas_cumprod.double()  # (T,)
         snr = alphas_cumprod / (1.0 - alphas_cumprod)
         self.register_buffer("alphas_cumprod", alphas_cumprod.float(), persistent=False)
+        self._abar = tuple(alphas_cumprod.tolist())  # ᾱ as floats: sampling reads them wherever the buffers are
         self.register_buffer("snr", snr.float(), persistent=False)
         self.register_buffer("loss_weights", min_snr_weight(snr, s.prediction_type, s.min_snr_gamma).float(),
                              persistent=False)
@@ -228,6 +229,7 @@ class DiffusionProcess(nn.Module):
         guidance_scale: float = 1.0,
         covariates: torch.Tensor | None = None,
         guidance_interval: tuple[float, float] | None = None,
+        x0_map: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Generate encodings with DDIM, starting from Gaussian noise.
 
@@ -244,6 +246,9 @@ class DiffusionProcess(nn.Module):
             guidance_interval: ``[lo, hi]`` fractions of the training schedule (``t / T``) whose steps are guided
                 (classifier-free guidance, or ``model``'s autoguidance); the others take the model's conditional
                 prediction alone (:func:`voxdiff.diffusion.guidance.step_denoisers`). None: every step.
+            x0_map: applied to each step's predicted x₀ ``(B, C_out, d, h, w)`` (after guidance, before DDIM's
+                clip), the step then taken from what it returns
+                (:func:`voxdiff.diffusion.batch.unweighted_mask_prediction`); None: the prediction as it is.
 
         Returns:
             ``(B, C_out, d, h, w)`` float32 generated x₀ in model range.
@@ -258,8 +263,29 @@ class DiffusionProcess(nn.Module):
         x = torch.randn(tuple(shape), generator=generator, device=device, dtype=torch.float32)
         for t, denoise in zip(times, denoisers, strict=True):
             out = denoise(x, torch.full((x.shape[0],), t, device=device, dtype=torch.long))
+            if x0_map is not None:
+                out = self.from_x0(x0_map(self.to_x0(out, x, t)), x, t)
             x, _ = scheduler.step(out, t, x, eta=eta, generator=generator)
         return x
+
+    def to_x0(self, out: torch.Tensor, x: torch.Tensor, t: int) -> torch.Tensor:
+        """The x₀ that the UNet's output ``out`` predicts for the noisy ``x`` at timestep ``t`` (all ``(B, C, d, h,
+        w)``): ``(x − √(1−ᾱ)·ε̂)/√ᾱ``, ``√ᾱ·x − √(1−ᾱ)·v̂``, or ``out`` itself (``sample``)."""
+        kind, a = self.settings.prediction_type, self._abar[int(t)]
+        if kind == "sample":
+            return out
+        if kind == "epsilon":
+            return (x - (1.0 - a) ** 0.5 * out) / a**0.5
+        return a**0.5 * x - (1.0 - a) ** 0.5 * out
+
+    def from_x0(self, x0: torch.Tensor, x: torch.Tensor, t: int) -> torch.Tensor:
+        """The inverse of :meth:`to_x0`: the output of the configured prediction type that predicts ``x0`` for the
+        noisy ``x`` at timestep ``t`` (ε = (x − √ᾱ·x₀)/√(1−ᾱ), v = √ᾱ·ε − √(1−ᾱ)·x₀)."""
+        kind, a = self.settings.prediction_type, self._abar[int(t)]
+        if kind == "sample":
+            return x0
+        eps = (x - a**0.5 * x0) / (1.0 - a) ** 0.5
+        return eps if kind == "epsilon" else a**0.5 * eps - (1.0 - a) ** 0.5 * x0
 
 
 def min_snr_weight(snr: torch.Tensor, prediction_type: str, gamma: float | None) -> torch.Tensor:

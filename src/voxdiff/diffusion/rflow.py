@@ -226,10 +226,12 @@ class RectifiedFlow(nn.Module):
         guidance_scale: float = 1.0,
         covariates: torch.Tensor | None = None,
         guidance_interval: tuple[float, float] | None = None,
+        x0_map: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Generate encodings with MONAI's Euler steps from Gaussian noise (arguments as
         :meth:`voxdiff.diffusion.DiffusionProcess.sample`; ``eta`` None: the configured one; above 0, each step
-        draws from the path's posterior instead, :func:`flow_step`, with noise from ``generator``).
+        draws from the path's posterior instead, :func:`flow_step`, with noise from ``generator``; ``x0_map``: applied
+        to each step's x̂₀ = x + s·v̂, the step then taken along the velocity of what it returns).
 
         Returns:
             ``(B, C_out, d, h, w)`` float32 generated x₀ in model range.
@@ -248,6 +250,8 @@ class RectifiedFlow(nn.Module):
             out = denoise(x, torch.full((x.shape[0],), float(t), device=device))
             # the velocity of an x̂0 (guidance combined the x̂0s, which is combining their velocities: affine in x̂0)
             v = (out.float() - x) / (t / T) if self.settings.prediction_type == "sample" else out
+            if x0_map is not None:
+                v = (x0_map(x + (t / T) * v) - x) / (t / T)
             if eta:
                 x = flow_step(v, x, t / T, t_next / T, eta, generator)
             else:

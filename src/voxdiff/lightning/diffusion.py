@@ -44,6 +44,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from voxdiff.config import check_kind, plain
 from voxdiff.data.covariates import CovariateEncoding
 from voxdiff.diffusion import build_process, encoded_range
+from voxdiff.encodings import LearnedEncoding
 from voxdiff.evaluation.lesions import lesion_table
 from voxdiff.lightning.callbacks import GuideSnapshot, ProgressBar
 from voxdiff.lightning.distributed import ema_checkpoint_state, shard_system
@@ -301,6 +302,7 @@ class DiffusionSystem(L.LightningModule):
         guide: torch.nn.Module | None = None,
         autoguide_scale: float = 1.0,
         guidance_interval: Any = None,
+        unweight: bool = True,
     ) -> torch.Tensor:
         """Generate volumes (DDIM, or Euler for rectified flow) from the EMA weights (by default).
 
@@ -319,6 +321,8 @@ class DiffusionSystem(L.LightningModule):
                 snapshot, with its EMA weights in place); 1 or no guide: none (:meth:`TrainStep.generate`).
             guidance_interval: ``(lo, hi)`` fractions of the schedule (``t / T``) whose steps either guidance runs
                 at (default ``sampling.guidance_interval``; ``(0, 1)``: every step).
+            unweight: undo a mask model's ``diffusion.mask_weight`` (:attr:`TrainStep.unweights_samples`); False:
+                draw what the weighted loss's minimiser draws, lesion outcomes counted ``1 + w`` times.
 
         Returns:
             ``(B, 1, D, H, W)`` float32 on this module's device: images in [0, 1] (bravo) or masks in {0, 1} (seg).
@@ -341,17 +345,18 @@ class DiffusionSystem(L.LightningModule):
                                   generator=generator, eta=eta, use_ema=use_ema, guidance_scale=float(scale),
                                   batch_size=batch_size or self.sampling.batch_size, covariates=covariates,
                                   guide=guide, autoguide_scale=autoguide_scale,
-                                  guidance_interval=tuple(interval))
+                                  guidance_interval=tuple(interval), unweight=unweight)
 
     def sampler(self, num_inference_steps: Any = None, eta: Any = None, guidance_scale: Any = None,
-                autoguide_scale: Any = None, guidance_interval: Any = None) -> SamplerChoice:
-        """What :meth:`generate` runs with a command's own arguments (None: as trained); refuses those this model
-        cannot take (:func:`voxdiff.step.sampling.sampler_choice`)."""
+                autoguide_scale: Any = None, guidance_interval: Any = None, unweight: Any = None) -> SamplerChoice:
+        """What :meth:`generate` runs with a command's own arguments (None: as trained; ``unweight`` None: true);
+        refuses those this model cannot take (:func:`voxdiff.step.sampling.sampler_choice`)."""
         guidance = self.step.recipe.guidance
         return sampler_choice(self.process.settings, self.sampling, self.mode,
                               guidance.drop_prob if guidance is not None else 0.0,
                               num_inference_steps=num_inference_steps, eta=eta, guidance_scale=guidance_scale,
-                              autoguide_scale=autoguide_scale, guidance_interval=guidance_interval)
+                              autoguide_scale=autoguide_scale, guidance_interval=guidance_interval,
+                              unweight=unweight, weight_free=not isinstance(self.encoding, LearnedEncoding))
 
     def _fill_val_cache(self) -> None:
         """Cache validation masks straight from the data module when no validation has run yet."""

@@ -757,6 +757,7 @@ def trace_sampling(
     covariate_dim: int = 0,
     guide: nn.Module | None = None,
     autoguide_scale: float = 1.0,
+    unweight: bool = True,
 ) -> PhaseTrace:
     """Trace sampling as ``DiffusionSystem.write_samples`` runs it: ``(B, 1, D, H, W)`` masks on the device, then
     :meth:`TrainStep.generate` in an autocast region (phases ``condition``, ``sampling``, ``decode``).
@@ -772,13 +773,16 @@ def trace_sampling(
         covariate_dim: ``K`` of a model with covariates (one ``(B, K)`` vector per mask), 0 without.
         guide, autoguide_scale: autoguidance (:meth:`TrainStep.generate`): the guide's UNet (its weights in
             ``resident`` too) runs beside the model at every step when the scale is not 1.
+        unweight: a mask model trained with ``diffusion.mask_weight`` undoes it at each step (decoding and
+            re-encoding each predicted x₀: :attr:`TrainStep.unweights_samples`), as it does by default.
     """
     with _traced(step, resident, attention, device_type, granularity, cuda_kernels) as (rec, trace):
         mask = torch.rand(tuple(mask_shape), device=device_type).round_()  # {0, 1}, as the cached masks
         covariates = torch.rand((mask_shape[0], covariate_dim), device=device_type) if covariate_dim else None
         with step.precision.autocast.region():
             out = step.generate(mask, out_channels, num_inference_steps, probe=rec, guidance_scale=guidance_scale,
-                                covariates=covariates, guide=guide, autoguide_scale=autoguide_scale)
+                                covariates=covariates, guide=guide, autoguide_scale=autoguide_scale,
+                                unweight=unweight)
         del mask, out
     return trace
 
@@ -983,6 +987,7 @@ def predict_sampling(
     num_inference_steps: int | None = None,
     encoding: Encoding | None = None,
     device_type: str = PREDICTED_DEVICE,
+    unweight: bool = True,
 ) -> SamplingReport:
     """Predict the peak GPU memory of ``sample.py`` / ``evaluate.py`` sampling ``batch_size`` masks at once from a
     model of ``run``, without a GPU: :meth:`TrainStep.generate` traced on the meta device as :func:`trace_sampling`
@@ -1000,6 +1005,7 @@ def predict_sampling(
             architecture from the weights it loaded); it is copied, never changed. None: the run's.
         device_type: where the command samples: ``cuda`` counts the cuBLAS workspace (``run.gpu``'s), ``cpu``
             none (the tensors are the same; the CPU allocator rounds nothing).
+        unweight: as the command resolved it (:func:`trace_sampling`).
 
     Raises:
         ConfigError: not a diffusion run; a stage-1 architecture that cannot be found (:func:`latent_stage1_spec`).
@@ -1030,7 +1036,8 @@ def predict_sampling(
                            min(steps, MAX_TRACED_DDIM_STEPS),
                            attention="flash" if run.unet.use_flash_attention else "materialised",
                            resident=[*resident, *guide_tensors], guidance_scale=float(guidance_scale),
-                           covariate_dim=run.unet.covariate_dim, guide=guide, autoguide_scale=float(autoguide_scale))
+                           covariate_dim=run.unet.covariate_dim, guide=guide, autoguide_scale=float(autoguide_scale),
+                           unweight=unweight)
     # one handle: no backward runs, so the autograd thread's never exists
     ws = gpu.cublas_workspace_bytes if device_type == "cuda" else 0
     parts = {k: v + ws for k, v in trace.peaks.items()}

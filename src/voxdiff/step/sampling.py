@@ -78,6 +78,9 @@ class SamplerChoice:
     guidance_scale: float  # 1: none
     autoguide_scale: float = 1.0  # autoguidance by the run's guide snapshot (voxdiff.diffusion.guidance.autoguided)
     guidance_interval: tuple[float, float] = FULL_INTERVAL  # t / T of the steps either guidance runs at
+    # a mask model's diffusion.mask_weight whose bias each step's predicted x0 has undone (0: none undone;
+    # voxdiff.diffusion.batch.unweighted_mask_prediction)
+    mask_weight_undone: float = 0.0
 
     @property
     def guided(self) -> bool:
@@ -90,7 +93,8 @@ class SamplerChoice:
         auto = f", autoguidance scale {self.autoguide_scale:g}" if self.autoguide_scale != 1.0 else ""
         lo, hi = self.guidance_interval
         interval = f" at t/T in [{lo:g}, {hi:g}]" if self.guided and self.guidance_interval != FULL_INTERVAL else ""
-        return f"{self.sampler} {self.num_inference_steps} steps{eta}{guide}{auto}{interval}"
+        undone = f", mask weight {self.mask_weight_undone:g} undone" if self.mask_weight_undone else ""
+        return f"{self.sampler} {self.num_inference_steps} steps{eta}{guide}{auto}{interval}{undone}"
 
 
 def sampler_choice(
@@ -104,13 +108,17 @@ def sampler_choice(
     guidance_scale: Any = None,
     autoguide_scale: Any = None,
     guidance_interval: Any = None,
+    unweight: Any = None,
+    weight_free: bool = True,
 ) -> SamplerChoice:
     """The sampler a command runs: its own ``num_inference_steps``, ``eta``, ``guidance_scale``,
     ``autoguide_scale`` and ``guidance_interval`` (None: as trained — ``system.sampling``, then ``diffusion``) for
-    the run's diffusion settings, mode and condition dropout.
+    the run's diffusion settings, mode and condition dropout; ``unweight`` (None: true) undoes a mask model's
+    ``diffusion.mask_weight`` (``mode=seg`` on a ``weight_free`` encoding; elsewhere there is nothing to undo).
 
     Raises:
-        ConfigError: naming the command's key (a guidance scale the model cannot do).
+        ConfigError: naming the command's key (a guidance scale the model cannot do; ``unweight=true`` for a mask
+            model whose weight cannot be undone: a learned encoding).
     """
     rflow = diffusion.process == "rflow"
     steps = num_inference_steps or sampling.num_inference_steps or diffusion.num_inference_steps
@@ -123,10 +131,17 @@ def sampler_choice(
     else:
         auto = check_autoguide_scale("autoguide_scale", autoguide_scale, null=True)
     interval = check_guidance_interval("guidance_interval", plain(guidance_interval), null=True)
+    weight = float(getattr(diffusion, "mask_weight", 0.0) or 0.0) if mode == "seg" else 0.0
+    undo = True if unweight is None else boolean("unweight", unweight, fix="use unweight=true (the default) or false")
+    if unweight is not None and undo and weight and not weight_free:
+        raise ConfigError("unweight", unweight, f"cannot undo diffusion.mask_weight={weight:g} of a mask model on a "
+                          "learned encoding (its decoder is not linear, so the bias is not undone voxel by voxel)",
+                          "use unweight=false (its masks over-draw lesions), or train it with diffusion.mask_weight=0")
     return SamplerChoice(sampler="Euler" if rflow else "DDIM", num_inference_steps=int(steps),
                          eta=float(diffusion.eta if eta is None else eta), guidance_scale=scale,
                          autoguide_scale=float(auto),
-                         guidance_interval=sampling.guidance_interval if interval is None else interval)
+                         guidance_interval=sampling.guidance_interval if interval is None else interval,
+                         mask_weight_undone=weight if undo and weight_free else 0.0)
 
 
 def check_interval_steps(key: str, interval: tuple[float, float], steps: int, diffusion: Any,

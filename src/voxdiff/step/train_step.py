@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from voxdiff.diffusion import build_process, decode_volume, encode_batch, encode_volume
-from voxdiff.diffusion.batch import mask_loss_weights
+from voxdiff.diffusion.batch import mask_loss_weights, unweighted_mask_prediction
 from voxdiff.diffusion.guidance import autoguided, drop_conditions, with_covariates
 from voxdiff.diffusion.processes import Process
 from voxdiff.diffusion.seed import seed_loss
@@ -220,7 +220,7 @@ class TrainStep:
         """
         x0, cond = encode_batch(self.encoding, batch, self.mode)  # (B, C_out, d, h, w), (B, C_cond, ...) | None
         extra = {}
-        mask_weight = getattr(self.recipe.diffusion, "mask_weight", 0.0)
+        mask_weight = self.mask_weight
         if mask_weight:  # the mask's voxels count more (B, 1, d, h, w); computed before the condition is dropped
             extra["weights"] = mask_loss_weights(batch, x0, mask_weight)
         covariates = batch.get("covariates")  # (B, K) with data.covariates, else None
@@ -337,6 +337,7 @@ class TrainStep:
         guide: nn.Module | None = None,
         autoguide_scale: float = 1.0,
         guidance_interval: tuple[float, float] | None = None,
+        unweight: bool = True,
     ) -> torch.Tensor:
         """Samples (DDIM, or Euler for rectified flow) decoded to volumes, with the EMA weights swapped in (by
         default), on ``mask``'s device.
@@ -359,6 +360,9 @@ class TrainStep:
             autoguide_scale: how far the prediction is pushed away from the guide's (1: the model alone).
             guidance_interval: ``[lo, hi]`` (``t / T``) of the steps either guidance runs at (None: every step;
                 :func:`voxdiff.diffusion.guidance.step_denoisers`).
+            unweight: where :attr:`unweights_samples`, undo the mask weight's bias of each predicted x₀
+                (:func:`voxdiff.diffusion.batch.unweighted_mask_prediction`); False: sample the weighted model as
+                it is (what every sample was before session 34).
 
         Returns:
             ``(B, 1, D, H, W)`` float32: images in [0, 1] (bravo) or masks in {0, 1} (seg).
@@ -377,7 +381,8 @@ class TrainStep:
                 covs = covariates.split(chunk) if covariates is not None else [None] * len(mask.split(chunk))
                 for part, cov in zip(mask.split(chunk), covs, strict=True):
                     outs.append(self._generate_chunk(process, part, out_channels, num_inference_steps, generator,
-                                                     eta, probe, guidance_scale, cov, sampled, guidance_interval))
+                                                     eta, probe, guidance_scale, cov, sampled, guidance_interval,
+                                                     unweight and self.unweights_samples))
         finally:
             self.model.train(was_training)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -386,9 +391,11 @@ class TrainStep:
                         generator: torch.Generator | None, eta: float | None, probe: PhaseProbe,
                         guidance_scale: float, covariates: torch.Tensor | None,
                         model: Callable[..., torch.Tensor],
-                        guidance_interval: tuple[float, float] | None = None) -> torch.Tensor:
+                        guidance_interval: tuple[float, float] | None = None,
+                        unweight: bool = False) -> torch.Tensor:
         """:meth:`generate` of one chunk of masks ``(b, 1, D, H, W)`` and covariates ``(b, K)`` or None (the model in
-        eval mode, weights in place; ``model``: what the sampler calls, the UNet or its autoguided mix)."""
+        eval mode, weights in place; ``model``: what the sampler calls, the UNet or its autoguided mix;
+        ``unweight``: undo the mask weight's bias of each predicted x₀)."""
         probe.begin("condition")
         if self.mode == "bravo":
             cond = encode_volume(self.encoding, mask)  # (b, C, d, h, w)
@@ -400,7 +407,7 @@ class TrainStep:
         probe.begin("sampling")
         z = process.sample(model, (mask.shape[0], out_channels, *spatial), cond, num_inference_steps,
                            generator=generator, device=mask.device, eta=eta, guidance_scale=guidance_scale,
-                           guidance_interval=guidance_interval,
+                           guidance_interval=guidance_interval, x0_map=self._unweighting() if unweight else None,
                            **({} if covariates is None else {"covariates": covariates.to(mask.device)}))
         probe.end("sampling")
         del cond
@@ -408,6 +415,23 @@ class TrainStep:
         out = decode_volume(self.encoding, z, "image" if self.mode == "bravo" else "mask")
         probe.end("decode")
         return out
+
+    @property
+    def mask_weight(self) -> float:
+        """``diffusion.mask_weight`` of this step's recipe (0: none, or no diffusion process)."""
+        diffusion = getattr(self.recipe, "diffusion", None)
+        return float(getattr(diffusion, "mask_weight", 0.0) or 0.0)
+
+    @property
+    def unweights_samples(self) -> bool:
+        """Whether :meth:`generate` can undo a mask weight's bias: a mask model (``mode=seg``) trained with
+        ``diffusion.mask_weight > 0`` on a weight-free encoding (the weight is then set by the target itself, so
+        the model over-predicts the mask; :func:`voxdiff.diffusion.batch.unweighted_mask_prediction`)."""
+        return self.mode == "seg" and self.mask_weight > 0 and not isinstance(self.encoding, LearnedEncoding)
+
+    def _unweighting(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        encoding, weight = self.encoding, self.mask_weight
+        return lambda x0: unweighted_mask_prediction(x0, encoding, weight)
 
     def _require_process(self, what: str) -> Process:
         if self.process is None:
