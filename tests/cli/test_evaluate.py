@@ -220,9 +220,16 @@ def test_a_mask_model_is_evaluated_on_its_lesions_and_their_nearest_training_mas
     saved = json.loads((tmp_path / "metrics.json").read_text())
     figures = saved["figures"]
     lesions = {f"lesion_{k}_{of}" for k in ("count", "load", "size", "outside_head") for of in ("generated", "real")}
+    denoising = {"denoised_dice_t05", "denoised_dice_t20", "denoised_dice_t50"}
     assert set(figures) == {"diversity_ms_ssim_generated", "diversity_ms_ssim_real", "mmd_histogram",
                             "frechet_random_resnet10", "nearest_training_generated",
-                            "nearest_training_real", "nearest_training_copies", *lesions}
+                            "nearest_training_real", "nearest_training_copies", *lesions, *denoising}
+    # the demo's mask weight (20) is undone as the model samples and as it denoises the real masks
+    assert saved["sampling"]["mask_weight_undone"] == 20.0
+    for name in denoising:  # each real mask (the phantom's all have lesions) shown at 5, 20 and 50% noise
+        assert len(figures[name]["per_mask"]) == len(saved["real_subjects"]) == figures[name]["n"]
+        assert 0 <= figures[name]["value"] <= 1
+        assert figures[name]["lesion_load_ratio"] >= 0
     assert saved["checkpoint"]["mode"] == "seg" and "anatomy" in saved["absent"]
     assert all(1 <= c <= 4 for c in figures["lesion_count_real"]["per_mask"])
     assert figures["lesion_load_real"]["value"] > 0 and figures["lesion_outside_head_real"]["value"] == 0
@@ -239,6 +246,10 @@ def test_a_mask_model_is_evaluated_on_its_lesions_and_their_nearest_training_mas
     assert "nearest_training=false" in off["absent"]["nearest_training"]
     drawn = off["figures"]["lesion_count_generated"]  # the same masks drawn: the same lesions
     assert drawn["per_mask"] == figures["lesion_count_generated"]["per_mask"]
+    weighted = _evaluate(seg_run, tmp_path / "weighted", "nearest_training=false", "unweight=false")
+    assert weighted["sampling"]["mask_weight_undone"] == 0.0
+    for name in denoising:  # the same noise: undoing the weight only lowers each voxel's lesion probability
+        assert weighted["figures"][name]["lesion_load_ratio"] >= figures[name]["lesion_load_ratio"]
 
 
 @pytest.fixture(scope="module")

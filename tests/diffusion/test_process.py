@@ -164,3 +164,19 @@ def test_settings_refuse_bad_values(override, key):
 def test_cosine_schedule_builds():
     p = _process(schedule="cosine")
     assert p.alphas_cumprod[0] > 0.99 and p.alphas_cumprod[-1] < 1e-3
+
+
+@pytest.mark.parametrize("kind", ["epsilon", "v_prediction", "sample"])
+def test_an_output_and_the_x0_it_predicts_convert_both_ways(kind):
+    """to_x0 and from_x0 invert each other at every timestep, and to_x0 of the true target is the true x0 (what a
+    sampler's x0 map relies on)."""
+    process = DiffusionProcess(diffusion_settings({"prediction_type": kind}))
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(2, 3, 4, 4, 4, generator=g), torch.randn(2, 3, 4, 4, 4, generator=g)
+    for t in (0, 37, 500, 999):
+        ts = torch.full((2,), t)
+        x = process.add_noise(x0, noise, ts)
+        target = process.target(x0, noise, ts)
+        torch.testing.assert_close(process.to_x0(target, x, t), x0, atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(process.from_x0(process.to_x0(target, x, t), x, t), target, atol=1e-3, rtol=1e-3)
+    assert (process.timestep_at(0.05), process.timestep_at(0), process.timestep_at(1)) == (50, 0, 999)

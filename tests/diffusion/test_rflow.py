@@ -169,3 +169,15 @@ def test_x_prediction_is_trained_on_its_velocity_held_near_the_data() -> None:
     # where s >= 0.05 that is the MSE of its velocity (x̂0 − x_t)/s against x0 − noise
     x_t = 0.5 * x0[2] + 0.5 * noise[2]
     torch.testing.assert_close(per_sample[2], (((0 - x_t) / 0.5 - (x0[2] - noise[2])) ** 2).mean())
+
+
+@pytest.mark.parametrize("kind", ["velocity", "sample"])
+def test_the_x0_an_output_predicts(kind):
+    """to_x0 of the true target (the velocity x0 − ε, or x0) is x0 on the path x_t = (1 − s)·x0 + s·ε."""
+    flow = RectifiedFlow(diffusion_settings({"process": "rflow", "prediction_type": kind}))
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(2, 3, 4, 4, 4, generator=g), torch.randn(2, 3, 4, 4, 4, generator=g)
+    for t in (10.0, 500.0, 990.0):
+        x = flow.add_noise(x0, noise, torch.full((2,), t))
+        torch.testing.assert_close(flow.to_x0(x0 - noise if kind == "velocity" else x0, x, t), x0)
+    assert (flow.timestep_at(0.05), flow.timestep_at(2.0)) == (50.0, 1000.0)

@@ -113,3 +113,36 @@ def test_generated_volumes_that_copy_the_training_split_are_nearer_to_it_than_an
     unseen = nearest_figures(own[:4].clone(), real, mode, iter(chunks))
     assert unseen["nearest_training_copies"]["value"] == 0.0
     assert unseen["nearest_training_generated"]["per_volume"] == unseen["nearest_training_real"]["per_volume"][:4]
+
+
+def test_a_mask_models_denoising_is_scored_against_the_masks_it_was_shown(phantom):
+    """A perfect denoiser returns every real mask (Dice 1, the lesion load 1×); one that returns nothing scores 0
+    (an empty estimate of a real lesion counts, it is the failure the figure exists for); a real mask without a
+    lesion is left out; half the lesion voxels returned: Dice 2/3, load 0.5×. The interval is over the real masks."""
+    import torch
+    from voxdiff.evaluation.pipeline import Drawn, VolumeSet, denoising_figures
+    from voxdiff.evaluation.uncertainty import Bootstrap
+
+    real, _, _ = phantom
+    masks = real.masks.clone()
+    masks[7] = 0  # a subject without lesion
+    real = VolumeSet(real.images, masks, real.affines, real.subjects)
+    halved = masks.clone()
+    for m in halved:  # keep the first half of each mask's lesion voxels (in memory order)
+        idx = m.reshape(-1).nonzero()[:, 0]
+        m.view(-1)[idx[len(idx) // 2:]] = 0
+    figures = denoising_figures({0.05: masks.to(torch.uint8), 0.2: torch.zeros_like(masks, dtype=torch.uint8),
+                                 0.5: halved.to(torch.uint8)}, real,
+                                Drawn({"generated": 0, "real": 8}, Bootstrap(resamples=200)))
+    perfect, empty, half = (figures[f"denoised_dice_t{k}"] for k in ("05", "20", "50"))
+    assert perfect["value"] == 1.0 and perfect["lesion_load_ratio"] == 1.0 and perfect["n"] == 7
+    assert math.isnan(perfect["per_mask"][7]) and perfect["fraction"] == 0.05
+    assert empty["value"] == 0.0 and empty["lesion_load_ratio"] == 0.0
+    lesion = masks.flatten(1).sum(1)[:7]
+    kept = (lesion // 2).double()  # the voxels the halved masks keep (odd counts keep the smaller half)
+    assert half["value"] == pytest.approx(float((2 * kept / (lesion + kept)).mean()))
+    assert half["lesion_load_ratio"] == pytest.approx(float(kept.sum() / lesion.sum()))
+    low, high = half["ci"]
+    assert low <= half["value"] <= high
+    with pytest.raises(ValueError, match="are not the real ones"):
+        denoising_figures({0.05: masks[:4]}, real)

@@ -237,6 +237,43 @@ def test_a_mask_model_trained_with_a_mask_weight_samples_with_it_undone(process)
     assert torch.equal(drawn[0.0, True], drawn[0.0, False]) and drawn[0.0, True].min() == 1
 
 
+@pytest.mark.parametrize("process", ["ddpm", "rflow"])
+def test_denoising_a_real_mask_is_one_step_of_the_model_with_the_weight_undone(process):
+    """TrainStep.denoised: the real mask noised at a fraction of the schedule, the model's x0 estimate of it, decoded
+    as a sample is, the mask weight undone as the sampler undoes it; the model's mode restored."""
+    from voxdiff.diffusion import build_process
+    from voxdiff.encodings import Identity
+
+    recipe = system_recipe({}, False, {"process": process, "mask_weight": 10.0, "prediction_type": "sample"},
+                           mode="seg")
+    step = TrainStep(_Sure(), recipe, encoding=Identity(), mode="seg", process=build_process(recipe.diffusion))
+    batch = {"mask": torch.zeros(2, 1, 4, 4, 4), "image": torch.zeros(2, 1, 4, 4, 4)}
+    step.model.train()
+    undone = step.denoised(batch, 0.05, torch.Generator().manual_seed(0))
+    assert undone.shape == (2, 1, 4, 4, 4) and undone.sum() == 0  # p̂ 0.8 undone: 0.27
+    assert step.denoised(batch, 0.05, torch.Generator().manual_seed(0), unweight=False).min() == 1
+    assert step.model.training
+
+
+@pytest.mark.parametrize("process", ["ddpm", "rflow"])
+def test_denoising_sees_the_noise_of_its_fraction_of_the_schedule(process):
+    """An identity model (it returns its noisy input as x0): the estimate is the noisy mask, so the voxels flipped
+    grow with the fraction of the schedule, from none at 1% to many at 90%."""
+    from voxdiff.diffusion import build_process
+    from voxdiff.encodings import Identity
+
+    class Echo(_Sure):
+        def forward(self, x, timesteps):
+            return x
+
+    recipe = system_recipe({}, False, {"process": process, "prediction_type": "sample"}, mode="seg")
+    step = TrainStep(Echo(), recipe, encoding=Identity(), mode="seg", process=build_process(recipe.diffusion))
+    mask = (torch.rand(1, 1, 16, 16, 16, generator=torch.Generator().manual_seed(1)) < 0.3).float()
+    flipped = [float((step.denoised({"mask": mask}, f, torch.Generator().manual_seed(0)) != mask).float().mean())
+               for f in (0.01, 0.5, 0.9)]
+    assert flipped[0] == 0 and flipped[0] < flipped[1] < flipped[2]
+
+
 def test_fold_ema_leaves_one_copy_of_the_weights_that_samples_as_the_ema_swap_does():
     """What sample.py and evaluate.py hold (``fold_ema`` before the model goes to the device): the EMA's weights
     written into the model (``use_ema``) or the raw ones kept, and no EMA copy; sampling then gives bit for bit what

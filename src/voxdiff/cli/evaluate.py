@@ -73,8 +73,10 @@ from voxdiff.evaluation.metrics import (
     slopes_effect,
 )
 from voxdiff.evaluation.pipeline import (
+    DENOISE_AT,
     DEFINITIONS,
     Drawn,
+    denoising_figures,
     diffusion_figures,
     figure,
     histogram_section,
@@ -539,6 +541,32 @@ def _split(dm: Any, split: str):
     return dm.val_dataset if split == "val" else ConcatDataset([dm.val_dataset, dm.train_dataset])
 
 
+def _denoised(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any, precision: Any,
+              table: Mapping[str, Mapping[str, Any]]) -> dict[float, Any] | None:
+    """A mask model's one-step estimates of the real masks noised at each fraction of :data:`DENOISE_AT`
+    (:meth:`voxdiff.step.TrainStep.denoised`, the weight undone as ``sampler`` undoes it, each subject's own
+    covariates), ``batch_size`` masks at a time on the device, seeded by ``seed``: ``{fraction: (R, 1, D, H, W)
+    uint8}``; None for an image model (``mode=bravo``). One UNet forward a chunk, below a sampling step's peak."""
+    import torch
+
+    if system.mode != "seg":
+        return None
+    encoding = system.covariate_encoding
+    covariates = covariate_vectors(encoding, covariate_rows(encoding, table, real.subjects, {}))
+    chunk, out = int(cfg.batch_size), {}
+    for k, fraction in enumerate(DENOISE_AT):
+        generator = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1_000_003 + 7_919 * (k + 1))
+        parts = []
+        for i in range(0, len(real), chunk):
+            batch = {"mask": real.masks[i:i + chunk].to(device), "image": real.images[i:i + chunk].to(device)}
+            cov = None if covariates is None else covariates[i:i + chunk].to(device)
+            with precision.autocast():
+                parts.append(system.step.denoised(batch, fraction, generator, covariates=cov,
+                                                  unweight=sampler.mask_weight_undone > 0).to(torch.uint8).cpu())
+        out[fraction] = torch.cat(parts)
+    return out
+
+
 def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any, precision: Any,
               rows: list[dict[str, Any]] | None = None, tag: str = "eval",
               guide: Any = None, cycle: int | None = None) -> tuple[Any, list[int], list[Path]]:
@@ -962,6 +990,7 @@ def _diffusion(cfg: DictConfig, device: Any, subjects: Sequence[str] | None = No
     generated, sources, pngs = _generate(cfg, system, sampler, real, device, precision, rows, guide=guide,
                                          cycle=cycle)
     t1 = time.perf_counter()
+    denoised = _denoised(cfg, system, sampler, real, device, precision, table)
     measured = measured_memory(device, memory)
     release(system, guide)  # the device is the feature extractors' and the negative control's from here on
     print(f"[voxdiff] {len(generated)} samples in {t1 - t0:.1f} s; computing the figures", flush=True)
@@ -977,6 +1006,8 @@ def _diffusion(cfg: DictConfig, device: Any, subjects: Sequence[str] | None = No
                                              drawn=drawn, training=training)
     if not_nearest is not None:
         more_absent["nearest_training"] = not_nearest
+    if denoised is not None:
+        figures.update(denoising_figures(denoised, real, drawn))
     cov_figures, cov_absent, cov_sections = _covariate_figures(cfg, phantom, system, sampler, real, generated, rows,
                                                                table, device, precision, drawn, cycle, extractors)
     figures.update(cov_figures)

@@ -268,6 +268,11 @@ class DiffusionProcess(nn.Module):
             x, _ = scheduler.step(out, t, x, eta=eta, generator=generator)
         return x
 
+    def timestep_at(self, fraction: float) -> int:
+        """The training timestep at ``fraction`` of the schedule (0 clean, 1 pure noise): ``round(fraction·T)`` held
+        within ``[0, T − 1]``."""
+        return min(max(int(round(fraction * self.num_train_timesteps)), 0), self.num_train_timesteps - 1)
+
     def to_x0(self, out: torch.Tensor, x: torch.Tensor, t: int) -> torch.Tensor:
         """The x₀ that the UNet's output ``out`` predicts for the noisy ``x`` at timestep ``t`` (all ``(B, C, d, h,
         w)``): ``(x − √(1−ᾱ)·ε̂)/√ᾱ``, ``√ᾱ·x − √(1−ᾱ)·v̂``, or ``out`` itself (``sample``)."""

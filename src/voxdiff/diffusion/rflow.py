@@ -193,7 +193,7 @@ class RectifiedFlow(nn.Module):
         t = timesteps.float() if timesteps is not None else self.sample_timesteps(x0, generator)  # (B,)
         if noise is None:
             noise = torch.randn(x0.shape, device=x0.device, dtype=torch.float32, generator=generator)
-        x_t = self.scheduler.add_noise(x0, noise, t)  # (1 − t/T)·x0 + (t/T)·ε, (B, C_out, d, h, w)
+        x_t = self.add_noise(x0, noise, t)  # (1 − t/T)·x0 + (t/T)·ε, (B, C_out, d, h, w)
         x_in = x_t if cond is None else torch.cat([x_t, cond.to(x_t.dtype)], dim=1)  # (B, C_out + C_cond, ...)
         pred = model(x_in, timesteps=t).float()
         if self.settings.prediction_type == "sample":  # x̂0: the velocity's error is x̂0's over s
@@ -204,6 +204,19 @@ class RectifiedFlow(nn.Module):
             per_sample, weighted = per_sample_mses(pred, x0 - noise, weights)  # (B,), (B,)
         loss = weighted.mean()
         return loss, {"mse": per_sample.detach().mean(), "timesteps": t.detach()}
+
+    def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """x_t = (1 − t/T)·x₀ + (t/T)·ε (MONAI's ``RFlowScheduler.add_noise``), all ``(B, C, *spatial)``, ``t (B,)``."""
+        return self.scheduler.add_noise(x0, noise, t)
+
+    def timestep_at(self, fraction: float) -> float:
+        """The timestep at ``fraction`` of the path (0 the data, 1 pure noise): ``fraction·T``, untransformed."""
+        return float(min(max(fraction, 0.0), 1.0) * self.num_train_timesteps)
+
+    def to_x0(self, out: torch.Tensor, x: torch.Tensor, t: float) -> torch.Tensor:
+        """The x₀ that the UNet's output ``out`` predicts for ``x`` at timestep ``t`` (all ``(B, C, d, h, w)``): ``out``
+        itself (``sample``), or ``x + s·v̂`` (``velocity``; ``s = t/T``)."""
+        return out if self.settings.prediction_type == "sample" else x + (t / self.num_train_timesteps) * out
 
     def sampling_timesteps(self, num_inference_steps: int, numel: int | None = None) -> list[float]:
         """The Euler steps' timesteps in sampling order (the noisiest first) for an encoding of ``numel`` voxels
@@ -251,7 +264,7 @@ class RectifiedFlow(nn.Module):
             # the velocity of an x̂0 (guidance combined the x̂0s, which is combining their velocities: affine in x̂0)
             v = (out.float() - x) / (t / T) if self.settings.prediction_type == "sample" else out
             if x0_map is not None:
-                v = (x0_map(x + (t / T) * v) - x) / (t / T)
+                v = (x0_map(self.to_x0(out.float(), x, t)) - x) / (t / T)
             if eta:
                 x = flow_step(v, x, t / T, t_next / T, eta, generator)
             else:

@@ -93,6 +93,14 @@ DEFINITIONS: dict[str, tuple[str, str, str]] = {
         "registered data set); read it against the real masks' own share."),
     "lesion_outside_head_real": ("Masks: share of lesion voxels outside the heads, real", "info",
                                  "The same share for the real masks of the split."),
+    **{f"denoised_dice_t{round(f * 100):02d}": (
+        f"Masks: Dice of the model's denoising at {round(f * 100)}% noise", "higher",
+        f"The real masks of the split noised at {f:g} of the schedule (t/T), each denoised in one step by the model "
+        "(its x0 prediction, the mask weight undone as the sampler does, thresholded as a sample is): the mean Dice "
+        "against the mask (masks without lesion left out). A model that has learned the lesions returns them "
+        "from light noise (near 1 at 5%); one near 0 there does not see a lesion it is shown, so its sampler cannot "
+        "draw one: the training is what to change, not the sampler. lesion_load_ratio beside it: the voxels it "
+        "returns as lesion over the real ones (summed over the masks).") for f in (0.05, 0.2, 0.5)},
     "nearest_training_generated": (
         "Nearest training volume: similarity, generated", "match",
         "Mean over generated volumes of their greatest similarity to any volume of the training split (seg: Dice "
@@ -396,6 +404,36 @@ def mask_figures(generated: torch.Tensor, real: VolumeSet, drawn: Drawn | None =
         real_value = out[f"{name}_real"]["value"]
         if real_value:
             out[f"{name}_generated"]["ratio_to_real"] = out[f"{name}_generated"]["value"] / real_value
+    return out
+
+
+#: where on the schedule (t/T) a mask model is shown the real masks to denoise (:func:`denoising_figures`)
+DENOISE_AT = (0.05, 0.2, 0.5)
+
+
+def denoising_figures(denoised: Mapping[float, torch.Tensor], real: VolumeSet, drawn: Drawn | None = None
+                      ) -> dict[str, dict[str, Any]]:
+    """How a mask model denoises the real masks of ``real`` (``mode=seg``): ``denoised`` holds, for each fraction
+    of the schedule (:data:`DENOISE_AT`), the model's one-step estimates ``(R, 1, D, H, W)`` in {0, 1} of the
+    ``R`` real masks noised there (:meth:`voxdiff.step.TrainStep.denoised`). Each figure is the mean Dice over
+    the masks with a lesion, with its interval over the real masks where ``drawn`` has a bootstrap, and
+    ``lesion_load_ratio``: the voxels returned as lesion over the real lesion voxels."""
+    drawn = drawn or Drawn({"generated": 0, "real": len(real)}, None)
+    truth = real.masks > L.MASK_THRESHOLD  # (R, 1, D, H, W)
+    out: dict[str, dict[str, Any]] = {}
+    for fraction, masks in denoised.items():
+        if tuple(masks.shape) != tuple(real.masks.shape):
+            raise ValueError(f"denoised masks {tuple(masks.shape)} are not the real ones {tuple(real.masks.shape)}")
+        # (R,): one mask at a time, never an (R, V) copy; the real mask is the query, so an empty real mask gives
+        # NaN (left out) and an empty estimate of a real lesion gives 0
+        dice = torch.stack([L.similarity(r[None].float(), m[None].float(), "dice")[0, 0]
+                            for m, r in zip(masks, truth)])
+        name = f"denoised_dice_t{round(fraction * 100):02d}"
+        real_voxels = float(truth.sum())
+        out[name] = _resampled(drawn, name, U.present_mean_of(dice, "real"), n=int((~dice.isnan()).sum()),
+                               fraction=fraction, per_mask=[round(v, 6) for v in dice.tolist()],
+                               lesion_load_ratio=float((masks > L.MASK_THRESHOLD).sum()) / real_voxels
+                               if real_voxels else None)
     return out
 
 

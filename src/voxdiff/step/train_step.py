@@ -416,6 +416,43 @@ class TrainStep:
         probe.end("decode")
         return out
 
+    @torch.no_grad()
+    def denoised(self, batch: Mapping[str, Any], fraction: float, generator: torch.Generator | None = None,
+                 covariates: torch.Tensor | None = None, unweight: bool = True) -> torch.Tensor:
+        """The model's one-step estimate of clean volumes from real ones noised at ``fraction`` of the schedule
+        (0 clean, 1 pure noise): what it makes of a lesion it is shown (``evaluate.py``'s denoising figures). The
+        weights as they are (the commands fold the EMA in first), run in eval mode.
+
+        Args:
+            batch: ``image`` and ``mask`` ``(B, 1, D, H, W)`` (what :func:`voxdiff.diffusion.encode_batch` takes):
+                the mode's target is noised, a bravo model's mask is its condition.
+            fraction: where on the schedule (the process's ``timestep_at``).
+            generator: of the noise (on the batch's device).
+            covariates: ``(B, K)`` of a model trained with covariates (the subjects' own).
+            unweight: undo a mask model's weight (:attr:`unweights_samples`), as its sampler does.
+
+        Returns:
+            ``(B, 1, D, H, W)`` float32 decoded as :meth:`generate` decodes: images in [0, 1] (bravo) or masks in
+            {0, 1} (seg).
+        """
+        process = self._require_process("denoised")
+        x0, cond = encode_batch(self.encoding, batch, self.mode)  # (B, C_out, d, h, w), (B, C_cond, ...) | None
+        t = process.timestep_at(fraction)
+        timesteps = torch.full((x0.shape[0],), t, device=x0.device, dtype=process.timestep_dtype)
+        noise = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=torch.float32)
+        x_t = process.add_noise(x0, noise, timesteps)
+        x_in = x_t if cond is None else torch.cat([x_t, cond.to(x_t.dtype)], dim=1)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = with_covariates(self.model, covariates)(x_in, timesteps=timesteps).float()
+        finally:
+            self.model.train(was_training)
+        x0_hat = process.to_x0(out, x_t, t)
+        if unweight and self.unweights_samples:
+            x0_hat = self._unweighting()(x0_hat)
+        return decode_volume(self.encoding, x0_hat, "image" if self.mode == "bravo" else "mask")
+
     @property
     def mask_weight(self) -> float:
         """``diffusion.mask_weight`` of this step's recipe (0: none, or no diffusion process)."""
