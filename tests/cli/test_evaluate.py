@@ -2,6 +2,7 @@
 self-contained report (rendered by a real headless Chromium), samples with the source affine, the direction of
 the figures, a VQ-VAE checkpoint (the report follows the checkpoint's kind), and refused configs."""
 
+import contextlib
 import json
 import math
 import re
@@ -10,6 +11,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 from voxdiff.cli.evaluate import evaluate, validate
 from voxdiff.cli.train import train
 from voxdiff.config import compose
@@ -666,3 +668,40 @@ def test_a_guidance_sweep_evaluates_each_scale_with_the_same_masks_and_noise_and
     with pytest.raises(ConfigError, match=r"autoguide_ckpt=null: autoguide_scale=1.5 needs a guide"):
         _evaluate(last, tmp_path / "refused", "autoguide_scale=[1,1.5]")
     assert not (tmp_path / "refused" / "autoguide_scale_1").exists()
+
+
+def test_a_mask_model_is_denoised_at_its_subjects_own_covariates_else_at_those_asked_for():
+    """evaluate.py's denoising of real masks conditions a covariate model on each subject's own values; where the
+    table lacks them (a data folder's table is not read when every covariate is asked for) on the values asked for;
+    where neither gives every value, it says why and denoises nothing. An image model is not denoised."""
+    from types import SimpleNamespace
+
+    import torch
+    from voxdiff.cli.evaluate import _denoised
+    from voxdiff.data.covariates import fit_encoding
+    from voxdiff.evaluation.pipeline import DENOISE_AT, VolumeSet
+    from voxdiff.step.sampling import SamplerChoice
+
+    table = {"a": {"age": "40"}, "b": {"age": "60"}}
+    encoding = fit_encoding(table, "participants.tsv", [("age", None)], ["a", "b"], [])
+    seen = []
+
+    def denoised(batch, fraction, generator, covariates=None, unweight=True):
+        seen.append((fraction, covariates.clone(), unweight))
+        return batch["mask"]
+
+    system = SimpleNamespace(mode="seg", covariate_encoding=encoding, step=SimpleNamespace(denoised=denoised))
+    real = VolumeSet(torch.zeros(2, 1, 2, 2, 2), torch.zeros(2, 1, 2, 2, 2), torch.eye(4).expand(2, 4, 4), ["a", "b"])
+    cfg = OmegaConf.create({"batch_size": 1, "seed": 0})
+    sampler = SamplerChoice("DDIM", 2, 0.0, 1.0, mask_weight_undone=20.0)
+    precision = SimpleNamespace(autocast=contextlib.nullcontext)
+    out, why = _denoised(cfg, system, sampler, real, "cpu", precision, table, {})
+    assert why is None and set(out) == set(DENOISE_AT) and out[0.05].shape == (2, 1, 2, 2, 2)
+    own = [encoding.vector({"age": v}) for v in (40.0, 60.0)]
+    assert all(torch.equal(c[0], own[i % 2]) and undo for i, (_, c, undo) in enumerate(seen))
+    seen.clear()
+    out, why = _denoised(cfg, system, sampler, real, "cpu", precision, {}, {"age": 50.0})
+    assert why is None and torch.equal(seen[0][1][0], encoding.vector({"age": 50.0}))
+    out, why = _denoised(cfg, system, sampler, real, "cpu", precision, {}, {})
+    assert out is None and "covariates.age" in why and "none was denoised" in why
+    assert _denoised(cfg, SimpleNamespace(mode="bravo"), sampler, real, "cpu", precision, table, {}) == (None, None)

@@ -542,17 +542,27 @@ def _split(dm: Any, split: str):
 
 
 def _denoised(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any, precision: Any,
-              table: Mapping[str, Mapping[str, Any]]) -> dict[float, Any] | None:
+              table: Mapping[str, Mapping[str, Any]], requested: Mapping[str, Any]
+              ) -> tuple[dict[float, Any] | None, str | None]:
     """A mask model's one-step estimates of the real masks noised at each fraction of :data:`DENOISE_AT`
     (:meth:`voxdiff.step.TrainStep.denoised`, the weight undone as ``sampler`` undoes it, each subject's own
-    covariates), ``batch_size`` masks at a time on the device, seeded by ``seed``: ``{fraction: (R, 1, D, H, W)
-    uint8}``; None for an image model (``mode=bravo``). One UNet forward a chunk, below a sampling step's peak."""
+    covariates, or the ``requested`` ones where the table lacks them), ``batch_size`` masks at a time on the device,
+    seeded by ``seed``: ``({fraction: (R, 1, D, H, W) uint8}, None)``; ``(None, why)`` where there are none (an
+    image model, ``mode=bravo``; a covariate no real subject has a value of, as in a sweep of it). One UNet forward a
+    chunk, as one sampling step without guidance runs (not traced by the preflight)."""
     import torch
 
     if system.mode != "seg":
-        return None
+        return None, None
     encoding = system.covariate_encoding
-    covariates = covariate_vectors(encoding, covariate_rows(encoding, table, real.subjects, {}))
+    try:
+        rows = covariate_rows(encoding, table, real.subjects, {})
+    except ConfigError:  # a subject without a value of its own: what the command asked for, as it samples
+        try:
+            rows = covariate_rows(encoding, table, real.subjects, requested)
+        except ConfigError as e:
+            return None, f"the real masks' own covariates are not all known ({e}), so none was denoised"
+    covariates = covariate_vectors(encoding, rows)
     chunk, out = int(cfg.batch_size), {}
     for k, fraction in enumerate(DENOISE_AT):
         generator = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1_000_003 + 7_919 * (k + 1))
@@ -564,7 +574,7 @@ def _denoised(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any
                 parts.append(system.step.denoised(batch, fraction, generator, covariates=cov,
                                                   unweight=sampler.mask_weight_undone > 0).to(torch.uint8).cpu())
         out[fraction] = torch.cat(parts)
-    return out
+    return out, None
 
 
 def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any, precision: Any,
@@ -990,7 +1000,7 @@ def _diffusion(cfg: DictConfig, device: Any, subjects: Sequence[str] | None = No
     generated, sources, pngs = _generate(cfg, system, sampler, real, device, precision, rows, guide=guide,
                                          cycle=cycle)
     t1 = time.perf_counter()
-    denoised = _denoised(cfg, system, sampler, real, device, precision, table)
+    denoised, not_denoised = _denoised(cfg, system, sampler, real, device, precision, table, requested)
     measured = measured_memory(device, memory)
     release(system, guide)  # the device is the feature extractors' and the negative control's from here on
     print(f"[voxdiff] {len(generated)} samples in {t1 - t0:.1f} s; computing the figures", flush=True)
@@ -1008,6 +1018,8 @@ def _diffusion(cfg: DictConfig, device: Any, subjects: Sequence[str] | None = No
         more_absent["nearest_training"] = not_nearest
     if denoised is not None:
         figures.update(denoising_figures(denoised, real, drawn))
+    if not_denoised is not None:
+        more_absent["denoised_dice"] = not_denoised
     cov_figures, cov_absent, cov_sections = _covariate_figures(cfg, phantom, system, sampler, real, generated, rows,
                                                                table, device, precision, drawn, cycle, extractors)
     figures.update(cov_figures)

@@ -24,6 +24,9 @@ from voxdiff.evaluation import uncertainty as U
 from voxdiff.evaluation.features import FeatureExtractor
 from voxdiff.evaluation.report import data_uri, histogram_png
 
+#: where on the schedule (t/T) a mask model is shown the real masks to denoise (:func:`denoising_figures`)
+DENOISE_AT = (0.05, 0.2, 0.5)
+
 #: definitions of the figures (the report's table and metrics.json)
 DEFINITIONS: dict[str, tuple[str, str, str]] = {
     # name: (label, direction, definition)
@@ -100,7 +103,7 @@ DEFINITIONS: dict[str, tuple[str, str, str]] = {
         "against the mask (masks without lesion left out). A model that has learned the lesions returns them "
         "from light noise (near 1 at 5%); one near 0 there does not see a lesion it is shown, so its sampler cannot "
         "draw one: the training is what to change, not the sampler. lesion_load_ratio beside it: the voxels it "
-        "returns as lesion over the real ones (summed over the masks).") for f in (0.05, 0.2, 0.5)},
+        "returns as lesion over the real ones (summed over the masks).") for f in DENOISE_AT},
     "nearest_training_generated": (
         "Nearest training volume: similarity, generated", "match",
         "Mean over generated volumes of their greatest similarity to any volume of the training split (seg: Dice "
@@ -405,10 +408,6 @@ def mask_figures(generated: torch.Tensor, real: VolumeSet, drawn: Drawn | None =
         if real_value:
             out[f"{name}_generated"]["ratio_to_real"] = out[f"{name}_generated"]["value"] / real_value
     return out
-
-
-#: where on the schedule (t/T) a mask model is shown the real masks to denoise (:func:`denoising_figures`)
-DENOISE_AT = (0.05, 0.2, 0.5)
 
 
 def denoising_figures(denoised: Mapping[float, torch.Tensor], real: VolumeSet, drawn: Drawn | None = None
