@@ -121,6 +121,8 @@ ROWS = [
     ("sample_guidance_scale_negative", SAMPLE, ["ckpt_path={diffusion}", "guidance_scale=-1"], CONFIG,
      ["guidance_scale=-1", "Fix:"]),
     ("sample_eta_too_large", SAMPLE, ["ckpt_path={diffusion}", "eta=3"], CONFIG, ["eta=3", "Fix:"]),
+    ("evaluate_unweight_not_a_boolean", EVALUATE, ["ckpt_path={diffusion}", "unweight=yes"], CONFIG,
+     ["unweight=yes", "must be true or false", "Fix: use unweight=true"]),
     ("sample_nan_weights", SAMPLE, ["ckpt_path={nan_weights}"], CONFIG,
      ["nan_weights.ckpt", "state_dict.model.", "NaN or infinite", "Fix:"]),
     ("evaluate_inf_ema_weights", EVALUATE, ["ckpt_path={inf_ema}"], CONFIG,

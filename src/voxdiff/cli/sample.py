@@ -83,6 +83,8 @@ def validate(cfg: DictConfig) -> None:
     if cfg.get("autoguide_scale") is not None:  # what this run can do is checked once it is loaded
         check_autoguide_scale("autoguide_scale", cfg.autoguide_scale, null=True)
     check_guidance_interval("guidance_interval", plain(cfg.get("guidance_interval")), null=True)
+    if cfg.get("unweight") is not None:  # what this model can undo is checked once it is loaded
+        boolean("unweight", cfg.unweight, fix="use unweight=true (the default) or false")
     if cfg.get("memory_budget_gib") is not None:
         number("memory_budget_gib", cfg.memory_budget_gib, lo=0, lo_open=True,
                fix="e.g. memory_budget_gib=40 (GiB this command may take on its device), or null for what a GPU has "
