@@ -102,8 +102,9 @@ DEFINITIONS: dict[str, tuple[str, str, str]] = {
         "(its x0 prediction, the mask weight undone as the sampler does, thresholded as a sample is): the mean Dice "
         "against the mask (masks without lesion left out). A model that has learned the lesions returns them "
         "from light noise (near 1 at 5%); one near 0 there does not see a lesion it is shown, so its sampler cannot "
-        "draw one: the training is what to change, not the sampler. lesion_load_ratio beside it: the voxels it "
-        "returns as lesion over the real ones (summed over the masks).") for f in DENOISE_AT},
+        "draw one: the training is what to change, not the sampler. The figure falls with the noise for an exact "
+        "model too (at 50% on the default schedule a small lesion is mostly lost). lesion_load_ratio beside it: the "
+        "voxels it returns as lesion over the real ones (summed over the masks).") for f in DENOISE_AT},
     "nearest_training_generated": (
         "Nearest training volume: similarity, generated", "match",
         "Mean over generated volumes of their greatest similarity to any volume of the training split (seg: Dice "
