@@ -568,7 +568,7 @@ def _denoised(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any
         generator = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1_000_003 + 7_919 * (k + 1))
         parts = []
         for i in range(0, len(real), chunk):
-            batch = {"mask": real.masks[i:i + chunk].to(device), "image": real.images[i:i + chunk].to(device)}
+            batch = {"mask": real.masks[i:i + chunk].to(device)}  # a mask model's target: its image is not read
             cov = None if covariates is None else covariates[i:i + chunk].to(device)
             with precision.autocast():
                 parts.append(system.step.denoised(batch, fraction, generator, covariates=cov,
