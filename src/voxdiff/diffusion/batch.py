@@ -187,9 +187,10 @@ def unweighted_mask_prediction(x0: torch.Tensor, encoding: Encoding, mask_weight
         u = ((encoding.decode(x0.float()).float() + 1.0) / 2.0).clamp(0.0, 1.0)  # (B, 1, D, H, W): p̂ per voxel
         full, grid = u.shape[2:], x0.shape[2:]
         kernel = tuple(f // g for f, g in zip(full, grid))
-        top = F.max_pool3d(u, kernel_size=kernel, stride=kernel) if kernel != (1, 1, 1) else u  # (B, 1, d, h, w)
-        for axis, k in enumerate(kernel, start=2):
-            top = top.repeat_interleave(k, dim=axis)  # back to (B, 1, D, H, W): each voxel its block's q̂
+        if kernel != (1, 1, 1):  # each voxel its block's q̂: the block's max (B, 1, d, h, w) back at (B, 1, D, H, W)
+            top = F.interpolate(F.max_pool3d(u, kernel_size=kernel, stride=kernel), size=tuple(full), mode="nearest")
+        else:
+            top = u
         p = u / (1.0 + mask_weight * (1.0 - top))
         return encoding.encode(p * 2.0 - 1.0).float()
 
