@@ -572,7 +572,7 @@ def _denoised(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any
             cov = None if covariates is None else covariates[i:i + chunk].to(device)
             with precision.autocast():
                 parts.append(system.step.denoised(batch, fraction, generator, covariates=cov,
-                                                  unweight=sampler.mask_weight_undone > 0).to(torch.uint8).cpu())
+                                                  unweight=sampler.unweights).to(torch.uint8).cpu())
         out[fraction] = torch.cat(parts)
     return out, None
 
@@ -606,7 +606,7 @@ def _generate(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any
                                 covariates=covariate_vectors(system.covariate_encoding, used), guide=guide,
                                 autoguide_scale=sampler.autoguide_scale,
                                 guidance_interval=sampler.guidance_interval,
-                                unweight=sampler.mask_weight_undone > 0).float().cpu()
+                                unweight=sampler.unweights).float().cpu()
         generated[idx[0]:idx[-1] + 1] = x
         names = [f"{real.subjects[s]}_s{i:03d}" for s, i in zip(src, idx)]
         pngs += save_samples(out, tag, system.mode, x, real.masks[src], real.images[src], real.affines[src], names,

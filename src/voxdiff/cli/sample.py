@@ -243,7 +243,7 @@ def check_memory(cfg: DictConfig, device: Any, spec: Any, system: Any, sampler: 
     def traced(batch: int, autoguide: float) -> Any:
         return predict_sampling(spec, batch, guidance_scale=sampler.guidance_scale, autoguide_scale=autoguide,
                                 num_inference_steps=sampler.num_inference_steps, encoding=system.encoding,
-                                device_type=torch.device(device).type, unweight=sampler.mask_weight_undone > 0)
+                                device_type=torch.device(device).type, unweight=sampler.unweights)
 
     def predict(batch: int, autoguide: float = sampler.autoguide_scale) -> Any:
         return traced(batch, float(autoguide))
@@ -489,7 +489,7 @@ def sample(cfg: DictConfig) -> list[Path]:
                                             covariates=covariate_vectors(encoding, rows), guide=guide,
                                             autoguide_scale=sampler.autoguide_scale,
                                             guidance_interval=sampler.guidance_interval,
-                                            unweight=sampler.mask_weight_undone > 0)
+                                            unweight=sampler.unweights)
             pngs += save_samples(out_dir, f"sample_{suffix}" if suffix else "sample", system.mode, generated.cpu(),
                                  batch["mask"], batch.get("image"), batch["affine"], batch["subject"], covariates=rows)
             print(f"[voxdiff] {len(pngs)}/{n * len(points)}: {pngs[-1]}", flush=True)

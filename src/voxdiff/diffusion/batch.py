@@ -90,6 +90,13 @@ def encode_batch(
     return encoded("mask"), None
 
 
+def model_input(x_t: torch.Tensor, cond: torch.Tensor | None) -> torch.Tensor:
+    """What the UNet takes: the noisy ``x_t (B, C_out, d, h, w)`` with the clean condition ``cond (B, C_cond, d, h, w)``
+    after it along channels, in ``x_t``'s dtype → ``(B, C_out + C_cond, d, h, w)``; ``x_t`` itself without one
+    (seg mode). Every process's loss, the guided denoisers and the denoising figures build it here."""
+    return x_t if cond is None else torch.cat([x_t, cond.to(x_t.dtype)], dim=1)
+
+
 def check_pair(x0: torch.Tensor, cond: torch.Tensor | None) -> None:
     """``x0 (B, C_out, d, h, w)`` and ``cond (B, C_cond, d, h, w) | None`` as every process's loss takes them.
 
@@ -155,6 +162,15 @@ def mask_loss_weights(batch: Mapping[str, Any], x0: torch.Tensor, mask_weight: f
     if kernel != (1, 1, 1):
         m = F.max_pool3d(m, kernel_size=kernel, stride=kernel)  # (B, 1, d, h, w)
     return 1.0 + mask_weight * (m > 0.5).float()
+
+
+def mask_weight_to_undo(mode: str, diffusion: Any, weight_free: bool) -> float:
+    """The ``diffusion.mask_weight`` (of the process settings ``diffusion``) whose bias a sampler undoes at each
+    step (:func:`unweighted_mask_prediction`): a mask model's (``mode=seg``, where the weight is set by what is
+    drawn) on a ``weight_free`` encoding; 0 where there is nothing to undo (bravo: the weight comes from the
+    condition, which the model sees) or it cannot be undone (a learned encoding)."""
+    weight = float(getattr(diffusion, "mask_weight", 0.0) or 0.0)
+    return weight if mode == "seg" and weight_free else 0.0
 
 
 def unweighted_mask_prediction(x0: torch.Tensor, encoding: Encoding, mask_weight: float) -> torch.Tensor:

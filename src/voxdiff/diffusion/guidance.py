@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from voxdiff.diffusion.batch import model_input
 from voxdiff.errors import ConfigError, integer, number, settings_from
 
 Model = Callable[..., torch.Tensor]
@@ -237,15 +238,14 @@ def denoiser(model: Model, cond: torch.Tensor | None, scale: float = 1.0,
     if cond is None and (covariates is None or scale == 1.0):
         return lambda x, t: with_covariates(model, covariates)(x, timesteps=t).float()
     if scale == 1.0:
-        return lambda x, t: with_covariates(model, covariates)(torch.cat([x, cond.to(x.dtype)], dim=1),
-                                                                timesteps=t).float()
+        return lambda x, t: with_covariates(model, covariates)(model_input(x, cond), timesteps=t).float()
     both = None if cond is None else torch.cat([cond, torch.zeros_like(cond)], dim=0)  # (2B, C_cond, ...)
     doubled = with_covariates(model, None if covariates is None
                               else torch.cat([covariates, torch.zeros_like(covariates)], dim=0))  # (2B, K)
 
     def guided(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         x2 = torch.cat([x, x], dim=0)  # (2B, C_out, ...)
-        x_in = x2 if both is None else torch.cat([x2, both.to(x.dtype)], dim=1)
+        x_in = model_input(x2, both)  # (2B, C_out + C_cond, ...)
         out = doubled(x_in, timesteps=torch.cat([t, t])).float()
         c, u = out.chunk(2, dim=0)
         return u + scale * (c - u)

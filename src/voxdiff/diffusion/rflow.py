@@ -36,7 +36,7 @@ from monai.networks.schedulers import RFlowScheduler
 from monai.networks.schedulers.rectified_flow import timestep_transform
 from torch import nn
 
-from voxdiff.diffusion.batch import check_mask_weight, check_pair, per_sample_mses
+from voxdiff.diffusion.batch import check_mask_weight, check_pair, model_input, per_sample_mses
 from voxdiff.diffusion.guidance import step_denoisers
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
@@ -194,7 +194,7 @@ class RectifiedFlow(nn.Module):
         if noise is None:
             noise = torch.randn(x0.shape, device=x0.device, dtype=torch.float32, generator=generator)
         x_t = self.add_noise(x0, noise, t)  # (1 − t/T)·x0 + (t/T)·ε, (B, C_out, d, h, w)
-        x_in = x_t if cond is None else torch.cat([x_t, cond.to(x_t.dtype)], dim=1)  # (B, C_out + C_cond, ...)
+        x_in = model_input(x_t, cond)  # (B, C_out + C_cond, d, h, w)
         pred = model(x_in, timesteps=t).float()
         if self.settings.prediction_type == "sample":  # x̂0: the velocity's error is x̂0's over s
             per_sample, weighted = per_sample_mses(pred, x0, weights)  # (B,), (B,)

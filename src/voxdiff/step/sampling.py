@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from voxdiff.diffusion.batch import mask_weight_to_undo
 from voxdiff.diffusion.guidance import (
     FULL_INTERVAL,
     check_autoguide_scale,
@@ -83,6 +84,11 @@ class SamplerChoice:
     mask_weight_undone: float = 0.0
 
     @property
+    def unweights(self) -> bool:
+        """Whether a mask weight's bias is undone (what ``TrainStep.generate``'s ``unweight`` takes)."""
+        return self.mask_weight_undone > 0
+
+    @property
     def guided(self) -> bool:
         """Whether either guidance runs."""
         return self.guidance_scale != 1.0 or self.autoguide_scale != 1.0
@@ -131,9 +137,10 @@ def sampler_choice(
     else:
         auto = check_autoguide_scale("autoguide_scale", autoguide_scale, null=True)
     interval = check_guidance_interval("guidance_interval", plain(guidance_interval), null=True)
-    weight = float(getattr(diffusion, "mask_weight", 0.0) or 0.0) if mode == "seg" else 0.0
+    undoable = mask_weight_to_undo(mode, diffusion, weight_free)
+    weight = mask_weight_to_undo(mode, diffusion, True)  # the seg model's weight, undoable or not
     undo = True if unweight is None else boolean("unweight", unweight, fix="use unweight=true (the default) or false")
-    if unweight is not None and undo and weight and not weight_free:
+    if unweight is not None and undo and weight and not undoable:
         raise ConfigError("unweight", unweight, f"cannot undo diffusion.mask_weight={weight:g} of a mask model on a "
                           "learned encoding (its decoder is not linear, so the bias is not undone voxel by voxel)",
                           "use unweight=false (its masks over-draw lesions), or train it with diffusion.mask_weight=0")
@@ -141,7 +148,7 @@ def sampler_choice(
                          eta=float(diffusion.eta if eta is None else eta), guidance_scale=scale,
                          autoguide_scale=float(auto),
                          guidance_interval=sampling.guidance_interval if interval is None else interval,
-                         mask_weight_undone=weight if undo and weight_free else 0.0)
+                         mask_weight_undone=undoable if undo else 0.0)
 
 
 def check_interval_steps(key: str, interval: tuple[float, float], steps: int, diffusion: Any,

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from voxdiff.diffusion import build_process, decode_volume, encode_batch, encode_volume
-from voxdiff.diffusion.batch import mask_loss_weights, unweighted_mask_prediction
+from voxdiff.diffusion.batch import mask_loss_weights, mask_weight_to_undo, model_input, unweighted_mask_prediction
 from voxdiff.diffusion.guidance import autoguided, drop_conditions, with_covariates
 from voxdiff.diffusion.processes import Process
 from voxdiff.diffusion.seed import seed_loss
@@ -441,7 +441,7 @@ class TrainStep:
         timesteps = torch.full((x0.shape[0],), t, device=x0.device, dtype=process.timestep_dtype)
         noise = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=torch.float32)
         x_t = process.add_noise(x0, noise, timesteps)
-        x_in = x_t if cond is None else torch.cat([x_t, cond.to(x_t.dtype)], dim=1)
+        x_in = model_input(x_t, cond)  # (B, C_out + C_cond, d, h, w)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -464,7 +464,8 @@ class TrainStep:
         """Whether :meth:`generate` can undo a mask weight's bias: a mask model (``mode=seg``) trained with
         ``diffusion.mask_weight > 0`` on a weight-free encoding (the weight is then set by the target itself, so
         the model over-predicts the mask; :func:`voxdiff.diffusion.batch.unweighted_mask_prediction`)."""
-        return self.mode == "seg" and self.mask_weight > 0 and not isinstance(self.encoding, LearnedEncoding)
+        weight_free = not isinstance(self.encoding, LearnedEncoding)
+        return mask_weight_to_undo(self.mode, getattr(self.recipe, "diffusion", None), weight_free) > 0
 
     def _unweighting(self) -> Callable[[torch.Tensor], torch.Tensor]:
         encoding, weight = self.encoding, self.mask_weight
