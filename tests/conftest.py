@@ -22,8 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(items):
-    """Tests that start a Slurm cluster share its fixed ports, bridge and namespaces: under pytest-xdist they run
-    one after another on one worker (``--dist loadgroup``)."""
+    """Tests that start a Slurm cluster share its fixed ports, bridge and namespaces: under pytest-xdist they are
+    meant to run one after another on one worker (``--dist loadgroup``). Under pytest 9.2 with pytest-xdist 3.8
+    the group is not kept, so their clusters also take a lock (``slurm/harness.py::running_cluster``)."""
     for item in items:
         if item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.xdist_group("slurm"))

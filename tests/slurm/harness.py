@@ -16,9 +16,11 @@ private range that only these namespaces use; the bridge and namespaces are remo
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +32,8 @@ from apt_packages import ensure  # tests/ is on sys.path (its conftest.py)
 REPO = Path(__file__).resolve().parents[2]
 EXP11 = REPO / "slurm" / "exp11.slurm"  # the rendered job script the tests submit, unchanged
 SLURM_PACKAGES = ["slurmctld", "slurmd", "slurm-client"]
+#: the lock a test process holds while its cluster runs (:func:`running_cluster`)
+LOCK = Path(tempfile.gettempdir()) / "voxdiff-tests-slurm.lock"
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                    "DEADLINE", "PREEMPTED"}
 
@@ -299,14 +303,24 @@ KillWait=5
 
 @contextmanager
 def running_cluster(root: Path, **kwargs) -> Iterator[SlurmCluster]:
-    """A started cluster (Slurm installed first if missing), stopped by PID when the block ends, pass or fail."""
+    """A started cluster (Slurm installed first if missing), stopped by PID when the block ends, pass or fail.
+
+    One cluster at a time across the suite's processes (an exclusive ``flock`` on :data:`LOCK`, held while it
+    runs): two started in the same tenth of a second take the same job ids (:attr:`SlurmCluster.first_job_id`),
+    so their jobs append to one log (session 35: both workers' requeue tests failed on it), and two at once share
+    the two cores that each job's training needs. The ``xdist_group`` the suite's conftest gives these tests was
+    meant to keep them on one worker, but under pytest 9.2 with pytest-xdist 3.8 ``--dist loadgroup`` sends a
+    group's tests to both workers (session 35: six tests of one ``xdist_group``, even marked in the module, ran
+    three on each), so the lock is what keeps them apart."""
     ensure_installed()
-    cluster = SlurmCluster(root, **kwargs)
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+    with open(LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        cluster = SlurmCluster(root, **kwargs)
+        cluster.start()
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
 
 
 # ------------------------------------------------------------------------------------- the exp11 job of the tests
