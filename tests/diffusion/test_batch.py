@@ -177,3 +177,71 @@ def test_unweighting_refuses_a_learned_encoding_and_keeps_what_is_certain():
     half = enc.encode(torch.zeros(1, 1, 4, 4, 4))  # p̂ = 0.5 everywhere → p = 0.5 / (1 + 20 · 0.5) = 1/22
     back = decode_volume(enc, unweighted_mask_prediction(half, enc, 20.0), "image")  # (v + 1) / 2 = p
     assert torch.allclose(back, torch.full_like(back, 1 / 22), atol=1e-5)
+
+
+def _signed_distance_oracle(mask, scale):
+    """What :func:`mask_distance_map` should be, from MONAI's Euclidean distance transform (SciPy's on the CPU)."""
+    import numpy as np
+    from monai.transforms.utils import distance_transform_edt
+
+    reach = math.ceil(4 * scale)
+    out = []
+    for m in mask.numpy() > 0.5:  # (1, D, H, W) each
+        inside = distance_transform_edt(m)  # to the nearest background voxel
+        outside = distance_transform_edt(~m) if m.any() else np.full(m.shape, np.inf)  # to the nearest lesion voxel
+        signed = np.clip(np.where(m, inside - 0.5, 0.5 - outside), -(reach - 0.5), reach - 0.5)
+        out.append(np.tanh(signed / scale) / np.tanh((reach - 0.5) / scale))
+    return torch.from_numpy(np.stack(out)).float()
+
+
+@pytest.mark.parametrize("scale", [0.5, 2.0, 3.3])
+def test_mask_distance_map_is_the_tanh_of_the_euclidean_signed_distance(scale):
+    from voxdiff.diffusion.batch import mask_distance_map
+
+    g = torch.Generator().manual_seed(1)
+    mask = (torch.rand(3, 1, 12, 20, 26, generator=g) > 0.995).float()  # scattered lesion voxels, far and near
+    mask[1, :, 3:9, 5:12, 4:20] = 1.0  # a large lesion: distances inside it too
+    mask[1, :, :, :, 0:2] = 1.0  # touching the volume's edge (nothing beyond it counts, as in SciPy)
+    mask[2] = 0.0  # an empty mask
+    got = mask_distance_map(mask, scale)
+    assert got.shape == mask.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, _signed_distance_oracle(mask, scale), rtol=0, atol=1e-5)
+    assert torch.equal((got > 0).float(), mask)  # thresholded at 0 it is the mask again
+    assert torch.equal(got[2], torch.full_like(got[2], -1.0))  # the empty mask is the binary one
+    assert got.min() >= -1 and got.max() <= 1
+
+
+def test_mask_distance_map_runs_on_meta_tensors_for_the_preflight():
+    from voxdiff.diffusion.batch import mask_distance_map
+
+    out = mask_distance_map(torch.zeros(2, 1, 8, 8, 8, device="meta"), 2.0)
+    assert out.device.type == "meta" and out.shape == (2, 1, 8, 8, 8)
+
+
+@pytest.mark.parametrize("enc", [SpaceToDepth(2), HaarWavelet(), Identity()], ids=type)
+def test_a_mask_model_with_mask_sdf_scale_draws_the_distance_map_and_decodes_to_the_mask(enc):
+    from voxdiff.diffusion.batch import mask_distance_map
+
+    batch = _batch()
+    x0, cond = encode_batch(enc, batch, "seg", mask_sdf_scale=2.0)
+    assert cond is None
+    torch.testing.assert_close(x0, enc.encode(mask_distance_map(batch["mask"], 2.0)))
+    assert torch.equal(decode_volume(enc, x0, "mask"), batch["mask"])
+    plain, _ = encode_batch(enc, batch, "seg")
+    assert not torch.allclose(x0, plain)
+    image, mask = encode_batch(enc, batch, "bravo", mask_sdf_scale=2.0)  # a bravo model's condition stays binary
+    torch.testing.assert_close(mask, encode_volume(enc, batch["mask"]))
+
+
+def test_a_distance_map_needs_the_full_size_mask_and_a_weight_free_encoding():
+    from voxdiff.diffusion.batch import check_mask_sdf_scale
+    from voxdiff.errors import ConfigError
+
+    with pytest.raises(ValueError, match="mask_sdf_scale=null"):
+        encode_batch(Identity(), {"mask_z": torch.zeros(1, 4, 2, 2, 2)}, "seg", mask_sdf_scale=2.0)
+    assert check_mask_sdf_scale(None) is None and check_mask_sdf_scale(2) == 2.0
+    for bad in (0, -1, 17, "2", True):
+        with pytest.raises(ConfigError, match="diffusion.mask_sdf_scale"):
+            check_mask_sdf_scale(bad)
+    with pytest.raises(ConfigError, match="diffusion.mask_weight=20.*mask_sdf_scale=2"):
+        check_mask_sdf_scale(2, mask_weight=20.0)

@@ -24,14 +24,15 @@ VOLUME = (16, 32, 32)
 
 
 def _trained_step(encoding, c_in: int, c_out: int, batch: dict, ema: bool = True, mode: str = "bravo",
-                  mask_weight: float = 0.0) -> TrainStep:
+                  mask_weight: float = 0.0, mask_sdf_scale: float | None = None) -> TrainStep:
     """The system's step of a tiny UNet on real CPU tensors, after one optimizer step (AdamW state, EMA exist)."""
     torch.manual_seed(0)
     model = DiffusionModelUNet(spatial_dims=3, in_channels=c_in, out_channels=c_out, channels=(8, 16),
                                attention_levels=(False, True), num_res_blocks=1, num_head_channels=8,
                                norm_num_groups=4)
     recipe = system_recipe({"lr": 1e-3}, {"decay": 0.9} if ema else False,
-                           {"num_inference_steps": 2, "mask_weight": mask_weight}, mode=mode)
+                           {"num_inference_steps": 2, "mask_weight": mask_weight,
+                            "mask_sdf_scale": mask_sdf_scale}, mode=mode)
     step = TrainStep(model, recipe, encoding=encoding, process=DiffusionProcess(recipe.diffusion, clip_range=1.0),
                      precision=EmulatedPrecision(CudaAutocastEmulator(device_type="cpu", enabled=False)), mode=mode)
     step.configure_optimizer()
@@ -83,6 +84,32 @@ def test_a_mask_models_unweighted_sampling_matches_cpu_allocator(one_thread) -> 
         trace, op_peak = _profiled(lambda: trace_sampling(step, (2, 1, *VOLUME), 8, 2, device_type="cpu",
                                                           unweight=unweight))
         assert trace.peak - trace.start_bytes == pytest.approx(op_peak, rel=0.05)
+
+
+def test_a_mask_model_on_distance_maps_matches_cpu_allocator(one_thread) -> None:
+    """diffusion.mask_sdf_scale: the step and validation make each mask's distance map (a few full-size float
+    volumes) before the UNet runs; the trace runs the same code, so each peak = the allocator's within 5 %."""
+    from voxdiff.preflight.memory import trace_training_step
+
+    from voxdiff.preflight.tracker import StorageTracker
+
+    batch = {"mask": (2, 1, *VOLUME)}
+    step = _trained_step(SpaceToDepth(2), 8, 8, batch, mode="seg", mask_sdf_scale=3.0)
+    assert step.mask_sdf_scale == 3.0
+    mask = (torch.rand(2, 1, *VOLUME) > 0.99).float()
+
+    def encoded():  # the distance map alone: below the UNet's peak here, so counted on its own first
+        with StorageTracker(device_type="cpu", granularity=1) as tracker:
+            step.encoded({"mask": mask})
+        return tracker
+
+    tracker, op_peak = _profiled(encoded)
+    assert tracker.peak == pytest.approx(op_peak, rel=0.05)
+    assert tracker.peak >= 4 * mask.nbytes  # its temporaries are several full-size float volumes, all counted
+    trace, op_peak = _profiled(lambda: trace_training_step(step, batch, device_type="cpu", steps=1))
+    assert trace.steps[0].peak - trace.start_bytes == pytest.approx(op_peak, rel=0.05)
+    trace, op_peak = _profiled(lambda: trace_validation(step, batch, 4, device_type="cpu"))
+    assert trace.peak - trace.start_bytes == pytest.approx(op_peak, rel=0.05)
 
 
 def test_autoguided_sampling_outside_training_matches_cpu_allocator(one_thread) -> None:

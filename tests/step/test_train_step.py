@@ -274,6 +274,41 @@ def test_denoising_sees_the_noise_of_its_fraction_of_the_schedule(process):
     assert flipped[0] == 0 and flipped[0] < flipped[1] < flipped[2]
 
 
+@pytest.mark.parametrize("process", ["ddpm", "rflow"])
+def test_a_mask_model_with_mask_sdf_scale_is_trained_and_denoised_on_the_distance_map(process):
+    """diffusion.mask_sdf_scale: a seg model's target is the mask's distance map, so a model that predicts that map
+    has no loss (one that predicts the binary mask has), and denoising decodes its estimate back to the mask."""
+    from voxdiff.diffusion import build_process
+    from voxdiff.diffusion.batch import mask_distance_map
+    from voxdiff.encodings import Identity
+
+    mask = torch.zeros(2, 1, 12, 12, 12)
+    mask[0, :, 3:6, 4:7, 5:9] = 1.0
+    mask[1, :, 8, 8, 8] = 1.0
+
+    class Knows(_Sure):
+        def __init__(self, x0):
+            super().__init__()
+            self.x0 = x0
+
+        def forward(self, x, timesteps):
+            return self.x0.clone()
+
+    losses = {}
+    for scale in (2.0, None):
+        for name, x0 in (("map", mask_distance_map(mask, 2.0)), ("binary", mask * 2 - 1)):
+            recipe = system_recipe({}, False, {"process": process, "prediction_type": "sample",
+                                              "mask_sdf_scale": scale}, mode="seg")
+            step = TrainStep(Knows(x0), recipe, encoding=Identity(), mode="seg",
+                             process=build_process(recipe.diffusion))
+            assert step.mask_sdf_scale == scale
+            losses[scale, name] = float(step.loss({"mask": mask})[0].detach())
+            if scale is not None and name == "map":
+                assert torch.equal(step.denoised({"mask": mask}, 0.5, torch.Generator().manual_seed(0)), mask)
+    assert losses[2.0, "map"] < 1e-10 and losses[None, "binary"] < 1e-10
+    assert losses[2.0, "binary"] > 1e-3 and losses[None, "map"] > 1e-3
+
+
 def test_fold_ema_leaves_one_copy_of_the_weights_that_samples_as_the_ema_swap_does():
     """What sample.py and evaluate.py hold (``fold_ema`` before the model goes to the device): the EMA's weights
     written into the model (``use_ema``) or the raw ones kept, and no EMA copy; sampling then gives bit for bit what

@@ -15,6 +15,7 @@ encoding alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from einops import reduce
 
 from voxdiff.encodings.base import Encoding, LearnedEncoding
-from voxdiff.errors import number
+from voxdiff.errors import ConfigError, number
 
 MODES = ("bravo", "seg")
 #: batch keys of the volumes, and of their pre-encoded latents (a latent cache)
@@ -61,14 +62,64 @@ def decode_volume(encoding: Encoding, z: torch.Tensor, kind: str) -> torch.Tenso
     return (x > 0.0).float() if kind == "mask" else ((x + 1.0) / 2.0).clamp(0.0, 1.0)
 
 
+def _squared_distances(features: torch.Tensor, reach: int) -> torch.Tensor:
+    """``(N, C, D, H, W)`` bool → float32 squared Euclidean distance (voxels) of each voxel to its channel's nearest
+    True voxel, exact up to ``reach``; further (or no True voxel) reads more than ``reach²``.
+
+    The squared distance is separable (Saito & Toriwaki 1994): a minimum of ``f(i + k) + k²`` along each axis in
+    turn. Limiting ``k`` to ``reach`` keeps it exact wherever the nearest True voxel is within ``reach`` (each of its
+    offsets is), and costs ``2·reach`` shifted minima an axis in plain tensor ops: it runs on the step's device
+    with no host sync, and on the preflight's meta tensors.
+    """
+    big = float(3 * (reach + 1) ** 2)  # above any distance the window can see
+    f = torch.where(features, 0.0, big).float()
+    for dim in (2, 3, 4):
+        n, pad = f.shape[dim], [0] * 6
+        pad[2 * (4 - dim)] = pad[2 * (4 - dim) + 1] = reach  # F.pad lists the last axis first
+        padded = F.pad(f, pad, value=big)
+        best = f
+        for k in range(1, reach + 1):
+            nearer = torch.minimum(padded.narrow(dim, reach + k, n), padded.narrow(dim, reach - k, n))
+            best = torch.minimum(best, nearer + float(k * k))
+        f = best
+    return f
+
+
+def mask_distance_map(mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """``(B, 1, D, H, W)`` masks in {0, 1} → ``(B, 1, D, H, W)`` float32 in [-1, 1]: a smooth map of the lesion
+    whose zero level is its boundary (``diffusion.mask_sdf_scale``: what a mask model draws instead of the binary
+    mask; Bogensperger et al. 2023 generate segmentations this way).
+
+    Each voxel's signed distance ``s`` (voxels, between voxel centres and the boundary half-way between a lesion
+    and a background voxel: ``+0.5`` on a lesion's edge voxel, ``-0.5`` just outside) is mapped to
+    ``tanh(s / scale) / tanh((R - 0.5) / scale)`` with ``R = ⌈4·scale⌉``, clamped: a voxel ``R`` or more from any
+    lesion reads exactly -1 (the empty mask is the binary one), and distances beyond ``R`` are not computed. So a
+    lesion of a few voxels reaches the loss through the ``~(2R)³`` voxels around it instead of its own few, and
+    the map is thresholded at 0 like the binary mask (:func:`decode_volume`).
+    """
+    if mask.dim() != 5 or mask.shape[1] != 1:
+        raise ValueError(f"mask must be (B, 1, D, H, W), got shape {tuple(mask.shape)}")
+    reach = math.ceil(4 * scale)
+    lesion = mask > 0.5
+    squared = _squared_distances(torch.cat([lesion, ~lesion], dim=1), reach)  # (B, 2, ...): to a lesion, to background
+    to_lesion, to_background = squared.sqrt().clamp(max=reach).unbind(dim=1)
+    signed = torch.where(lesion[:, 0], to_background - 0.5, 0.5 - to_lesion).unsqueeze(1)
+    return (torch.tanh(signed / scale) / math.tanh((reach - 0.5) / scale)).clamp(-1.0, 1.0)
+
+
 def encode_batch(
-    encoding: Encoding, batch: Mapping[str, Any], mode: str
+    encoding: Encoding, batch: Mapping[str, Any], mode: str, mask_sdf_scale: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A data batch → ``(x0, cond)`` for :meth:`voxdiff.diffusion.DiffusionProcess.loss`.
 
     A batch that carries ``image_z`` / ``mask_z`` (latents from a latent cache, already ``encode_volume`` of the
     volumes) is used as it is; otherwise ``image`` / ``mask`` ``(B, 1, D, H, W)`` are encoded here. This is the
     only place that decides between the two.
+
+    Args:
+        mask_sdf_scale: seg mode only (``diffusion.mask_sdf_scale``): the target is the encoding of the mask's
+            distance map (:func:`mask_distance_map`) instead of the mask's; needs the full-size ``mask`` and a
+            weight-free encoding. None: the mask as it is.
 
     Returns:
         bravo: ``x0`` the image encoding ``(B, C, d, h, w)``, ``cond`` the mask encoding ``(B, C, d, h, w)``;
@@ -87,7 +138,14 @@ def encode_batch(
 
     if mode == "bravo":
         return encoded("image"), encoded("mask")
-    return encoded("mask"), None
+    if mask_sdf_scale is None:
+        return encoded("mask"), None
+    if _learned(encoding) or "mask" not in batch:
+        raise ValueError("a mask model's distance map (diffusion.mask_sdf_scale) is made from the full-size mask by a "
+                         f"weight-free encoding; this batch has keys {sorted(batch)} and the encoding is "
+                         f"{type(encoding).__name__}: set diffusion.mask_sdf_scale=null")
+    with torch.no_grad():
+        return encoding.encode(mask_distance_map(batch["mask"].float(), mask_sdf_scale)).float(), None
 
 
 def model_input(x_t: torch.Tensor, cond: torch.Tensor | None) -> torch.Tensor:
@@ -137,6 +195,25 @@ def check_mask_weight(value: Any) -> float:
     """
     return number("diffusion.mask_weight", value, lo=0,
                   fix="use 0 for the plain loss, or e.g. diffusion.mask_weight=10 to count lesion voxels 11 times")
+
+
+def check_mask_sdf_scale(value: Any, mask_weight: float = 0.0) -> float | None:
+    """Validate ``diffusion.mask_sdf_scale`` (both processes): null, or a number of voxels in (0, 16], and then
+    ``diffusion.mask_weight`` 0 (the weight's bias is undone on a binary mask's probabilities,
+    :func:`unweighted_mask_prediction`, which a distance map is not).
+
+    Raises:
+        ConfigError: naming the key, the value and a fix.
+    """
+    if value is None:
+        return None
+    scale = number("diffusion.mask_sdf_scale", value, lo=0, hi=16, lo_open=True,
+                   fix="use null (the binary mask), or e.g. diffusion.mask_sdf_scale=2 (voxels) for a mask model")
+    if mask_weight:
+        raise ConfigError("diffusion.mask_weight", mask_weight, f"biases what a mask model draws, and with "
+                          f"diffusion.mask_sdf_scale={scale:g} (a distance map, not lesion probabilities) that bias "
+                          "cannot be undone", "set diffusion.mask_weight=0, or diffusion.mask_sdf_scale=null")
+    return scale
 
 
 def mask_loss_weights(batch: Mapping[str, Any], x0: torch.Tensor, mask_weight: float) -> torch.Tensor:

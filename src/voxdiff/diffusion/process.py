@@ -32,7 +32,8 @@ import torch
 from monai.networks.schedulers import DDIMScheduler, DDPMScheduler
 from torch import nn
 
-from voxdiff.diffusion.batch import check_mask_weight, check_pair, model_input, per_sample_mses
+from voxdiff.diffusion.batch import (check_mask_sdf_scale, check_mask_weight, check_pair, model_input,
+                                     per_sample_mses)
 from voxdiff.diffusion.guidance import step_denoisers
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
@@ -55,6 +56,7 @@ class DiffusionSettings:
     eta: float = 0.0  # DDIM stochasticity (0 = deterministic DDIM)
     clip_sample: bool = True  # clip the predicted x0 to the range of encoded volumes while sampling
     mask_weight: float = 0.0  # the loss counts 1 + this where the mask is (voxdiff.diffusion.batch.mask_loss_weights)
+    mask_sdf_scale: float | None = None  # seg mode: draw the mask's distance map (batch.mask_distance_map)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,6 +96,7 @@ def ddpm_settings(cfg: Mapping[str, Any] | None = None, **overrides: Any) -> Dif
     number("diffusion.eta", s.eta, lo=0, hi=1, fix="use diffusion.eta=0.0 (deterministic DDIM)")
     boolean("diffusion.clip_sample", s.clip_sample, fix="use true")
     check_mask_weight(s.mask_weight)
+    check_mask_sdf_scale(s.mask_sdf_scale, s.mask_weight)
     return s
 
 

@@ -36,7 +36,8 @@ from monai.networks.schedulers import RFlowScheduler
 from monai.networks.schedulers.rectified_flow import timestep_transform
 from torch import nn
 
-from voxdiff.diffusion.batch import check_mask_weight, check_pair, model_input, per_sample_mses
+from voxdiff.diffusion.batch import (check_mask_sdf_scale, check_mask_weight, check_pair, model_input,
+                                     per_sample_mses)
 from voxdiff.diffusion.guidance import step_denoisers
 from voxdiff.errors import ConfigError, boolean, integer, number, one_of
 
@@ -71,6 +72,7 @@ class RFlowSettings:
     num_inference_steps: int = 30  # Euler steps when sampling
     eta: float = 0.0  # 0: deterministic Euler; up to 1: each step draws eta x the path's posterior spread
     mask_weight: float = 0.0  # the loss counts 1 + this where the mask is (voxdiff.diffusion.batch.mask_loss_weights)
+    mask_sdf_scale: float | None = None  # seg mode: draw the mask's distance map (batch.mask_distance_map)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,6 +116,7 @@ def rflow_settings(cfg: Mapping[str, Any] | None = None, **overrides: Any) -> RF
     number("diffusion.eta", s.eta, lo=0, hi=1,
            fix="use diffusion.eta=0 (deterministic Euler) up to 1 (ancestral: the posterior's whole spread)")
     check_mask_weight(s.mask_weight)
+    check_mask_sdf_scale(s.mask_sdf_scale, s.mask_weight)
     return s
 
 

@@ -630,6 +630,8 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
                 "data.masks", False, f"diffusion.mask_weight={mask_weight:g} weights the loss by the full-size mask, "
                 "which a latent batch carries only with data.masks=true", "set data.masks=true, or "
                 "diffusion.mask_weight=0"))
+        if recipe is not None:
+            collect(lambda: check_mask_sdf(recipe.diffusion, mode, encoding))
         val_timesteps = select(cfg, "system.val_timesteps", 4)
         drop = recipe.guidance.drop_prob if recipe is not None and recipe.guidance is not None else 0.0
         sampling = collect(lambda: sampling_settings(select(cfg, "system.sampling"), val_timesteps, mode, drop))
@@ -647,6 +649,25 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
                                                      get("modalities", MODALITIES), volume, get("codebook")))
     return SystemSpec(kind=kind, mode=mode, encoding=encoding, device_type=device, unet=unet, recipe=recipe,
                       sampling=sampling, val_timesteps=val_timesteps, stage1=stage1)
+
+
+def check_mask_sdf(diffusion: Any, mode: str, encoding: Encoding | None) -> None:
+    """``diffusion.mask_sdf_scale`` is what a mask model draws (``mode=seg``), made by a weight-free encoding
+    (:func:`voxdiff.diffusion.batch.mask_distance_map`).
+
+    Raises:
+        ConfigError: naming the key, the value and a fix.
+    """
+    scale = getattr(diffusion, "mask_sdf_scale", None)
+    if scale is None:
+        return
+    if mode != "seg":
+        raise ConfigError("diffusion.mask_sdf_scale", scale, f"shapes what a mask model draws, and mode={mode} draws "
+                          "images conditioned on the binary mask", "set diffusion.mask_sdf_scale=null, or mode=seg")
+    if isinstance(encoding, LearnedEncoding):
+        raise ConfigError("diffusion.mask_sdf_scale", scale, "a learned encoding (VQ-VAE) was trained on binary masks "
+                          "and its latents are cached from them", "set diffusion.mask_sdf_scale=null, or train the "
+                          "mask model on a weight-free encoding (encoding=haar, s2d or identity)")
 
 
 def check_guide_snapshot(cfg: DictConfig, sampling: SamplingSettings) -> None:

@@ -218,7 +218,7 @@ class TrainStep:
         Raises:
             CompileFailed: compiling the training forward failed (``model.compile``).
         """
-        x0, cond = encode_batch(self.encoding, batch, self.mode)  # (B, C_out, d, h, w), (B, C_cond, ...) | None
+        x0, cond = self.encoded(batch)  # (B, C_out, d, h, w), (B, C_cond, ...) | None
         extra = {}
         mask_weight = self.mask_weight
         if mask_weight:  # the mask's voxels count more (B, 1, d, h, w); computed before the condition is dropped
@@ -312,7 +312,7 @@ class TrainStep:
             ``(loss, batch size)``: a float32 scalar and the number of samples in the batch.
         """
         process = self._require_process("validation_loss")
-        x0, cond = encode_batch(self.encoding, batch, self.mode)  # (B, C_out, d, h, w), (B, C_cond, ...) | None
+        x0, cond = self.encoded(batch)  # (B, C_out, d, h, w), (B, C_cond, ...) | None
         n, b = num_timesteps, x0.shape[0]
         timesteps = ((torch.arange(n, device=x0.device) + 0.5) * (process.num_train_timesteps / n)).long()
         model = with_covariates(self.model, batch.get("covariates"))  # (B, K) with data.covariates
@@ -436,7 +436,7 @@ class TrainStep:
             {0, 1} (seg).
         """
         process = self._require_process("denoised")
-        x0, cond = encode_batch(self.encoding, batch, self.mode)  # (B, C_out, d, h, w), (B, C_cond, ...) | None
+        x0, cond = self.encoded(batch)  # (B, C_out, d, h, w), (B, C_cond, ...) | None
         t = process.timestep_at(fraction)
         timesteps = torch.full((x0.shape[0],), t, device=x0.device, dtype=process.timestep_dtype)
         noise = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=torch.float32)
@@ -452,6 +452,16 @@ class TrainStep:
         if unweight and self.unweights_samples:
             x0_hat = self._unweighting()(x0_hat)
         return decode_volume(self.encoding, x0_hat, "image" if self.mode == "bravo" else "mask")
+
+    def encoded(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(x0, cond)`` of a data batch as this step's mode and recipe see it
+        (:func:`voxdiff.diffusion.encode_batch`, with a mask model's ``diffusion.mask_sdf_scale``)."""
+        return encode_batch(self.encoding, batch, self.mode, self.mask_sdf_scale if self.mode == "seg" else None)
+
+    @property
+    def mask_sdf_scale(self) -> float | None:
+        """``diffusion.mask_sdf_scale`` of this step's recipe (None: the binary mask, or no diffusion process)."""
+        return getattr(getattr(self.recipe, "diffusion", None), "mask_sdf_scale", None)
 
     @property
     def mask_weight(self) -> float:
