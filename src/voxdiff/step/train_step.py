@@ -455,8 +455,8 @@ class TrainStep:
 
     def encoded(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(x0, cond)`` of a data batch as this step's mode and recipe see it
-        (:func:`voxdiff.diffusion.encode_batch`, with a mask model's ``diffusion.mask_sdf_scale``)."""
-        return encode_batch(self.encoding, batch, self.mode, self.mask_sdf_scale if self.mode == "seg" else None)
+        (:func:`voxdiff.diffusion.encode_batch`, which reads ``diffusion.mask_sdf_scale`` in seg mode only)."""
+        return encode_batch(self.encoding, batch, self.mode, self.mask_sdf_scale)
 
     @property
     def mask_sdf_scale(self) -> float | None:
