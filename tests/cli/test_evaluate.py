@@ -242,7 +242,16 @@ def test_a_mask_model_is_evaluated_on_its_lesions_and_their_nearest_training_mas
     nearest = figures["nearest_training_real"]
     assert nearest["measure"] == "dice" and nearest["training_volumes"] == 4 and 0 <= nearest["value"] <= 1
     assert not set(nearest["subjects"]) & set(saved["real_subjects"])  # held out: never its own subject
-    assert render(Path(record["html"]), tmp_path / "page.png")["table_rows"] == len(figures)
+    for of in ("generated", "real"):  # every lesion counted falls in one size band of the lesion figure
+        bands = figures[f"lesion_size_{of}"]["size_histogram"]
+        assert sum(bands["lesions"]) == figures[f"lesion_size_{of}"]["lesions"] == sum(
+            figures[f"lesion_count_{of}"]["per_mask"])
+        assert len(bands["edges"]) == len(bands["lesions"]) + 1
+    page = Path(record["html"]).read_text()
+    assert "Lesions: real vs generated masks" in page and "Intensity histograms" not in page
+    shown = render(Path(record["html"]), tmp_path / "page.png")
+    assert shown["table_rows"] == len(figures)
+    assert len(shown["image_widths"]) == page.count("<img") and all(w > 0 for w in shown["image_widths"])
     off = _evaluate(seg_run, tmp_path / "off", "nearest_training=false")
     assert not any(name.startswith("nearest_training") for name in off["figures"])
     assert "nearest_training=false" in off["absent"]["nearest_training"]

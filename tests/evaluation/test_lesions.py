@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from voxdiff.evaluation.lesions import (MASK_THRESHOLD, lesion_table, nearest_similarity, population_head,
-                                        similarity)
+                                        similarity, size_histogram)
 
 SHAPE = (12, 12, 12)
 
@@ -28,6 +28,17 @@ def test_lesions_are_26_connected_components_of_the_mask_above_the_threshold():
     t = lesion_table(torch.cat([apart, corner, soft]))
     assert t.lesions.tolist() == [2, 1, 0] and t.voxels.tolist() == [35, 2, 0]
     assert t.outside.tolist() == [0, 0, 0] and len(t) == 3  # no head given: nothing counted outside
+    assert t.sizes.tolist() == [8, 27, 2]  # each lesion's voxels, mask by mask; the soft blob is none
+
+
+def test_lesion_sizes_fall_in_bands_of_powers_of_two():
+    """Sizes 1, 2, 3, 4, 7, 8 and 27 voxels: bands [1, 2) ... [16, 32) hold 1, 2, 2, 1 and 1 of them (an exact power
+    of two opens its band); no lesion gives one empty band."""
+    h = size_histogram(torch.tensor([1.0, 2, 3, 4, 7, 8, 27], dtype=torch.float64))
+    assert h == {"edges": [1, 2, 4, 8, 16, 32], "lesions": [1, 2, 2, 1, 1]}
+    assert size_histogram(torch.zeros(0, dtype=torch.float64)) == {"edges": [1, 2], "lesions": [0]}
+    empty = lesion_table(torch.zeros(2, 1, *SHAPE))
+    assert empty.sizes.numel() == 0 and size_histogram(empty.sizes)["lesions"] == [0]
 
 
 def test_lesion_voxels_outside_the_head_are_counted():

@@ -4,7 +4,8 @@ import base64
 
 import pytest
 
-from voxdiff.evaluation.report import data_uri, loss_curve_png, read_loss_log, render_html, scatter_png
+from voxdiff.evaluation.report import (data_uri, lesion_distribution_png, loss_curve_png, read_loss_log, render_html,
+                                      scatter_png)
 
 
 def _csv(path, rows):
@@ -72,3 +73,30 @@ def test_a_row_with_a_bootstrap_interval_shows_it_with_its_level_and_the_page_sa
     assert "<td class='num'>0.033</td><td class='num'></td>" in rows[1]
     assert "Two evaluations whose intervals overlap widely" in page
     assert "overlap widely" not in render_html("t", {}, {"fd": figures["fd"]}, {}, [])  # no interval, no note
+
+
+def test_the_lesion_figure_shows_shares_of_masks_and_of_lesions(monkeypatch):
+    """The bars are shares: of masks by lesion count (12 lesions in a mask pooled into the last, "≥10", bar), and of
+    lesions by size band, each set's bands padded to the longer set's."""
+    import voxdiff.evaluation.report as R
+
+    made = []
+    monkeypatch.setattr(R, "png_bytes", lambda fig: made.append(fig) or b"\x89PNG")
+    counts = {"real": [1, 2, 2, 3], "generated": [0, 0, 12, 1]}
+    sizes = {"real": {"edges": [1, 2, 4, 8], "lesions": [0, 2, 6]},
+             "generated": {"edges": [1, 2, 4, 8, 16, 32], "lesions": [10, 0, 0, 1, 2]}}
+    assert lesion_distribution_png(counts, sizes) == b"\x89PNG"
+    by_count, by_size = made[0].axes
+    real, generated = (by_count.patches[k * 11:(k + 1) * 11] for k in range(2))
+    assert [p.get_height() for p in real][:4] == [0, 0.25, 0.5, 0.25]
+    assert [p.get_height() for p in generated] == [0.5, 0.25, *[0] * 8, 0.25]
+    assert [t.get_text() for t in by_count.get_xticklabels()][-1] == "≥10"
+    real, generated = by_size.patches[:5], by_size.patches[5:]
+    assert [p.get_height() for p in real] == [0, 0.25, 0.75, 0, 0]
+    assert [round(p.get_height(), 6) for p in generated] == [round(v / 13, 6) for v in (10, 0, 0, 1, 2)]
+
+
+def test_the_lesion_figure_is_a_png():
+    png = lesion_distribution_png({"real": [1], "generated": [0]}, {"real": {"edges": [1, 2], "lesions": [1]},
+                                                                    "generated": {"edges": [1, 2], "lesions": [0]}})
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"

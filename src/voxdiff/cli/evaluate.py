@@ -80,6 +80,7 @@ from voxdiff.evaluation.pipeline import (
     diffusion_figures,
     figure,
     histogram_section,
+    lesion_section,
     load_real,
     montage_section,
     noise_batches,
@@ -1028,6 +1029,8 @@ def _diffusion(cfg: DictConfig, device: Any, subjects: Sequence[str] | None = No
     sections = [montage_section(pngs, int(cfg.montages), what), *cov_sections]
     if system.mode == "bravo":
         sections.append(histogram_section(real, generated, sources, int(cfg.histogram_bins)))
+    else:
+        sections.append(lesion_section(figures))
     return {
         "kind": "diffusion", "mode": system.mode, "figures": figures, "absent": {**absent, **more_absent},
         "sections": sections, "n_generated": len(generated), "real": real, "resamplers": drawn.resamplers,

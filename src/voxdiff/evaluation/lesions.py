@@ -41,11 +41,14 @@ class LesionTable:
         lesions: connected lesions (26-connectivity) of the binarised mask.
         voxels: lesion voxels (above :data:`MASK_THRESHOLD`).
         outside: lesion voxels outside the population's head (:func:`population_head`; 0 without one).
+        sizes: ``(L,)`` float64, the voxels of each of the set's ``L = lesions.sum()`` lesions, mask by mask (in
+            each mask, in the order SciPy numbers its components).
     """
 
     lesions: torch.Tensor
     voxels: torch.Tensor
     outside: torch.Tensor
+    sizes: torch.Tensor
 
     def __len__(self) -> int:
         return int(self.lesions.shape[0])
@@ -59,13 +62,28 @@ def lesion_table(masks: torch.Tensor, head: torch.Tensor | None = None) -> Lesio
     if head is not None and tuple(head.shape) != tuple(masks.shape[2:]):
         raise ValueError(f"lesion_table: head {tuple(head.shape)} is not the masks' {tuple(masks.shape[2:])}")
     binary = masks[:, 0] > MASK_THRESHOLD  # (N, D, H, W)
-    lesions = torch.tensor([float(label_lesions(b.numpy())[1]) for b in binary], dtype=torch.float64)
+    labelled = [label_lesions(b.numpy()) for b in binary]
+    lesions = torch.tensor([float(n) for _, n in labelled], dtype=torch.float64)
+    sizes = [torch.bincount(torch.from_numpy(labels).flatten().long(), minlength=n + 1)[1:] for labels, n in labelled]
     return LesionTable(
         lesions=lesions,
+        sizes=torch.cat(sizes).double() if sizes else torch.zeros(0, dtype=torch.float64),
         voxels=binary.flatten(1).sum(1).double(),
         outside=(binary & ~head).flatten(1).sum(1).double() if head is not None else torch.zeros(len(masks),
                                                                                                  dtype=torch.float64),
     )
+
+
+def size_histogram(sizes: torch.Tensor) -> dict[str, list[int]]:
+    """How many of the lesions ``sizes`` ``(L,)`` (voxels each, :attr:`LesionTable.sizes`) fall in each size band
+    ``[2^k, 2^(k+1))`` voxels, from 1 voxel up to the band of the largest: ``{"edges": [1, 2, 4, ..., 2^K],
+    "lesions": [n_0, ..., n_(K-1)]}`` (no lesion: one empty band ``[1, 2)``). The bands are the same for every set,
+    so two sets' histograms differ only in how many bands they reach."""
+    top = int(sizes.max()) if sizes.numel() else 1
+    bands = max(1, top.bit_length())  # 2^(bands-1) <= top < 2^bands
+    band = torch.tensor([max(1, int(v)).bit_length() - 1 for v in sizes.tolist()], dtype=torch.long)  # 2^k <= size
+    return {"edges": [2 ** k for k in range(bands + 1)],
+            "lesions": torch.bincount(band, minlength=bands).tolist()}
 
 
 def population_head(images: torch.Tensor) -> torch.Tensor:

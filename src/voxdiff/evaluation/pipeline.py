@@ -22,7 +22,7 @@ from voxdiff.evaluation import lesions as L
 from voxdiff.evaluation import metrics as M
 from voxdiff.evaluation import uncertainty as U
 from voxdiff.evaluation.features import FeatureExtractor
-from voxdiff.evaluation.report import data_uri, histogram_png
+from voxdiff.evaluation.report import data_uri, histogram_png, lesion_distribution_png
 
 #: where on the schedule (t/T) a mask model is shown the real masks to denoise (:func:`denoising_figures`)
 DENOISE_AT = (0.05, 0.2, 0.5)
@@ -400,7 +400,8 @@ def mask_figures(generated: torch.Tensor, real: VolumeSet, drawn: Drawn | None =
                                                per_mask=[int(v) for v in t.lesions.tolist()])
         out[f"lesion_load_{of}"] = _resampled(drawn, f"lesion_load_{of}", U.mean_of(t.voxels, of), n=len(t))
         out[f"lesion_size_{of}"] = _resampled(drawn, f"lesion_size_{of}", U.share_of(t.voxels, t.lesions, of),
-                                              n=len(t), lesions=int(t.lesions.sum()))
+                                              n=len(t), lesions=int(t.lesions.sum()),
+                                              size_histogram=L.size_histogram(t.sizes))
         out[f"lesion_outside_head_{of}"] = _resampled(
             drawn, f"lesion_outside_head_{of}", U.share_of(t.outside, t.voxels, of), n=len(t),
             head_voxels=int(head.sum()))
@@ -506,6 +507,20 @@ def histogram_section(real: VolumeSet, generated: torch.Tensor, sources: Sequenc
     note = ("Voxel intensities pooled over all volumes of each set; generated volumes are masked with the mask "
             "they were conditioned on. Log density.")
     return "Intensity histograms: real vs " + label, note, [(data_uri(png), f"{bins} bins over [0, 1]")]
+
+
+def lesion_section(figures: Mapping[str, Mapping[str, Any]]) -> tuple[str, str, list[tuple[str, str]]]:
+    """The report's lesion section of a mask model (``mode=seg``): how the lesions are spread over the masks and
+    over sizes, generated against real (:func:`voxdiff.evaluation.report.lesion_distribution_png`), from the
+    figures of :func:`mask_figures` (each set's ``per_mask`` counts and ``size_histogram``). A mean hides what this
+    shows: masks that are all empty but one, or one real-sized lesion beside a cloud of single voxels."""
+    counts = {of: figures[f"lesion_count_{of}"]["per_mask"] for of in ("real", "generated")}
+    sizes = {of: figures[f"lesion_size_{of}"]["size_histogram"] for of in ("real", "generated")}
+    png = lesion_distribution_png(counts, sizes)
+    note = ("Left: the share of masks with each number of lesions (26-connected components above 0.5). Right: the "
+            "share of lesions in each size band, voxels from 2^k to 2^(k+1) (log scale). Generated masks against "
+            "the real masks of the split.")
+    return "Lesions: real vs generated masks", note, [(data_uri(png), "lesions per mask and voxels per lesion")]
 
 
 def montage_section(pngs: Sequence[Path], k: int, what: str) -> tuple[str, str, list[tuple[str, str]]]:

@@ -3,7 +3,7 @@ no network) beside ``metrics.json``.
 
 Sections: the checkpoint and settings; the metric table (value, N, direction, definition); mask | real |
 generated montages on the three mid-planes; intensity histograms of real against generated, inside and outside
-the mask; the training loss curve from the run's CSV log; what is absent and why.
+the mask (a mask model: its lesions per mask and lesion sizes against the real masks'); the training loss curve from the run's CSV log; what is absent and why.
 """
 
 from __future__ import annotations
@@ -80,6 +80,48 @@ def histogram_png(real: torch.Tensor, generated: torch.Tensor, masks_real: torch
         ax.set_yscale("log")
         ax.legend(fontsize=8)
     ax.figure.axes[0].set_ylabel("density (log)")
+    fig.tight_layout()
+    return png_bytes(fig)
+
+
+#: lesions per mask shown one bar each up to this; masks with more share the last bar ("≥ N")
+LESION_COUNT_BARS = 10
+
+
+def lesion_distribution_png(counts: Mapping[str, Sequence[int]], sizes: Mapping[str, Mapping[str, Sequence[int]]]
+                            ) -> bytes:
+    """Two panels of a mask model's lesions, one bar per set side by side: the share of masks with 0, 1, ...,
+    :data:`LESION_COUNT_BARS` or more lesions, and the share of lesions in each size band ``[2^k, 2^(k+1))`` voxels.
+
+    Args:
+        counts: each set's lesions per mask (``{"real": [...], "generated": [...]}``, the figures' ``per_mask``).
+        sizes: each set's :func:`voxdiff.evaluation.lesions.size_histogram` (``edges``, ``lesions``).
+    """
+    fig = _figure(9.0, 3.2)
+    colours = {"real": "tab:blue", "generated": "tab:orange"}
+    width = 0.8 / max(1, len(counts))
+    ax = fig.add_subplot(1, 2, 1)
+    bars = np.arange(LESION_COUNT_BARS + 1)
+    for k, (name, per_mask) in enumerate(counts.items()):
+        binned = np.bincount(np.minimum(np.asarray(per_mask, dtype=np.int64), LESION_COUNT_BARS),
+                             minlength=LESION_COUNT_BARS + 1)
+        ax.bar(bars + (k - (len(counts) - 1) / 2) * width, binned / max(1, len(per_mask)), width=width,
+               color=colours.get(name), label=f"{name} ({len(per_mask)} masks, {int(np.sum(per_mask))} lesions)")
+    ax.set_xticks(bars, [*map(str, bars[:-1]), f"≥{LESION_COUNT_BARS}"])
+    ax.set_xlabel("lesions per mask")
+    ax.set_ylabel("share of masks")
+    ax.legend(fontsize=8)
+    ax = fig.add_subplot(1, 2, 2)
+    bands = max(len(h["lesions"]) for h in sizes.values())
+    for k, (name, h) in enumerate(sizes.items()):
+        n = np.zeros(bands)
+        n[: len(h["lesions"])] = h["lesions"]
+        ax.bar(np.arange(bands) + (k - (len(sizes) - 1) / 2) * width, n / max(1.0, n.sum()), width=width,
+               color=colours.get(name), label=f"{name} ({int(n.sum())} lesions)")
+    ax.set_xticks(np.arange(bands), [str(2 ** k) for k in range(bands)], fontsize=7)
+    ax.set_xlabel("voxels per lesion (from)")
+    ax.set_ylabel("share of lesions")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return png_bytes(fig)
 
