@@ -518,7 +518,7 @@ def lesion_section(figures: Mapping[str, Mapping[str, Any]]) -> tuple[str, str, 
     sizes = {of: figures[f"lesion_size_{of}"]["size_histogram"] for of in ("real", "generated")}
     png = lesion_distribution_png(counts, sizes)
     note = ("Left: the share of masks with each number of lesions (26-connected components above 0.5). Right: the "
-            "share of lesions in each size band, voxels from 2^k to 2^(k+1) (log scale). Generated masks against "
+            "share of lesions in each size band, from 2^k up to 2^(k+1) voxels. Generated masks against "
             "the real masks of the split.")
     return "Lesions: real vs generated masks", note, [(data_uri(png), "lesions per mask and voxels per lesion")]
 

@@ -3,7 +3,8 @@ no network) beside ``metrics.json``.
 
 Sections: the checkpoint and settings; the metric table (value, N, direction, definition); mask | real |
 generated montages on the three mid-planes; intensity histograms of real against generated, inside and outside
-the mask (a mask model: its lesions per mask and lesion sizes against the real masks'); the training loss curve from the run's CSV log; what is absent and why.
+the mask (a mask model: its lesions per mask and lesion sizes against the real masks'); the training loss curve
+from the run's CSV log; what is absent and why.
 """
 
 from __future__ import annotations
