@@ -133,3 +133,4 @@ def test_a_non_finite_loss_stops_both_ranks_with_the_last_good_checkpoint(repo, 
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
     assert state["global_step"] <= 5
     assert all(torch.isfinite(v).all() for v in state["state_dict"].values() if v.is_floating_point())
+    assert f"The last good checkpoint: {ckpt}" in out  # the best model's file is one (no last.ckpt before step 50)

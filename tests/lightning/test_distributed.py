@@ -318,3 +318,51 @@ def test_a_peer_whose_connection_closed_is_waited_for_so_its_code_is_the_runs():
     with pytest.raises(RankFailed, match=r"local rank 1 failed \(exit code 7; its message is above\)") as failed:
         end_launched_ranks(trainer_with(slow), gloo)
     assert failed.value.code == 7
+
+
+@pytest.mark.parametrize("stop", ["non-finite", "sigterm"])
+def test_a_stop_that_reaches_every_rank_waits_for_the_launched_ranks_to_end_by_themselves(stop, capsys):
+    """A non-finite loss (the guard's record is all-reduced) and SIGTERM (Lightning forwards it) stop every rank at
+    the same step: a launched rank still ending by itself (its teardown, its own message, then about 3 s in the
+    interpreter's exit on this machine) is waited for, not killed as one waiting in a collective. On a loaded
+    machine its end took longer than the short grace (a CI run once: "local rank 1 killed after 3 s", its own
+    message lost)."""
+    from types import SimpleNamespace
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from voxdiff.cli.train import end_launched_ranks
+    from voxdiff.lightning.distributed import LAUNCHED_GRACE_S
+    from voxdiff.step import NonFiniteLossError
+
+    error, code = ((NonFiniteLossError(5, "loss", float("nan")), 3) if stop == "non-finite" else
+                   (SIGTERMException(), 143))
+    launcher = _SubprocessScriptLauncher(LightningEnvironment(), num_processes=2, num_nodes=1)
+    launcher.procs = _children((code, LAUNCHED_GRACE_S + 1.5))
+    end_launched_ranks(SimpleNamespace(strategy=SimpleNamespace(launcher=launcher)), error)
+    assert launcher.procs[0].returncode == code
+    how = "failed" if stop == "non-finite" else "was interrupted"
+    assert f"[voxdiff] rank 0 {how}; the processes it launched: local rank 1 ended (exit code {code})" in (
+        capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_rank_watch_stands_down_as_soon_as_the_launchers_own_run_fails(strategy):
+    """Lightning tells the strategy of the launcher's exception (``on_exception``) before its teardown and loggers'
+    finalizing, which on a loaded machine outlast the watch's grace: the watch stands down there, so that a launched
+    rank failing at the same step (a non-finite loss) does not end the launcher before it reports its own failure."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from voxdiff.lightning.distributed import RankWatch
+
+    built = DDPStrategy(kind="ddp") if strategy == "ddp" else ShardedUNetStrategy(kind="fsdp")
+    built.cluster_environment = LightningEnvironment()
+    built._configure_launcher()
+    (failing,) = procs = _children((3, 0.0))
+    failing.wait()
+    built.launcher.watch = RankWatch(procs, period_s=0.05, exit=lambda code: pytest.fail(f"exited {code}"),
+                                     grace_s=0.1)
+    built.on_exception(RuntimeError("the launcher's own failure"))
+    built.launcher.watch.run()  # returns without exiting: it stood down

@@ -112,7 +112,10 @@ def test_nan_stops_training_with_the_last_good_checkpoint(tmp_path, capsys):
     assert e.value.code == EXIT_NONFINITE
     err = capsys.readouterr().err
     assert "training loss is nan at global step 5" in err
-    assert f"The last good checkpoint: {tmp_path / 'checkpoints' / 'last.ckpt'}" in err
+    # the newest good file is named: the best model's after the validation that followed step 5 (last.ckpt is step 4)
+    newest = tmp_path / "checkpoints" / "best-step0000005.ckpt"
+    assert f"The last good checkpoint: {newest}" in err
+    assert _load(newest)["global_step"] == 5
     ckpt = _load(tmp_path / "checkpoints" / "last.ckpt")
     assert ckpt["global_step"] == 4  # from before the poisoned step
     weights = [*ckpt["state_dict"].values(), *ckpt["ema"]["shadow"].values()]

@@ -302,11 +302,16 @@ def run(cfg: DictConfig, spec: RunSpec, ckpt_path: str | None = None, plan: Any 
 
 
 def last_checkpoint(trainer: Any) -> str | None:
-    """The newest checkpoint a checkpoint callback of ``trainer`` wrote and that is on disk (a failed write
-    leaves the path behind), or None."""
-    last = [p for c in trainer.checkpoint_callbacks
-            if (p := getattr(c, "last_model_path", "")) and Path(p).is_file()]
-    return max(last, key=lambda p: Path(p).stat().st_mtime_ns) if last else None
+    """The checkpoint of the latest step a checkpoint callback of ``trainer`` wrote that is on disk (a failed write
+    leaves the path behind), or None: ``last.ckpt`` (the resume point) where one was written at that step, else the
+    best model's file (early in a run, before ``last.ckpt``'s first step, the only one)."""
+    found: list[tuple[int, bool, int, str]] = []  # (step, is a last.ckpt, mtime, path)
+    for callback in trainer.checkpoint_callbacks:
+        step = int(getattr(callback, "_last_global_step_saved", 0))  # Lightning's: the step of its newest file
+        last = getattr(callback, "last_model_path", "")
+        found += [(step, p == last, Path(p).stat().st_mtime_ns, p)
+                  for p in {last, *getattr(callback, "best_k_models", {})} if p and Path(p).is_file()]
+    return max(found)[3] if found else None
 
 
 class RankFailed(Exception):
@@ -335,12 +340,27 @@ def own_failure(error: BaseException) -> bool:
             or known_failure(error) is not None)
 
 
+def ends_every_rank(error: BaseException) -> bool:
+    """Whether ``error`` stops every process of the run at the same step by itself: a non-finite loss (the guard's
+    record is all-reduced: every rank raises at the same check) or SIGTERM (Lightning forwards it to the processes it
+    launched; all stop at the next batch boundary)."""
+    # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from voxdiff.lightning.diffusion import NonFiniteLossError
+
+    return isinstance(error, (NonFiniteLossError, SIGTERMException))
+
+
 def end_launched_ranks(trainer: Any, error: BaseException) -> None:
     """This process failed with ``error``: end the run's other processes, if it launched them
     (:func:`voxdiff.lightning.distributed.stop_launched_processes`: they would wait for it in a collective), and say
     what became of each. Where ``error`` says a peer's connection closed
     (:func:`~voxdiff.lightning.distributed.peer_gone`), the peer that is ending gets up to ``PEER_EXIT_WAIT_S`` to
-    end, so that its code is the run's.
+    end, so that its code is the run's. Where it stops every rank at the same step (:func:`ends_every_rank`), each
+    gets as long to end by itself: none waits in a collective, and a rank's end (its teardown and its own message,
+    then seconds in the interpreter's exit here) outlasts the short grace on a loaded machine (it was killed, its own
+    message lost).
 
     Raises:
         RankFailed: one of them had failed on its own and ``error`` is not one of this process's own failures
@@ -355,7 +375,10 @@ def end_launched_ranks(trainer: Any, error: BaseException) -> None:
         stop_launched_processes,
     )
 
-    ended = stop_launched_processes(trainer, first_exit_s=PEER_EXIT_WAIT_S if peer_gone(error) else 0.0)
+    if ends_every_rank(error):
+        ended = stop_launched_processes(trainer, grace_s=PEER_EXIT_WAIT_S)
+    else:
+        ended = stop_launched_processes(trainer, first_exit_s=PEER_EXIT_WAIT_S if peer_gone(error) else 0.0)
     if not ended:
         return
     failed = [(r, code) for r, code in ended.items() if isinstance(code, int) and code != 0]

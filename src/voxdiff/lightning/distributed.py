@@ -169,8 +169,8 @@ class RankWatch(threading.Thread):
     be blocked in a collective, and its work ends with the run (as under SIGKILL: a checkpoint being written is left
     as a temporary file, which the run directory's next start removes).
 
-    :meth:`stand_down`, from this process's own failure handling (:func:`stop_launched_processes`), stops the watch
-    first, so that the failure of this process is reported as its own. Where the processes fail together (a
+    :meth:`stand_down`, from this process's own failure handling (the strategy's ``on_exception``,
+    :class:`WatchedRanks`, and :func:`stop_launched_processes`), stops the watch first, so that the failure of this process is reported as its own. Where the processes fail together (a
     non-finite loss reaches every rank through the all-reduced gradients), the watch gives this one ``grace_s``
     to stand it down before it acts. ``stopping`` (:func:`stop_requested`) says
     that the run is being stopped from outside (Ctrl-C, SIGTERM): every process ends by itself then, the children
@@ -254,13 +254,22 @@ class WatchedLauncher(_SubprocessScriptLauncher):
 
 
 class WatchedRanks:
-    """Strategy mixin: the processes Lightning launches itself are watched by :class:`WatchedLauncher`."""
+    """Strategy mixin: the processes Lightning launches itself are watched by :class:`WatchedLauncher`, and the
+    watch stands down as soon as this process's own run fails (Lightning's ``on_exception``, before its teardown and
+    the loggers' finalizing, which on a loaded machine outlast the watch's grace): a rank failing at the same step
+    (a non-finite loss) then does not end this one before it reports its own failure."""
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()  # type: ignore[misc]
         launcher = self._launcher  # type: ignore[has-type]
         if type(launcher) is _SubprocessScriptLauncher:
             self._launcher = WatchedLauncher(launcher.cluster_environment, launcher.num_processes, launcher.num_nodes)
+
+    def on_exception(self, exception: BaseException) -> None:
+        watch = getattr(self._launcher, "watch", None)  # type: ignore[attr-defined]
+        if watch is not None:
+            watch.stand_down()
+        super().on_exception(exception)  # type: ignore[misc]
 
 
 class SharedSamplerSeed:
