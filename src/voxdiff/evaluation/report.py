@@ -89,6 +89,21 @@ def histogram_png(real: torch.Tensor, generated: torch.Tensor, masks_real: torch
 LESION_COUNT_BARS = 10
 
 
+def _side_by_side(ax: Any, bars: Mapping[str, tuple[str, np.ndarray]], ticks: Sequence[str], xlabel: str,
+                  ylabel: str, tick_size: float | None = None) -> None:
+    """One bar per set at each tick, side by side: ``bars`` maps each legend label to its set's name (its colour)
+    and its heights, one per tick."""
+    colours = {"real": "tab:blue", "generated": "tab:orange"}
+    width = 0.8 / max(1, len(bars))
+    at = np.arange(len(ticks))
+    for k, (label, (name, heights)) in enumerate(bars.items()):
+        ax.bar(at + (k - (len(bars) - 1) / 2) * width, heights, width=width, color=colours.get(name), label=label)
+    ax.set_xticks(at, list(ticks), fontsize=tick_size)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+
+
 def lesion_distribution_png(counts: Mapping[str, Sequence[int]], sizes: Mapping[str, Mapping[str, Sequence[int]]]
                             ) -> bytes:
     """Two panels of a mask model's lesions, one bar per set side by side: the share of masks with 0, 1, ...,
@@ -99,30 +114,22 @@ def lesion_distribution_png(counts: Mapping[str, Sequence[int]], sizes: Mapping[
         sizes: each set's :func:`voxdiff.evaluation.lesions.size_histogram` (``edges``, ``lesions``).
     """
     fig = _figure(9.0, 3.2)
-    colours = {"real": "tab:blue", "generated": "tab:orange"}
-    width = 0.8 / max(1, len(counts))
-    ax = fig.add_subplot(1, 2, 1)
-    bars = np.arange(LESION_COUNT_BARS + 1)
-    for k, (name, per_mask) in enumerate(counts.items()):
+    per_count = {}
+    for name, per_mask in counts.items():
         binned = np.bincount(np.minimum(np.asarray(per_mask, dtype=np.int64), LESION_COUNT_BARS),
                              minlength=LESION_COUNT_BARS + 1)
-        ax.bar(bars + (k - (len(counts) - 1) / 2) * width, binned / max(1, len(per_mask)), width=width,
-               color=colours.get(name), label=f"{name} ({len(per_mask)} masks, {int(np.sum(per_mask))} lesions)")
-    ax.set_xticks(bars, [*map(str, bars[:-1]), f"≥{LESION_COUNT_BARS}"])
-    ax.set_xlabel("lesions per mask")
-    ax.set_ylabel("share of masks")
-    ax.legend(fontsize=8)
-    ax = fig.add_subplot(1, 2, 2)
+        per_count[f"{name} ({len(per_mask)} masks, {int(np.sum(per_mask))} lesions)"] = (
+            name, binned / max(1, len(per_mask)))
+    _side_by_side(fig.add_subplot(1, 2, 1), per_count,
+                  [*map(str, range(LESION_COUNT_BARS)), f"≥{LESION_COUNT_BARS}"], "lesions per mask", "share of masks")
     bands = max(len(h["lesions"]) for h in sizes.values())
-    for k, (name, h) in enumerate(sizes.items()):
+    per_band = {}
+    for name, h in sizes.items():
         n = np.zeros(bands)
         n[: len(h["lesions"])] = h["lesions"]
-        ax.bar(np.arange(bands) + (k - (len(sizes) - 1) / 2) * width, n / max(1.0, n.sum()), width=width,
-               color=colours.get(name), label=f"{name} ({int(n.sum())} lesions)")
-    ax.set_xticks(np.arange(bands), [str(2 ** k) for k in range(bands)], fontsize=7)
-    ax.set_xlabel("voxels per lesion (from)")
-    ax.set_ylabel("share of lesions")
-    ax.legend(fontsize=8)
+        per_band[f"{name} ({int(n.sum())} lesions)"] = (name, n / max(1.0, n.sum()))
+    _side_by_side(fig.add_subplot(1, 2, 2), per_band, [str(2**k) for k in range(bands)],
+                  "voxels per lesion (from)", "share of lesions", tick_size=7)
     fig.tight_layout()
     return png_bytes(fig)
 
