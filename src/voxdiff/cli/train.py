@@ -331,13 +331,7 @@ def own_failure(error: BaseException) -> bool:
     """Whether ``error`` is one this process reports with its own exit code (a non-finite loss, SIGTERM, an
     interrupt, or a command's known failure: bad input, a failed write, out of memory,
     :func:`voxdiff.cli.exit_codes.known_failure`) rather than a consequence of another process's failure."""
-    # deferred: Lightning costs seconds at start-up; a refused config exits before it is imported
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-    from voxdiff.lightning.diffusion import NonFiniteLossError
-
-    return (not isinstance(error, Exception) or isinstance(error, (NonFiniteLossError, SIGTERMException))
-            or known_failure(error) is not None)
+    return not isinstance(error, Exception) or ends_every_rank(error) or known_failure(error) is not None
 
 
 def ends_every_rank(error: BaseException) -> bool:
@@ -375,10 +369,8 @@ def end_launched_ranks(trainer: Any, error: BaseException) -> None:
         stop_launched_processes,
     )
 
-    if ends_every_rank(error):
-        ended = stop_launched_processes(trainer, grace_s=PEER_EXIT_WAIT_S)
-    else:
-        ended = stop_launched_processes(trainer, first_exit_s=PEER_EXIT_WAIT_S if peer_gone(error) else 0.0)
+    ended = stop_launched_processes(trainer, grace_s=PEER_EXIT_WAIT_S if ends_every_rank(error) else LAUNCHED_GRACE_S,
+                                    first_exit_s=PEER_EXIT_WAIT_S if peer_gone(error) else 0.0)
     if not ended:
         return
     failed = [(r, code) for r, code in ended.items() if isinstance(code, int) and code != 0]

@@ -120,8 +120,8 @@ def lesion_distribution_png(counts: Mapping[str, Sequence[int]], sizes: Mapping[
                              minlength=LESION_COUNT_BARS + 1)
         per_count[f"{name} ({len(per_mask)} masks, {int(np.sum(per_mask))} lesions)"] = (
             name, binned / max(1, len(per_mask)))
-    _side_by_side(fig.add_subplot(1, 2, 1), per_count,
-                  [*map(str, range(LESION_COUNT_BARS)), f"≥{LESION_COUNT_BARS}"], "lesions per mask", "share of masks")
+    _side_by_side(fig.add_subplot(1, 2, 1), per_count, [*map(str, range(LESION_COUNT_BARS)), f"≥{LESION_COUNT_BARS}"],
+                  "lesions per mask", "share of masks")
     bands = max(len(h["lesions"]) for h in sizes.values())
     per_band = {}
     for name, h in sizes.items():

@@ -170,12 +170,12 @@ class RankWatch(threading.Thread):
     as a temporary file, which the run directory's next start removes).
 
     :meth:`stand_down`, from this process's own failure handling (the strategy's ``on_exception``,
-    :class:`WatchedRanks`, and :func:`stop_launched_processes`), stops the watch first, so that the failure of this process is reported as its own. Where the processes fail together (a
-    non-finite loss reaches every rank through the all-reduced gradients), the watch gives this one ``grace_s``
-    to stand it down before it acts. ``stopping`` (:func:`stop_requested`) says
-    that the run is being stopped from outside (Ctrl-C, SIGTERM): every process ends by itself then, the children
-    first, and Lightning's handling in this process (a graceful shutdown, a resume checkpoint) must not be cut short
-    by their exit codes.
+    :class:`WatchedRanks`, and :func:`stop_launched_processes`), stops the watch first, so that the failure of this
+    process is reported as its own. Where the processes fail together (a non-finite loss reaches every rank through
+    the all-reduced gradients), the watch gives this one ``grace_s`` to stand it down before it acts. ``stopping``
+    (:func:`stop_requested`) says that the run is being stopped from outside (Ctrl-C, SIGTERM): every process ends by
+    itself then, the children first, and Lightning's handling in this process (a graceful shutdown, a resume
+    checkpoint) must not be cut short by their exit codes.
     """
 
     def __init__(self, procs: list[subprocess.Popen], period_s: float = WATCH_PERIOD_S,
