@@ -637,17 +637,22 @@ def test_a_guidance_sweep_evaluates_each_scale_with_the_same_masks_and_noise_and
     checkpoint cannot take is refused before anything is sampled. The check reads the checkpoint once for every
     scale and the guide once for both scales that use it (``sample.check_each``), then each evaluation its own:
     seven loads, where checking each scale on its own had made ten."""
+    from pathlib import Path
+
     import voxdiff.cli.sample as S
+    from voxdiff.lightning.diffusion import DiffusionSystem
 
     _, early_ckpt, last = run
     loads = []
-    load = S._load
+    load, load_guide = S._load, DiffusionSystem.load_guide
     monkeypatch.setattr(S, "_load", lambda cfg, *a, **k: loads.append(
-        ("guide" if str(cfg.ckpt_path) == str(early_ckpt) else "model", cfg.get("autoguide_scale")))
-        or load(cfg, *a, **k))
+        ("model", cfg.get("autoguide_scale"), str(cfg.ckpt_path) == str(last))) or load(cfg, *a, **k))
+    monkeypatch.setattr(DiffusionSystem, "load_guide", lambda self, path, *a, **k: loads.append(
+        ("guide", Path(path) == Path(early_ckpt))) or load_guide(self, path, *a, **k))
     record = _evaluate(last, tmp_path, "autoguide_scale=[1,1.5,2]", f"autoguide_ckpt={early_ckpt}")
-    assert loads == [("model", 1), ("guide", 1.5),  # the check
-                     ("model", 1), ("model", 1.5), ("guide", 1.5), ("model", 2), ("guide", 2)], loads
+    assert loads == [("model", 1, True), ("guide", True),  # the check
+                     ("model", 1, True), ("model", 1.5, True), ("guide", True), ("model", 2, True), ("guide", True)], \
+        loads
     plain = late[0]
     assert record["swept"] == "autoguide_scale" and record["values"] == [1.0, 1.5, 2.0]
     saved = json.loads((tmp_path / "sweep.json").read_text())

@@ -196,8 +196,8 @@ def test_a_run_that_never_took_its_guide_samples_without_autoguidance_and_says_s
 
 def test_a_guide_of_another_model_is_refused(guided_run, tiny_demo, tmp_path):
     other = train(compose("train", [*tiny_demo, f"paths.output_dir={tmp_path / 'other'}"]))  # 16^3, other widths
-    with pytest.raises(ConfigError, match=r"autoguide_ckpt=.*: is another model .* a guide is the same network, "
-                                          r"less trained"):
+    with pytest.raises(ConfigError, match=r"autoguide_ckpt=.*: has other weights than this model .*: a guide is the "
+                                          r"same network, less trained"):
         _sample(tmp_path / "c", f"ckpt_path={guided_run}", "n=1", "autoguide_scale=1.5",
                 f"autoguide_ckpt={other['last_checkpoint']}")
 

@@ -103,6 +103,51 @@ def test_the_guide_is_the_snapshot_s_ema_weights_and_none_before_it(runs):
     assert system.sampling_guide() == (None, 1.0)  # a run that takes none
 
 
+def test_a_guide_is_refused_naming_the_file_when_it_is_another_model_or_damaged(runs, tmp_path):
+    """``DiffusionSystem.load_guide`` (training's guide and ``sample.py``'s) refuses, naming ``autoguide_ckpt`` and the
+    file: a snapshot that records another encoding with the same weight shapes (space-to-depth's 8 channels are
+    Haar's), another mode, a weight of another shape, a non-finite weight, and a checkpoint of another kind; the
+    snapshot as written loads, its EMA weights or its raw ones as asked."""
+    from voxdiff.errors import ConfigError
+
+    guided, _, _ = runs
+    system = DiffusionSystem.load_from_checkpoint(guided, weights_only=True, map_location="cpu")
+    path = guided.parent / guide_checkpoint_name(1)
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    raw = {k[len("model."):]: v for k, v in state["state_dict"].items() if k.startswith("model.")}
+    assert all(torch.equal(system.load_guide(path, use_ema=False).state_dict()[k], v) for k, v in raw.items())
+    ema = system.load_guide(path, use_ema=True).state_dict()
+    assert all(torch.equal(ema[k], v) for k, v in state["ema"]["shadow"].items())
+
+    def tampered(name: str, change) -> Path:
+        copy = torch.load(path, map_location="cpu", weights_only=True)
+        change(copy)
+        out = tmp_path / f"{name}.ckpt"
+        torch.save(copy, out)
+        return out
+
+    weight = next(k for k, v in state["state_dict"].items() if k.startswith("model.") and v.dim() == 5)
+    cases = {
+        "encoding": (lambda c: c["hyper_parameters"].__setitem__(
+            "encoding", {"_target_": "voxdiff.encodings.SpaceToDepth", "factor": 2}),
+                     r"is another model: it records encoding "
+                     r"\{'_target_': 'voxdiff.encodings.SpaceToDepth', 'factor': 2\}, "
+                     r"where this one has \{'_target_': 'voxdiff.encodings.HaarWavelet'\}"),
+        "mode": (lambda c: c["hyper_parameters"].__setitem__("mode", "seg"),
+                 r"is another model: it records mode seg, where this one has bravo"),
+        "shape": (lambda c: c["state_dict"].__setitem__(weight, torch.zeros(1, 1, 1, 1, 1)),
+                  rf"has other weights than this model \(1 weights have other shapes \(checkpoint vs model\): {weight} "
+                  r"\[1, 1, 1, 1, 1\] vs"),
+        "nan": (lambda c: c["state_dict"][weight].fill_(float("nan")), rf"its weight state_dict.{weight} holds NaN"),
+        "kind": (lambda c: c["hyper_parameters"].__setitem__("kind", "stage1"), r"is a VQ-VAE stage-1 checkpoint"),
+    }
+    for name, (change, message) in cases.items():
+        bad = tampered(name, change)
+        with pytest.raises(ConfigError, match=rf"autoguide_ckpt={bad}: {message}") as refused:
+            system.load_guide(bad, use_ema=True)
+        assert "Fix: use the guide snapshot of the same run" in str(refused.value), name
+
+
 def test_a_mask_model_logs_the_lesions_of_the_masks_it_samples_in_training(tmp_path, tiny_demo):
     """A ``mode=seg`` run's final samples: their lesions and lesion voxels a mask, and the validation masks', in the
     run's CSV; the generated figures are those of the masks it wrote (counted again from the NIfTI files), the real

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 from omegaconf import DictConfig, open_dict
 
-from voxdiff.checkpoint import CONFIG_KEY, GUIDE_GLOB, weights_differences
+from voxdiff.checkpoint import CONFIG_KEY, GUIDE_GLOB
 from voxdiff.cli.checkpoint_paths import command_data, path_choice, stage1_weights
 from voxdiff.cli.covariate_args import (
     covariate_points,
@@ -170,13 +170,14 @@ def _guide_path(cfg: DictConfig) -> Path | None:
     return found[0]
 
 
-def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any,
+def _guide(cfg: DictConfig, system: Any, sampler: Any,
            guides: dict[Path, Any] | None = None) -> tuple[Any, Any, Path | None]:
     """``(guide, sampler, path)``: the guide of autoguidance when ``sampler.autoguide_scale`` is not 1 (else None): the
     UNet of :func:`_guide_path`, on the CPU, with its EMA weights written in (``use_ema``) and nothing else of its
-    run kept, refused unless it has this model's mode, encoding and weight shapes; on the device it adds one copy of
-    the UNet's weights to the sampling memory. ``guides``: the guides already loaded and checked against ``system``
-    by path (a sweep's scales share one), filled in here.
+    run kept, refused unless it has this model's mode, encoding and weight shapes (the system's
+    :meth:`~voxdiff.lightning.diffusion.DiffusionSystem.load_guide`, as training loads its guide); on the device it
+    adds one copy of the UNet's weights to the sampling memory. ``guides``: the guides already loaded and checked
+    against ``system`` by path (a sweep's scales share one), filled in here.
     A run that asks for autoguidance by default but ended before its guide snapshot samples without it (the sampler
     returned says so), and the command prints why.
 
@@ -187,8 +188,6 @@ def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any,
         return None, sampler, None
     from dataclasses import replace
 
-    from omegaconf import OmegaConf
-
     path = _guide_path(cfg)
     if path is None:
         print(f"[voxdiff] autoguidance: this run's default scale {sampler.autoguide_scale:g} needs its guide snapshot "
@@ -198,18 +197,11 @@ def _guide(cfg: DictConfig, device: Any, system: Any, sampler: Any,
     if guides is not None and path in guides:
         print(f"[voxdiff] autoguidance: scale {sampler.autoguide_scale:g}, guide {path}", flush=True)
         return guides[path], sampler, path
-    guide = _load(OmegaConf.merge(cfg, {"ckpt_path": str(path)}), device, requested=False).system
-    differences = weights_differences(system.step.model.state_dict(), {"state_dict": guide.step.model.state_dict()})
-    if (guide.mode, guide.encoding.label) != (system.mode, system.encoding.label) or differences:
-        raise ConfigError("autoguide_ckpt", str(path), f"is another model (mode {guide.mode}, "
-                          f"{guide.encoding.label}) than {cfg.ckpt_path} (mode {system.mode}, {system.encoding.label}) "
-                          f"or has other weights{f' ({differences})' if differences else ''}: a guide is the same "
-                          "network, less trained",
-                          f"use the guide snapshot of the same run (its checkpoints/{GUIDE_GLOB})")
+    guide = system.load_guide(path, use_ema=bool(cfg.use_ema))
     print(f"[voxdiff] autoguidance: scale {sampler.autoguide_scale:g}, guide {path}", flush=True)
     if guides is not None:
-        guides[path] = guide.step.model
-    return guide.step.model, sampler, path
+        guides[path] = guide
+    return guide, sampler, path
 
 
 #: the most masks one chunk samples with ``batch_size=auto``
@@ -385,7 +377,7 @@ def checked(cfg: DictConfig, device: Any, requested: bool = True, sampler: Any =
     if sampler is None:
         sampler = system.sampler(cfg.get("num_inference_steps"), cfg.get("eta"), cfg.get("guidance_scale"),
                                  cfg.get("autoguide_scale"), cfg.get("guidance_interval"), cfg.get("unweight"))
-    guide, sampler, path = _guide(cfg, device, system, sampler, guides)
+    guide, sampler, path = _guide(cfg, system, sampler, guides)
     if sampler.guided:
         check_interval_steps("guidance_interval" if cfg.get("guidance_interval") is not None
                              else "system.sampling.guidance_interval", sampler.guidance_interval,

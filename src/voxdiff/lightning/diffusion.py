@@ -41,11 +41,21 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 
+from voxdiff.checkpoint import (
+    GUIDE_GLOB,
+    KINDS,
+    checkpoint_kind,
+    non_finite_tensor,
+    weights_differences,
+    without_weights_path,
+)
 from voxdiff.config import check_kind, plain
 from voxdiff.data.covariates import CovariateEncoding
 from voxdiff.diffusion import build_process, encoded_range
 from voxdiff.encodings import LearnedEncoding
+from voxdiff.errors import ConfigError
 from voxdiff.evaluation.lesions import lesion_table
+from voxdiff.files import load_file
 from voxdiff.lightning.callbacks import GuideSnapshot, ProgressBar
 from voxdiff.lightning.distributed import ema_checkpoint_state, shard_system
 from voxdiff.lightning.optim import lightning_optimizers, unscale_before_clipping
@@ -71,6 +81,10 @@ if TYPE_CHECKING:
 __all__ = ["DiffusionSystem", "NonFiniteLossError", "SamplingSettings"]
 
 log = logging.getLogger(__name__)
+
+
+#: what to do about a guide refused by :meth:`DiffusionSystem.load_guide`
+GUIDE_FIX = f"use the guide snapshot of the same run (its checkpoints/{GUIDE_GLOB})"
 
 
 class DiffusionSystem(L.LightningModule):
@@ -373,9 +387,10 @@ class DiffusionSystem(L.LightningModule):
         """``(guide, scale)`` of the samples drawn in training: the run's own autoguidance
         (``system.sampling.autoguide_scale``, the default of its ``sample.py`` and ``evaluate.py``) once its guide
         snapshot is written (:class:`~voxdiff.lightning.callbacks.GuideSnapshot`, ``callbacks.guide.step``): the
-        snapshot's UNet with its EMA weights written in (as ``sample.py`` loads it; the raw weights without an EMA),
-        frozen, on this module's device, where the preflight's sampling phase counts it. ``(None, 1.0)``: the scale
-        is 1, the run takes no snapshot or has not reached it, or the model is sharded (FSDP; the log says why)."""
+        snapshot's UNet with its EMA weights written in (:meth:`load_guide`, as ``sample.py`` loads it; the raw
+        weights without an EMA), frozen, on this module's device, where the preflight's sampling phase counts it.
+        ``(None, 1.0)``: the scale is 1, the run takes no snapshot or has not reached it, or the model is sharded
+        (FSDP; the log says why)."""
         scale = float(self.sampling.autoguide_scale)
         snapshot = next((c for c in getattr(self.trainer, "callbacks", []) if isinstance(c, GuideSnapshot)), None)
         if scale == 1.0 or snapshot is None or snapshot.path is None:
@@ -388,20 +403,54 @@ class DiffusionSystem(L.LightningModule):
             log.warning("samples drawn without autoguidance: the model is sharded (FSDP) and its guide is not; "
                         "sample.py autoguides with %s", snapshot.path)
             return None, 1.0
-        # mapped, not read: only the weights are paged in (not the snapshot's optimizer state), and they become the
-        # guide's own (built on the meta device: no initialisation, so no draw from the global RNG and no host copy)
-        state = torch.load(snapshot.path, map_location="cpu", weights_only=True, mmap=True)
-        weights = {k[len("model."):]: v for k, v in state["state_dict"].items() if k.startswith("model.")}
-        if self.ema is not None and "ema" in state:
-            weights.update(state["ema"]["shadow"])
-        with torch.device("meta"):
-            guide = build_unet_from_spec(self.spec)
-        guide.load_state_dict(weights, assign=True)
-        guide = guide.requires_grad_(False).eval().to(self.device)
-        if self.spec.channels_last:  # the loaded weights are contiguous; the model's layout, as the spec asks
-            guide.to(memory_format=torch.channels_last_3d)
+        guide = self.load_guide(snapshot.path, use_ema=self.ema is not None).to(self.device)
         log.info("samples autoguided at scale %g by %s", scale, snapshot.path)
         return guide, scale
+
+    def load_guide(self, path: str | Path, use_ema: bool, key: str = "autoguide_ckpt",
+                   fix: str = GUIDE_FIX) -> torch.nn.Module:
+        """The guide of autoguidance from the checkpoint ``path`` (a run's guide snapshot): this system's UNet, built
+        from its spec on the meta device (no initialisation, so no draw from the global RNG and no host copy), with
+        the checkpoint's weights made its own, its EMA weights written in when ``use_ema`` and it has them; frozen, in
+        eval mode, on the CPU, in the spec's memory layout. The file is mapped, not read: only the weights are paged
+        in, not its optimizer state. Training's samples (:meth:`sampling_guide`) and ``sample.py`` / ``evaluate.py``
+        (:func:`voxdiff.cli.sample.checked`) load a guide through this one path.
+
+        Raises:
+            ConfigError: naming ``key``: the file is unreadable or not a diffusion checkpoint, a weight of it is not
+                finite, or it is another model: another ``mode`` or encoding, or weights of other names or shapes
+                (:func:`~voxdiff.checkpoint.weights_differences`).
+        """
+        state = load_file(path, key, fix, mmap=True)
+        found = checkpoint_kind(state)
+        if found != "diffusion":
+            raise ConfigError(key, str(path), f"is {KINDS[found]}; a guide is {KINDS['diffusion']}", fix)
+        bad = non_finite_tensor(state)
+        if bad is not None:
+            raise ConfigError(key, str(path), f"its weight {bad} holds NaN or infinite values", fix)
+        with torch.device("meta"):
+            guide = build_unet_from_spec(self.spec)
+        expected = {f"model.{k}": v for k, v in guide.state_dict().items()}
+        ours = {k: v for k, v in state["state_dict"].items() if k.startswith("model.")}
+        differences = weights_differences(expected, {"state_dict": ours, "ema": state.get("ema")})
+        recorded = state["hyper_parameters"]
+        other = [part for part in ("mode", "encoding")
+                 if without_weights_path(recorded.get(part)) != without_weights_path(self.hparams.get(part))]
+        if other:
+            raise ConfigError(key, str(path), f"is another model: it records {' and '.join(other)} "
+                              f"{' and '.join(str(plain(recorded.get(p))) for p in other)}, where this one has "
+                              f"{' and '.join(str(plain(self.hparams.get(p))) for p in other)} (a guide is the same "
+                              "network, less trained)", fix)
+        if differences:
+            raise ConfigError(key, str(path), f"has other weights than this model ({differences}): a guide is the "
+                              "same network, less trained", fix)
+        weights = {k[len("model."):]: v for k, v in ours.items()}
+        if use_ema and "ema" in state:
+            weights.update(state["ema"]["shadow"])
+        guide.load_state_dict(weights, assign=True)
+        if self.spec.channels_last:  # the loaded weights are contiguous; the model's layout, as the spec asks
+            guide.to(memory_format=torch.channels_last_3d)
+        return guide.requires_grad_(False).eval()
 
     def write_samples(self, tag: str) -> list[Path]:
         """Sample from the cached validation masks (EMA weights, DDIM; autoguided as the run's commands sample once
