@@ -280,8 +280,9 @@ def test_every_run_measures_each_phase_and_the_step_against_the_prediction(tmp_p
     (this CPU has no peak statistics; on a GPU they are torch.cuda's) records a level per training step (100 +
     step), per validation batch (50) and per sampling call (70, 71, ...): the first step, the steady steps,
     validation and sampling (each epoch's and the final one) come out apart, the sanity check nowhere.
-    Time: every training step sleeps 40 ms and every validation batch 1.5 s; the steps after the first three are
-    timed without the validations between them."""
+    Time: every training step sleeps 40 ms, every validation batch 1.5 s and every sampling call 2 s; the steps after
+    the first three are timed without the validations between them, and each validation and each sampling is timed
+    on its own (the sanity check not among them)."""
     import json
     import time
 
@@ -309,14 +310,18 @@ def test_every_run_measures_each_phase_and_the_step_against_the_prediction(tmp_p
         time.sleep(0.04)
         return training_step(self, b, i)
 
+    validated = []  # the validation batches after the sanity check
+
     def validate(self, b, i):
         fake.touch(50)
         time.sleep(1.5)
+        validated.extend([] if self.trainer.sanity_checking else [i])
         return validation_step(self, b, i)
 
     def sample(self, *a, **k):
         fake.touch(70 + fake.calls)
         fake.calls += 1
+        time.sleep(2.0)
         return generate(self, *a, **k)
 
     monkeypatch.setattr(DiffusionSystem, "training_step", step)
@@ -346,6 +351,18 @@ def test_every_run_measures_each_phase_and_the_step_against_the_prediction(tmp_p
     out = capsys.readouterr().out
     assert "[voxdiff] measured on cpu: training_step1 " in out and f"(predicted {predicted:.2f}, " in out
     assert f"step {timed['measured_ms']:.1f} ms over 4 steps" in out
+    # each validation and each sampling, timed apart: the sanity check's batch (1.5 s) is in neither, nor is a
+    # sampling call (2 s) in the validations' time or a validation batch in a sampling's (each sampling's own work
+    # beyond its sleep, drawing and writing its volumes, is about 0.6 s here)
+    phases = record["phase_time"]
+    assert set(phases) == {"training_step1", "validation", "sampling"}
+    assert phases["validation"]["spans"] == 2 and phases["sampling"]["spans"] == 3
+    assert 1.5 * len(validated) <= phases["validation"]["total_s"] < 1.5 * len(validated) + 2.0, phases
+    assert 2.0 * 3 <= phases["sampling"]["total_s"] < (2.0 + 1.5) * 3, (phases, len(validated))
+    assert phases["validation"]["mean_s"] == pytest.approx(phases["validation"]["total_s"] / 2)
+    assert phases["training_step1"]["spans"] == 1 and 0.04 <= phases["training_step1"]["total_s"] < 1.5
+    assert f"validation {phases['validation']['mean_s']:.3g} s a time over 2" in out
+    assert f"sampling {phases['sampling']['mean_s']:.3g} s a time over 3" in out
 
 
 def test_the_training_steps_reserved_peak_is_held_against_its_prediction_without_other_phases_segments(

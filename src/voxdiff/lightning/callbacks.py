@@ -381,6 +381,10 @@ MEASURED_PHASES = ("training_step1", "training", "validation", "sampling")
 #: recording (torch's cudagraph trees record on the step after the first) are not the steady step
 TIMED_AFTER_STEPS = 3
 
+#: the phases whose wall time :class:`MeasuredRun` reports (``phase_time``), as it names them: the first step (its
+#: compile and warm-up), each validation, each sampling
+TIMED_PHASES = {"training_step1": "first step", "validation": "validation", "sampling": "sampling"}
+
 
 class MeasuredRun(L.Callback):
     """What a fit measured against what the preflight predicted for it: the peak device memory of each phase and
@@ -418,6 +422,11 @@ class MeasuredRun(L.Callback):
     of training), never inside the steady steps, so the host running ahead of the GPU is neither counted nor
     caused. Held against the preflight's predicted step time where the GPU's throughput was measured.
 
+    **Phase time** (on any device). The wall time of the first step (with its compile and warm-up), of each
+    validation and of each sampling (:data:`TIMED_PHASES`; the spans of the memory phases, the sanity check not
+    among them), the device synchronised at each end: what the preflight's time does not predict yet (it counts
+    training steps alone), measured for every run.
+
     Args:
         predicted: the preflight's prediction for this run, GiB: ``training``, ``validation``, ``sampling``
             (allocated peaks), ``training_reserved`` and ``graph_pool``; what is absent is not compared.
@@ -451,6 +460,9 @@ class MeasuredRun(L.Callback):
         self._span: tuple[float, int] | None = None  # (start time, global step) of the timed span under way
         self.timed_s = 0.0
         self.timed_steps = 0
+        #: ``{phase: (seconds, spans)}``: the wall time of each phase's spans (those of :data:`TIMED_PHASES` reported)
+        self.phase_s: dict[str, tuple[float, int]] = {}
+        self._phase_started: float | None = None  # when the span under way began
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         device = trainer.strategy.root_device
@@ -464,7 +476,14 @@ class MeasuredRun(L.Callback):
 
     # -------------------------------------------------------------------------------------------- memory
     def _close(self, phase: str | None) -> None:
-        """The memory span that ends here belongs to ``phase`` (None: to none); the next one starts."""
+        """The span that ends here belongs to ``phase`` (None: to none), its peaks and its wall time; the next one
+        starts."""
+        self._sync()  # at a phase's bounds only (never between steady steps): the device's own time in the span
+        now = time.perf_counter()
+        if phase is not None and self._phase_started is not None:
+            seconds, spans = self.phase_s.get(phase, (0.0, 0))
+            self.phase_s[phase] = (seconds + now - self._phase_started, spans + 1)
+        self._phase_started = now
         if self.stats is None:
             return
         read, reset = self.stats
@@ -529,7 +548,7 @@ class MeasuredRun(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if getattr(pl_module, "_last_sampled_step", None) != self._sampled_at:
             self._close("sampling")
-        if not self.peaks and not self.timed_steps:
+        if not self.peaks and not self.timed_steps and not self.phase_s:
             return
         record = self.record()
         if trainer.is_global_zero:
@@ -537,6 +556,7 @@ class MeasuredRun(L.Callback):
             metrics = {f"memory/{k}_gib": v for k, v in record["memory"]["measured_gib"].items()}
             if record["step_time"] is not None:
                 metrics["time/step_ms"] = record["step_time"]["measured_ms"]
+            metrics.update({f"time/{phase}_s": t["mean_s"] for phase, t in record["phase_time"].items()})
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
         if self.out_dir is not None:
@@ -555,7 +575,9 @@ class MeasuredRun(L.Callback):
         (``(predicted - measured) / measured``): the allocated peak's, and with CUDA graphs (a ``graph_pool``
         predicted) the training step's reserved one (before the first validation, where measured) against
         ``training_reserved``.
-        ``step_time``: ``measured_ms`` over ``steps``, ``predicted_ms`` and its ``error`` (None: no step timed)."""
+        ``step_time``: ``measured_ms`` over ``steps``, ``predicted_ms`` and its ``error`` (None: no step timed).
+        ``phase_time``: for each phase of :data:`TIMED_PHASES` measured, its ``total_s`` over its ``spans`` (one per
+        validation, per sampling) and ``mean_s``, the seconds of one."""
         measured: dict[str, float] = {}
         for phase in MEASURED_PHASES:
             if phase in self.peaks:
@@ -577,8 +599,10 @@ class MeasuredRun(L.Callback):
             ms = self.timed_s / self.timed_steps * 1e3
             step = {"measured_ms": ms, "steps": self.timed_steps, "predicted_ms": self.predicted_step_ms,
                     "error": None if self.predicted_step_ms is None else (self.predicted_step_ms - ms) / ms}
+        phases = {phase: {"total_s": seconds, "spans": spans, "mean_s": seconds / spans}
+                  for phase in TIMED_PHASES if phase in self.phase_s for seconds, spans in [self.phase_s[phase]]}
         return {"memory": {"measured_gib": measured, "predicted_gib": self.predicted, "error": errors},
-                "step_time": step}
+                "step_time": step, "phase_time": phases}
 
     def summary(self) -> str:
         """One line: each phase's measured peaks and the step time, with the prediction and its error where there
@@ -605,4 +629,6 @@ class MeasuredRun(L.Callback):
             if step["predicted_ms"] is not None:
                 text += f" (predicted {step['predicted_ms']:.1f}, {step['error']:+.1%})"
             parts.append(text)
+        parts += [f"{TIMED_PHASES[phase]} {t['mean_s']:.3g} s" + (f" a time over {t['spans']}" if t["spans"] > 1 else "")
+                  for phase, t in record["phase_time"].items()]
         return "; ".join(parts)

@@ -564,7 +564,8 @@ class RunTime:
         split = f"; the step: {describe_parts(self.parts)}" if self.parts else ""
         return (f"time: {self.step_s * 1e3:.0f} ms/step predicted{waiting}, {self.max_steps} steps = "
                 f"{self.wall_s / 3600:.1f} h"
-                f" wall, {self.gpu_hours:.1f} GPU-hours{limit} (no validation or sampling time;"
+                f" wall, {self.gpu_hours:.1f} GPU-hours{limit} (no validation or sampling time: a run measures"
+                f" them, measured.json's phase_time;"
                 f" {self.throughput.source}{'; ' + self.layout if self.layout else ''}){split}")
 
 
