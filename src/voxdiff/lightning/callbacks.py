@@ -629,6 +629,6 @@ class MeasuredRun(L.Callback):
             if step["predicted_ms"] is not None:
                 text += f" (predicted {step['predicted_ms']:.1f}, {step['error']:+.1%})"
             parts.append(text)
-        parts += [f"{TIMED_PHASES[phase]} {t['mean_s']:.3g} s" + (f" a time over {t['spans']}" if t["spans"] > 1 else "")
-                  for phase, t in record["phase_time"].items()]
+        parts += [f"{TIMED_PHASES[phase]} {t['mean_s']:.3g} s"
+                  + (f" a time over {t['spans']}" if t["spans"] > 1 else "") for phase, t in record["phase_time"].items()]
         return "; ".join(parts)
