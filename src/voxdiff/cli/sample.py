@@ -194,13 +194,12 @@ def _guide(cfg: DictConfig, system: Any, sampler: Any,
               f"(callbacks.guide.step), which it never took (no {GUIDE_GLOB} beside {cfg.ckpt_path}): sampling "
               "without autoguidance", flush=True)
         return None, replace(sampler, autoguide_scale=1.0), None
-    if guides is not None and path in guides:
-        print(f"[voxdiff] autoguidance: scale {sampler.autoguide_scale:g}, guide {path}", flush=True)
-        return guides[path], sampler, path
-    guide = system.load_guide(path, use_ema=bool(cfg.use_ema))
+    guide = guides.get(path) if guides is not None else None
+    if guide is None:
+        guide = system.load_guide(path, use_ema=bool(cfg.use_ema))
+        if guides is not None:
+            guides[path] = guide
     print(f"[voxdiff] autoguidance: scale {sampler.autoguide_scale:g}, guide {path}", flush=True)
-    if guides is not None:
-        guides[path] = guide
     return guide, sampler, path
 
 

@@ -460,7 +460,7 @@ class MeasuredRun(L.Callback):
         self._span: tuple[float, int] | None = None  # (start time, global step) of the timed span under way
         self.timed_s = 0.0
         self.timed_steps = 0
-        #: ``{phase: (seconds, spans)}``: the wall time of each phase's spans (those of :data:`TIMED_PHASES` reported)
+        #: ``{phase: (seconds, spans)}``: the wall time of the spans of each phase of :data:`TIMED_PHASES`
         self.phase_s: dict[str, tuple[float, int]] = {}
         self._phase_started: float | None = None  # when the span under way began
 
@@ -480,7 +480,7 @@ class MeasuredRun(L.Callback):
         starts."""
         self._sync()  # at a phase's bounds only (never between steady steps): the device's own time in the span
         now = time.perf_counter()
-        if phase is not None and self._phase_started is not None:
+        if phase in TIMED_PHASES and self._phase_started is not None:
             seconds, spans = self.phase_s.get(phase, (0.0, 0))
             self.phase_s[phase] = (seconds + now - self._phase_started, spans + 1)
         self._phase_started = now
@@ -600,7 +600,7 @@ class MeasuredRun(L.Callback):
             step = {"measured_ms": ms, "steps": self.timed_steps, "predicted_ms": self.predicted_step_ms,
                     "error": None if self.predicted_step_ms is None else (self.predicted_step_ms - ms) / ms}
         phases = {phase: {"total_s": seconds, "spans": spans, "mean_s": seconds / spans}
-                  for phase in TIMED_PHASES if phase in self.phase_s for seconds, spans in [self.phase_s[phase]]}
+                  for phase, (seconds, spans) in self.phase_s.items()}
         return {"memory": {"measured_gib": measured, "predicted_gib": self.predicted, "error": errors},
                 "step_time": step, "phase_time": phases}
 

@@ -428,11 +428,6 @@ class DiffusionSystem(L.LightningModule):
         bad = non_finite_tensor(state)
         if bad is not None:
             raise ConfigError(key, str(path), f"its weight {bad} holds NaN or infinite values", fix)
-        with torch.device("meta"):
-            guide = build_unet_from_spec(self.spec)
-        expected = {f"model.{k}": v for k, v in guide.state_dict().items()}
-        ours = {k: v for k, v in state["state_dict"].items() if k.startswith("model.")}
-        differences = weights_differences(expected, {"state_dict": ours, "ema": state.get("ema")})
         recorded = state["hyper_parameters"]
         other = [part for part in ("mode", "encoding")
                  if without_weights_path(recorded.get(part)) != without_weights_path(self.hparams.get(part))]
@@ -441,6 +436,11 @@ class DiffusionSystem(L.LightningModule):
                               f"{' and '.join(str(plain(recorded.get(p))) for p in other)}, where this one has "
                               f"{' and '.join(str(plain(self.hparams.get(p))) for p in other)} (a guide is the same "
                               "network, less trained)", fix)
+        with torch.device("meta"):
+            guide = build_unet_from_spec(self.spec)
+        expected = {f"model.{k}": v for k, v in guide.state_dict().items()}
+        ours = {k: v for k, v in state["state_dict"].items() if k.startswith("model.")}
+        differences = weights_differences(expected, {"state_dict": ours, "ema": state.get("ema")})
         if differences:
             raise ConfigError(key, str(path), f"has other weights than this model ({differences}): a guide is the "
                               "same network, less trained", fix)
