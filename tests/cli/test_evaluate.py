@@ -628,6 +628,49 @@ def test_the_volumes_host_memory_is_checked_before_the_real_set_is_loaded(monkey
         E.check_host_memory(OmegaConf.create({"n": 2, "control_ckpt": None}), volume, 3)
 
 
+def test_a_sweep_keeps_the_training_split_it_read_where_it_fits_else_reads_it_again(monkeypatch, capsys):
+    """:class:`voxdiff.cli.evaluate.TrainingSplits`: a split read to its end is kept and given again, the same
+    chunks, to the next evaluation of the same data; other data, or a split larger than half the host memory
+    available, is read again (and the log says which); a split not read to its end is not kept."""
+    from types import SimpleNamespace
+
+    import torch
+    from voxdiff.cli import evaluate as E
+
+    reads = []
+
+    class Split(list):
+        def __getitem__(self, i):
+            reads.append(i)
+            return super().__getitem__(i)
+
+    volumes = [{"image": torch.full((1, 2, 2, 2), float(i)), "subject": f"s{i}"} for i in range(10)]
+    dm = SimpleNamespace(train_dataset=Split(volumes), train_subjects=[v["subject"] for v in volumes], root=None)
+    cfg = OmegaConf.create({"split": "val", "nearest_training": True})
+    size = 4 * 8 * 10  # float32 bytes of the 10 images of 2×2×2
+    splits = E.TrainingSplits()
+    monkeypatch.setattr(E, "available_host_bytes", lambda: 2 * size)  # exactly twice the split: kept
+    first = list(E._training_volumes(cfg, dm, "bravo", splits, "run a")[0])
+    assert [len(s) for _, s in first] == [8, 2] and reads == list(range(10))
+    assert "kept in memory for the sweep's other evaluations" in capsys.readouterr().out
+    again = list(E._training_volumes(cfg, dm, "bravo", splits, "run a")[0])
+    assert reads == list(range(10)) and all(a[0] is b[0] and a[1] == b[1] for a, b in zip(first, again))
+    assert "kept in memory)" in capsys.readouterr().out
+    list(E._training_volumes(cfg, dm, "bravo", splits, "run b")[0])  # other data: read
+    assert len(reads) == 20
+    reads.clear()
+    monkeypatch.setattr(E, "available_host_bytes", lambda: 2 * size - 1)  # more than half: read again each time
+    big = E.TrainingSplits()
+    for _ in range(2):
+        list(E._training_volumes(cfg, dm, "bravo", big, "run a")[0])
+        assert "read again by each of the sweep's evaluations" in capsys.readouterr().out
+    assert len(reads) == 20 and not big.kept
+    monkeypatch.setattr(E, "available_host_bytes", lambda: 2 * size)
+    partial = E.TrainingSplits()
+    next(E._training_volumes(cfg, dm, "bravo", partial, "run a")[0])  # one chunk of two: not kept
+    assert not partial.kept
+
+
 def test_a_guidance_sweep_evaluates_each_scale_with_the_same_masks_and_noise_and_puts_them_side_by_side(
         run, late, tmp_path, monkeypatch):
     """``autoguide_scale=[1,1.5,2]``: one whole evaluation per scale in ``autoguide_scale_<v>/``; scale 1 is the plain
@@ -636,23 +679,32 @@ def test_a_guidance_sweep_evaluates_each_scale_with_the_same_masks_and_noise_and
     ``sweep.html`` renders in a real browser with a row per figure and each scale's report linked. A scale the
     checkpoint cannot take is refused before anything is sampled. The check reads the checkpoint once for every
     scale and the guide once for both scales that use it (``sample.check_each``), then each evaluation its own:
-    seven loads, where checking each scale on its own had made ten."""
+    seven loads, where checking each scale on its own had made ten. The training split the nearest-training
+    figures compare against is read once, by the first scale's evaluation, and kept for the others: each training
+    subject is read once, not once a scale, and the held-out masks' nearest training figure is the same at each."""
+    from collections import Counter
     from pathlib import Path
 
     import voxdiff.cli.sample as S
+    from voxdiff.data.phantom import PhantomDataset
     from voxdiff.lightning.diffusion import DiffusionSystem
 
     _, early_ckpt, last = run
-    loads = []
-    load, load_guide = S._load, DiffusionSystem.load_guide
+    loads, reads = [], Counter()
+    load, load_guide, getitem = S._load, DiffusionSystem.load_guide, PhantomDataset.__getitem__
     monkeypatch.setattr(S, "_load", lambda cfg, *a, **k: loads.append(
         ("model", cfg.get("autoguide_scale"), str(cfg.ckpt_path) == str(last))) or load(cfg, *a, **k))
     monkeypatch.setattr(DiffusionSystem, "load_guide", lambda self, path, *a, **k: loads.append(
         ("guide", Path(path) == Path(early_ckpt))) or load_guide(self, path, *a, **k))
+    monkeypatch.setattr(PhantomDataset, "__getitem__", lambda self, i: (
+        lambda item: reads.update([item["subject"]]) or item)(getitem(self, i)))
     record = _evaluate(last, tmp_path, "autoguide_scale=[1,1.5,2]", f"autoguide_ckpt={early_ckpt}")
     assert loads == [("model", 1, True), ("guide", True),  # the check
                      ("model", 1, True), ("model", 1.5, True), ("guide", True), ("model", 2, True), ("guide", True)], \
         loads
+    held_out = json.loads((tmp_path / "autoguide_scale_1" / "metrics.json").read_text())["real_subjects"]
+    training = {s: k for s, k in reads.items() if s not in held_out}
+    assert len(training) == 4 and set(training.values()) == {1}, reads  # 6 phantom subjects, 2 held out
     plain = late[0]
     assert record["swept"] == "autoguide_scale" and record["values"] == [1.0, 1.5, 2.0]
     saved = json.loads((tmp_path / "sweep.json").read_text())
@@ -667,6 +719,8 @@ def test_a_guidance_sweep_evaluates_each_scale_with_the_same_masks_and_noise_and
     for name, f in saved["figures"].items():  # scale 1 is the plain evaluation, with the same noise
         assert f["values"][0] == pytest.approx(plain["figures"][name]["value"]), name
     assert saved["figures"]["psnr"]["values"][1] != saved["figures"]["psnr"]["values"][0]
+    nearest = saved["figures"]["nearest_training_real"]["values"]
+    assert nearest == [nearest[0]] * 3 and np.isfinite(nearest[0]), nearest
     psnr, contrast = saved["figures"]["psnr"], saved["figures"]["lesion_contrast_generated"]
     assert psnr["best"] == saved["values"][psnr["values"].index(max(psnr["values"]))]
     real = saved["figures"]["lesion_contrast_real"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import json
 import math
 import time
 from pathlib import Path
@@ -441,11 +442,11 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
             check_each(points[k::len(recipe)], device)
     else:
         check_each(points, device)
-    records = []
+    records, splits = [], TrainingSplits()  # the training split read once, for every evaluation that shares it
     for i, (value, point) in enumerate(zip(shown, points, strict=True)):
         print(f"[voxdiff] {what}: {key}={value} ({i + 1} of {len(flat)}) into {point.paths.output_dir}", flush=True)
         records.append(evaluate(point, subjects=records[0]["real_subjects"] if (comparing or recipe) and records
-                                else None))
+                                else None, splits=splits))
     if grouped:  # each recipe's runs together, listed in the first recipe's seed order where they pair by it
         starts = np.cumsum([0, *map(len, groups)])
         by_group = [records[a:b] for a, b in zip(starts[:-1], starts[1:])]
@@ -706,10 +707,25 @@ def _check_counterfactual(column: Any, n: int, masks: int) -> int:
 NEAREST_CHUNK = 8
 
 
-def _training_volumes(cfg: DictConfig, dm: Any, mode: str) -> tuple[Any, str | None]:
+class TrainingSplits:
+    """The training splits a sweep's evaluations compare their volumes against (the nearest-training figures): each
+    read by the first evaluation that needs it and kept in host memory for the others, where it takes at most half
+    of the memory available when it is read (:func:`~voxdiff.cli.sample.available_host_bytes`); a larger one is
+    read again by each evaluation, and the log says so. A split is known by everything its volumes are built from
+    (``identity``: the stored data config, the command's data settings, the stage-1 weights), its subjects and which
+    volume it gives (mask or image), so the checkpoints of a comparison share one only where they read the same."""
+
+    def __init__(self) -> None:
+        self.kept: dict[str, list[tuple[Any, list[str]]]] = {}  # name -> the chunks as the first read yielded them
+        self.too_large: set[str] = set()
+
+
+def _training_volumes(cfg: DictConfig, dm: Any, mode: str, splits: TrainingSplits | None = None,
+                      identity: str = "") -> tuple[Any, str | None]:
     """``(chunks, None)``: the training split of ``dm`` streamed for
     :func:`~voxdiff.evaluation.pipeline.nearest_figures` as ``(volumes (m, 1, D, H, W), subjects)`` of at most
-    :data:`NEAREST_CHUNK` (masks for ``seg``, images for ``bravo``), read once when iterated; ``(None, why)`` where
+    :data:`NEAREST_CHUNK` (masks for ``seg``, images for ``bravo``), read once when iterated, or as ``splits`` kept
+    it from a sweep's earlier evaluation of the same ``identity`` (:class:`TrainingSplits`); ``(None, why)`` where
     the figures are not computed."""
     if not cfg.get("nearest_training", True):
         return None, "nearest_training=false: the training split was not read"
@@ -718,6 +734,11 @@ def _training_volumes(cfg: DictConfig, dm: Any, mode: str) -> tuple[Any, str | N
     dataset, key = dm.train_dataset, "mask" if mode == "seg" else "image"
     if len(dataset) == 0:
         return None, "the training split holds no subject"
+    name = json.dumps([identity, key, list(getattr(dm, "train_subjects", []))])
+    if splits is not None and name in splits.kept:
+        print(f"[voxdiff] nearest training volume: the {len(dataset)} subjects of the training split as the sweep's "
+              "first evaluation of them read them (kept in memory)", flush=True)
+        return iter(splits.kept[name]), None
     first = dataset[0]
     if key not in first:
         return None, f"the training split's samples carry no {key} volume (latents): nothing to compare in voxels"
@@ -732,14 +753,29 @@ def _training_volumes(cfg: DictConfig, dm: Any, mode: str) -> tuple[Any, str | N
     data = {"_target_": type(dm).__name__, "root": getattr(dm, "root", None), "cache": getattr(dm, "cache", "none")}
     rate = loader_rate(data, 0, tuple(first[key].shape[1:]))
     expected = f", about {len(dataset) / rate:.0f} s at the measured {rate:.3g} volumes/s" if rate else ""
+    keep, kept_as = False, ""
+    if splits is not None:  # a sweep: kept for its other evaluations where it fits
+        size, available = 4 * math.prod(first[key].shape) * len(dataset), available_host_bytes()
+        keep = name not in splits.too_large and size <= available // 2
+        kept_as = (f"; kept in memory for the sweep's other evaluations ({size / GiB:.3g} GiB)" if keep else
+                   f"; read again by each of the sweep's evaluations: its {size / GiB:.3g} GiB are more than half "
+                   f"the {available / GiB:.3g} GiB of host memory available")
+        if not keep:
+            splits.too_large.add(name)
     print(f"[voxdiff] nearest training volume: reading the {len(dataset)} subjects of the training split{expected} "
-          "(nearest_training=false skips it)", flush=True)
+          f"(nearest_training=false skips it){kept_as}", flush=True)
 
     def chunks() -> Any:
+        read = []
         for start in tqdm(range(0, len(dataset), NEAREST_CHUNK), desc="[voxdiff] training split", unit="chunk"):
             # the first subject was read above (its shape): not read again
             items = [first if i == 0 else dataset[i] for i in range(start, min(start + NEAREST_CHUNK, len(dataset)))]
-            yield torch.stack([item[key] for item in items]).float(), [str(item["subject"]) for item in items]
+            chunk = torch.stack([item[key] for item in items]).float(), [str(item["subject"]) for item in items]
+            if keep:
+                read.append(chunk)
+            yield chunk
+        if keep:  # only a split read to its end is kept
+            splits.kept[name] = read
 
     return chunks(), None
 
@@ -967,15 +1003,16 @@ def _probe_figures(name: str, axis: str, values: list[float], real_values: list[
     return figures, absent, [section]
 
 
-def _diffusion(cfg: DictConfig, device: Any, subjects: Sequence[str] | None = None) -> dict[str, Any]:
+def _diffusion(cfg: DictConfig, device: Any, subjects: Sequence[str] | None = None,
+               splits: TrainingSplits | None = None) -> dict[str, Any]:
     system, sampler, guide, guide_path, saved, precision, weights, memory = ready(cfg, device)
     encoding = system.covariate_encoding
     requested = requested_covariates(cfg, encoding)
     swept = _swept(cfg, encoding)
     if swept is not None:  # the sweep gives its values, not the command line
         requested = {k: v for k, v in requested.items() if k != swept.name}
-    dm, data = _datamodule(without_table(saved, encoding, {**requested, **({swept.name: None} if swept else {})}),
-                           cfg, weights)
+    stored = without_table(saved, encoding, {**requested, **({swept.name: None} if swept else {})})
+    dm, data = _datamodule(stored, cfg, weights)
     dataset = _split(dm, str(cfg.split))
     ms_ssim = MS_SSIM_PRESETS[cfg.ms_ssim]
     volume = tuple(dataset[0]["image"].shape)
@@ -1009,7 +1046,9 @@ def _diffusion(cfg: DictConfig, device: Any, subjects: Sequence[str] | None = No
     phantom = is_phantom_data(saved.get("data")) and cfg.data.get("root") is None
     drawn = Drawn({"generated": len(generated), "real": len(real), **({"masks": cycle} if cycle else {})},
                   bootstrap_settings(cfg))  # the intervals
-    training, not_nearest = _training_volumes(cfg, dm, system.mode)
+    identity = json.dumps({"data": stored.get("data"), "command": plain(cfg.get("data")), "weights": weights},
+                          sort_keys=True, default=str)  # what the split's volumes are built from
+    training, not_nearest = _training_volumes(cfg, dm, system.mode, splits, identity)
     figures, more_absent = diffusion_figures(real, generated, sources, system.mode, extractors,
                                              bins=int(cfg.histogram_bins), device=str(device), ms_ssim=ms_ssim,
                                              ventricles=ventricle_voxels if phantom else None,
@@ -1130,14 +1169,16 @@ def _vqvae(cfg: DictConfig, device: Any) -> dict[str, Any]:
 _EVALUATIONS = {"diffusion": _diffusion, "stage1": _vqvae}
 
 
-def evaluate(cfg: DictConfig, subjects: Sequence[str] | None = None) -> dict[str, Any]:
+def evaluate(cfg: DictConfig, subjects: Sequence[str] | None = None, splits: TrainingSplits | None = None
+             ) -> dict[str, Any]:
     """Evaluate ``cfg.ckpt_path``; returns the ``metrics.json`` record plus ``{"json", "html"}`` paths and, for a
     diffusion checkpoint, ``resamplers`` (each figure's :class:`~voxdiff.evaluation.uncertainty.Resampler`, which a
     sweep compares its evaluations on) and ``resample_sizes`` (the sets they draw from); neither is written.
 
     A guidance scale or ``ckpt_path`` given as a list is a sweep or a comparison: :func:`evaluate_sweep`.
     ``subjects``: the real subjects a comparison's first checkpoint drew (a diffusion checkpoint whose split draws
-    others is refused before it samples).
+    others is refused before it samples). ``splits``: the training splits a sweep's earlier evaluations read
+    (:class:`TrainingSplits`), for a diffusion checkpoint's nearest-training figures.
 
     Raises:
         ConfigError: the checkpoint is not one of voxdiff's (of no kind in :data:`_EVALUATIONS`), or is refused
@@ -1162,7 +1203,8 @@ def evaluate(cfg: DictConfig, subjects: Sequence[str] | None = None) -> dict[str
     del header
     out_dir = Path(cfg.paths.output_dir)
     print(f"[voxdiff] evaluating {ckpt_path} (step {step}) into {out_dir}", flush=True)
-    result = _EVALUATIONS[kind](cfg, device, **({"subjects": subjects} if subjects is not None else {}))
+    result = _EVALUATIONS[kind](cfg, device, **({"subjects": subjects} if subjects is not None else {}),
+                                **({"splits": splits} if splits is not None else {}))
     real = result.pop("real")
     run_dir = ckpt_path.parent.parent if ckpt_path.parent.name == "checkpoints" else ckpt_path.parent
     bootstrap = bootstrap_settings(cfg)
