@@ -261,6 +261,28 @@ def test_a_mask_model_is_evaluated_on_its_lesions_and_their_nearest_training_mas
     assert weighted["sampling"]["mask_weight_undone"] == 0.0
     for name in denoising:  # the same noise: undoing the weight only lowers each voxel's lesion probability
         assert weighted["figures"][name]["lesion_load_ratio"] >= figures[name]["lesion_load_ratio"]
+    # both in one sweep: each evaluation the one made alone (the same masks and noise), side by side
+    both = _evaluate(seg_run, tmp_path / "both", "nearest_training=false", "unweight=[true,false]")
+    assert both["swept"] == "unweight" and both["values"] == ["true", "false"]
+    for value, alone in (("true", off), ("false", weighted)):
+        one = json.loads((tmp_path / "both" / f"unweight_{value}" / "metrics.json").read_text())
+        assert one["sampling"]["mask_weight_undone"] == alone["sampling"]["mask_weight_undone"]
+        for name, f in alone["figures"].items():
+            assert one["figures"][name]["value"] == pytest.approx(f["value"], nan_ok=True), (value, name)
+            assert both["figures"][name]["values"][both["values"].index(value)] == pytest.approx(
+                f["value"], nan_ok=True), (value, name)
+    assert "unweight_true/report.html" in (tmp_path / "both" / "sweep.html").read_text()
+
+
+def test_a_sweep_of_unweight_on_a_model_without_a_mask_weight_is_refused_before_it_samples(run, tmp_path):
+    """A bravo model has no mask weight to undo: ``unweight=[true,false]`` would evaluate it twice alike, so it is
+    refused naming ``unweight``, before anything is sampled."""
+    _, _, last = run
+    with pytest.raises(ConfigError, match=r"unweight=true and unweight=false sample .* alike: it has no mask weight "
+                                          r"to undo .* Fix: evaluate it once, without unweight given as a list") as e:
+        _evaluate(last, tmp_path, "unweight=[true,false]")
+    assert e.value.key == "unweight"
+    assert not (tmp_path / "unweight_true").exists()
 
 
 @pytest.fixture(scope="module")

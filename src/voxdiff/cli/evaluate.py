@@ -231,11 +231,14 @@ def _correlated(drawn: Drawn, name: str, series: tuple[Sequence[float], Sequence
 
 
 #: the sampling settings a list of values sweeps: one evaluation at each (``autoguide_scale=[1,1.1,1.25]``,
-#: ``num_inference_steps=[10,25,50]``, ``eta=[0,1]``)
-SWEEPABLE = ("guidance_scale", "autoguide_scale", "num_inference_steps", "eta")
-_EXAMPLES = {"num_inference_steps": "[10,25,50]", "eta": "[0,0.5,1]"}  # a sweep's example where a scale's is not one
+#: ``num_inference_steps=[10,25,50]``, ``eta=[0,1]``, ``unweight=[true,false]``: a mask model's weight undone or not)
+SWEEPABLE = ("guidance_scale", "autoguide_scale", "num_inference_steps", "eta", "unweight")
+_EXAMPLES = {"num_inference_steps": "[10,25,50]", "eta": "[0,0.5,1]",  # where a scale's example is not one
+             "unweight": "[true,false]"}
 #: the guidance interval a list of intervals sweeps (``'guidance_interval=[[0,1],[0,0.2]]'``)
 INTERVALS = "guidance_interval"
+#: the swept settings whose values are labelled by name, not as numbers
+NAMED = (INTERVALS, "unweight")
 #: the checkpoints a list compares: one evaluation of each with the same masks, noise and covariates
 #: (``'ckpt_path=[a.ckpt,b.ckpt]'``); a list of lists compares recipes, each trained several times
 #: (``'ckpt_path=[[a1.ckpt,a2.ckpt,a3.ckpt],[b1.ckpt,b2.ckpt,b3.ckpt]]'``)
@@ -289,6 +292,8 @@ def _shown(key: str, value: Any) -> str:
     """A swept value as the sweep prints and names it: ``1.25``, ``[0, 0.2]``, a checkpoint's path."""
     if key == INTERVALS:
         return "[" + ", ".join(f"{float(v):g}" for v in value) + "]"
+    if key == "unweight":
+        return str(value).lower()
     return str(value) if key == COMPARED else f"{float(value):g}"
 
 
@@ -353,7 +358,9 @@ def _at(cfg: DictConfig, key: str, value: Any, out: Path | None = None, index: i
 
 def _folder(key: str, value: Any) -> str:
     """The folder of a sweep's evaluation at ``key=value``: ``<key>_<value>``, an interval's ``<key>_<lo>-<hi>``."""
-    return (f"{key}_{'-'.join(f'{float(v):g}' for v in value)}" if key == INTERVALS else f"{key}_{float(value):g}")
+    if key == INTERVALS:
+        return f"{key}_{'-'.join(f'{float(v):g}' for v in value)}"
+    return f"{key}_{_shown(key, value)}"
 
 
 def _run_name(path: Any) -> str:
@@ -439,9 +446,9 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
             checked(point, device)
     elif recipe:  # each run's checkpoint read once, checked at every value
         for k in range(len(recipe)):
-            check_each(points[k::len(recipe)], device)
+            _differ(key, values, check_each(points[k::len(recipe)], device), recipe[k])
     else:
-        check_each(points, device)
+        _differ(key, values, check_each(points, device), cfg.ckpt_path)
     records, splits = [], TrainingSplits()  # the training split read once, for every evaluation that shares it
     for i, (value, point) in enumerate(zip(shown, points, strict=True)):
         print(f"[voxdiff] {what}: {key}={value} ({i + 1} of {len(flat)}) into {point.paths.output_dir}", flush=True)
@@ -463,7 +470,7 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
     elif comparing:
         labels = run_labels
     else:
-        labels = [_shown(key, v) for v in values] if key == INTERVALS else [float(v) for v in values]
+        labels = [_shown(key, v) for v in values] if key in NAMED else [float(v) for v in values]
     if grouped or recipe:  # a figure is the mean of its runs', its intervals and ties over runs and volumes
         summary = recipes(labels, by_group, bootstrap_settings(cfg), swept=None if comparing else key)
     else:
@@ -527,6 +534,20 @@ def evaluate_sweep(cfg: DictConfig, key: str, values: Sequence[Any]) -> dict[str
     _say_thin_tails([t for f in summary["figures"].values() for t in f.get("ci_tail_resamples", []) if t is not None],
                     cfg)
     return {**record, "json": str(json_path), "html": str(html_path)}
+
+
+def _differ(key: str, values: Sequence[Any], samplers: Sequence[Any], ckpt: Any) -> None:
+    """Refuse a sweep two of whose values sample the checkpoint ``ckpt`` alike (``samplers``: each value's
+    :class:`~voxdiff.step.sampling.SamplerChoice`): they would be evaluated twice, for figures that differ only
+    by chance."""
+    for i, a in enumerate(samplers):
+        j = next((j for j in range(i) if samplers[j] == a), None)
+        if j is None:
+            continue
+        why = ("it has no mask weight to undo (a bravo model, or a mask model trained with diffusion.mask_weight=0)"
+               if key == "unweight" else f"both sample it as {a.describe()}")
+        raise ConfigError(key, list(values), f"{key}={_shown(key, values[j])} and {key}={_shown(key, values[i])} "
+                          f"sample {ckpt} alike: {why}", f"evaluate it once, without {key} given as a list")
 
 
 def _say_thin_tails(tails: Sequence[float], cfg: DictConfig) -> None:

@@ -385,19 +385,19 @@ def checked(cfg: DictConfig, device: Any, requested: bool = True, sampler: Any =
     return Ready(system, sampler, guide, path, loaded.saved, loaded.precision, loaded.weights, memory)
 
 
-def check_each(cfgs: Sequence[DictConfig], device: Any) -> None:
+def check_each(cfgs: Sequence[DictConfig], device: Any) -> list[Any]:
     """:func:`checked` for each of ``cfgs``, which share the checkpoint, its data and precision and differ in how
     they sample (a guidance sweep's scales), the checkpoint read and its system built once (a 2.7B model's load is
     tens of seconds), and each guide once: each scale's guide, sampler and memory checked before anything is
-    sampled.
+    sampled. Returns each config's sampler (:class:`~voxdiff.step.sampling.SamplerChoice`).
 
     Raises:
         ConfigError: as :func:`checked`, for the first config refused.
     """
     loaded, guides = _load(cfgs[0], device), {}
-    for cfg in cfgs:
-        checked(cfg, device, loaded=loaded, guides=guides)
+    samplers = [checked(cfg, device, loaded=loaded, guides=guides).sampler for cfg in cfgs]
     release(loaded.system, *guides.values())
+    return samplers
 
 
 def ready(cfg: DictConfig, device: Any, requested: bool = True, sampler: Any = None) -> Ready:
