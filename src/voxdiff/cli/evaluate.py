@@ -757,8 +757,8 @@ def _training_volumes(cfg: DictConfig, dm: Any, mode: str, splits: TrainingSplit
         return None, "the training split holds no subject"
     name = json.dumps([identity, key, list(getattr(dm, "train_subjects", []))])
     if splits is not None and name in splits.kept:
-        print(f"[voxdiff] nearest training volume: the {len(dataset)} subjects of the training split as the sweep's "
-              "first evaluation of them read them (kept in memory)", flush=True)
+        print(f"[voxdiff] nearest training volume: the {len(dataset)} subjects of the training split as an earlier "
+              "evaluation of the sweep read them (kept in memory)", flush=True)
         return iter(splits.kept[name]), None
     first = dataset[0]
     if key not in first:
