@@ -29,6 +29,13 @@ RECIPE = system_recipe({"lr": 1e-4, "foreach": True}, {"decay": 0.9}, {})
 #: a UNet whose weights, not its activations, make most of a rank's peak (8³ input): sharding shows
 INPUT = (1, 2, 8, 8, 8)
 CASES = {"ddp": Parallel("ddp", 2), "fsdp": Parallel("fsdp", 2)}
+#: repetitions of each case in each rank. An FSDP rank's peak varies between repetitions of the same step in the same
+#: process: in 1 of 4-6 ranks one repetition held 0.1-0.5 MB more at the same op of the backward (up to +5.5% of
+#: 8.88 MB, the tracker seeing it too: timing of gloo's asynchronous collectives, not pinned down), so the prediction
+#: is checked against a rank's smallest repetition and the spread is bounded; DDP's measured the same in every rank
+REPEATS = {"ddp": 1, "fsdp": 3}
+#: the most one repetition of a rank measured above its smallest (session 41: +5.5% in CI, on gloo)
+SPREAD = 1.08
 
 
 def _unet() -> DiffusionModelUNet:
@@ -56,7 +63,8 @@ def _trace(parallel: Parallel, device: str, mesh) -> int:
 
 
 def _rank(rank: int, port: int, out: str) -> None:
-    """One gloo process: per case, the CPU allocator's peak (profiler) and the tracker's, written to JSON."""
+    """One gloo process: per case and repetition, the CPU allocator's peak (profiler) and the tracker's, written to
+    JSON."""
     from torch.distributed.device_mesh import init_device_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -65,10 +73,12 @@ def _rank(rank: int, port: int, out: str) -> None:
     mesh = init_device_mesh("cpu", (2,))
     result = {}
     for name, parallel in CASES.items():
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            tracked = _trace(parallel, "cpu", mesh)
-        raw, allocator = profiler_peaks(prof, "voxdiff.steps")
-        result[name] = {"allocator": allocator, "raw": raw, "tracked": tracked}
+        result[name] = []
+        for _ in range(REPEATS[name]):
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                tracked = _trace(parallel, "cpu", mesh)
+            raw, allocator = profiler_peaks(prof, "voxdiff.steps")
+            result[name].append({"allocator": allocator, "raw": raw, "tracked": tracked})
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     torch.distributed.destroy_process_group()
@@ -89,9 +99,11 @@ def test_the_traced_rank_matches_each_ranks_cpu_allocator(measured, name) -> Non
     with fake_world(2) as mesh:
         predicted = _trace(CASES[name], "meta", mesh)
     for rank in measured:
-        m = rank[name]
-        assert m["tracked"] == pytest.approx(m["allocator"], rel=0.05)  # the tracker, in the real process
-        assert predicted == pytest.approx(m["allocator"], rel=0.05)  # the fake world's rank 0, on meta
+        for m in rank[name]:
+            assert m["tracked"] == pytest.approx(m["allocator"], rel=0.05)  # the tracker, in the real process
+        smallest = min(m["allocator"] for m in rank[name])
+        assert max(m["allocator"] for m in rank[name]) <= SPREAD * smallest
+        assert predicted == pytest.approx(smallest, rel=0.05)  # the fake world's rank 0, on meta
 
 
 def test_a_broadcast_buffer_gloo_keeps_past_the_steps_is_not_the_steps() -> None:
@@ -114,7 +126,8 @@ def test_a_broadcast_buffer_gloo_keeps_past_the_steps_is_not_the_steps() -> None
 
 
 def test_an_fsdp_rank_holds_less_than_a_ddp_rank(measured) -> None:
-    assert measured[0]["fsdp"]["allocator"] < 0.8 * measured[0]["ddp"]["allocator"]  # its shards
+    fsdp, ddp = (max(m["allocator"] for m in measured[0][name]) for name in ("fsdp", "ddp"))
+    assert fsdp < 0.8 * ddp  # its shards
 
 
 # ------------------------------------------------------------------------------------------ what the preflight says
