@@ -102,10 +102,11 @@ def test_the_traced_rank_matches_each_ranks_cpu_allocator(measured, name) -> Non
     with fake_world(2) as mesh:
         predicted = _trace(CASES[name], "meta", mesh)
     for rank in measured:
-        for m in rank[name]:
-            assert m["tracked"] == pytest.approx(m["allocator"], rel=0.05)  # the tracker, in the real process
-        smallest = min(m["allocator"] for m in rank[name])
+        smallest = min(m["allocator"] for m in rank[name])  # the count no missing free inflated (REPEATS)
         assert max(m["allocator"] for m in rank[name]) <= SPREAD * smallest
+        # the tracker counts a storage gone when its Python object dies, whichever thread frees its memory later
+        for m in rank[name]:
+            assert m["tracked"] == pytest.approx(smallest, rel=0.05)  # the tracker, in the real process
         assert predicted == pytest.approx(smallest, rel=0.05)  # the fake world's rank 0, on meta
 
 
