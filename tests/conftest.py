@@ -21,10 +21,12 @@ torch.set_num_threads(THREADS)
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the group marks
 def pytest_collection_modifyitems(items):
     """Tests that start a Slurm cluster share its fixed ports, bridge and namespaces: under pytest-xdist they are
-    meant to run one after another on one worker (``--dist loadgroup``). Under pytest 9.2 with pytest-xdist 3.8
-    the group is not kept, so their clusters also take a lock (``slurm/harness.py::running_cluster``)."""
+    run one after another on one worker (``--dist loadgroup``; ``tests/test_xdist_groups.py`` checks that the
+    installed pytest and pytest-xdist keep the group, which pytest 9.2 broke). Their clusters also take a lock
+    (``slurm/harness.py::running_cluster``), for two pytest runs at once."""
     for item in items:
         if item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.xdist_group("slurm"))

@@ -308,10 +308,10 @@ def running_cluster(root: Path, **kwargs) -> Iterator[SlurmCluster]:
     One cluster at a time across the suite's processes (an exclusive ``flock`` on :data:`LOCK`, held while it
     runs): two started in the same tenth of a second take the same job ids (:attr:`SlurmCluster.first_job_id`),
     so their jobs append to one log (session 35: both workers' requeue tests failed on it), and two at once share
-    the two cores that each job's training needs. The ``xdist_group`` the suite's conftest gives these tests was
-    meant to keep them on one worker, but under pytest 9.2 with pytest-xdist 3.8 ``--dist loadgroup`` sends a
-    group's tests to both workers (session 35: six tests of one ``xdist_group``, even marked in the module, ran
-    three on each), so the lock is what keeps them apart."""
+    the two cores that each job's training needs. Within one ``make test`` the ``xdist_group`` the suite's conftest
+    gives these tests keeps them on one worker, one after another (under pytest 9.2 it did not: session 35 saw six
+    tests of one group run three on each worker, each waiting here for the other's cluster); the lock keeps apart
+    the clusters of two pytest runs at once."""
     ensure_installed()
     with open(LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
