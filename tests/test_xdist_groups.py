@@ -2,7 +2,8 @@
 marked ``slurm`` the ``xdist_group`` "slurm", and ``make test``'s ``--dist loadgroup`` must keep that group on one
 worker. Under pytest 9.2 with pytest-xdist 3.8 it silently did not (pytest-xdist issue 1386: the group is tagged
 onto a node id that pytest 9.2 no longer reads), and each worker started its own cluster of a module's tests and
-waited for the other's (``slurm/harness.py::running_cluster``). This runs the installed pytest and pytest-xdist,
+waited for the other's (``slurm/harness.py::running_cluster``); on pytest 9.1 the group also needs the suite's
+hook to run before pytest-xdist's, which reads the marks (``tryfirst``). This runs the installed pytest and pytest-xdist,
 with the suite's own hook, on a small suite of its own."""
 
 import subprocess
