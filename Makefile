@@ -19,6 +19,6 @@ test:
 
 bench:
 	bash scripts/setup_env.sh test
-	$(PY) bench/bench_preflight.py
+	$(PY) bench/bench_preflight.py --memo-baseline
 	$(PY) bench/bench_system.py
 	$(PY) bench/bench_sampling.py

@@ -5,13 +5,17 @@ Usage::
     .venv/bin/python bench/bench_preflight.py                 # seconds per configuration, mean / max
     .venv/bin/python bench/bench_preflight.py --table docs/preflight_error_table.md   # also write the error table
     .venv/bin/python bench/bench_preflight.py --csv IN.csv --bytes-csv OUT.csv   # exact bytes per phase and row
+    .venv/bin/python bench/bench_preflight.py --memo-baseline   # also every row with no meta kernel memoized
 
 The reference is ``reference/h100_measured.csv`` (``$VOXDIFF_REFERENCE_CSV`` or ``--csv`` override it): 113
 configurations measured on one H100 with the step of the ``seed`` recipe, which is the step predicted here
 (``voxdiff.step.SEED``). ``--table`` compares every phase of every row with its measurement; the parameter counts
 are checked against the source report's ``reference/measured_vram.csv``, which counted them independently.
 ``--bytes-csv`` writes every row's predicted peaks in bytes (no rounding), so two versions of the preflight can be
-compared row by row with ``diff``: a refactor of the traced step must leave them unchanged. GiB = 2**30 bytes.
+compared row by row with ``diff``: a refactor of the traced step must leave them unchanged. ``--memo-baseline``
+predicts every row a second time with the memo of meta kernels off (``voxdiff.preflight.tracker.MetaMemo``, the
+kernels run every call, in a cold process the memo's first calls do too) and prints the time as a ratio to it,
+and whether every row's bytes are the same. GiB = 2**30 bytes.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from voxdiff.benchmarks.sweep import (
     plot_sweep,
     predict_row,
 )
+from voxdiff.preflight import tracker
 from voxdiff.step import SEED
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -265,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table", help="write the markdown error table here")
     ap.add_argument("--bytes-csv", help="write every row's predicted peaks in bytes here (for diffs)")
     ap.add_argument("--budget-gib", type=float, default=H100_GIB, help="default: the H100 of the reference")
+    ap.add_argument("--memo-baseline", action="store_true",
+                    help="also predict every row with the meta kernels' memo off: time ratio, bytes identical?")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -286,6 +293,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['name']:{width}s}  {r['pred_params_m']:>8s}  {peak:9.2f}  {s:7.2f}  {r['pred_error']}")
     print(f"{len(seconds)} configurations: mean {statistics.mean(seconds):.2f} s, max {max(seconds):.2f} s, "
           f"total {sum(seconds):.1f} s")  # fmt: skip
+    if args.memo_baseline:
+        memo, tracker.META_MEMO = tracker.META_MEMO, tracker.MetaMemo(enabled=False)
+        try:
+            plain_bytes: list[dict[str, object]] = []
+            _, plain = _predict_all(rows, plain_bytes, budget_gib=args.budget_gib)
+        finally:
+            tracker.META_MEMO = memo
+        same = sum(a == b for a, b in zip(bytes_rows, plain_bytes))
+        print(f"memo of meta kernels off (baseline, same run): total {sum(plain):.1f} s; with the memo "
+              f"{sum(seconds) / sum(plain):.3f}x its time ({sum(plain) / sum(seconds):.2f}x faster); "
+              f"predicted bytes identical in {same} of {len(rows)} rows")
 
     if args.out_csv:
         with open(args.out_csv, "w", newline="") as fh:

@@ -38,6 +38,7 @@ from voxdiff.config import config_dir
 from voxdiff.data.nifti import readable_subjects
 from voxdiff.data.split import split_subjects
 from voxdiff.errors import ConfigError
+from voxdiff.preflight.tracker import MetaMemoMode
 from voxdiff.run.spec import Parallel
 from voxdiff.slurm import parse_slurm_memory, parse_slurm_time, read_site_env, slurm_job_memory
 from voxdiff.step import SEED, Recipe, TrainStep, decide_precision
@@ -409,7 +410,7 @@ def step_cost(model: torch.nn.Module, batch: Mapping[str, tuple[int, ...]], mode
                      precision=decide_precision("32-true", "cpu").context(), device_type="cpu")
     tensors = {k: torch.empty(v, device="meta") for k, v in batch.items()}
     counter, flops = _OpCount(), FlopCounterMode(display=False)
-    with flops, counter:
+    with MetaMemoMode(), flops, counter:  # the memo at the bottom: both counters see every op
         loss, _ = step.loss(tensors)
         loss.backward()
     model.zero_grad(set_to_none=True)

@@ -45,13 +45,13 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from voxdiff.units import GiB, MiB
 
 __all__ = ["BLOCK_BYTES", "CUDA_CONTEXT_BYTES", "KERNEL_TEMPORARIES", "K_LARGE_BUFFER", "K_MIN_LARGE_ALLOC",
-           "K_ROUND_LARGE", "K_SMALL_BUFFER", "K_SMALL_SIZE", "MEMOIZED_META_OPS", "PhaseStats", "StorageTracker",
-           "round_block", "segment_size", "simulate_reserved", "split_pools"]
+           "K_ROUND_LARGE", "K_SMALL_BUFFER", "K_SMALL_SIZE", "META_MEMO", "MetaMemo", "MetaMemoMode", "PhaseStats",
+           "StorageTracker", "round_block", "segment_size", "simulate_reserved", "split_pools"]
 
 
 BLOCK_BYTES = 512
@@ -73,22 +73,123 @@ def _softmax_backward_tmp(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return grad.numel() * dtype.itemsize
 
 
-MEMOIZED_META_OPS: frozenset[Any] = frozenset(
-    {aten.native_group_norm.default, aten.native_group_norm_backward.default}
-)
-"""Ops whose meta kernels are Python decompositions costing milliseconds per call (most of a UNet trace's
-time); on meta their output metadata is memoized per input signature (see ``StorageTracker._memoized``)."""
-
-
 def _signature(obj: Any) -> Any:
-    """Hashable description of arguments: tensors by metadata, sequences recursively, the rest as is."""
+    """Hashable description of arguments: tensors by metadata, sequences recursively, scalars with their type (``2``,
+    ``2.0`` and ``True`` are equal in Python but promote differently), the rest as is."""
     if isinstance(obj, torch.Tensor):
         return ("T", tuple(obj.shape), obj.stride(), obj.dtype, obj.storage_offset(), obj.device.type)
     if isinstance(obj, (list, tuple)):
         return tuple(_signature(o) for o in obj)
     if isinstance(obj, dict):
         return tuple((k, _signature(v)) for k, v in sorted(obj.items()))
+    if isinstance(obj, (bool, int, float, complex)):
+        return (type(obj), obj)
     return obj
+
+
+_UNMEMOIZABLE = object()
+"""The memo's entry for a signature whose outputs a replay would not reproduce (see :class:`MetaMemo`)."""
+
+
+class MetaMemo:
+    """Memoized meta kernels: an op on meta tensors runs once per input signature; afterwards its outputs are new
+    empty tensors with the recorded sizes, strides and dtypes.
+
+    On meta an op computes nothing: its outputs' metadata depend only on its inputs' metadata, its non-tensor
+    arguments and the default dtype, and many meta kernels are Python decompositions costing hundreds of
+    microseconds to milliseconds a call (group norm and its backward, ``linear``/``addmm``, ``linalg_vector_norm``,
+    elementwise ops through torch's Python references) — most of a UNet trace's time. A replay is exactly what the
+    kernel would return, so traces and their predictions are unchanged. An op is memoized only when all of these
+    hold, checked on the call that records it:
+
+    * its schema mutates no argument and returns no alias (no in-place, ``out=`` or view op);
+    * it has a tensor argument, and every tensor argument is a plain tensor on meta (no tensor subclass such as
+      FSDP's DTensors, whose own dispatch must run; no CPU tensor, whose values are real);
+    * its outputs are plain meta tensors (or None) whose storages are new, distinct from each other and from the
+      inputs', start at offset 0 and are exactly as large as their sizes and strides need (what
+      ``torch.empty_strided`` makes).
+
+    A signature that fails the last check is remembered as not memoizable. The records are shared by every trace of
+    the process (one module-level instance: :data:`META_MEMO`) and cleared when they exceed ``max_entries``.
+    ``enabled=False`` runs every kernel (the baseline of ``bench/bench_preflight.py --memo-baseline``).
+    """
+
+    def __init__(self, max_entries: int = 200_000, enabled: bool = True) -> None:
+        self.max_entries = max_entries
+        self.enabled = enabled
+        self.records: dict[Any, Any] = {}
+        self._functional: dict[Any, bool] = {}
+        self.hits = self.misses = 0
+
+    def functional(self, func: Any) -> bool:
+        """Whether ``func``'s schema mutates no argument and returns no alias."""
+        known = self._functional.get(func)
+        if known is None:
+            schema = func._schema
+            known = (all(r.alias_info is None for r in schema.returns)
+                     and not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments))
+            self._functional[func] = known
+        return known
+
+    @staticmethod
+    def _plain_meta(t: torch.Tensor) -> bool:
+        return type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "meta"
+
+    def __call__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``func(*args, **kwargs)``, from the records where it may be."""
+        if not self.enabled or not self.functional(func):
+            return func(*args, **kwargs)
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not tensors or not all(self._plain_meta(t) for t in tensors):
+            return func(*args, **kwargs)
+        key = (func, _signature(args), _signature(kwargs), torch.get_default_dtype())
+        record = self.records.get(key)
+        if record is _UNMEMOIZABLE:
+            return func(*args, **kwargs)
+        if record is not None:
+            self.hits += 1
+            spec, leaves = record
+            return tree_unflatten([None if m is None else torch.empty_strided(m[0], m[1], dtype=m[2], device="meta")
+                                   for m in leaves], spec)
+        self.misses += 1
+        out = func(*args, **kwargs)
+        if len(self.records) >= self.max_entries:
+            self.records.clear()
+        self.records[key] = self._record(out, tensors)
+        return out
+
+    def _record(self, out: Any, inputs: list[torch.Tensor]) -> Any:
+        """The replayable record of ``out``, or :data:`_UNMEMOIZABLE`."""
+        leaves, spec = tree_flatten(out)
+        seen = {t.untyped_storage()._cdata for t in inputs}
+        metas: list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype] | None] = []
+        for t in leaves:
+            if t is None:
+                metas.append(None)
+                continue
+            if not isinstance(t, torch.Tensor) or not self._plain_meta(t) or t.storage_offset() != 0:
+                return _UNMEMOIZABLE
+            st = t.untyped_storage()
+            shape, stride = tuple(t.shape), t.stride()
+            fresh = torch.empty_strided(shape, stride, dtype=t.dtype, device="meta")
+            if st._cdata in seen or st.nbytes() != fresh.untyped_storage().nbytes():
+                return _UNMEMOIZABLE
+            seen.add(st._cdata)
+            metas.append((shape, stride, t.dtype))
+        return spec, tuple(metas)
+
+
+META_MEMO = MetaMemo()
+"""The process's memo of meta kernels (:class:`MetaMemo`), used by every trace on meta."""
+
+
+class MetaMemoMode(TorchDispatchMode):
+    """Runs every op through :data:`META_MEMO`: enter it *first* (at the bottom of the mode stack), so that the
+    modes entered after it (a FLOP counter, an operator count) see every op and only the kernel is memoized."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        return META_MEMO(func, args, kwargs or {})
 
 
 KERNEL_TEMPORARIES: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], int]] = {
@@ -146,7 +247,6 @@ class StorageTracker(TorchDispatchMode):
         #: where each phase began in the event sequence: (phase name, index of its first event)
         self.phase_starts: list[tuple[str, int]] = []
         self._rules = KERNEL_TEMPORARIES if kernel_temporaries is None else kernel_temporaries
-        self._memo: dict[Any, tuple[Any, ...]] = {}
 
     # ----------------------------------------------------------------------------------------- bookkeeping
     @property
@@ -263,23 +363,6 @@ class StorageTracker(TorchDispatchMode):
         return phase
 
     # ----------------------------------------------------------------------------------------- dispatch
-    def _memoized(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run a slow meta kernel once per input signature and replay its output metadata afterwards.
-
-        On meta, outputs depend only on the inputs' metadata and the non-tensor arguments, so new empty
-        tensors with the recorded sizes, strides and dtypes are exactly what the kernel would return (the ops
-        in :data:`MEMOIZED_META_OPS` return fresh tensors, never views).
-        """
-        key = (func, _signature(args), _signature(kwargs))
-        template = self._memo.get(key)
-        if template is None:
-            out = func(*args, **kwargs)
-            self._memo[key] = tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype) for t in out)
-            return out
-        return tuple(
-            None if t is None else torch.empty_strided(t[0], t[1], dtype=t[2], device="meta") for t in template
-        )
-
     @staticmethod
     def _is_meta_noop(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """In-place ``_foreach_*_`` ops returning nothing, on meta tensors only: they allocate nothing and change
@@ -302,10 +385,7 @@ class StorageTracker(TorchDispatchMode):
         if self.device_type == "meta":
             if self._is_meta_noop(func, args, kwargs):
                 return None
-            if func in MEMOIZED_META_OPS:
-                out = self._memoized(func, args, kwargs)
-            else:
-                out = func(*args, **kwargs)
+            out = META_MEMO(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
         for t in tree_leaves(out):
