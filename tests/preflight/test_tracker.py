@@ -11,7 +11,7 @@ from monai.networks.nets import DiffusionModelUNet
 from voxdiff.preflight import predict_step_memory, tracker
 from voxdiff.preflight.memory import trace_training_step
 from voxdiff.preflight.resources import step_cost
-from voxdiff.preflight.tracker import MetaMemo, MetaMemoMode, StorageTracker
+from voxdiff.preflight.tracker import MetaMemo, MetaMemoMode, StorageTracker, tensors_in
 from voxdiff.preflight.world import meta_step
 from voxdiff.step import SEED
 
@@ -118,3 +118,14 @@ def test_the_tracker_counts_a_replay_as_an_allocation() -> None:
     with MetaMemoMode():
         c = aten.mul.Tensor(x, 2.0)
     assert c.shape == x.shape and c.device.type == "meta"
+
+
+def test_tensors_in_walks_as_a_pytree_does() -> None:
+    """The tracker counts an op's outputs in this order (the allocator model replays it), as torch's pytree would."""
+    from torch.utils._pytree import tree_leaves
+
+    a, b, c, d = (torch.empty(n) for n in (1, 2, 3, 4))
+    structseq = torch.max(torch.empty(2, 3), dim=0)  # torch.return_types.max, a tuple subclass
+    obj = ((a, [b, None, 2.0]), {"x": c, "y": (d,)}, structseq, torch.Size([3]))
+    expected = [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+    assert [id(t) for t in tensors_in(obj)] == [id(t) for t in expected] and len(expected) == 6

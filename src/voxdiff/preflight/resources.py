@@ -38,7 +38,7 @@ from voxdiff.config import config_dir
 from voxdiff.data.nifti import readable_subjects
 from voxdiff.data.split import split_subjects
 from voxdiff.errors import ConfigError
-from voxdiff.preflight.tracker import MetaMemoMode
+from voxdiff.preflight.tracker import MetaMemoMode, tensors_in
 from voxdiff.run.spec import Parallel
 from voxdiff.slurm import parse_slurm_memory, parse_slurm_time, read_site_env, slurm_job_memory
 from voxdiff.step import SEED, Recipe, TrainStep, decide_precision
@@ -385,8 +385,7 @@ class _OpCount(torch.utils._python_dispatch.TorchDispatchMode):
         name = func._schema.name
         if name not in self.FREE:
             self.ops += 1
-            leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}, out))
-            nbytes = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+            nbytes = sum(t.numel() * t.element_size() for t in tensors_in((args, kwargs or {}, out)))
             if name in self.CONV_WEIGHT:
                 weight = args[self.CONV_WEIGHT[name]]
                 self.conv_weight_bytes += weight.numel() * weight.element_size()
