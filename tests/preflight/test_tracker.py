@@ -129,3 +129,33 @@ def test_tensors_in_walks_as_a_pytree_does() -> None:
     obj = ((a, [b, None, 2.0]), {"x": c, "y": (d,)}, structseq, torch.Size([3]))
     expected = [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
     assert [id(t) for t in tensors_in(obj)] == [id(t) for t in expected] and len(expected) == 6
+
+
+def test_a_mode_entered_before_the_trace_sees_every_op() -> None:
+    """A caller's own dispatch mode around a trace (``voxdiff.benchmarks.convs`` records every convolution so) sees
+    each op of every run: the memo replays nothing below it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls[str(func)] = self.calls.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.device("meta"):
+        model = DiffusionModelUNet(spatial_dims=3, in_channels=2, out_channels=1, channels=(16, 32),
+                                   attention_levels=(False, False), num_res_blocks=1, norm_num_groups=8)
+    batch = {"image": (1, 1, 8, 8, 8), "mask": (1, 1, 8, 8, 8)}
+    counts = []
+    for _ in range(2):
+        with Count() as count:
+            step_cost(model, batch, "bravo")
+            tracker_ = StorageTracker()
+            with tracker_:
+                aten.native_group_norm.default(_meta(1, 16, 8, 8, 8), None, None, 1, 16, 512, 8, 1e-6)
+        counts.append(count.calls)
+    assert counts[0] == counts[1] and counts[0]["aten.convolution.default"] > 4
+    assert counts[0]["aten.native_group_norm.default"] > 4

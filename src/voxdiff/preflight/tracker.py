@@ -101,6 +101,7 @@ class MetaMemo:
     kernel would return, so traces and their predictions are unchanged. An op is memoized only when all of these
     hold, checked on the call that records it:
 
+    * no other dispatch mode is active below the caller's (its handler would not see the op);
     * its schema mutates no argument and returns no alias (no in-place, ``out=`` or view op);
     * it has a tensor argument, and every tensor argument is a plain tensor on meta (no tensor subclass such as
       FSDP's DTensors, whose own dispatch must run; no CPU tensor, whose values are real);
@@ -135,8 +136,10 @@ class MetaMemo:
         return type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "meta"
 
     def __call__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``func(*args, **kwargs)``, from the records where it may be."""
-        if not self.enabled or not self.functional(func):
+        """``func(*args, **kwargs)``, from the records where it may be. Called from a dispatch mode's handler: where
+        another mode is active below it (one entered before it, such as a caller's recorder of every convolution),
+        the kernel runs, so that mode sees the op."""
+        if not self.enabled or not self.functional(func) or torch._C._len_torch_dispatch_stack():
             return func(*args, **kwargs)
         tensors = tensors_in((args, kwargs))
         if not tensors or not all(self._plain_meta(t) for t in tensors):
