@@ -11,6 +11,9 @@ A tensor subclass (FSDP's and the sharded EMA's DTensors) is counted by the stor
 ``UntypedStorage.resize_`` — how FSDP allocates and frees a unit's gathered weights, outside any ATen op — is
 followed while the tracker is active.
 
+On meta, every op whose outputs are fresh tensors runs its (often Python) meta kernel once per input signature and
+is replayed from :data:`META_MEMO` afterwards (:class:`MetaMemo`: what the kernel returns, at a fraction of its cost).
+
 A trace cannot see memory that a CUDA kernel allocates inside its own implementation. The rules in
 :data:`KERNEL_TEMPORARIES` add those that the CUDA sources of torch 2.13 make explicit; each is held only while
 the op runs (it is counted on top of the op's outputs, as the kernel holds it while they exist).
