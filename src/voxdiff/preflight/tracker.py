@@ -144,21 +144,24 @@ class MetaMemo:
         the kernel runs, so that mode sees the op."""
         if not self.enabled or not self.functional(func) or torch._C._len_torch_dispatch_stack():
             return func(*args, **kwargs)
-        tensors = tensors_in((args, kwargs))
-        if not tensors or not all(self._plain_meta(t) for t in tensors):
+        with torch._C.DisableTorchFunction():  # the memo's own reads of metadata: not through the traced world's
+            tensors = tensors_in((args, kwargs))  # torch-function modes (the autocast emulator counts every call)
+            if not tensors or not all(self._plain_meta(t) for t in tensors):
+                key = record = None
+            else:
+                key = (func, _signature(args), _signature(kwargs), torch.get_default_dtype())
+                record = self.records.get(key)
+                if record is not None and record is not _UNMEMOIZABLE:
+                    self.hits += 1
+                    return _replay(record)
+        if key is None or record is _UNMEMOIZABLE:
             return func(*args, **kwargs)
-        key = (func, _signature(args), _signature(kwargs), torch.get_default_dtype())
-        record = self.records.get(key)
-        if record is _UNMEMOIZABLE:
-            return func(*args, **kwargs)
-        if record is not None:
-            self.hits += 1
-            return _replay(record)
         self.misses += 1
-        out = func(*args, **kwargs)
-        if len(self.records) >= self.max_entries:
-            self.records.clear()
-        self.records[key] = self._record(out, tensors)
+        out = func(*args, **kwargs)  # the kernel as before: its own Python (a decomposition) sees the modes
+        with torch._C.DisableTorchFunction():
+            if len(self.records) >= self.max_entries:
+                self.records.clear()
+            self.records[key] = self._record(out, tensors)
         return out
 
     def _record(self, out: Any, inputs: list[torch.Tensor]) -> Any:
@@ -425,11 +428,12 @@ class StorageTracker(TorchDispatchMode):
             out = META_MEMO(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
-        for t in tensors_in(out):
-            self.track(t)
-        rule = self._rules.get(func)
-        if rule is not None:
-            self.transient(rule(args, kwargs))
+        with torch._C.DisableTorchFunction():  # bookkeeping: its reads of metadata skip the torch-function modes
+            for t in tensors_in(out):
+                self.track(t)
+            rule = self._rules.get(func)
+            if rule is not None:
+                self.transient(rule(args, kwargs))
         return out
 
 
