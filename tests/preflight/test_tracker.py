@@ -76,8 +76,8 @@ def test_records_are_cleared_past_the_cap() -> None:
 
 def test_a_traced_step_and_its_cost_are_the_same_without_the_memo(monkeypatch) -> None:
     """A bf16 UNet step's trace on meta (every allocation and free, in order, and the phases' peaks), its predicted
-    memory (every field but the seconds the trace took) and its FLOPs and operator counts: with the memo as the traces use it (twice: the second run replays
-    every op) and with a memo that never replays."""
+    memory (every field but the seconds the trace took) and its FLOPs and operator counts: with the memo as the
+    traces use it (twice: the second run replays every op) and with a memo that never replays."""
 
     def build() -> DiffusionModelUNet:
         return DiffusionModelUNet(spatial_dims=3, in_channels=2, out_channels=1, channels=(16, 32),
