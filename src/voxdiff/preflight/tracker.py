@@ -144,17 +144,18 @@ class MetaMemo:
         the kernel runs, so that mode sees the op."""
         if not self.enabled or not self.functional(func) or torch._C._len_torch_dispatch_stack():
             return func(*args, **kwargs)
+        key = None
         with torch._C.DisableTorchFunction():  # the memo's own reads of metadata: not through the traced world's
             tensors = tensors_in((args, kwargs))  # torch-function modes (the autocast emulator counts every call)
-            if not tensors or not all(self._plain_meta(t) for t in tensors):
-                key = record = None
-            else:
+            if tensors and all(self._plain_meta(t) for t in tensors):
                 key = (func, _signature(args), _signature(kwargs), torch.get_default_dtype())
                 record = self.records.get(key)
-                if record is not None and record is not _UNMEMOIZABLE:
+                if record is _UNMEMOIZABLE:
+                    key = None
+                elif record is not None:
                     self.hits += 1
                     return _replay(record)
-        if key is None or record is _UNMEMOIZABLE:
+        if key is None:  # not replayable: the kernel, outside the block above
             return func(*args, **kwargs)
         self.misses += 1
         out = func(*args, **kwargs)  # the kernel as before: its own Python (a decomposition) sees the modes
