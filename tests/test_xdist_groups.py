@@ -51,4 +51,6 @@ def test_the_slurm_group_runs_on_one_worker_and_the_rest_on_both(tmp_path):
     slurm = (tmp_path / "slurm.txt").read_text().split()
     other = (tmp_path / "other.txt").read_text().split()
     assert len(slurm) == 8 and len(set(slurm)) == 1, slurm  # both modules' Slurm tests, on one worker
-    assert len(other) == 8 and set(other) == {"gw0", "gw1"}, other  # the rest on both: the run had two workers
+    # the run had two workers. Not "the rest ran on both": while one worker holds the Slurm group the other may
+    # take all of the rest, as it did once on a loaded machine (8 of 8 on gw0 while gw1 ran the group)
+    assert len(other) == 8 and set(slurm) | set(other) == {"gw0", "gw1"}, (slurm, other)
