@@ -55,6 +55,31 @@ def test_mid_planes_orientation():
     assert planes["sagittal"].shape == (w, h) and planes["sagittal"][11, 9] == 1.0
 
 
+def test_the_montage_draws_each_plane_upright_with_the_subject_s_right_on_the_right(tmp_path):
+    """In the PNG, each row's panel shows its plane as :func:`mid_planes` orients it: a bright block at the
+    subject's right, anterior and superior (high indices of axes 0, 1 and 2) lands in the upper right of the axial
+    and coronal panels (right; anterior / superior up) and the upper right of the sagittal one (anterior; superior
+    up); the planes cut through the block. The panels are found as the grey bands of the picture, right of the plane
+    names."""
+    d, h, w = 30, 36, 42
+    volume = np.full((d, h, w), 0.4, np.float32)
+    volume[20:, 26:, 30:] = 1.0  # right, anterior, superior
+    path = save_montage(tmp_path / "m.png", {" ": volume}, centre=(25, 30, 35))
+    grey = mpimg.imread(str(path))[..., 0]
+    grey = grey[:, 60:]  # right of the plane names (0.5 inch at 100 dpi)
+    rows = np.flatnonzero((grey > 0.2).any(axis=1))
+    bands = np.split(rows, np.flatnonzero(np.diff(rows) > 1) + 1)  # the three panels, top to bottom
+    assert len(bands) == 3
+    for band, plane in zip(bands, ("axial", "coronal", "sagittal"), strict=True):
+        panel = grey[band[0] : band[-1] + 1]
+        panel = panel[:, (panel > 0.2).any(axis=0)]
+        bright = np.argwhere(panel > 0.9)
+        assert bright.size, plane
+        up = bright[:, 0].mean() / panel.shape[0]
+        right = bright[:, 1].mean() / panel.shape[1]
+        assert up < 0.5 and right > 0.5, (plane, up, right)  # the upper right quarter
+
+
 def test_the_planes_pass_through_the_largest_lesion():
     """A sample's montage cuts through its mask's largest lesion, wherever it is, not through the middle."""
     mask = np.zeros((20, 24, 28), np.float32)
