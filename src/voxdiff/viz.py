@@ -139,9 +139,9 @@ def save_montage(
     for j, p in enumerate(planes.values()):
         for i, plane in enumerate(PLANES):
             panel = np.clip(p[plane][::-1], 0.0, 1.0)  # rows top to bottom: the planes are oriented for origin "lower"
-            top = int(y0[i]) + (row_h[i] - panel.shape[0]) // 2
-            left = int(x0[j]) + (col_w[j] - panel.shape[1]) // 2
-            canvas[top : top + panel.shape[0], left : left + panel.shape[1]] = panel
+            r = int(y0[i]) + (row_h[i] - panel.shape[0]) // 2  # the panel's first row and column in the canvas
+            c = int(x0[j]) + (col_w[j] - panel.shape[1]) // 2
+            canvas[r : r + panel.shape[0], c : c + panel.shape[1]] = panel
     scale = 3.0 / max(max(col_w), max(row_h))  # inches per voxel: the largest panel is about 3 inches
     height, width = canvas.shape
     fig_w = width * scale + 0.6
