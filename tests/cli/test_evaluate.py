@@ -222,13 +222,13 @@ def test_a_mask_model_is_evaluated_on_its_lesions_and_their_nearest_training_mas
     saved = json.loads((tmp_path / "metrics.json").read_text())
     figures = saved["figures"]
     lesions = {f"lesion_{k}_{of}" for k in ("count", "load", "size", "outside_head") for of in ("generated", "real")}
-    denoising = {"denoised_dice_t05", "denoised_dice_t20", "denoised_dice_t50"}
+    denoising = {"denoised_dice_t01", "denoised_dice_t05", "denoised_dice_t20", "denoised_dice_t50"}
     assert set(figures) == {"diversity_ms_ssim_generated", "diversity_ms_ssim_real", "mmd_histogram",
                             "frechet_random_resnet10", "nearest_training_generated",
                             "nearest_training_real", "nearest_training_copies", *lesions, *denoising}
     # the demo's mask weight (20) is undone as the model samples and as it denoises the real masks
     assert saved["sampling"]["mask_weight_undone"] == 20.0
-    for name in denoising:  # each real mask (the phantom's all have lesions) shown at 5, 20 and 50% noise
+    for name in denoising:  # each real mask (the phantom's all have lesions) shown at 1, 5, 20 and 50% noise
         assert len(figures[name]["per_mask"]) == len(saved["real_subjects"]) == figures[name]["n"]
         assert 0 <= figures[name]["value"] <= 1
         assert figures[name]["lesion_load_ratio"] >= 0
@@ -795,3 +795,31 @@ def test_a_mask_model_is_denoised_at_its_subjects_own_covariates_else_at_those_a
     out, why = _denoised(cfg, system, sampler, real, "cpu", precision, {}, {})
     assert out is None and "covariates.age" in why and "none was denoised" in why
     assert _denoised(cfg, SimpleNamespace(mode="bravo"), sampler, real, "cpu", precision, table, {}) == (None, None)
+
+
+def test_a_denoising_fraction_added_at_the_end_leaves_the_others_noise_as_it_was(monkeypatch):
+    """Each fraction of DENOISE_AT is noised from a seed of its place in the tuple, so the 1% added in session 46
+    (at the end) leaves the 5, 20 and 50% figures that earlier evaluations reported drawn from the same noise; the
+    fractions come out in the order of the noise, as the report lists them."""
+    from types import SimpleNamespace
+
+    import torch
+    import voxdiff.cli.evaluate as E
+    from voxdiff.evaluation.pipeline import DEFINITIONS, VolumeSet
+    from voxdiff.step.sampling import SamplerChoice
+
+    def denoised(batch, fraction, generator, covariates=None, unweight=True):  # the noise it was given, as a mask
+        return (torch.rand(batch["mask"].shape, generator=generator) > 0.5).float()
+
+    system = SimpleNamespace(mode="seg", covariate_encoding=None, step=SimpleNamespace(denoised=denoised))
+    real = VolumeSet(torch.zeros(2, 1, 3, 3, 3), torch.zeros(2, 1, 3, 3, 3), torch.eye(4).expand(2, 4, 4), ["a", "b"])
+    cfg = OmegaConf.create({"batch_size": 1, "seed": 3})
+    args = (SamplerChoice("Euler", 2, 0.0, 1.0), real, "cpu", SimpleNamespace(autocast=contextlib.nullcontext), {}, {})
+    now, _ = E._denoised(cfg, system, *args)
+    monkeypatch.setattr(E, "DENOISE_AT", (0.05, 0.2, 0.5))  # before session 46
+    before, _ = E._denoised(cfg, system, *args)
+    assert list(now) == [0.01, 0.05, 0.2, 0.5]
+    assert all(torch.equal(now[f], before[f]) for f in before)
+    assert not torch.equal(now[0.01], now[0.05]) and not torch.equal(now[0.05], now[0.2])
+    names = [n for n in DEFINITIONS if n.startswith("denoised_dice_t")]
+    assert names == ["denoised_dice_t01", "denoised_dice_t05", "denoised_dice_t20", "denoised_dice_t50"]

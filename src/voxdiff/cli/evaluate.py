@@ -587,7 +587,7 @@ def _denoised(cfg: DictConfig, system: Any, sampler: Any, real: Any, device: Any
             return None, f"the real masks' own covariates are not all known ({e}), so none was denoised"
     covariates = covariate_vectors(encoding, rows)
     chunk, out = int(cfg.batch_size), {}
-    for k, fraction in enumerate(DENOISE_AT):
+    for k, fraction in sorted(enumerate(DENOISE_AT), key=lambda kf: kf[1]):  # k seeds it, the noise orders it
         generator = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1_000_003 + 7_919 * (k + 1))
         parts = []
         for i in range(0, len(real), chunk):
