@@ -181,3 +181,76 @@ def test_the_x0_an_output_predicts(kind):
         x = flow.add_noise(x0, noise, torch.full((2,), t))
         torch.testing.assert_close(flow.to_x0(x0 - noise if kind == "velocity" else x0, x, t), x0)
     assert (flow.timestep_at(0.05), flow.timestep_at(2.0)) == (50.0, 1000.0)
+
+
+def test_preconditioned_x_prediction_makes_a_zero_output_the_exact_denoiser_of_data_of_its_rms() -> None:
+    """With ``sigma_data`` (EDM's preconditioning), x̂₀ = c_skip·x_t + c_out·F, and c_skip·x_t is E[x₀ | x_t] for
+    Gaussian data of RMS sigma_data: a UNet returning 0 is then the exact denoiser. Its x̂₀ is the identity near the
+    data (where a plain x-predicting UNet returning 0 predicts 0) and sampling with it draws the data's spread."""
+    sd = 0.5
+    p = RectifiedFlow(diffusion_settings({"process": "rflow", "prediction_type": "sample", "sigma_data": sd,
+                                          "timestep_transform": False}))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 1, 4, 4, 4, generator=g)
+    zero = torch.zeros_like(x)
+    for t in (5.0, 300.0, 1000.0):
+        torch.testing.assert_close(p.to_x0(zero, x, t), _exact_gaussian("sample", sd)(x, torch.full((2,), t)))
+    x0 = torch.randn(2, 1, 4, 4, 4, generator=g)
+    near = p.add_noise(x0, torch.randn(x0.shape, generator=g), torch.full((2,), 5.0))  # 0.5% of the path
+    assert float((p.to_x0(zero, near, 5.0) - x0).abs().max()) < 0.05 * float(x0.abs().max())
+    plain_x = RectifiedFlow(RFlowSettings(prediction_type="sample"))
+    assert torch.equal(plain_x.to_x0(zero, near, 5.0), zero)
+    out = p.sample(lambda x, timesteps: torch.zeros_like(x), (2, 1, 16, 16, 16), num_inference_steps=500,
+                   generator=torch.Generator().manual_seed(0))
+    assert float(out.std()) == pytest.approx(sd, rel=0.02)
+
+
+@pytest.mark.parametrize("sd", [(1.0,), (2.8, 0.02)], ids=["one RMS", "one per channel"])
+def test_the_preconditioned_target_has_unit_rms_and_the_loss_stays_the_velocity_mse(sd) -> None:
+    """c_skip → 1 and c_out → 0 near the data, (0, sigma_data) at pure noise; the UNet's target (x₀ − c_skip·x_t)/c_out
+    has unit RMS in each channel at every noise level for data of those RMSs (a Haar encoding's bands differ by 100×);
+    and the loss of any output is the MSE of the velocity (x̂₀ − x_t)/s it implies against x₀ − ε, finite at t = 0."""
+    from voxdiff.diffusion.rflow import skip_coefficients
+
+    c_skip, c_out = skip_coefficients(torch.tensor([0.0, 0.5, 1.0]), sd, 2)  # (3, 2, 1, 1, 1)
+    torch.testing.assert_close(c_skip[0].flatten(), torch.ones(2), atol=2e-3, rtol=0)
+    torch.testing.assert_close(c_out[0].flatten(), torch.zeros(2), atol=3e-3, rtol=0)
+    assert c_skip[2].flatten().tolist() == [0.0, 0.0]
+    torch.testing.assert_close(c_out[2].flatten(), torch.tensor(sd).expand(2))
+    g = torch.Generator().manual_seed(2)
+    x0 = torch.randn(4, 2, 16, 16, 16, generator=g) * torch.tensor(sd).expand(2).view(1, 2, 1, 1, 1)
+    noise = torch.randn(4, 2, 16, 16, 16, generator=g)
+    p = RectifiedFlow(diffusion_settings({"process": "rflow", "prediction_type": "sample", "sigma_data": list(sd)}))
+    t = torch.tensor([10.0, 300.0, 700.0, 999.0])
+    skip, out = skip_coefficients(t / 1000, sd, 2)
+    x_t = p.add_noise(x0, noise, t)
+    target = (x0 - skip * x_t) / out
+    torch.testing.assert_close(target.pow(2).mean(dim=(2, 3, 4)).sqrt(), torch.ones(4, 2), atol=0.05, rtol=0)
+    f = torch.randn(x0.shape, generator=g)
+    loss, stats = p.loss(lambda x, timesteps: f, x0, timesteps=t, noise=noise)
+    s = (t / 1000).view(-1, 1, 1, 1, 1)
+    velocity_mse = (((skip * x_t + out * f - x_t) / s - (x0 - noise)) ** 2).mean()
+    torch.testing.assert_close(loss, velocity_mse, rtol=1e-4, atol=0)
+    torch.testing.assert_close(stats["mse"], velocity_mse, rtol=1e-4, atol=0)
+    at_zero, _ = p.loss(lambda x, timesteps: f, x0, timesteps=torch.zeros(4), noise=noise)
+    assert torch.isfinite(at_zero)
+
+
+@pytest.mark.parametrize(("values", "says"), [
+    ({"sigma_data": 1.0}, "prediction_type=sample"),  # the default velocity prediction
+    ({"prediction_type": "sample", "sigma_data": 0}, "in (0, 100]"),
+    ({"prediction_type": "sample", "sigma_data": "one"}, "in (0, 100]"),
+    ({"prediction_type": "sample", "sigma_data": [1.0, -0.1]}, "=-0.1"),
+    ({"prediction_type": "sample", "sigma_data": []}, "one per encoding channel"),
+])
+def test_a_preconditioning_that_cannot_work_is_refused_naming_the_key(values, says) -> None:
+    with pytest.raises(ConfigError, match="diffusion.sigma_data") as e:
+        diffusion_settings({"process": "rflow", **values})
+    assert says in str(e.value)
+
+
+def test_one_rms_per_channel_must_match_the_encodings_channels() -> None:
+    p = RectifiedFlow(diffusion_settings({"process": "rflow", "prediction_type": "sample", "sigma_data": [1, 1, 1]}))
+    x0 = torch.zeros(1, 2, 4, 4, 4)
+    with pytest.raises(ValueError, match="3 values for an encoding of 2 channels"):
+        p.loss(lambda x, timesteps: x, x0, timesteps=torch.tensor([500.0]))

@@ -228,3 +228,13 @@ def test_a_value_two_checks_refuse_is_named_once():
                           ("trainer.gradient_clip_algorithm=foo", "trainer.gradient_clip_algorithm")):
         _, problems = run_spec_problems(compose("train", ["experiment=demo", override]))
         assert [p.key for p in problems] == [key]
+
+
+def test_one_rms_per_channel_that_is_not_the_encodings_channels_is_refused_before_launch():
+    """diffusion.sigma_data holds one RMS or one per channel the UNet predicts (the demo's Haar encoding: 8)."""
+    base = ["experiment=demo_seg"]
+    _, problems = run_spec_problems(compose("train", [*base, "diffusion.sigma_data=[2.8,0.03,0.03]"]))
+    assert [p.key for p in problems] == ["diffusion.sigma_data"]
+    assert "3 values and the UNet predicts 8 channels" in str(problems[0]) and "or 8 (one per channel" in str(problems[0])
+    for fine in ("diffusion.sigma_data=1", "diffusion.sigma_data=[2.8,0.03,0.03,0.01,0.03,0.01,0.01,0.01]"):
+        assert run_spec_problems(compose("train", [*base, fine]))[1] == []

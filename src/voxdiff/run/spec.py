@@ -632,6 +632,8 @@ def _system_part(cfg: DictConfig, kind: str | None, encoding: Encoding | None, d
                 "diffusion.mask_weight=0"))
         if recipe is not None:
             collect(lambda: check_mask_sdf(recipe.diffusion, mode, encoding))
+            if encoding is not None:
+                collect(lambda: check_sigma_data(recipe.diffusion, unet_io_channels(encoding, mode)[1]))
         val_timesteps = select(cfg, "system.val_timesteps", 4)
         drop = recipe.guidance.drop_prob if recipe is not None and recipe.guidance is not None else 0.0
         sampling = collect(lambda: sampling_settings(select(cfg, "system.sampling"), val_timesteps, mode, drop))
@@ -668,6 +670,20 @@ def check_mask_sdf(diffusion: Any, mode: str, encoding: Encoding | None) -> None
         raise ConfigError("diffusion.mask_sdf_scale", scale, "a learned encoding (VQ-VAE) was trained on binary masks "
                           "and its latents are cached from them", "set diffusion.mask_sdf_scale=null, or train the "
                           "mask model on a weight-free encoding (encoding=haar, s2d or identity)")
+
+
+def check_sigma_data(diffusion: Any, channels: int) -> None:
+    """``diffusion.sigma_data`` (rectified flow's preconditioning) holds one RMS, or one per channel of what the UNet
+    predicts (``channels``, the encoding's).
+
+    Raises:
+        ConfigError: naming the key, the value and a fix.
+    """
+    sigma = getattr(diffusion, "sigma_data", None)
+    if sigma is not None and len(sigma) not in (1, channels):
+        raise ConfigError("diffusion.sigma_data", list(sigma), f"has {len(sigma)} values and the UNet predicts "
+                          f"{channels} channels of the encoding", f"give one RMS, or {channels} (one per channel, "
+                          "in the encoding's order), or null")
 
 
 def check_guide_snapshot(cfg: DictConfig, sampling: SamplingSettings) -> None:
