@@ -245,3 +245,25 @@ def test_a_distance_map_needs_the_full_size_mask_and_a_weight_free_encoding():
             check_mask_sdf_scale(bad)
     with pytest.raises(ConfigError, match="diffusion.mask_weight=20.*mask_sdf_scale=2"):
         check_mask_sdf_scale(2, mask_weight=20.0)
+
+
+def test_channel_moments_are_each_channels_mean_and_spread_over_every_voxel_of_every_chunk() -> None:
+    """Chunks of different batch sizes give the moments of their concatenation (the spread about the mean, not the
+    RMS: a channel of constant −2.83 has spread 0 and RMS 2.83)."""
+    from voxdiff.diffusion.batch import channel_moments
+
+    g = torch.Generator().manual_seed(5)
+    chunks = [torch.randn(b, 3, 4, 4, 4, generator=g) * torch.tensor([0.1, 1.0, 2.0]).view(1, 3, 1, 1, 1)
+              + torch.tensor([-2.83, 0.0, 5.0]).view(1, 3, 1, 1, 1) for b in (1, 3, 2)]
+    chunks.append(torch.full((1, 3, 4, 4, 4), -2.83))
+    every = torch.cat(chunks).transpose(0, 1).reshape(3, -1).double()
+    moments = channel_moments(iter(chunks))
+    torch.testing.assert_close(torch.tensor(moments["mean"]), every.mean(dim=1).float())
+    torch.testing.assert_close(torch.tensor(moments["spread"]), every.std(dim=1, unbiased=False).float())
+    torch.testing.assert_close(torch.tensor(moments["rms"]), every.pow(2).mean(dim=1).sqrt().float())
+    constant = channel_moments([torch.full((2, 1, 2, 2, 2), -2.83)])
+    assert constant["spread"] == [0.0] and constant["rms"][0] == pytest.approx(2.83)
+    with pytest.raises(ValueError, match="an encoding of 2 channels after ones of 3"):
+        channel_moments([chunks[0], torch.zeros(1, 2, 4, 4, 4)])
+    with pytest.raises(ValueError, match="no encodings"):
+        channel_moments([])

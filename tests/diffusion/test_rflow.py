@@ -249,8 +249,111 @@ def test_a_preconditioning_that_cannot_work_is_refused_naming_the_key(values, sa
     assert says in str(e.value)
 
 
+def test_a_centred_preconditioning_makes_a_zero_output_the_exact_denoiser_of_data_of_that_mean_and_spread() -> None:
+    """With ``data_mean`` μ the skip acts on the centred path x_t − (1 − s)·μ: for Gaussian data N(μ, σ²) per channel
+    a UNet returning 0 is the exact denoiser μ + c_skip·(x_t − (1 − s)·μ), and sampling with it draws the data's mean
+    and spread in each channel. Without the mean (EDM's coefficients alone) the same zero output pulls x̂₀ towards 0,
+    so its samples have a mean of 0, not μ."""
+    mean, sd = (-2.8, 0.5), (0.2, 0.05)
+    settings = {"process": "rflow", "prediction_type": "sample", "timestep_transform": False, "sigma_data": list(sd)}
+    p = RectifiedFlow(diffusion_settings({**settings, "data_mean": list(mean)}))
+    mu, sigma = torch.tensor(mean).view(1, 2, 1, 1, 1), torch.tensor(sd).view(1, 2, 1, 1, 1)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 2, 4, 4, 4, generator=g)
+    zero = torch.zeros_like(x)
+    for t in (5.0, 300.0, 1000.0):
+        s = t / 1000
+        exact = mu + (1 - s) * sigma ** 2 / ((1 - s) ** 2 * sigma ** 2 + s ** 2) * (x - (1 - s) * mu)
+        torch.testing.assert_close(p.to_x0(zero, x, t), exact)
+    out = p.sample(lambda x, timesteps: torch.zeros_like(x), (2, 2, 16, 16, 16), num_inference_steps=500,
+                   generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(out.mean(dim=(0, 2, 3, 4)), torch.tensor(mean), atol=0.02, rtol=0)
+    torch.testing.assert_close(out.std(dim=(0, 2, 3, 4)), torch.tensor(sd), atol=0, rtol=0.03)
+    uncentred = RectifiedFlow(diffusion_settings(settings)).sample(
+        lambda x, timesteps: torch.zeros_like(x), (2, 2, 16, 16, 16), num_inference_steps=500,
+        generator=torch.Generator().manual_seed(0))
+    assert float(uncentred[:, 0].mean().abs()) < 0.05
+
+
+def test_the_centred_target_has_unit_rms_and_a_zero_mean_changes_nothing() -> None:
+    """For data of mean μ and spread σ per channel (a Haar mask's LL band: −2.83 with a spread of a tenth), the UNet's
+    target (x₀ − μ − c_skip·(x_t − (1 − s)·μ))/c_out has unit RMS at every noise level, where uncentred it grows
+    to |μ|/σ; the loss is still the velocity's MSE; and ``data_mean`` 0 gives the loss of no ``data_mean``, bit for
+    bit."""
+    from voxdiff.diffusion.rflow import skip_coefficients
+
+    mean, sd = torch.tensor([-2.83, 0.0]).view(1, 2, 1, 1, 1), (0.1, 0.03)
+    g = torch.Generator().manual_seed(4)
+    x0 = mean + torch.randn(4, 2, 16, 16, 16, generator=g) * torch.tensor(sd).view(1, 2, 1, 1, 1)
+    noise = torch.randn(x0.shape, generator=g)
+    settings = {"process": "rflow", "prediction_type": "sample", "sigma_data": list(sd)}
+    p = RectifiedFlow(diffusion_settings({**settings, "data_mean": [-2.83, 0.0]}))
+    t = torch.tensor([10.0, 300.0, 700.0, 999.0])
+    s = (t / 1000).view(-1, 1, 1, 1, 1)
+    skip, out = skip_coefficients(t / 1000, sd, 2)
+    x_t = p.add_noise(x0, noise, t)
+    target = (x0 - mean - skip * (x_t - (1 - s) * mean)) / out
+    torch.testing.assert_close(target.pow(2).mean(dim=(2, 3, 4)).sqrt(), torch.ones(4, 2), atol=0.05, rtol=0)
+    uncentred = (x0 - skip * x_t) / out
+    assert float(uncentred[:, 0].pow(2).mean().sqrt()) > 10
+    f = torch.randn(x0.shape, generator=g)
+    loss, stats = p.loss(lambda x, timesteps: f, x0, timesteps=t, noise=noise)
+    velocity_mses = [((p.to_x0(f[i:i + 1], x_t[i:i + 1], float(t[i])) - x_t[i:i + 1]) / float(s[i])
+                      - (x0[i:i + 1] - noise[i:i + 1])).pow(2).mean() for i in range(4)]  # (x̂₀ − x_t)/s − v
+    torch.testing.assert_close(loss, torch.stack(velocity_mses).mean(), rtol=1e-4, atol=0)
+    torch.testing.assert_close(stats["mse"], loss, rtol=1e-4, atol=0)
+    plain_loss, _ = RectifiedFlow(diffusion_settings(settings)).loss(lambda x, timesteps: f, x0, timesteps=t,
+                                                                    noise=noise)
+    zero_loss, _ = RectifiedFlow(diffusion_settings({**settings, "data_mean": 0})).loss(
+        lambda x, timesteps: f, x0, timesteps=t, noise=noise)
+    assert torch.equal(zero_loss, plain_loss)
+
+
+@pytest.mark.parametrize(("values", "says"), [
+    ({"prediction_type": "sample", "data_mean": -2.8}, "diffusion.sigma_data is null"),
+    ({"prediction_type": "sample", "sigma_data": 0.1, "data_mean": "low"}, "in [-100, 100]"),
+    ({"prediction_type": "sample", "sigma_data": 0.1, "data_mean": [0.0, 1e9]}, "=1000000000"),
+    ({"prediction_type": "sample", "sigma_data": 0.1, "data_mean": []}, "one per encoding channel"),
+])
+def test_a_data_mean_that_cannot_work_is_refused_naming_the_key(values, says) -> None:
+    with pytest.raises(ConfigError, match="diffusion.data_mean") as e:
+        diffusion_settings({"process": "rflow", **values})
+    assert says in str(e.value)
+
+
 def test_one_rms_per_channel_must_match_the_encodings_channels() -> None:
     p = RectifiedFlow(diffusion_settings({"process": "rflow", "prediction_type": "sample", "sigma_data": [1, 1, 1]}))
     x0 = torch.zeros(1, 2, 4, 4, 4)
     with pytest.raises(ValueError, match="3 values for an encoding of 2 channels"):
         p.loss(lambda x, timesteps: x, x0, timesteps=torch.tensor([500.0]))
+    centred = RectifiedFlow(diffusion_settings({"process": "rflow", "prediction_type": "sample", "sigma_data": 1,
+                                                "data_mean": [0, 0, 0]}))
+    with pytest.raises(ValueError, match="diffusion.data_mean has 3 values for an encoding of 2 channels"):
+        centred.to_x0(x0, x0, 500.0)
+
+
+def test_encoding_stats_prints_a_centred_preconditioning_the_run_accepts(capsys) -> None:
+    """``scripts/encoding_stats.py`` measures the demo mask model's Haar distance maps over its training split: the
+    low-pass band is the background's −1·√8 with lesions a few per cent of it (spread ≪ RMS), the detail bands have
+    mean ≈ 0 (spread = RMS); the line it prints composes to a run the spec accepts, and that run's process is
+    centred with those values."""
+    from script_modules import load_script
+
+    from voxdiff.config import compose
+    from voxdiff.run.spec import run_spec_problems
+
+    script = load_script("scripts/encoding_stats.py")
+    base = ["experiment=demo_seg", "data.num_subjects=6"]
+    moments = script.measure(base)
+    assert len(moments["mean"]) == 8
+    assert -2.83 < moments["mean"][0] < -2.6 and moments["spread"][0] < 0.2 * moments["rms"][0]
+    assert all(abs(m) < 0.2 * r for m, r in zip(moments["mean"][1:], moments["rms"][1:]))
+    script.main(base)
+    line = capsys.readouterr().out.splitlines()[-1]
+    overrides = [part.strip("'") for part in line.split(": ", 1)[1].split()]
+    assert [o.split("=")[0] for o in overrides] == ["diffusion.data_mean", "diffusion.sigma_data"]
+    spec, problems = run_spec_problems(compose("train", [*base, *overrides]))
+    assert problems == []
+    settings = spec.system.recipe.diffusion
+    assert settings.data_mean[0] == pytest.approx(moments["mean"][0], rel=1e-3)
+    assert settings.sigma_data[3] == pytest.approx(moments["spread"][3], rel=1e-3)

@@ -238,3 +238,8 @@ def test_one_rms_per_channel_that_is_not_the_encodings_channels_is_refused_befor
     assert "3 values and the UNet predicts 8 channels" in str(problems[0]) and "or 8 (one per channel" in str(problems[0])
     for fine in ("diffusion.sigma_data=1", "diffusion.sigma_data=[2.8,0.03,0.03,0.01,0.03,0.01,0.01,0.01]"):
         assert run_spec_problems(compose("train", [*base, fine]))[1] == []
+    _, problems = run_spec_problems(compose("train", [*base, "diffusion.sigma_data=0.1", "diffusion.data_mean=[-2.8,0]"]))
+    assert [p.key for p in problems] == ["diffusion.data_mean"]
+    assert "2 values and the UNet predicts 8 channels" in str(problems[0]) and "give one mean" in str(problems[0])
+    centred = ["diffusion.sigma_data=0.1", "diffusion.data_mean=[-2.83,0,0,0,0,0,0,0]"]
+    assert run_spec_problems(compose("train", [*base, *centred]))[1] == []

@@ -16,7 +16,7 @@ encoding alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -146,6 +146,33 @@ def encode_batch(
                          f"{type(encoding).__name__}: set diffusion.mask_sdf_scale=null")
     with torch.no_grad():
         return encoding.encode(mask_distance_map(batch["mask"].float(), mask_sdf_scale)).float(), None
+
+
+def channel_moments(encodings: Iterable[torch.Tensor]) -> dict[str, list[float]]:
+    """Each channel's ``mean``, ``spread`` (the standard deviation about that mean) and ``rms`` over every voxel of
+    ``encodings``, ``(B, C, d, h, w)`` tensors of one ``C`` (what :func:`encode_batch` makes of a data set), summed in
+    float64: the values ``diffusion.data_mean`` and ``diffusion.sigma_data`` take (``scripts/encoding_stats.py``).
+
+    Raises:
+        ValueError: no encodings, or two of different channel counts.
+    """
+    total = squares = None
+    count = 0
+    for z in encodings:
+        z = z.detach().double()
+        per = reduce(z, "b c ... -> c", "sum"), reduce(z * z, "b c ... -> c", "sum")
+        if total is None:
+            total, squares = per
+        elif per[0].shape != total.shape:
+            raise ValueError(f"an encoding of {per[0].numel()} channels after ones of {total.numel()}")
+        else:
+            total, squares = total + per[0], squares + per[1]
+        count += z[:, 0].numel()
+    if total is None:
+        raise ValueError("no encodings to measure")
+    mean, mean_square = total / count, squares / count
+    spread = (mean_square - mean * mean).clamp(min=0).sqrt()
+    return {"mean": mean.tolist(), "spread": spread.tolist(), "rms": mean_square.sqrt().tolist()}
 
 
 def model_input(x_t: torch.Tensor, cond: torch.Tensor | None) -> torch.Tensor:

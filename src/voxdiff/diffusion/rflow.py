@@ -27,6 +27,15 @@ level, and at the demo's budget a mask model shown a mask at 0.5% noise loses a 
 voxels (``docs/demo_recipe.md``); the skip makes returning what it is shown the default. The loss is still the
 velocity's MSE, now ``(c_out/s)²·‖F − F*‖²`` (``c_out/s = σ_d/n``, bounded: no clip needed).
 
+EDM's coefficients are those of data of mean 0. ``data_mean`` (``μ``, one or one per channel) centres the path
+first: ``x_t − (1 − s)·μ = (1 − s)·(x₀ − μ) + s·ε`` is the same path for the centred data, so::
+
+    x̂₀ = μ + c_skip(s)·(x_t − (1 − s)·μ) + c_out(s)·F
+
+with ``σ_d`` then the data's spread about ``μ``. A Haar mask's low-pass band is a constant −2.83 (the background)
+with lesions a few hundredths of its RMS: uncentred, its ``σ_d`` is either that RMS (the skip passes the noise over
+most of the path) or small (``F`` must output the background at ``−2.83/σ_d``).
+
 Training timesteps are drawn uniformly or logit-normally (Esser et al. 2024, "Scaling Rectified Flow
 Transformers"), rounded to MONAI's discrete grid, then — with ``timestep_transform`` — shifted by MONAI's
 resolution-dependent transform towards the noisy end for encodings with more voxels than ``base_numel`` (a volume
@@ -93,6 +102,8 @@ class RFlowSettings:
     # x-prediction preconditioned as EDM's with this data RMS, one for all channels or one per channel (None: the
     # output is x̂₀ itself)
     sigma_data: tuple[float, ...] | None = None
+    # with sigma_data: the encodings' mean, one or one per channel, taken out before the preconditioning (None: 0)
+    data_mean: tuple[float, ...] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,10 +132,11 @@ def rflow_settings(cfg: Mapping[str, Any] | None = None, **overrides: Any) -> RF
                           "rectified flow's UNet predicts the velocity x0 − noise or the clean encoding x0",
                           "use diffusion.prediction_type=velocity or sample, or diffusion=ddpm for epsilon or "
                           "v_prediction")
-    if isinstance(values.get("sigma_data"), (list, tuple)):  # per channel; a number: one for all
-        values["sigma_data"] = tuple(values["sigma_data"])
-    elif values.get("sigma_data") is not None:
-        values["sigma_data"] = (values["sigma_data"],)
+    for key in ("sigma_data", "data_mean"):
+        if isinstance(values.get(key), (list, tuple)):  # per channel; a number: one for all
+            values[key] = tuple(values[key])
+        elif values.get(key) is not None:
+            values[key] = (values[key],)
     s = RFlowSettings(**values)
     one_of("diffusion.process", s.process, ("rflow",))
     t = integer("diffusion.num_train_timesteps", s.num_train_timesteps, minimum=1, example=1000)
@@ -154,6 +166,17 @@ def rflow_settings(cfg: Mapping[str, Any] | None = None, **overrides: Any) -> RF
                               f"(prediction_type=sample); with prediction_type={s.prediction_type} the velocity "
                               "already carries x_t through the step", "set diffusion.prediction_type=sample, or "
                               "diffusion.sigma_data=null")
+    if s.data_mean is not None:
+        shown = s.data_mean[0] if len(s.data_mean) == 1 else list(s.data_mean)
+        if s.sigma_data is None:
+            raise ConfigError("diffusion.data_mean", shown, "centres EDM's preconditioning, and "
+                              "diffusion.sigma_data is null", "set diffusion.sigma_data to the encodings' spread "
+                              "about this mean (and diffusion.prediction_type=sample), or diffusion.data_mean=null")
+        if not s.data_mean:
+            raise ConfigError("diffusion.data_mean", [], "is empty", "give one mean, or one per encoding channel")
+        for value in s.data_mean:
+            number("diffusion.data_mean", value, lo=-100, hi=100,
+                   fix="use the mean of the encodings in model range, one number or one per channel, or null")
     return s
 
 
@@ -166,13 +189,22 @@ def skip_coefficients(s: torch.Tensor, sigma_data: tuple[float, ...], channels: 
     Raises:
         ValueError: ``sigma_data`` has neither 1 nor ``channels`` values.
     """
-    if len(sigma_data) not in (1, channels):
-        raise ValueError(f"diffusion.sigma_data has {len(sigma_data)} values for an encoding of {channels} channels: "
-                         f"give one RMS, or {channels} (one per channel)")
-    sd = torch.tensor(sigma_data, dtype=torch.float32, device=s.device).expand(channels).view(1, channels, 1, 1, 1)
+    sd = per_channel(sigma_data, channels, "sigma_data", s.device)
     s = s.float().clamp(min=SKIP_MIN_S, max=1.0).view(-1, 1, 1, 1, 1)
     norm = ((1 - s) ** 2 * sd ** 2 + s ** 2).sqrt()  # (B, C, 1, 1, 1)
     return (1 - s) * sd ** 2 / norm ** 2, s * sd / norm
+
+
+def per_channel(values: tuple[float, ...], channels: int, key: str, device: torch.device) -> torch.Tensor:
+    """``values`` (one, or one per channel) as a float32 ``(1, channels, 1, 1, 1)`` tensor.
+
+    Raises:
+        ValueError: ``values`` has neither 1 nor ``channels`` entries, naming ``diffusion.<key>``.
+    """
+    if len(values) not in (1, channels):
+        raise ValueError(f"diffusion.{key} has {len(values)} values for an encoding of {channels} channels: "
+                         f"give one, or {channels} (one per channel)")
+    return torch.tensor(values, dtype=torch.float32, device=device).expand(channels).view(1, channels, 1, 1, 1)
 
 
 class RectifiedFlow(nn.Module):
@@ -257,9 +289,11 @@ class RectifiedFlow(nn.Module):
         if self.settings.sigma_data is not None:  # F against its unit-RMS target, weighted to the velocity's MSE
             s = t / self.num_train_timesteps  # (B,)
             c_skip, c_out = skip_coefficients(s, self.settings.sigma_data, x0.shape[1])  # (B, C, 1, 1, 1) each
+            mean = self._mean(x0)  # μ (1, C, 1, 1, 1), 0 without data_mean
+            x0_c, x_t_c = x0 - mean, x_t - (1 - s.view(-1, 1, 1, 1, 1)) * mean  # the centred data and path
             # ‖x̂0 − x0‖²/s² = (c_out/s)²·‖F − F*‖², c_out/s per channel: folded into both sides of the MSE
             gain = c_out / s.clamp(min=SKIP_MIN_S).view(-1, 1, 1, 1, 1)  # (B, C, 1, 1, 1)
-            per_sample, weighted = per_sample_mses(gain * pred, gain * (x0 - c_skip * x_t) / c_out, weights)
+            per_sample, weighted = per_sample_mses(gain * pred, gain * (x0_c - c_skip * x_t_c) / c_out, weights)
         elif self.settings.prediction_type == "sample":  # x̂0: the velocity's error is x̂0's over s
             per_sample, weighted = per_sample_mses(pred, x0, weights)  # (B,), (B,)
             scale = (t / self.num_train_timesteps).clamp(min=X0_MIN_S) ** -2  # (B,)
@@ -268,6 +302,12 @@ class RectifiedFlow(nn.Module):
             per_sample, weighted = per_sample_mses(pred, x0 - noise, weights)  # (B,), (B,)
         loss = weighted.mean()
         return loss, {"mse": per_sample.detach().mean(), "timesteps": t.detach()}
+
+    def _mean(self, x: torch.Tensor) -> torch.Tensor:
+        """The configured ``data_mean`` ``μ`` as ``(1, C, 1, 1, 1)`` for ``x (B, C, d, h, w)``, or a scalar 0 without one."""
+        if self.settings.data_mean is None:
+            return torch.zeros((), device=x.device)
+        return per_channel(self.settings.data_mean, x.shape[1], "data_mean", x.device)
 
     def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """x_t = (1 − t/T)·x₀ + (t/T)·ε (MONAI's ``RFlowScheduler.add_noise``), all ``(B, C, *spatial)``, ``t (B,)``."""
@@ -279,12 +319,15 @@ class RectifiedFlow(nn.Module):
 
     def to_x0(self, out: torch.Tensor, x: torch.Tensor, t: float) -> torch.Tensor:
         """The x₀ that the UNet's output ``out`` predicts for ``x`` at timestep ``t`` (all ``(B, C, d, h, w)``): ``out``
-        itself (``sample``), ``c_skip·x + c_out·out`` (``sample`` with ``sigma_data``: :func:`skip_coefficients`), or
+        itself (``sample``), ``c_skip·x + c_out·out`` (``sample`` with ``sigma_data``: :func:`skip_coefficients`;
+        with ``data_mean`` ``μ``, ``μ + c_skip·(x − (1 − s)·μ) + c_out·out``), or
         ``x + s·v̂`` (``velocity``; ``s = t/T``)."""
         s = t / self.num_train_timesteps
         if self.settings.sigma_data is not None:
-            c_skip, c_out = skip_coefficients(torch.full((1,), s, device=x.device), self.settings.sigma_data, x.shape[1])
-            return c_skip * x + c_out * out
+            at = torch.full((1,), s, device=x.device)
+            c_skip, c_out = skip_coefficients(at, self.settings.sigma_data, x.shape[1])
+            mean = self._mean(x)  # μ, 0 without data_mean
+            return mean + c_skip * (x - (1 - s) * mean) + c_out * out
         return out if self.settings.prediction_type == "sample" else x + s * out
 
     def sampling_timesteps(self, num_inference_steps: int, numel: int | None = None) -> list[float]:

@@ -42,7 +42,8 @@ from voxdiff.run.spec import RunSpec, run_spec, system_spec
 RUNTIME_MODEL_KEYS = ("use_flash_attention", "gradient_checkpointing", "compile", "compile_mode", "compile_backend",
                       "channels_last", "in_channels", "out_channels", "covariate_dim")
 #: diffusion settings that define what the UNet predicts (a key the other process does not have compares as absent)
-PROCESS_KEYS = ("process", "num_train_timesteps", "schedule", "beta_start", "beta_end", "prediction_type", "sigma_data")
+PROCESS_KEYS = ("process", "num_train_timesteps", "schedule", "beta_start", "beta_end", "prediction_type", "sigma_data",
+                "data_mean")
 #: VQ-VAE settings that do not change its weights' shapes
 VQVAE_TRAINING_KEYS = ("use_checkpoint", "commitment_cost", "decay")
 #: config keys not compared: where the run lives, and what derives from it

@@ -673,17 +673,18 @@ def check_mask_sdf(diffusion: Any, mode: str, encoding: Encoding | None) -> None
 
 
 def check_sigma_data(diffusion: Any, channels: int) -> None:
-    """``diffusion.sigma_data`` (rectified flow's preconditioning) holds one RMS, or one per channel of what the UNet
-    predicts (``channels``, the encoding's).
+    """``diffusion.sigma_data`` (rectified flow's preconditioning) holds one RMS, and ``diffusion.data_mean`` one mean,
+    or one per channel of what the UNet predicts (``channels``, the encoding's).
 
     Raises:
         ConfigError: naming the key, the value and a fix.
     """
-    sigma = getattr(diffusion, "sigma_data", None)
-    if sigma is not None and len(sigma) not in (1, channels):
-        raise ConfigError("diffusion.sigma_data", list(sigma), f"has {len(sigma)} values and the UNet predicts "
-                          f"{channels} channels of the encoding", f"give one RMS, or {channels} (one per channel, "
-                          "in the encoding's order), or null")
+    for key, what in (("sigma_data", "RMS"), ("data_mean", "mean")):
+        values = getattr(diffusion, key, None)
+        if values is not None and len(values) not in (1, channels):
+            raise ConfigError(f"diffusion.{key}", list(values), f"has {len(values)} values and the UNet predicts "
+                              f"{channels} channels of the encoding", f"give one {what}, or {channels} (one per "
+                              "channel, in the encoding's order), or null")
 
 
 def check_guide_snapshot(cfg: DictConfig, sampling: SamplingSettings) -> None:
