@@ -35,9 +35,17 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session", autouse=True)
 def compiled_profile_cache(tmp_path_factory):
     """The preflight's cache of compiled-model profiles (voxdiff.preflight.compiled.cache_dir) in a folder of this
-    session, shared by its subprocesses: tests never write into the user's ~/.cache, and trace a model once."""
+    pytest run, shared by its subprocesses and by both pytest-xdist workers (the parent of each worker's base
+    folder; a profile is written atomically, so two workers tracing one model at once both write it whole): tests
+    never write into the user's ~/.cache, and trace a model once a run (a trace of a large UNet takes 20-45 s here;
+    four of them were traced by both workers before)."""
     previous = os.environ.get("VOXDIFF_CACHE_DIR")
-    os.environ["VOXDIFF_CACHE_DIR"] = str(tmp_path_factory.mktemp("voxdiff-cache"))
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # no xdist: this session's own folder
+        folder = tmp_path_factory.mktemp("voxdiff-cache")
+    else:
+        folder = tmp_path_factory.getbasetemp().parent / "voxdiff-cache"
+        folder.mkdir(exist_ok=True)
+    os.environ["VOXDIFF_CACHE_DIR"] = str(folder)
     yield
     if previous is None:
         os.environ.pop("VOXDIFF_CACHE_DIR", None)
